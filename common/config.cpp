@@ -1,0 +1,323 @@
+#include "common/config.h"
+
+#include "common/error.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <type_traits>
+
+namespace keel::common {
+namespace {
+
+[[noreturn]] void fail(const std::string& where, const std::string& what) {
+  throw Error(ErrorCode::kBadConfig, fmt::format("{}: {}", where, what));
+}
+
+template <class T> const char* type_name() {
+  if constexpr (std::is_same_v<T, int64_t>) return "an integer";
+  if constexpr (std::is_same_v<T, double>) return "a number";
+  if constexpr (std::is_same_v<T, bool>) return "true or false";
+  if constexpr (std::is_same_v<T, std::string>) return "a string";
+}
+
+const char* toml_type_name(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    default: return "a date or time";
+  }
+}
+
+// Converts a TOML node to a field's type, or returns false when the types
+// do not fit. Integers are accepted where a float is expected (lr = 1).
+template <class T> bool convert(const toml::node& node, T& out) {
+  if constexpr (std::is_same_v<T, int64_t>) {
+    if (auto v = node.as_integer()) { out = v->get(); return true; }
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (auto v = node.as_floating_point()) { out = v->get(); return true; }
+    if (auto v = node.as_integer()) { out = static_cast<double>(v->get()); return true; }
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (auto v = node.as_boolean()) { out = v->get(); return true; }
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (auto v = node.as_string()) { out = v->get(); return true; }
+  }
+  return false;
+}
+
+std::string join_keys(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "" : ", ") + k;
+  return out;
+}
+
+// Collects the section and field names, for "known keys" hints.
+struct KeyLister {
+  std::vector<std::string> sections;
+  std::map<std::string, std::vector<std::string>> keys;
+  std::string current;
+  template <class S> void section(const char* name, S& s) {
+    sections.emplace_back(name);
+    current = name;
+    s.visit(*this);
+  }
+  template <class T> void operator()(const char* key, T&) { keys[current].emplace_back(key); }
+};
+
+// Reads every known field from a parsed TOML table.
+struct TableReader {
+  TableReader(const toml::table& r, const std::string& s, std::map<std::string, std::string>& o)
+      : root(r), source(s), origins(o) {}
+  const toml::table& root;
+  const std::string& source;
+  std::map<std::string, std::string>& origins;
+  const toml::table* table = nullptr;
+  std::string section_name;
+
+  std::string where(const toml::node& node) const {
+    return fmt::format("{}:{}", source, node.source().begin.line);
+  }
+
+  template <class S> void section(const char* name, S& s) {
+    const toml::node* node = root.get(name);
+    if (node == nullptr) return;
+    if (!node->is_table()) fail(where(*node), fmt::format("[{}] must be a table, not {}", name, toml_type_name(*node)));
+    table = node->as_table();
+    section_name = name;
+    s.visit(*this);
+  }
+
+  template <class T> void operator()(const char* key, T& field) {
+    const toml::node* node = table->get(key);
+    if (node == nullptr) return;
+    if (!convert(*node, field)) {
+      fail(where(*node), fmt::format("[{}] {} must be {}, not {}", section_name, key, type_name<T>(), toml_type_name(*node)));
+    }
+    origins[section_name + "." + key] = where(*node);
+  }
+};
+
+// Applies one --set override to the field it names.
+struct OverrideSetter {
+  std::string section_name, key, value, text;
+  bool found = false;
+  std::string current;
+
+  template <class S> void section(const char* name, S& s) {
+    current = name;
+    if (current == section_name) s.visit(*this);
+  }
+
+  template <class T> void operator()(const char* field_key, T& field) {
+    if (key != field_key) return;
+    found = true;
+    try {
+      toml::table parsed = toml::parse("v = " + value);
+      if (const toml::node* node = parsed.get("v"); node != nullptr && convert(*node, field)) return;
+    } catch (const toml::parse_error&) {
+      // Not a TOML value: only a string field takes the raw text.
+    }
+    if constexpr (std::is_same_v<T, std::string>) {
+      field = value;  // a bare string: --set job.run_dir=/tmp/run
+    } else {
+      fail("--set " + text, fmt::format("{}.{} must be {}", section_name, key, type_name<T>()));
+    }
+  }
+};
+
+struct TomlWriter {
+  toml::table root;
+  toml::table* table = nullptr;
+  template <class S> void section(const char* name, S& s) {
+    root.insert(name, toml::table{});
+    table = root.get(name)->as_table();
+    s.visit(*this);
+  }
+  template <class T> void operator()(const char* key, const T& field) { table->insert(key, field); }
+};
+
+struct JsonWriter {
+  nlohmann::json root = nlohmann::json::object();
+  std::string current;
+  template <class S> void section(const char* name, S& s) {
+    current = name;
+    root[current] = nlohmann::json::object();
+    s.visit(*this);
+  }
+  template <class T> void operator()(const char* key, const T& field) { root[current][key] = field; }
+};
+
+void check_unknown_keys(const toml::table& root, const std::string& source) {
+  Config defaults;
+  KeyLister lister;
+  defaults.visit(lister);
+  for (const auto& [name, node] : root) {
+    std::string section(name.str());
+    auto known = lister.keys.find(section);
+    if (known == lister.keys.end()) {
+      fail(fmt::format("{}:{}", source, node.source().begin.line),
+           fmt::format("unknown section [{}]; known sections: {}", section, join_keys(lister.sections)));
+    }
+    if (!node.is_table()) continue;  // TableReader reports the type error
+    for (const auto& [key_name, value] : *node.as_table()) {
+      std::string key(key_name.str());
+      const auto& keys = known->second;
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        fail(fmt::format("{}:{}", source, value.source().begin.line),
+             fmt::format("unknown key '{}' in [{}]; known keys: {}", key, section, join_keys(keys)));
+      }
+    }
+  }
+}
+
+void apply_override(Config& config, const std::string& text, std::map<std::string, std::string>& origins) {
+  auto eq = text.find('=');
+  auto dot = text.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq) {
+    fail("--set " + text, "expected section.key=value, e.g. --set train.lr=3e-4");
+  }
+  OverrideSetter setter;
+  setter.section_name = text.substr(0, dot);
+  setter.key = text.substr(dot + 1, eq - dot - 1);
+  setter.value = text.substr(eq + 1);
+  setter.text = text;
+  config.visit(setter);
+  if (!setter.found) {
+    KeyLister lister;
+    config.visit(lister);
+    auto known = lister.keys.find(setter.section_name);
+    fail("--set " + text, known == lister.keys.end()
+                              ? fmt::format("unknown section [{}]; known sections: {}", setter.section_name, join_keys(lister.sections))
+                              : fmt::format("unknown key '{}' in [{}]; known keys: {}", setter.key, setter.section_name, join_keys(known->second)));
+  }
+  origins[setter.section_name + "." + setter.key] = "--set " + text;
+}
+
+// Relative paths in the file are relative to the file; on the command line,
+// to the working directory.
+void resolve_path(std::string& value, const std::string& origin, const std::filesystem::path& base_dir) {
+  if (value.empty() || std::filesystem::path(value).is_absolute()) return;
+  std::filesystem::path base = origin.starts_with("--set") ? std::filesystem::current_path() : base_dir;
+  value = (std::filesystem::absolute(base) / value).lexically_normal().string();
+}
+
+}  // namespace
+
+Config Config::parse(std::string_view toml_text, const std::string& source_name,
+                     const std::filesystem::path& base_dir, const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, source_name);
+  } catch (const toml::parse_error& e) {
+    fail(fmt::format("{}:{}", source_name, e.source().begin.line),
+         fmt::format("not valid TOML: {}", e.description()));
+  }
+  check_unknown_keys(root, source_name);
+
+  Config config;
+  TableReader reader(root, source_name, config.origins_);
+  config.visit(reader);
+  for (const auto& text : overrides) apply_override(config, text, config.origins_);
+
+  resolve_path(config.job.run_dir, config.origin("job.run_dir"), base_dir);
+  resolve_path(config.data.train, config.origin("data.train"), base_dir);
+  resolve_path(config.data.val, config.origin("data.val"), base_dir);
+  config.validate();
+  return config;
+}
+
+Config Config::load(const std::filesystem::path& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) fail(path.string(), "cannot open the config file; check the path given to --config");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse(text.str(), path.string(), path.parent_path(), overrides);
+}
+
+std::string Config::origin(const std::string& dotted_key) const {
+  auto it = origins_.find(dotted_key);
+  return it == origins_.end() ? std::string("default") : it->second;
+}
+
+void Config::validate() const {
+  auto check = [this](bool ok, const char* key, const std::string& what) {
+    if (!ok) fail(fmt::format("{} ({})", origin(key), key), what);
+  };
+  auto at_least = [&](int64_t value, int64_t min, const char* key) {
+    check(value >= min, key, fmt::format("must be at least {} (got {})", min, value));
+  };
+
+  check(!job.name.empty(), "job.name", "must not be empty");
+  check(!job.run_dir.empty(), "job.run_dir", "must name a directory for metrics and checkpoints");
+  check(job.seed >= 0, "job.seed", fmt::format("must be non-negative (got {})", job.seed));
+
+  check(model.vocab_size >= 2 && model.vocab_size <= 65536, "model.vocab_size",
+        fmt::format("must be in [2, 65536] because tokens are stored as uint16 (got {})", model.vocab_size));
+  at_least(model.seq_len, 1, "model.seq_len");
+  at_least(model.n_layer, 1, "model.n_layer");
+  at_least(model.n_head, 1, "model.n_head");
+  at_least(model.n_embd, 1, "model.n_embd");
+  check(model.n_embd % model.n_head == 0, "model.n_head",
+        fmt::format("n_head={} does not divide n_embd={}; pick a head count that divides the width", model.n_head, model.n_embd));
+  at_least(model.n_expert, 0, "model.n_expert");
+  if (model.n_expert > 0) {
+    check(model.top_k >= 1 && model.top_k <= model.n_expert, "model.top_k",
+          fmt::format("must be in [1, n_expert={}] (got {})", model.n_expert, model.top_k));
+    check(model.moe_every >= 1 && model.moe_every <= model.n_layer, "model.moe_every",
+          fmt::format("must be in [1, n_layer={}] so that at least one block is MoE (got {})", model.n_layer, model.moe_every));
+    check(model.aux_loss_coef >= 0, "model.aux_loss_coef", "must be non-negative");
+  }
+
+  check(!data.train.empty(), "data.train", "must name the training shards, e.g. train = \"data/train_*.bin\"");
+
+  for (auto [value, key] : {std::pair{parallel.dp, "parallel.dp"}, {parallel.tp, "parallel.tp"}, {parallel.pp, "parallel.pp"},
+                            {parallel.cp, "parallel.cp"}, {parallel.ep, "parallel.ep"}, {parallel.micro_batches, "parallel.micro_batches"}}) {
+    at_least(value, 1, key);
+  }
+  check(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", fmt::format("must be a ZeRO stage 0-3 (got {})", parallel.zero));
+
+  at_least(train.steps, 1, "train.steps");
+  at_least(train.batch_size, 1, "train.batch_size");
+  check(train.batch_size % (parallel.dp * parallel.micro_batches) == 0, "train.batch_size",
+        fmt::format("batch_size={} must be divisible by dp x micro_batches = {} x {}", train.batch_size, parallel.dp,
+                    parallel.micro_batches));
+  check(train.lr > 0, "train.lr", fmt::format("must be positive (got {})", train.lr));
+  check(train.min_lr_ratio >= 0 && train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]");
+  at_least(train.warmup_steps, 0, "train.warmup_steps");
+  check(train.warmup_steps <= train.steps, "train.warmup_steps",
+        fmt::format("warmup_steps={} exceeds steps={}; shorten the warmup", train.warmup_steps, train.steps));
+  check(train.weight_decay >= 0, "train.weight_decay", "must be non-negative");
+  check(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", "must be in [0, 1)");
+  check(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", "must be in [0, 1)");
+  check(train.eps > 0, "train.eps", "must be positive");
+  check(train.grad_clip >= 0, "train.grad_clip", "must be non-negative (0 disables clipping)");
+  at_least(train.val_every, 0, "train.val_every");
+  at_least(train.val_batches, 1, "train.val_batches");
+  at_least(train.log_every, 1, "train.log_every");
+  at_least(train.threads, 0, "train.threads");
+}
+
+std::string Config::to_toml() const {
+  TomlWriter writer;
+  Config copy = *this;  // visit() is shared with the readers, which need a mutable config
+  copy.visit(writer);
+  std::ostringstream out;
+  out << writer.root;
+  return out.str();
+}
+
+nlohmann::json Config::to_json() const {
+  JsonWriter writer;
+  Config copy = *this;
+  copy.visit(writer);
+  return writer.root;
+}
+
+}  // namespace keel::common

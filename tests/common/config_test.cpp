@@ -1,0 +1,127 @@
+#include "common/config.h"
+#include "common/error.h"
+#include "tests/support/temp_dir.h"
+
+#include <doctest/doctest.h>
+
+using keel::common::Config;
+using keel::common::Error;
+using keel::common::ErrorCode;
+
+namespace {
+
+const char* kMinimal = R"(
+[job]
+name = "t"
+run_dir = "runs/t"
+[data]
+train = "data/train_*.bin"
+)";
+
+std::string parse_error(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    Config::parse(text, "cfg.toml", "/base", overrides);
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kBadConfig);
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("a minimal config takes every default and resolves paths against the config file") {
+    Config c = Config::parse(kMinimal, "cfg.toml", "/base");
+    CHECK(c.model.n_layer == 4);
+    CHECK(c.train.lr == doctest::Approx(6e-4));
+    CHECK(c.job.run_dir == "/base/runs/t");
+    CHECK(c.data.train == "/base/data/train_*.bin");
+    CHECK(c.origin("job.name") == "cfg.toml:3");
+    CHECK(c.origin("model.n_layer") == "default");
+  }
+
+  TEST_CASE("--set overrides keys the file sets and keys it does not") {
+    Config c = Config::parse(kMinimal, "cfg.toml", "/base",
+                             {"job.name=other", "train.lr=1e-3", "model.n_layer=2", "train.warmup_steps=0",
+                              "job.seed=7"});
+    CHECK(c.job.name == "other");
+    CHECK(c.train.lr == doctest::Approx(1e-3));
+    CHECK(c.model.n_layer == 2);
+    CHECK(c.job.seed == 7);
+    CHECK(c.origin("train.lr") == "--set train.lr=1e-3");
+  }
+
+  TEST_CASE("a quoted and a bare string override mean the same") {
+    Config a = Config::parse(kMinimal, "cfg.toml", "/base", {"job.name=\"x y\""});
+    Config b = Config::parse(kMinimal, "cfg.toml", "/base", {"job.name=x y"});
+    CHECK(a.job.name == "x y");
+    CHECK(b.job.name == "x y");
+  }
+
+  TEST_CASE("the resolved config printed as TOML parses back to the same config") {
+    Config c = Config::parse(kMinimal, "cfg.toml", "/base", {"model.n_expert=4", "train.lr=0.5"});
+    Config back = Config::parse(c.to_toml(), "resolved.toml", "/elsewhere");
+    CHECK(back.to_json() == c.to_json());
+  }
+
+  TEST_CASE("integers are accepted where a float is expected but not the other way round") {
+    CHECK(Config::parse(std::string(kMinimal) + "[train]\nlr = 1\n", "cfg.toml", "/base").train.lr == 1.0);
+    CHECK(parse_error(std::string(kMinimal) + "[train]\nsteps = 1.5\n").find("steps must be an integer") !=
+          std::string::npos);
+  }
+
+  TEST_CASE("malformed configs are rejected with the file and line and what to change") {
+    struct Row {
+      const char* name;
+      std::string text;
+      std::vector<std::string> overrides;
+      const char* expected;
+    };
+    const std::string m = kMinimal;
+    const Row rows[] = {
+        {"not TOML", "[job\nname=1", {}, "cfg.toml:1: not valid TOML"},
+        {"unknown section", m + "[modle]\nn_layer = 2\n", {}, "unknown section [modle]"},
+        {"unknown key", m + "[model]\nn_layers = 2\n", {}, "cfg.toml:8: unknown key 'n_layers' in [model]"},
+        {"wrong type", m + "[model]\nn_layer = \"four\"\n", {}, "n_layer must be an integer, not a string"},
+        {"section not a table", "job = 3\n", {}, "[job] must be a table"},
+        {"heads do not divide width", m + "[model]\nn_head = 3\n", {}, "n_head=3 does not divide n_embd=256"},
+        {"vocab too large", m + "[model]\nvocab_size = 70000\n", {}, "uint16"},
+        {"zero layers", m + "[model]\nn_layer = 0\n", {}, "model.n_layer): must be at least 1"},
+        {"top_k above experts", m + "[model]\nn_expert = 2\ntop_k = 3\n", {}, "top_k): must be in [1, n_expert=2]"},
+        {"negative lr", m + "[train]\nlr = -1.0\n", {}, "lr): must be positive"},
+        {"batch not divisible", m + "[train]\nbatch_size = 6\n[parallel]\nmicro_batches = 4\n", {},
+         "batch_size=6 must be divisible by dp x micro_batches"},
+        {"zero stage", m + "[parallel]\nzero = 4\n", {}, "ZeRO stage 0-3"},
+        {"warmup longer than run", m + "[train]\nsteps = 10\nwarmup_steps = 20\n", {}, "warmup_steps=20 exceeds steps=10"},
+        {"no training data", "[job]\nname = \"x\"\n", {}, "data.train): must name the training shards"},
+        {"override without =", m, {"train.lr"}, "expected section.key=value"},
+        {"override of unknown key", m, {"train.learning_rate=1"}, "unknown key 'learning_rate' in [train]"},
+        {"override of wrong type", m, {"train.steps=many"}, "train.steps must be an integer"},
+        {"override of unknown section", m, {"optim.lr=1"}, "unknown section [optim]"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.name);
+      std::string message = parse_error(row.text, row.overrides);
+      CAPTURE(message);
+      CHECK(message.find(row.expected) != std::string::npos);
+    }
+  }
+
+  TEST_CASE("a missing config file is a config error naming the path") {
+    try {
+      Config::load("/nonexistent/keel.toml");
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kBadConfig);
+      CHECK(std::string(e.what()).find("/nonexistent/keel.toml") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("load resolves relative paths against the directory of the file") {
+    keel::test::TempDir dir;
+    auto path = dir.write("sub/run.toml", kMinimal);
+    Config c = Config::load(path);
+    CHECK(c.job.run_dir == (dir.path() / "sub/runs/t").string());
+  }
+}

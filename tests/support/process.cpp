@@ -1,0 +1,62 @@
+#include "tests/support/process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace keel::test {
+
+ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                          double timeout_s) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    dup2(pipe_fds[1], STDOUT_FILENO);
+    dup2(pipe_fds[1], STDERR_FILENO);
+    for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  close(pipe_fds[1]);
+
+  ProcessResult result;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  bool killed = false;
+  char buffer[4096];
+  for (;;) {
+    pollfd pfd{pipe_fds[0], POLLIN, 0};
+    int ready = poll(&pfd, 1, 200);
+    if (ready > 0) {
+      ssize_t n = read(pipe_fds[0], buffer, sizeof(buffer));
+      if (n <= 0) break;
+      result.output.append(buffer, static_cast<size_t>(n));
+    }
+    if (!killed && std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      killed = true;
+      result.output += "\n[run_process: killed after timeout]\n";
+    }
+  }
+  close(pipe_fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+std::filesystem::path keel_binary(const std::string& name) { return std::filesystem::path(KEEL_BIN_DIR) / name; }
+
+std::filesystem::path keel_source_dir() { return KEEL_SOURCE_DIR; }
+
+}  // namespace keel::test

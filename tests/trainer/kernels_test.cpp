@@ -1,0 +1,845 @@
+// CpuBackend against three independent oracles: central finite differences
+// for every backward, naive double-precision loops for every forward, and
+// the same inputs run with different thread counts for determinism.
+#include "trainer/kernels/cpu_backend.h"
+
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace {
+
+using keel::trainer::CpuBackend;
+using Vec = std::vector<float>;
+using Ref = std::vector<double>;
+using Ints = std::vector<int32_t>;
+
+Vec random_vec(size_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  Vec v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+Ints random_ints(size_t n, int32_t bound, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, bound - 1);
+  Ints v(n);
+  for (int32_t& x : v) x = dist(rng);
+  return v;
+}
+
+// Forward outputs start as NaN so a kernel that fails to overwrite them all
+// shows up in the comparison.
+Vec nan_vec(size_t n) { return Vec(n, std::numeric_limits<float>::quiet_NaN()); }
+
+double weighted_sum(const Vec& out, const Vec& weights) {
+  double total = 0.0;
+  for (size_t i = 0; i < out.size(); ++i) total += static_cast<double>(out[i]) * weights[i];
+  return total;
+}
+
+double max_abs(const Vec& v) {
+  double m = 0.0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+// Every element within tol * max|want| (float accumulations make errors
+// scale with the largest values, not with each element).
+void check_close(const char* what, const Vec& got, const Ref& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  double scale = 0.0;
+  for (double w : want) scale = std::max(scale, std::fabs(w));
+  double worst = 0.0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::isfinite(got[i]) ? std::fabs(got[i] - want[i]) : INFINITY;
+    if (err > worst) {
+      worst = err;
+      worst_i = i;
+    }
+  }
+  INFO(what << ": worst element " << worst_i << " got " << got[worst_i] << " want " << want[worst_i]);
+  CHECK(worst <= tol * std::max(scale, 1e-30));
+}
+
+// Central differences of loss() with respect to each element of x, against
+// the analytic gradient. The tolerance is relative to the largest analytic
+// gradient: the float forward pass leaves noise of that order in the
+// quotient.
+void check_gradient(const char* what, Vec& x, const Vec& analytic, const std::function<double()>& loss,
+                    double tol = 1e-2) {
+  REQUIRE(x.size() == analytic.size());
+  const double scale = max_abs(analytic);
+  REQUIRE(scale > 0.0);  // an all-zero gradient would agree with anything flat
+  constexpr float kStep = 1e-3f;
+  double worst = 0.0;
+  size_t worst_i = 0;
+  double worst_numeric = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float orig = x[i];
+    const float up = orig + kStep;
+    const float down = orig - kStep;
+    x[i] = up;
+    const double loss_up = loss();
+    x[i] = down;
+    const double loss_down = loss();
+    x[i] = orig;
+    const double numeric = (loss_up - loss_down) / (static_cast<double>(up) - static_cast<double>(down));
+    const double err = std::fabs(numeric - analytic[i]);
+    if (!(err <= worst)) {
+      worst = err;
+      worst_i = i;
+      worst_numeric = numeric;
+    }
+  }
+  INFO(what << ": worst element " << worst_i << " analytic " << analytic[worst_i] << " numeric " << worst_numeric
+            << " (max |g| " << scale << ")");
+  CHECK(worst <= tol * scale);
+}
+
+// CpuBackend's constructor sets process-wide thread counts; this puts the
+// previous count back when a test that changes it ends.
+class ThreadCountGuard {
+ public:
+  ThreadCountGuard() : saved_(omp_get_max_threads()) {}
+  ~ThreadCountGuard() { CpuBackend restore(saved_); }
+  ThreadCountGuard(const ThreadCountGuard&) = delete;
+  ThreadCountGuard& operator=(const ThreadCountGuard&) = delete;
+
+ private:
+  int saved_;
+};
+
+// ---- naive double-precision references ----
+
+void layernorm_ref(Ref& out, Ref& mean, Ref& rstd, const Vec& inp, const Vec& w, const Vec& b, int N, int C) {
+  out.assign(static_cast<size_t>(N) * C, 0.0);
+  mean.assign(N, 0.0);
+  rstd.assign(N, 0.0);
+  for (int n = 0; n < N; ++n) {
+    double mu = 0.0;
+    for (int c = 0; c < C; ++c) mu += inp[n * C + c];
+    mu /= C;
+    double var = 0.0;
+    for (int c = 0; c < C; ++c) var += (inp[n * C + c] - mu) * (inp[n * C + c] - mu);
+    var /= C;
+    const double rs = 1.0 / std::sqrt(var + 1e-5);
+    for (int c = 0; c < C; ++c) out[n * C + c] = (inp[n * C + c] - mu) * rs * w[c] + b[c];
+    mean[n] = mu;
+    rstd[n] = rs;
+  }
+}
+
+Ref matmul_ref(const Vec& inp, const Vec& w, const float* bias, int N, int C, int OC) {
+  Ref out(static_cast<size_t>(N) * OC);
+  for (int n = 0; n < N; ++n) {
+    for (int o = 0; o < OC; ++o) {
+      double acc = bias != nullptr ? bias[o] : 0.0;
+      for (int c = 0; c < C; ++c) acc += static_cast<double>(inp[n * C + c]) * w[o * C + c];
+      out[n * OC + o] = acc;
+    }
+  }
+  return out;
+}
+
+void attention_ref(Ref& out, Ref& att, const Vec& qkv, int B, int T, int C, int NH) {
+  const int d = C / NH;
+  out.assign(static_cast<size_t>(B) * T * C, 0.0);
+  att.assign(static_cast<size_t>(B) * NH * T * T, 0.0);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < NH; ++h) {
+      for (int t = 0; t < T; ++t) {
+        const float* q = &qkv[(static_cast<size_t>(b) * T + t) * 3 * C + h * d];
+        std::vector<double> s(t + 1);
+        double max = -INFINITY;
+        for (int j = 0; j <= t; ++j) {
+          const float* k = &qkv[(static_cast<size_t>(b) * T + j) * 3 * C + C + h * d];
+          double dot = 0.0;
+          for (int i = 0; i < d; ++i) dot += static_cast<double>(q[i]) * k[i];
+          s[j] = dot / std::sqrt(static_cast<double>(d));
+          max = std::max(max, s[j]);
+        }
+        double sum = 0.0;
+        for (double& x : s) sum += (x = std::exp(x - max));
+        double* a = &att[((static_cast<size_t>(b) * NH + h) * T + t) * T];
+        double* o = &out[(static_cast<size_t>(b) * T + t) * C + h * d];
+        for (int j = 0; j <= t; ++j) {
+          a[j] = s[j] / sum;
+          const float* v = &qkv[(static_cast<size_t>(b) * T + j) * 3 * C + 2 * C + h * d];
+          for (int i = 0; i < d; ++i) o[i] += a[j] * v[i];
+        }
+      }
+    }
+  }
+}
+
+// 0.5 x (1 + tanh u) written as x / (1 + exp(-2u)): equal, but 1 + tanh u
+// cancels in the negative tail even in double.
+double gelu_ref(double x) {
+  const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+  return x / (1.0 + std::exp(-2.0 * u));
+}
+
+Ref softmax_ref(const Vec& logits, int N, int E) {
+  Ref p(static_cast<size_t>(N) * E);
+  for (int n = 0; n < N; ++n) {
+    double max = -INFINITY;
+    for (int e = 0; e < E; ++e) max = std::max(max, static_cast<double>(logits[n * E + e]));
+    double sum = 0.0;
+    for (int e = 0; e < E; ++e) sum += std::exp(logits[n * E + e] - max);
+    for (int e = 0; e < E; ++e) p[n * E + e] = std::exp(logits[n * E + e] - max) / sum;
+  }
+  return p;
+}
+
+// ---- the kernels' losses for finite differences ----
+
+struct AttentionShape {
+  int B, T, C, NH;
+  size_t qkv() const { return static_cast<size_t>(B) * T * 3 * C; }
+  size_t out() const { return static_cast<size_t>(B) * T * C; }
+  size_t att() const { return static_cast<size_t>(B) * NH * T * T; }
+};
+
+void check_attention_gradient(const AttentionShape& s, uint64_t seed) {
+  CpuBackend cpu;
+  Vec qkv = random_vec(s.qkv(), seed, -2.0f, 2.0f);
+  const Vec r = random_vec(s.out(), seed + 1);
+  Vec out(s.out());
+  Vec att(s.att());
+  auto loss = [&] {
+    cpu.attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+    return weighted_sum(out, r);
+  };
+  loss();
+  Vec dqkv(s.qkv(), 0.0f);
+  Vec scratch = nan_vec(s.att());
+  cpu.attention_backward(dqkv.data(), scratch.data(), r.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  check_gradient("dqkv", qkv, dqkv, loss);
+}
+
+TEST_SUITE("unit") {
+  TEST_CASE("alloc returns zeroed memory aligned to 64 bytes") {
+    CpuBackend cpu;
+    for (size_t bytes : {size_t{1}, size_t{100}, size_t{4096}, size_t{1} << 20}) {
+      auto* p = static_cast<unsigned char*>(cpu.alloc(bytes));
+      REQUIRE(p != nullptr);
+      CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0);
+      CHECK(std::all_of(p, p + bytes, [](unsigned char c) { return c == 0; }));
+      std::memset(p, 0xab, bytes);
+      cpu.zero(p, bytes);
+      CHECK(std::all_of(p, p + bytes, [](unsigned char c) { return c == 0; }));
+      cpu.free(p);
+    }
+  }
+
+  TEST_CASE("embedding forward adds the token and position rows") {
+    CpuBackend cpu;
+    const int B = 2, T = 5, C = 8, V = 4;
+    const Vec wte = random_vec(static_cast<size_t>(V) * C, 1);
+    const Vec wpe = random_vec(static_cast<size_t>(T) * C, 2);
+    const Ints tokens = random_ints(B * T, V, 3);
+    Vec out = nan_vec(static_cast<size_t>(B) * T * C);
+    cpu.embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    Ref want(out.size());
+    for (int bt = 0; bt < B * T; ++bt) {
+      for (int c = 0; c < C; ++c) want[bt * C + c] = static_cast<double>(wte[tokens[bt] * C + c]) + wpe[bt % T * C + c];
+    }
+    check_close("out", out, want, 1e-7);
+  }
+
+  TEST_CASE("embedding backward matches finite differences with repeated tokens") {
+    CpuBackend cpu;
+    const int B = 2, T = 5, C = 8, V = 4;  // 10 positions over 4 tokens: repeats are certain
+    Vec wte = random_vec(static_cast<size_t>(V) * C, 1);
+    Vec wpe = random_vec(static_cast<size_t>(T) * C, 2);
+    const Ints tokens = random_ints(B * T, V, 3);
+    const Vec r = random_vec(static_cast<size_t>(B) * T * C, 4);
+    Vec out(r.size());
+    auto loss = [&] {
+      cpu.embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+      return weighted_sum(out, r);
+    };
+    Vec dwte(wte.size(), 0.0f);
+    Vec dwpe(wpe.size(), 0.0f);
+    cpu.embedding_backward(dwte.data(), dwpe.data(), r.data(), tokens.data(), B, T, C);
+    check_gradient("dwte", wte, dwte, loss);
+    check_gradient("dwpe", wpe, dwpe, loss);
+  }
+
+  TEST_CASE("layernorm forward matches a naive double-precision reference") {
+    CpuBackend cpu;
+    const int N = 7, C = 40;
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 5, -3.0f, 5.0f);
+    const Vec w = random_vec(C, 6, 0.5f, 1.5f);
+    const Vec b = random_vec(C, 7);
+    Vec out = nan_vec(inp.size());
+    Vec mean = nan_vec(N);
+    Vec rstd = nan_vec(N);
+    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+    Ref want_out, want_mean, want_rstd;
+    layernorm_ref(want_out, want_mean, want_rstd, inp, w, b, N, C);
+    check_close("out", out, want_out, 1e-6);
+    check_close("mean", mean, want_mean, 1e-6);
+    check_close("rstd", rstd, want_rstd, 1e-6);
+  }
+
+  TEST_CASE("layernorm backward matches finite differences") {
+    CpuBackend cpu;
+    const int N = 10, C = 8;
+    Vec inp = random_vec(static_cast<size_t>(N) * C, 8);
+    Vec w = random_vec(C, 9, 0.5f, 1.5f);
+    Vec b = random_vec(C, 10);
+    const Vec r = random_vec(inp.size(), 11);
+    Vec out(inp.size());
+    Vec mean(N);
+    Vec rstd(N);
+    auto loss = [&] {
+      cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+      return weighted_sum(out, r);
+    };
+    loss();
+    Vec dinp(inp.size(), 0.0f);
+    Vec dw(C, 0.0f);
+    Vec db(C, 0.0f);
+    cpu.layernorm_backward(dinp.data(), dw.data(), db.data(), r.data(), inp.data(), w.data(), mean.data(),
+                           rstd.data(), N, C);
+    check_gradient("dinp", inp, dinp, loss);
+    check_gradient("dweight", w, dw, loss);
+    check_gradient("dbias", b, db, loss);
+  }
+
+  TEST_CASE("matmul forward matches a naive reference with and without bias") {
+    CpuBackend cpu;
+    // The second shape is big enough to cut the GEMM into uneven tiles.
+    for (auto [N, C, OC] : {std::tuple{3, 5, 4}, std::tuple{200, 400, 900}}) {
+      CAPTURE(N);
+      const Vec inp = random_vec(static_cast<size_t>(N) * C, 12);
+      const Vec w = random_vec(static_cast<size_t>(OC) * C, 13);
+      const Vec bias = random_vec(OC, 14);
+      Vec out = nan_vec(static_cast<size_t>(N) * OC);
+      cpu.matmul_forward(out.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+      check_close("with bias", out, matmul_ref(inp, w, bias.data(), N, C, OC), 1e-6);
+      out = nan_vec(out.size());
+      cpu.matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
+      check_close("without bias", out, matmul_ref(inp, w, nullptr, N, C, OC), 1e-6);
+    }
+  }
+
+  TEST_CASE("matmul backward matches finite differences for input and weight and bias") {
+    CpuBackend cpu;
+    const int N = 10, C = 8, OC = 6;
+    Vec inp = random_vec(static_cast<size_t>(N) * C, 15);
+    Vec w = random_vec(static_cast<size_t>(OC) * C, 16);
+    Vec bias = random_vec(OC, 17);
+    const Vec r = random_vec(static_cast<size_t>(N) * OC, 18);
+    Vec out(r.size());
+    auto loss = [&] {
+      cpu.matmul_forward(out.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+      return weighted_sum(out, r);
+    };
+    Vec dinp(inp.size(), 0.0f);
+    Vec dw(w.size(), 0.0f);
+    Vec db(OC, 0.0f);
+    cpu.matmul_backward(dinp.data(), dw.data(), db.data(), r.data(), inp.data(), w.data(), N, C, OC);
+    check_gradient("dinp", inp, dinp, loss);
+    check_gradient("dweight", w, dw, loss);
+    check_gradient("dbias", bias, db, loss);
+  }
+
+  TEST_CASE("matmul backward leaves null gradients alone and fills the others") {
+    CpuBackend cpu;
+    const int N = 6, C = 4, OC = 3;
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 19);
+    const Vec w = random_vec(static_cast<size_t>(OC) * C, 20);
+    const Vec r = random_vec(static_cast<size_t>(N) * OC, 21);
+    Vec dinp_all(inp.size(), 0.0f), dw_all(w.size(), 0.0f), db_all(OC, 0.0f);
+    cpu.matmul_backward(dinp_all.data(), dw_all.data(), db_all.data(), r.data(), inp.data(), w.data(), N, C, OC);
+    Vec dw_only(w.size(), 0.0f);
+    cpu.matmul_backward(nullptr, dw_only.data(), nullptr, r.data(), inp.data(), w.data(), N, C, OC);
+    CHECK(dw_only == dw_all);
+    Vec dinp_only(inp.size(), 0.0f);
+    cpu.matmul_backward(dinp_only.data(), nullptr, nullptr, r.data(), inp.data(), w.data(), N, C, OC);
+    CHECK(dinp_only == dinp_all);
+  }
+
+  TEST_CASE("attention forward matches a naive reference within and across query blocks") {
+    CpuBackend cpu;
+    for (AttentionShape s : {AttentionShape{2, 5, 8, 2}, AttentionShape{2, 150, 16, 2}}) {
+      CAPTURE(s.T);
+      const Vec qkv = random_vec(s.qkv(), 22, -2.0f, 2.0f);
+      Vec out = nan_vec(s.out());
+      Vec att = nan_vec(s.att());
+      cpu.attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+      Ref want_out, want_att;
+      attention_ref(want_out, want_att, qkv, s.B, s.T, s.C, s.NH);
+      check_close("out", out, want_out, 1e-5);
+      // The reference has exact zeros above the diagonal, so this also
+      // holds the kernel to its "entries above the diagonal are zero".
+      check_close("att", att, want_att, 1e-5);
+      for (size_t i = 0; i < att.size(); ++i) {
+        const size_t t = i / s.T % s.T;
+        const size_t j = i % s.T;
+        if (j > t && att[i] != 0.0f) FAIL("att above the diagonal is not zero at " << i);
+      }
+    }
+  }
+
+  TEST_CASE("attention backward matches finite differences") {
+    check_attention_gradient({2, 5, 8, 2}, 23);
+  }
+
+  TEST_CASE("attention backward matches finite differences across several query blocks") {
+    check_attention_gradient({1, 67, 4, 2}, 24);
+  }
+
+  TEST_CASE("gelu forward matches the tanh formula in double precision") {
+    CpuBackend cpu;
+    Vec inp = random_vec(20000, 25, -6.0f, 6.0f);
+    for (float x : {0.0f, -0.0f, 1e-20f, -1e-20f, 12.0f, -12.0f, 30.0f, -30.0f, 100.0f, -100.0f}) inp.push_back(x);
+    Vec out = nan_vec(inp.size());
+    cpu.gelu_forward(out.data(), inp.data(), inp.size());
+    size_t failures = 0;
+    for (size_t i = 0; i < inp.size(); ++i) {
+      const double x = inp[i];
+      const double want = gelu_ref(x);
+      // u itself carries float rounding of |u| ulps and gelu's relative
+      // sensitivity to u is up to 2, so the bound widens with |u| in the
+      // negative tail; 1e-30 absolute covers where gelu underflows.
+      const double u = std::fabs(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x));
+      const double err = std::fabs(out[i] - want);
+      if (!(err <= 1e-6 * std::max(1.0, u / 2.0) * std::fabs(want) || err <= 1e-30)) {
+        if (failures++ < 5) MESSAGE("x " << x << " got " << out[i] << " want " << want);
+      }
+    }
+    CHECK(failures == 0);
+  }
+
+  TEST_CASE("gelu backward matches finite differences") {
+    CpuBackend cpu;
+    Vec inp = random_vec(64, 26, -4.0f, 4.0f);
+    const Vec r = random_vec(inp.size(), 27);
+    Vec out(inp.size());
+    auto loss = [&] {
+      cpu.gelu_forward(out.data(), inp.data(), inp.size());
+      return weighted_sum(out, r);
+    };
+    Vec dinp(inp.size(), 0.0f);
+    cpu.gelu_backward(dinp.data(), inp.data(), r.data(), inp.size());
+    check_gradient("dinp", inp, dinp, loss);
+  }
+
+  TEST_CASE("gelu backward is finite and vanishes far into the negative tail") {
+    CpuBackend cpu;
+    const Vec inp = {-100.0f, -30.0f, -12.0f, 12.0f, 30.0f, 100.0f};
+    const Vec ones(inp.size(), 1.0f);
+    Vec dinp(inp.size(), 0.0f);
+    cpu.gelu_backward(dinp.data(), inp.data(), ones.data(), inp.size());
+    for (size_t i = 0; i < 3; ++i) CHECK(std::fabs(dinp[i]) < 1e-20f);
+    for (size_t i = 3; i < 6; ++i) CHECK(dinp[i] == doctest::Approx(1.0f).epsilon(1e-6));
+  }
+
+  TEST_CASE("crossentropy loss matches a naive reference and ignores padded columns") {
+    CpuBackend cpu;
+    const int N = 6, V = 7, Vp = 10;
+    Vec logits = random_vec(static_cast<size_t>(N) * Vp, 28, -3.0f, 3.0f);
+    for (int n = 0; n < N; ++n) {
+      for (int c = V; c < Vp; ++c) logits[n * Vp + c] = 50.0f;  // would dominate if they took part
+    }
+    const Ints targets = random_ints(N, V, 29);
+    Vec losses = nan_vec(N);
+    cpu.crossentropy_forward_backward(losses.data(), nullptr, logits.data(), targets.data(), 1.0f, N, V, Vp);
+    Ref want(N);
+    for (int n = 0; n < N; ++n) {
+      double max = -INFINITY;
+      for (int c = 0; c < V; ++c) max = std::max(max, static_cast<double>(logits[n * Vp + c]));
+      double sum = 0.0;
+      for (int c = 0; c < V; ++c) sum += std::exp(logits[n * Vp + c] - max);
+      want[n] = max + std::log(sum) - logits[n * Vp + targets[n]];
+    }
+    check_close("losses", losses, want, 1e-6);
+  }
+
+  TEST_CASE("crossentropy gradient matches finite differences and is zero in padded columns") {
+    CpuBackend cpu;
+    const int N = 4, V = 7, Vp = 10;
+    const float dloss = 0.37f;
+    Vec logits = random_vec(static_cast<size_t>(N) * Vp, 30, -3.0f, 3.0f);
+    const Ints targets = random_ints(N, V, 31);
+    Vec losses(N);
+    auto loss = [&] {
+      cpu.crossentropy_forward_backward(losses.data(), nullptr, logits.data(), targets.data(), dloss, N, V, Vp);
+      return dloss * std::accumulate(losses.begin(), losses.end(), 0.0);
+    };
+    Vec dlogits = nan_vec(logits.size());
+    cpu.crossentropy_forward_backward(losses.data(), dlogits.data(), logits.data(), targets.data(), dloss, N, V, Vp);
+    for (int n = 0; n < N; ++n) {
+      for (int c = V; c < Vp; ++c) CHECK(dlogits[n * Vp + c] == 0.0f);
+    }
+    check_gradient("dlogits", logits, dlogits, loss);
+  }
+
+  TEST_CASE("crossentropy gives the same losses and gradient when dlogits aliases the logits") {
+    CpuBackend cpu;
+    const int N = 5, V = 9, Vp = 16;
+    const Vec logits = random_vec(static_cast<size_t>(N) * Vp, 32, -4.0f, 4.0f);
+    const Ints targets = random_ints(N, V, 33);
+    Vec losses(N);
+    Vec dlogits(logits.size());
+    cpu.crossentropy_forward_backward(losses.data(), dlogits.data(), logits.data(), targets.data(), 0.5f, N, V, Vp);
+    Vec inplace = logits;
+    Vec losses_inplace(N);
+    cpu.crossentropy_forward_backward(losses_inplace.data(), inplace.data(), inplace.data(), targets.data(), 0.5f,
+                                      N, V, Vp);
+    CHECK(losses_inplace == losses);
+    CHECK(inplace == dlogits);
+  }
+
+  TEST_CASE("crossentropy overwrites dlogits instead of accumulating") {
+    CpuBackend cpu;
+    const int N = 3, V = 5, Vp = 8;
+    const Vec logits = random_vec(static_cast<size_t>(N) * Vp, 34);
+    const Ints targets = random_ints(N, V, 35);
+    Vec losses(N);
+    Vec once(logits.size(), 0.0f);
+    cpu.crossentropy_forward_backward(losses.data(), once.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
+    Vec twice = once;
+    cpu.crossentropy_forward_backward(losses.data(), twice.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
+    CHECK(twice == once);
+    CHECK(max_abs(once) > 0.0);
+  }
+
+  TEST_CASE("softmax forward matches a naive reference") {
+    CpuBackend cpu;
+    const int N = 9, E = 19;
+    const Vec logits = random_vec(static_cast<size_t>(N) * E, 36, -8.0f, 8.0f);
+    Vec probs = nan_vec(logits.size());
+    cpu.softmax_forward(probs.data(), logits.data(), N, E);
+    check_close("probs", probs, softmax_ref(logits, N, E), 1e-6);
+  }
+
+  TEST_CASE("softmax backward matches finite differences") {
+    CpuBackend cpu;
+    const int N = 4, E = 6;
+    Vec logits = random_vec(static_cast<size_t>(N) * E, 37, -2.0f, 2.0f);
+    const Vec r = random_vec(logits.size(), 38);
+    Vec probs(logits.size());
+    auto loss = [&] {
+      cpu.softmax_forward(probs.data(), logits.data(), N, E);
+      return weighted_sum(probs, r);
+    };
+    loss();
+    Vec dlogits(logits.size(), 0.0f);
+    cpu.softmax_backward(dlogits.data(), r.data(), probs.data(), N, E);
+    check_gradient("dlogits", logits, dlogits, loss);
+  }
+
+  TEST_CASE("gather_rows and scatter_add_rows match naive references with and without weights") {
+    CpuBackend cpu;
+    const int rows_in = 5, M = 12, C = 70;
+    const Vec inp = random_vec(static_cast<size_t>(rows_in) * C, 39);
+    const Ints rows = random_ints(M, rows_in, 40);
+    const Vec weights = random_vec(M, 41);
+    const Vec base = random_vec(inp.size(), 42);
+    const Vec src = random_vec(static_cast<size_t>(M) * C, 43);
+    for (const float* w : {static_cast<const float*>(nullptr), weights.data()}) {
+      CAPTURE(w != nullptr);
+      Vec gathered = nan_vec(static_cast<size_t>(M) * C);
+      cpu.gather_rows(gathered.data(), inp.data(), rows.data(), w, M, C);
+      Ref want_gathered(gathered.size());
+      for (int m = 0; m < M; ++m) {
+        for (int c = 0; c < C; ++c) want_gathered[m * C + c] = (w != nullptr ? w[m] : 1.0) * inp[rows[m] * C + c];
+      }
+      check_close("gather", gathered, want_gathered, 1e-7);
+
+      Vec out = base;
+      cpu.scatter_add_rows(out.data(), src.data(), rows.data(), w, M, C);
+      Ref want(base.begin(), base.end());
+      for (int m = 0; m < M; ++m) {
+        for (int c = 0; c < C; ++c) want[rows[m] * C + c] += (w != nullptr ? w[m] : 1.0) * src[m * C + c];
+      }
+      check_close("scatter", out, want, 1e-6);
+    }
+  }
+
+  TEST_CASE("gathered_row_dot matches a naive reference") {
+    CpuBackend cpu;
+    const int rows_in = 4, M = 9, C = 37;
+    const Vec a = random_vec(static_cast<size_t>(rows_in) * C, 43);
+    const Vec b = random_vec(static_cast<size_t>(M) * C, 44);
+    const Ints rows = random_ints(M, rows_in, 45);
+    Vec out = nan_vec(M);
+    cpu.gathered_row_dot(out.data(), a.data(), rows.data(), b.data(), M, C);
+    Ref want(M, 0.0);
+    for (int m = 0; m < M; ++m) {
+      for (int c = 0; c < C; ++c) want[m] += static_cast<double>(a[rows[m] * C + c]) * b[m * C + c];
+    }
+    check_close("out", out, want, 1e-6);
+  }
+
+  TEST_CASE("weighted gather_rows gradients from scatter_add_rows and gathered_row_dot match finite "
+            "differences") {
+    // dispatch: out[m] = w[m] * inp[rows[m]]. Backward: dinp[rows[m]] +=
+    // w[m] * dout[m] (a scatter) and dw[m] = dot(inp[rows[m]], dout[m]).
+    CpuBackend cpu;
+    const int rows_in = 4, M = 7, C = 5;  // 7 picks of 4 rows: repeats are certain
+    Vec inp = random_vec(static_cast<size_t>(rows_in) * C, 46);
+    Vec w = random_vec(M, 47, 0.1f, 1.0f);
+    const Ints rows = random_ints(M, rows_in, 48);
+    const Vec r = random_vec(static_cast<size_t>(M) * C, 49);
+    Vec out(r.size());
+    auto loss = [&] {
+      cpu.gather_rows(out.data(), inp.data(), rows.data(), w.data(), M, C);
+      return weighted_sum(out, r);
+    };
+    Vec dinp(inp.size(), 0.0f);
+    cpu.scatter_add_rows(dinp.data(), r.data(), rows.data(), w.data(), M, C);
+    Vec dw = nan_vec(M);
+    cpu.gathered_row_dot(dw.data(), inp.data(), rows.data(), r.data(), M, C);
+    check_gradient("dinp", inp, dinp, loss);
+    check_gradient("dw", w, dw, loss);
+  }
+
+  TEST_CASE("MoE combine gradients from gather_rows and gathered_row_dot match finite differences") {
+    // combine: y[rows[m]] += w[m] * x[m]. Backward: dx[m] = w[m] *
+    // dy[rows[m]] (a weighted gather) and dw[m] = dot(dy[rows[m]], x[m]).
+    CpuBackend cpu;
+    const int tokens = 4, M = 7, C = 5;
+    Vec x = random_vec(static_cast<size_t>(M) * C, 50);
+    Vec w = random_vec(M, 51, 0.1f, 1.0f);
+    const Ints rows = random_ints(M, tokens, 52);
+    const Vec r = random_vec(static_cast<size_t>(tokens) * C, 53);
+    Vec y(r.size());
+    auto loss = [&] {
+      std::fill(y.begin(), y.end(), 0.0f);
+      cpu.scatter_add_rows(y.data(), x.data(), rows.data(), w.data(), M, C);
+      return weighted_sum(y, r);
+    };
+    Vec dx = nan_vec(x.size());
+    cpu.gather_rows(dx.data(), r.data(), rows.data(), w.data(), M, C);
+    Vec dw = nan_vec(M);
+    cpu.gathered_row_dot(dw.data(), r.data(), rows.data(), x.data(), M, C);
+    check_gradient("dx", x, dx, loss);
+    check_gradient("dw", w, dw, loss);
+  }
+
+  TEST_CASE("add and accumulate and scale match elementwise arithmetic") {
+    CpuBackend cpu;
+    const size_t n = 100001;  // above the parallel threshold, odd tail
+    const Vec a = random_vec(n, 53);
+    const Vec b = random_vec(n, 54);
+    Vec out = nan_vec(n);
+    cpu.add(out.data(), a.data(), b.data(), n);
+    Vec acc = a;
+    cpu.accumulate(acc.data(), b.data(), n);
+    Vec scaled = a;
+    cpu.scale(scaled.data(), -0.75f, n);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < n; ++i) {
+      mismatches += out[i] != a[i] + b[i];
+      mismatches += acc[i] != a[i] + b[i];
+      mismatches += scaled[i] != a[i] * -0.75f;
+    }
+    CHECK(mismatches == 0);
+  }
+
+  TEST_CASE("sum and sum_squares match double-precision references") {
+    CpuBackend cpu;
+    for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{1000003}}) {
+      CAPTURE(n);
+      const Vec x = random_vec(n, 55, -1.0f, 3.0f);
+      double want_sum = 0.0;
+      double want_squares = 0.0;
+      for (float v : x) {
+        want_sum += v;
+        want_squares += static_cast<double>(v) * v;
+      }
+      CHECK(cpu.sum(x.data(), n) == doctest::Approx(want_sum).epsilon(1e-12));
+      CHECK(cpu.sum_squares(x.data(), n) == doctest::Approx(want_squares).epsilon(1e-12));
+    }
+  }
+
+  TEST_CASE("backward kernels accumulate into their gradients") {
+    CpuBackend cpu;
+    // Runs backward once and twice into zeroed gradients; twice must be
+    // double once (up to rounding of the second addition).
+    auto check_doubles = [](const char* what, const auto& backward, size_t n) {
+      Vec once(n, 0.0f);
+      backward(once.data());
+      Vec twice(n, 0.0f);
+      backward(twice.data());
+      backward(twice.data());
+      Ref want(n);
+      for (size_t i = 0; i < n; ++i) want[i] = 2.0 * once[i];
+      REQUIRE(max_abs(once) > 0.0);
+      check_close(what, twice, want, 1e-6);
+    };
+    const int B = 2, T = 70, C = 8, NH = 2, N = B * T, OC = 12, V = 5;
+    const Vec x = random_vec(static_cast<size_t>(N) * C, 56);
+    const Vec dy = random_vec(static_cast<size_t>(N) * C, 57);
+    const Ints tokens = random_ints(N, V, 58);
+    check_doubles("embedding dwte", [&](float* g) {
+      cpu.embedding_backward(g, nullptr, dy.data(), tokens.data(), B, T, C);
+    }, static_cast<size_t>(V) * C);
+    check_doubles("embedding dwpe", [&](float* g) {
+      cpu.embedding_backward(nullptr, g, dy.data(), tokens.data(), B, T, C);
+    }, static_cast<size_t>(T) * C);
+
+    const Vec w = random_vec(C, 59, 0.5f, 1.5f);
+    const Vec bias = random_vec(C, 60);
+    Vec ln(x.size()), mean(N), rstd(N);
+    cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
+    auto ln_backward = [&](float* dinp, float* dw, float* db) {
+      cpu.layernorm_backward(dinp, dw, db, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+    };
+    check_doubles("layernorm dinp", [&](float* g) { ln_backward(g, nullptr, nullptr); }, x.size());
+    check_doubles("layernorm dweight", [&](float* g) { ln_backward(nullptr, g, nullptr); }, C);
+    check_doubles("layernorm dbias", [&](float* g) { ln_backward(nullptr, nullptr, g); }, C);
+
+    const Vec mw = random_vec(static_cast<size_t>(OC) * C, 61);
+    const Vec mdy = random_vec(static_cast<size_t>(N) * OC, 62);
+    auto mm_backward = [&](float* dinp, float* dw, float* db) {
+      cpu.matmul_backward(dinp, dw, db, mdy.data(), x.data(), mw.data(), N, C, OC);
+    };
+    check_doubles("matmul dinp", [&](float* g) { mm_backward(g, nullptr, nullptr); }, x.size());
+    check_doubles("matmul dweight", [&](float* g) { mm_backward(nullptr, g, nullptr); }, mw.size());
+    check_doubles("matmul dbias", [&](float* g) { mm_backward(nullptr, nullptr, g); }, OC);
+
+    const Vec qkv = random_vec(static_cast<size_t>(N) * 3 * C, 63);
+    Vec out(static_cast<size_t>(N) * C), att(static_cast<size_t>(B) * NH * T * T), scratch(att.size());
+    cpu.attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    check_doubles("attention dqkv", [&](float* g) {
+      cpu.attention_backward(g, scratch.data(), dy.data(), qkv.data(), att.data(), B, T, C, NH);
+    }, qkv.size());
+
+    check_doubles("gelu dinp", [&](float* g) { cpu.gelu_backward(g, x.data(), dy.data(), x.size()); }, x.size());
+
+    Vec probs(x.size());
+    cpu.softmax_forward(probs.data(), x.data(), N, C);
+    check_doubles("softmax dlogits", [&](float* g) { cpu.softmax_backward(g, dy.data(), probs.data(), N, C); },
+                  x.size());
+
+    check_doubles("scatter_add_rows", [&](float* g) {
+      cpu.scatter_add_rows(g, dy.data(), tokens.data(), nullptr, N, C);
+    }, static_cast<size_t>(V) * C);
+  }
+
+  TEST_CASE("adamw_update matches a scalar double-precision AdamW over several steps") {
+    CpuBackend cpu;
+    const size_t n = 50000;
+    const float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f, grad_scale = 0.5f;
+    const Vec initial = random_vec(n, 64);
+    Vec params = initial;
+    Vec m(n, 0.0f), v(n, 0.0f);
+    Ref p_ref(params.begin(), params.end()), m_ref(n, 0.0), v_ref(n, 0.0);
+    for (int64_t t = 1; t <= 3; ++t) {
+      const Vec grads = random_vec(n, 65 + t, -2.0f, 2.0f);
+      cpu.adamw_update(params.data(), grads.data(), m.data(), v.data(), n, lr, beta1, beta2, eps, wd, grad_scale, t);
+      const double b1 = beta1, b2 = beta2;
+      for (size_t i = 0; i < n; ++i) {
+        const double g = static_cast<double>(grads[i]) * grad_scale;
+        p_ref[i] *= 1.0 - static_cast<double>(lr) * wd;
+        m_ref[i] = b1 * m_ref[i] + (1.0 - b1) * g;
+        v_ref[i] = b2 * v_ref[i] + (1.0 - b2) * g * g;
+        const double m_hat = m_ref[i] / (1.0 - std::pow(b1, static_cast<double>(t)));
+        const double v_hat = v_ref[i] / (1.0 - std::pow(b2, static_cast<double>(t)));
+        p_ref[i] -= lr * m_hat / (std::sqrt(v_hat) + eps);
+      }
+    }
+    // Float rounding is absolute at the scale of each tensor, so m and v are
+    // held to 1e-6 of their largest element; params to 1e-5 of the largest
+    // total update, which is what AdamW computes.
+    Ref want_update(n);
+    Vec got_update(n);
+    for (size_t i = 0; i < n; ++i) {
+      want_update[i] = p_ref[i] - initial[i];
+      got_update[i] = static_cast<float>(static_cast<double>(params[i]) - initial[i]);
+    }
+    check_close("params update", got_update, want_update, 1e-5);
+    check_close("m", m, m_ref, 1e-6);
+    check_close("v", v, v_ref, 1e-6);
+  }
+
+  TEST_CASE("reductions and backward kernels are bit-identical with one or two or three threads") {
+    ThreadCountGuard guard;
+    // Shapes large enough that every kernel splits its work: several GEMM
+    // tiles, several layernorm row chunks, several reduction chunks.
+    const int B = 4, T = 130, C = 64, NH = 4, N = B * T, V = 37;
+    const int mm_in = 256, OC = 640;  // ~170 MFLOP per GEMM: two tiles each
+    const Vec x = random_vec(static_cast<size_t>(N) * C, 70);
+    const Vec dy = random_vec(static_cast<size_t>(N) * C, 71);
+    const Vec dy_wide = random_vec(static_cast<size_t>(N) * OC, 72);
+    const Vec mm_x = random_vec(static_cast<size_t>(N) * mm_in, 79);
+    const Vec w = random_vec(static_cast<size_t>(OC) * mm_in, 73);
+    const Vec ln_w = random_vec(C, 74, 0.5f, 1.5f);
+    const Vec ln_b = random_vec(C, 75);
+    const Vec qkv = random_vec(static_cast<size_t>(N) * 3 * C, 76, -2.0f, 2.0f);
+    const Ints tokens = random_ints(N, V, 77);
+    const Vec big = random_vec(1000003, 78);
+
+    struct Results {
+      double sum = 0.0;
+      double sum_squares = 0.0;
+      std::vector<Vec> tensors;
+    };
+    auto run = [&](int threads) {
+      CpuBackend cpu(threads);
+      REQUIRE(omp_get_max_threads() == threads);
+      Results r;
+      r.sum = cpu.sum(big.data(), big.size());
+      r.sum_squares = cpu.sum_squares(big.data(), big.size());
+      std::vector<Vec>& results = r.tensors;
+
+      Vec ln(x.size()), mean(N), rstd(N), dinp(x.size(), 0.0f), dw(C, 0.0f), db(C, 0.0f);
+      cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), ln_w.data(), ln_b.data(), N, C);
+      cpu.layernorm_backward(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), ln_w.data(), mean.data(),
+                             rstd.data(), N, C);
+      results.insert(results.end(), {ln, dinp, dw, db});
+
+      Vec out(dy_wide.size()), mm_dinp(mm_x.size(), 0.0f), mm_dw(w.size(), 0.0f), mm_db(OC, 0.0f);
+      cpu.matmul_forward(out.data(), mm_x.data(), w.data(), nullptr, N, mm_in, OC);
+      cpu.matmul_backward(mm_dinp.data(), mm_dw.data(), mm_db.data(), dy_wide.data(), mm_x.data(), w.data(), N, mm_in,
+                          OC);
+      results.insert(results.end(), {out, mm_dinp, mm_dw, mm_db});
+
+      Vec att_out(x.size()), att(static_cast<size_t>(B) * NH * T * T), scratch(att.size()), dqkv(qkv.size(), 0.0f);
+      cpu.attention_forward(att_out.data(), att.data(), qkv.data(), B, T, C, NH);
+      cpu.attention_backward(dqkv.data(), scratch.data(), dy.data(), qkv.data(), att.data(), B, T, C, NH);
+      results.insert(results.end(), {att_out, att, dqkv});
+
+      Vec dwte(static_cast<size_t>(V) * C, 0.0f), dwpe(static_cast<size_t>(T) * C, 0.0f);
+      cpu.embedding_backward(dwte.data(), dwpe.data(), dy.data(), tokens.data(), B, T, C);
+      Vec scattered(static_cast<size_t>(V) * C, 0.0f);
+      cpu.scatter_add_rows(scattered.data(), dy.data(), tokens.data(), dy.data(), N, C);
+      results.insert(results.end(), {dwte, dwpe, scattered});
+      return r;
+    };
+    const Results one = run(1);
+    for (int threads : {2, 3}) {
+      CAPTURE(threads);
+      const Results many = run(threads);
+      CHECK(std::memcmp(&many.sum, &one.sum, sizeof(double)) == 0);
+      CHECK(std::memcmp(&many.sum_squares, &one.sum_squares, sizeof(double)) == 0);
+      REQUIRE(many.tensors.size() == one.tensors.size());
+      for (size_t i = 0; i < one.tensors.size(); ++i) {
+        CAPTURE(i);
+        REQUIRE(many.tensors[i].size() == one.tensors[i].size());
+        CHECK(std::memcmp(many.tensors[i].data(), one.tensors[i].data(), one.tensors[i].size() * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
+}  // namespace

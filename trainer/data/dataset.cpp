@@ -1,0 +1,126 @@
+#include "trainer/data/dataset.h"
+
+#include "common/counter_rng.h"
+#include "common/error.h"
+#include "common/log.h"
+
+#include <glob.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace keel::trainer {
+namespace {
+
+using common::Error;
+using common::ErrorCode;
+
+std::vector<std::string> glob_paths(const std::string& pattern) {
+  glob_t matches{};
+  int rc = ::glob(pattern.c_str(), 0, nullptr, &matches);
+  std::vector<std::string> paths;
+  if (rc == 0) paths.assign(matches.gl_pathv, matches.gl_pathv + matches.gl_pathc);
+  ::globfree(&matches);
+  if (rc == GLOB_NOMATCH) {
+    throw Error(ErrorCode::kDataError,
+                fmt::format("{}: no token shards match this pattern: run keel-prepare-data to create them, "
+                            "or fix the data path in the config",
+                            pattern));
+  }
+  if (rc != 0) {
+    throw Error(ErrorCode::kDataError,
+                fmt::format("{}: cannot expand the pattern ({}): check that its directories exist and are readable",
+                            pattern, rc == GLOB_NOSPACE ? "out of memory" : "read error"));
+  }
+  // glob(3) sorts by the locale's collation; byte order makes the stream,
+  // and with it every batch, the same on every machine.
+  std::sort(paths.begin(), paths.end());
+  return paths;
+}
+
+void fill_window(const TokenDataset& data, int64_t start, int T, int32_t* inputs, int32_t* targets) {
+  data.copy(start, T, inputs);
+  data.copy(start + 1, T, targets);
+}
+
+}  // namespace
+
+TokenDataset TokenDataset::open(const std::string& glob_pattern, int64_t vocab_size, int64_t min_tokens) {
+  TokenDataset data;
+  for (const auto& path : glob_paths(glob_pattern)) {
+    data.starts_.push_back(data.total_tokens_);
+    data.shards_.push_back(TokenShard::open(path, vocab_size));
+    data.total_tokens_ += data.shards_.back().size();
+  }
+  if (data.total_tokens_ < min_tokens) {
+    throw Error(ErrorCode::kDataError,
+                fmt::format("{}: the dataset holds {} tokens in {} shard(s), fewer than the {} needed: "
+                            "add data or lower model.seq_len",
+                            glob_pattern, data.total_tokens_, data.shards_.size(), min_tokens));
+  }
+  common::logger("data")->info("dataset {}: {} shard(s), {} tokens", glob_pattern, data.shards_.size(),
+                               data.total_tokens_);
+  return data;
+}
+
+void TokenDataset::copy(int64_t pos, int64_t count, int32_t* out) const {
+  if (pos < 0 || count < 0 || pos + count > total_tokens_) {
+    throw Error(ErrorCode::kInternal,
+                fmt::format("TokenDataset::copy({}, {}) is outside the {}-token stream", pos, count, total_tokens_));
+  }
+  // The last shard starting at or before pos holds it; empty shards share
+  // their start with the next one and are skipped by upper_bound.
+  auto shard = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin()) - 1;
+  while (count > 0) {
+    const TokenShard& s = shards_[shard];
+    const int64_t offset = pos - starts_[shard];
+    const int64_t n = std::min(count, s.size() - offset);
+    std::copy_n(s.tokens() + offset, n, out);
+    out += n;
+    pos += n;
+    count -= n;
+    ++shard;
+  }
+}
+
+void fill_train_batch(const TokenDataset& data, uint64_t seed, int64_t step, int64_t global_batch, int T,
+                      int64_t first_sample, int64_t count, int32_t* inputs, int32_t* targets) {
+  // A window is T + 1 tokens (T inputs, the last T of them also targets), so
+  // it may start at any of the num_tokens - T positions where it fits.
+  const int64_t n_windows = data.num_tokens() - T;
+  if (n_windows < 1) {
+    throw Error(ErrorCode::kDataError,
+                fmt::format("the training data holds {} tokens, too few for one window of seq_len + 1 = {}: "
+                            "add data or lower model.seq_len",
+                            data.num_tokens(), T + 1));
+  }
+  const uint64_t key = common::stream_key(seed, "train_batch");
+  for (int64_t i = 0; i < count; ++i) {
+    const uint64_t counter = static_cast<uint64_t>(step) * static_cast<uint64_t>(global_batch) +
+                             static_cast<uint64_t>(first_sample + i);
+    const auto start = static_cast<int64_t>(common::counter_uniform_below(key, counter, n_windows));
+    fill_window(data, start, T, inputs + i * T, targets + i * T);
+  }
+}
+
+// Wrap rule: the stream holds W = (num_tokens - 1) / T whole windows laid end
+// to end at 0, T, 2T, ... (window k's last target is window k + 1's first
+// input, as in llm.c). Validation window w = index * B + b starts at
+// (w mod W) * T, so a pass cycles through exactly those W windows and the
+// fewer than T tokens left over at the end are never evaluated.
+void fill_val_batch(const TokenDataset& data, int64_t index, int B, int T, int32_t* inputs, int32_t* targets) {
+  const int64_t whole_windows = (data.num_tokens() - 1) / T;
+  if (whole_windows < 1) {
+    throw Error(ErrorCode::kDataError,
+                fmt::format("the validation data holds {} tokens, too few for one window of seq_len + 1 = {}: "
+                            "add data or lower model.seq_len",
+                            data.num_tokens(), T + 1));
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t window = (index * B + b) % whole_windows;
+    fill_window(data, window * T, T, inputs + static_cast<int64_t>(b) * T, targets + static_cast<int64_t>(b) * T);
+  }
+}
+
+}  // namespace keel::trainer

@@ -1,0 +1,110 @@
+// The kernel interface the model is built from (DESIGN §3.3). The CPU
+// backend (OpenBLAS for GEMM, plain C++ elsewhere) is the reference; a CUDA
+// backend implements the same interface and tests hold the two against each
+// other.
+//
+// Contracts that hold for every kernel:
+// * Pointers are memory of this backend (host for CPU, device for CUDA),
+//   obtained from alloc(). Tensors are dense and row-major.
+// * N is a number of token positions (B*T rows), C a channel count.
+// * Forward kernels overwrite their outputs. Backward kernels ACCUMULATE
+//   (+=) into every gradient they produce, so residual branches, tied
+//   embeddings and gradient accumulation need no extra kernels; callers zero
+//   gradient buffers when they must start from zero.
+// * A nullable gradient pointer means "not needed": the kernel skips it.
+// * In deterministic mode (always, for the CPU backend) results are
+//   bit-identical from run to run: no atomics, and reductions run in an
+//   order that depends on the shapes only, never on the thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace keel::trainer {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory ----
+  virtual void* alloc(size_t bytes) = 0;  // zero-filled, 64-byte aligned at least
+  virtual void free(void* ptr) = 0;
+  virtual void zero(void* ptr, size_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+
+  // ---- embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] ----
+  virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                                 int B, int T, int C) = 0;
+  virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                                  int B, int T, int C) = 0;
+
+  // ---- layernorm over the last dim, eps 1e-5; saves mean[N] and rstd[N] ----
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                                 const float* weight, const float* bias, int N, int C) = 0;
+  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                  const float* inp, const float* weight, const float* mean,
+                                  const float* rstd, int N, int C) = 0;
+
+  // ---- linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (bias nullable) ----
+  virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                              int N, int C, int OC) = 0;
+  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const float* inp, const float* weight, int N, int C, int OC) = 0;
+
+  // ---- causal self-attention ----
+  // qkv[B,T,3C]: per position q (C), then k (C), then v (C); head h owns
+  // channels h*d..(h+1)*d of each, d = C/NH. out[B,T,C] holds the heads side
+  // by side. att[B,NH,T,T] saves the softmax probabilities (row t: keys
+  // 0..t; entries above the diagonal are zero). Scale 1/sqrt(d).
+  virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
+  // scratch[B,NH,T,T] is working memory the kernel may overwrite.
+  virtual void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
+                                  const float* att, int B, int T, int C, int NH) = 0;
+
+  // ---- GELU, tanh form ----
+  virtual void gelu_forward(float* out, const float* inp, size_t n) = 0;
+  virtual void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) = 0;
+
+  // ---- elementwise ----
+  virtual void add(float* out, const float* a, const float* b, size_t n) = 0;  // out = a + b
+  virtual void accumulate(float* dst, const float* src, size_t n) = 0;          // dst += src
+  virtual void scale(float* x, float s, size_t n) = 0;                          // x *= s
+
+  // ---- softmax cross-entropy over logits[N,Vp]; only the first V columns
+  // are real classes, padded columns never take part. losses[N] gets
+  // -log p(target). When dlogits is non-null it is OVERWRITTEN (not
+  // accumulated) with dloss * (softmax - onehot), zero in padded columns;
+  // dlogits may alias logits. ----
+  virtual void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits,
+                                             const int32_t* targets, float dloss, int N, int V, int Vp) = 0;
+
+  // ---- row softmax over probs[N,E] (MoE router) ----
+  virtual void softmax_forward(float* probs, const float* logits, int N, int E) = 0;
+  virtual void softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) = 0;
+
+  // ---- row gather/scatter (MoE dispatch and combine) ----
+  // out[m,:] = weights[m] * inp[rows[m],:] for m < M (weights nullable: 1).
+  virtual void gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                           int C) = 0;
+  // out[rows[m],:] += weights[m] * inp[m,:] (weights nullable: 1), summed
+  // over m in increasing order for each destination row.
+  virtual void scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights,
+                                int M, int C) = 0;
+  // out[m] = dot(a[rows[m],:], b[m,:]): the gradient of a combine weight.
+  virtual void gathered_row_dot(float* out, const float* a, const int32_t* rows, const float* b, int M, int C) = 0;
+
+  // ---- optimizer ----
+  // One AdamW step on n elements with bias correction for step t (1-based);
+  // grads are multiplied by grad_scale first (gradient clipping).
+  virtual void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
+                            float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                            int64_t t) = 0;
+  // sum(x^2) in double, reduced in a fixed order.
+  virtual double sum_squares(const float* x, size_t n) = 0;
+  // sum(x) in double, reduced in a fixed order.
+  virtual double sum(const float* x, size_t n) = 0;
+};
+
+}  // namespace keel::trainer

@@ -1,0 +1,648 @@
+// The reference backend. Two rules shape everything here:
+// * Determinism across thread counts. OpenBLAS's bits depend on how a GEMM
+//   is partitioned (with 0.3.21, splitting the same product into different
+//   blocks changes low bits), and its own threading partitions by thread
+//   count. So OpenBLAS runs single-threaded, every GEMM is cut into tiles
+//   whose sizes depend on the shape only, the tiles run in our parallel
+//   region, and every reduction sums in an order fixed by the shape.
+// * Speed. The CPU trainer has to beat PyTorch, so GEMMs go to OpenBLAS,
+//   attention skips the masked upper triangle block by block, and GELU and
+//   the softmaxes use an exp written so the compiler vectorises it.
+#include "trainer/kernels/cpu_backend.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+namespace keel::trainer {
+namespace {
+
+constexpr size_t kAlignment = 64;
+// Below this many elements a parallel region costs more than it saves.
+constexpr size_t kParallelMin = size_t{1} << 15;
+// sum and sum_squares reduce chunks of this size into partials, then sum
+// the partials serially, so the order depends on n only.
+constexpr size_t kReduceChunk = size_t{1} << 16;
+// Rows per partial in layernorm's dweight/dbias reduction.
+constexpr int kLayernormRowChunk = 32;
+// Channels per work item where threads split a reduction by channel.
+constexpr int kChannelBlock = 32;
+// Queries per attention block: each block meets only the keys at or before
+// its last row, so the masked triangle costs almost nothing.
+constexpr int kQueryBlock = 64;
+// GEMM tiles are halved until they hold about this much work or an edge
+// would drop below kGemmMinEdge. Each tile repacks its panels of both
+// operands, so smaller tiles buy parallelism beyond ~8 threads with packing
+// overhead that costs the 2-core case (measured on the B=8, T=256, C=256
+// block: 64e6/64 was ~10% slower than this).
+constexpr double kGemmTileFlops = 128e6;
+constexpr int kGemmMinEdge = 128;
+
+constexpr float kLayernormEps = 1e-5f;
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  // Without hardware FMA std::fma is a slow library call.
+  return a * b + c;
+#endif
+}
+
+// exp(x) to about 1.5 ulp (Cephes' polynomial) for x in [-87, 88], clamped
+// outside. glibc's vector expf is reachable only under -ffast-math, which
+// keel does not use; this one is plain arithmetic, so `omp simd` loops
+// vectorise it.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = madd(x, 1.44269504088896341f, kShift);
+  const float n = t - kShift;
+  float r = madd(n, -0.693359375f, x);  // ln 2 split in two for exact reduction
+  r = madd(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = madd(p, r, 1.3981999507e-3f);
+  p = madd(p, r, 8.3334519073e-3f);
+  p = madd(p, r, 4.1665795894e-2f);
+  p = madd(p, r, 1.6666665459e-1f);
+  p = madd(p, r, 5.0000001201e-1f);
+  const float e = madd(p, r * r, r) + 1.0f;
+  const int32_t pow2 = (std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kShift) + 127) << 23;
+  return e * std::bit_cast<float>(pow2);
+}
+
+// Sums load(0..n) in 16 independent lanes folded by a fixed tree. The lanes
+// vectorise without reassociation, so the result depends on n alone, not on
+// alignment or on which thread runs it.
+template <typename Acc, typename Load>
+inline Acc fixed_order_sum(size_t n, Load load) {
+  constexpr size_t kLanes = 16;
+  Acc acc[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) acc[j] += load(i + j);
+  }
+  for (size_t j = 0; i + j < n; ++j) acc[j] += load(i + j);
+  for (size_t width = kLanes / 2; width > 0; width /= 2) {
+    for (size_t j = 0; j < width; ++j) acc[j] += acc[j + width];
+  }
+  return acc[0];
+}
+
+inline float row_sum(const float* x, int n) {
+  return fixed_order_sum<float>(n, [x](size_t i) { return x[i]; });
+}
+
+inline float row_dot(const float* a, const float* b, int n) {
+  return fixed_order_sum<float>(n, [a, b](size_t i) { return a[i] * b[i]; });
+}
+
+inline float row_max(const float* x, int n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// C = alpha * op(A) op(B) + beta * C, row-major. See the file comment for
+// why tiles are fixed by shape. The parallel region has no if() clause on
+// purpose: the OpenMP build of OpenBLAS takes its thread count from
+// omp_get_max_threads() unless it is called inside an active parallel
+// region.
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+          int ldb, float beta, float* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  int tile_m = m;
+  int tile_n = n;
+  auto halve = [](int edge) { return (edge / 2 + 31) / 32 * 32; };
+  while (2.0 * tile_m * tile_n * k > kGemmTileFlops) {
+    // Splitting the longer edge keeps tiles square-ish, which minimises
+    // the packing each tile repeats.
+    if (tile_m >= tile_n && tile_m >= 2 * kGemmMinEdge) {
+      tile_m = halve(tile_m);
+    } else if (tile_n >= 2 * kGemmMinEdge) {
+      tile_n = halve(tile_n);
+    } else if (tile_m >= 2 * kGemmMinEdge) {
+      tile_m = halve(tile_m);
+    } else {
+      break;
+    }
+  }
+  const int tiles_m = (m + tile_m - 1) / tile_m;
+  const int tiles_n = (n + tile_n - 1) / tile_n;
+  const CBLAS_TRANSPOSE op_a = trans_a ? CblasTrans : CblasNoTrans;
+  const CBLAS_TRANSPOSE op_b = trans_b ? CblasTrans : CblasNoTrans;
+#pragma omp parallel for schedule(dynamic)
+  for (int tile = 0; tile < tiles_m * tiles_n; ++tile) {
+    const int i0 = tile / tiles_n * tile_m;
+    const int j0 = tile % tiles_n * tile_n;
+    const int rows = std::min(tile_m, m - i0);
+    const int cols = std::min(tile_n, n - j0);
+    const float* a_tile = trans_a ? a + i0 : a + static_cast<size_t>(i0) * lda;
+    const float* b_tile = trans_b ? b + static_cast<size_t>(j0) * ldb : b + j0;
+    cblas_sgemm(CblasRowMajor, op_a, op_b, rows, cols, k, alpha, a_tile, lda, b_tile, ldb, beta,
+                c + static_cast<size_t>(i0) * ldc + j0, ldc);
+  }
+}
+
+// dst[c] += sum over r of src[r*cols + c]. Each thread owns whole columns
+// and walks the rows in order, so the sum order is the same for any thread
+// count; accumulating in double keeps long columns accurate.
+void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
+  const int blocks = (cols + kChannelBlock - 1) / kChannelBlock;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(rows) * cols > kParallelMin)
+  for (int blk = 0; blk < blocks; ++blk) {
+    const int c0 = blk * kChannelBlock;
+    const int width = std::min(kChannelBlock, cols - c0);
+    double acc[kChannelBlock] = {};
+    for (int r = 0; r < rows; ++r) {
+      const float* row = src + static_cast<size_t>(r) * cols + c0;
+#pragma omp simd
+      for (int j = 0; j < width; ++j) acc[j] += row[j];
+    }
+    for (int j = 0; j < width; ++j) dst[c0 + j] += static_cast<float>(acc[j]);
+  }
+}
+
+// Softmax of row[0..len) in place, zeros in row[len..width).
+inline void causal_softmax_row(float* row, int len, int width) {
+  const float max = row_max(row, len);
+#pragma omp simd
+  for (int i = 0; i < len; ++i) row[i] = exp_approx(row[i] - max);
+  const float inv = 1.0f / row_sum(row, len);
+#pragma omp simd
+  for (int i = 0; i < len; ++i) row[i] *= inv;
+  std::fill(row + len, row + width, 0.0f);
+}
+
+// Reduces fixed chunks into double partials, then the partials in order.
+template <typename Load>
+double chunked_sum(size_t n, Load load) {
+  const size_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  std::vector<double> partial(chunks);
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (size_t chunk = 0; chunk < chunks; ++chunk) {
+    const size_t begin = chunk * kReduceChunk;
+    const size_t len = std::min(kReduceChunk, n - begin);
+    partial[chunk] = fixed_order_sum<double>(len, [&load, begin](size_t i) { return load(begin + i); });
+  }
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_num_procs()) {
+  // OpenBLAS itself runs single-threaded: the parallelism is ours (GEMM
+  // tiles, attention heads). The OpenMP build would stay single-threaded
+  // inside our parallel regions anyway, but a binary that resolves
+  // libopenblas.so.0 to Debian's default pthreads build would not, and its
+  // own threads would make results depend on the thread count. The OpenMP
+  // build's openblas_set_num_threads also sets the OpenMP count, so ours
+  // comes after it.
+  openblas_set_num_threads(1);
+  // A dynamic team could hand a GEMM tile loop one thread while
+  // omp_get_max_threads() > 1, and the OpenMP OpenBLAS would thread again.
+  omp_set_dynamic(0);
+  omp_set_num_threads(threads_);
+}
+
+// ---- memory ----
+
+void* CpuBackend::alloc(size_t bytes) {
+  const size_t rounded = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* ptr = std::aligned_alloc(kAlignment, rounded);
+  if (ptr == nullptr) throw std::bad_alloc();
+  std::memset(ptr, 0, rounded);
+  return ptr;
+}
+
+void CpuBackend::free(void* ptr) { std::free(ptr); }
+
+void CpuBackend::zero(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
+
+void CpuBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
+  std::memcpy(dst, host_src, bytes);
+}
+
+void CpuBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) { std::memcpy(host_dst, src, bytes); }
+
+// ---- embedding ----
+
+void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,
+                                   int T, int C) {
+#pragma omp parallel for schedule(static)
+  for (int bt = 0; bt < B * T; ++bt) {
+    const float* w = wte + static_cast<size_t>(tokens[bt]) * C;
+    const float* p = wpe + static_cast<size_t>(bt % T) * C;
+    float* o = out + static_cast<size_t>(bt) * C;
+#pragma omp simd
+    for (int c = 0; c < C; ++c) o[c] = w[c] + p[c];
+  }
+}
+
+void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B,
+                                    int T, int C) {
+  if (dwpe != nullptr) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; ++t) {
+      float* dst = dwpe + static_cast<size_t>(t) * C;
+      for (int b = 0; b < B; ++b) {
+        const float* src = dout + (static_cast<size_t>(b) * T + t) * C;
+#pragma omp simd
+        for (int c = 0; c < C; ++c) dst[c] += src[c];
+      }
+    }
+  }
+  if (dwte != nullptr) {
+    // A token can repeat anywhere in the batch, so threads split channels
+    // rather than positions and each walks the positions in order.
+    const int blocks = (C + kChannelBlock - 1) / kChannelBlock;
+#pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int c0 = blk * kChannelBlock;
+      const int width = std::min(kChannelBlock, C - c0);
+      for (int bt = 0; bt < B * T; ++bt) {
+        float* dst = dwte + static_cast<size_t>(tokens[bt]) * C + c0;
+        const float* src = dout + static_cast<size_t>(bt) * C + c0;
+#pragma omp simd
+        for (int c = 0; c < width; ++c) dst[c] += src[c];
+      }
+    }
+  }
+}
+
+// ---- layernorm ----
+
+void CpuBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                   const float* bias, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const float* x = inp + static_cast<size_t>(n) * C;
+    float* o = out + static_cast<size_t>(n) * C;
+    const float mu = row_sum(x, C) / static_cast<float>(C);
+    // Two passes: the variance from centred values does not cancel.
+    const float var = fixed_order_sum<float>(C, [x, mu](size_t i) {
+                        const float dx = x[i] - mu;
+                        return dx * dx;
+                      }) /
+                      static_cast<float>(C);
+    const float rs = 1.0f / std::sqrt(var + kLayernormEps);
+#pragma omp simd
+    for (int c = 0; c < C; ++c) o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
+    mean[n] = mu;
+    rstd[n] = rs;
+  }
+}
+
+void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                    const float* weight, const float* mean, const float* rstd, int N, int C) {
+  // dweight/dbias: each fixed chunk of rows sums into its own partial, the
+  // partials are then summed in chunk order.
+  const int chunks = (N + kLayernormRowChunk - 1) / kLayernormRowChunk;
+  const bool want_params = dweight != nullptr || dbias != nullptr;
+  std::vector<float> partial_w(want_params ? static_cast<size_t>(chunks) * C : 0);
+  std::vector<float> partial_b(want_params ? static_cast<size_t>(chunks) * C : 0);
+#pragma omp parallel for schedule(static)
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    float* pw = want_params ? partial_w.data() + static_cast<size_t>(chunk) * C : nullptr;
+    float* pb = want_params ? partial_b.data() + static_cast<size_t>(chunk) * C : nullptr;
+    const int n_end = std::min(N, (chunk + 1) * kLayernormRowChunk);
+    for (int n = chunk * kLayernormRowChunk; n < n_end; ++n) {
+      const float* x = inp + static_cast<size_t>(n) * C;
+      const float* dy = dout + static_cast<size_t>(n) * C;
+      const float mu = mean[n];
+      const float rs = rstd[n];
+      if (want_params) {
+#pragma omp simd
+        for (int c = 0; c < C; ++c) {
+          pw[c] += dy[c] * ((x[c] - mu) * rs);
+          pb[c] += dy[c];
+        }
+      }
+      if (dinp != nullptr) {
+        const float dnorm_mean = fixed_order_sum<float>(C, [dy, weight](size_t i) { return dy[i] * weight[i]; }) /
+                                 static_cast<float>(C);
+        const float dnorm_norm_mean = fixed_order_sum<float>(C, [dy, weight, x, mu, rs](size_t i) {
+                                        return dy[i] * weight[i] * ((x[i] - mu) * rs);
+                                      }) /
+                                      static_cast<float>(C);
+        float* dx = dinp + static_cast<size_t>(n) * C;
+#pragma omp simd
+        for (int c = 0; c < C; ++c) {
+          const float norm = (x[c] - mu) * rs;
+          dx[c] += rs * (dy[c] * weight[c] - dnorm_mean - norm * dnorm_norm_mean);
+        }
+      }
+    }
+  }
+  if (!want_params) return;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(chunks) * C > kParallelMin)
+  for (int c = 0; c < C; ++c) {
+    double sw = 0.0;
+    double sb = 0.0;
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      sw += partial_w[static_cast<size_t>(chunk) * C + c];
+      sb += partial_b[static_cast<size_t>(chunk) * C + c];
+    }
+    if (dweight != nullptr) dweight[c] += static_cast<float>(sw);
+    if (dbias != nullptr) dbias[c] += static_cast<float>(sb);
+  }
+}
+
+// ---- matmul ----
+
+void CpuBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                                int OC) {
+  if (bias != nullptr) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * OC > kParallelMin)
+    for (int n = 0; n < N; ++n) std::memcpy(out + static_cast<size_t>(n) * OC, bias, sizeof(float) * OC);
+  }
+  gemm(false, true, N, OC, C, 1.0f, inp, C, weight, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+}
+
+void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                 const float* weight, int N, int C, int OC) {
+  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
+  if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  if (dbias != nullptr) column_sum_accumulate(dbias, dout, N, OC);
+}
+
+// ---- attention ----
+
+void CpuBackend::attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+  const int d = C / NH;
+  const int ld = 3 * C;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
+  // Every (batch, head, query block) is independent, so dynamic scheduling
+  // balances the uneven triangle without touching the results.
+#pragma omp parallel for schedule(dynamic)
+  for (int unit = 0; unit < B * NH * blocks; ++unit) {
+    const int bh = unit / blocks;
+    const int b = bh / NH;
+    const int h = bh % NH;
+    const int r0 = unit % blocks * kQueryBlock;
+    const int r1 = std::min(T, r0 + kQueryBlock);
+    const float* q = qkv + static_cast<size_t>(b) * T * ld + h * d;
+    const float* k = q + C;
+    const float* v = q + 2 * C;
+    float* a = att + (static_cast<size_t>(bh) * T + r0) * T;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, d, scale, q + static_cast<size_t>(r0) * ld,
+                ld, k, ld, 0.0f, a, T);
+    for (int t = r0; t < r1; ++t) causal_softmax_row(a + static_cast<size_t>(t - r0) * T, t + 1, T);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, r1, 1.0f, a, T, v, ld, 0.0f,
+                out + (static_cast<size_t>(b) * T + r0) * C + h * d, C);
+  }
+}
+
+void CpuBackend::attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
+                                    const float* att, int B, int T, int C, int NH) {
+  const int d = C / NH;
+  const int ld = 3 * C;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
+  // One (batch, head) per work item: dK and dV gather from every query
+  // block, so the blocks of a head run in order on one thread.
+#pragma omp parallel for schedule(dynamic)
+  for (int bh = 0; bh < B * NH; ++bh) {
+    const int b = bh / NH;
+    const int h = bh % NH;
+    const size_t head = static_cast<size_t>(b) * T * ld + h * d;
+    const float* q = qkv + head;
+    const float* k = q + C;
+    const float* v = q + 2 * C;
+    float* dq = dqkv + head;
+    float* dk = dq + C;
+    float* dv = dq + 2 * C;
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int r0 = blk * kQueryBlock;
+      const int r1 = std::min(T, r0 + kQueryBlock);
+      const int rows = r1 - r0;
+      const float* p = att + (static_cast<size_t>(bh) * T + r0) * T;
+      float* ds = scratch + (static_cast<size_t>(bh) * T + r0) * T;
+      const float* dy = dout + (static_cast<size_t>(b) * T + r0) * C + h * d;
+      // dP = dO V^T, then dV += P^T dO.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, 1.0f, dy, C, v, ld, 0.0f, ds, T);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, p, T, dy, C, 1.0f, dv, ld);
+      // dS = P * (dP - rowsum(dP * P)) * scale, zero above the diagonal.
+      for (int t = r0; t < r1; ++t) {
+        const float* p_row = p + static_cast<size_t>(t - r0) * T;
+        float* ds_row = ds + static_cast<size_t>(t - r0) * T;
+        const int len = t + 1;
+        const float dot = row_dot(p_row, ds_row, len);
+#pragma omp simd
+        for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - dot) * scale;
+        std::fill(ds_row + len, ds_row + r1, 0.0f);
+      }
+      // dQ += dS K, dK += dS^T Q.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, r1, 1.0f, ds, T, k, ld, 1.0f,
+                  dq + static_cast<size_t>(r0) * ld, ld);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, ds, T,
+                  q + static_cast<size_t>(r0) * ld, ld, 1.0f, dk, ld);
+    }
+  }
+}
+
+// ---- GELU ----
+// 0.5 x (1 + tanh u) is written as x * sigmoid(2u): the same function, but
+// without the cancellation of 1 + tanh u for negative u, and needing only
+// one exp.
+
+void CpuBackend::gelu_forward(float* out, const float* inp, size_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
+    out[i] = x / (1.0f + exp_approx(-2.0f * u));
+  }
+}
+
+void CpuBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
+    const float e = exp_approx(-2.0f * u);
+    const float s = 1.0f / (1.0f + e);
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * (x * x));
+    // d/dx x s(2u) = s + 2 x s (1 - s) u', with 1 - s = e s.
+    const float grad = s + 2.0f * x * du * (e * s) * s;
+    dinp[i] += grad * dout[i];
+  }
+}
+
+// ---- elementwise ----
+
+void CpuBackend::add(float* out, const float* a, const float* b, size_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void CpuBackend::accumulate(float* dst, const float* src, size_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void CpuBackend::scale(float* x, float s, size_t n) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+// ---- cross-entropy ----
+
+void CpuBackend::crossentropy_forward_backward(float* losses, float* dlogits, const float* logits,
+                                               const int32_t* targets, float dloss, int N, int V, int Vp) {
+#pragma omp parallel
+  {
+    // Without dlogits the exps need a home of their own; with it they live
+    // in the dlogits row (each element is read before it is overwritten, so
+    // aliasing logits is safe).
+    std::vector<float> own(dlogits == nullptr ? V : 0);
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; ++n) {
+      const float* x = logits + static_cast<size_t>(n) * Vp;
+      float* e = dlogits != nullptr ? dlogits + static_cast<size_t>(n) * Vp : own.data();
+      const int target = targets[n];
+      const float x_target = x[target];
+      const float max = row_max(x, V);
+#pragma omp simd
+      for (int c = 0; c < V; ++c) e[c] = exp_approx(x[c] - max);
+      const float sum = row_sum(e, V);
+      losses[n] = (max + std::log(sum)) - x_target;
+      if (dlogits == nullptr) continue;
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int c = 0; c < V; ++c) e[c] = dloss * (e[c] * inv - (c == target ? 1.0f : 0.0f));
+      std::fill(e + V, e + Vp, 0.0f);
+    }
+  }
+}
+
+// ---- router softmax ----
+
+void CpuBackend::softmax_forward(float* probs, const float* logits, int N, int E) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * E > kParallelMin)
+  for (int n = 0; n < N; ++n) {
+    const float* x = logits + static_cast<size_t>(n) * E;
+    float* p = probs + static_cast<size_t>(n) * E;
+    const float max = row_max(x, E);
+#pragma omp simd
+    for (int e = 0; e < E; ++e) p[e] = exp_approx(x[e] - max);
+    const float inv = 1.0f / row_sum(p, E);
+#pragma omp simd
+    for (int e = 0; e < E; ++e) p[e] *= inv;
+  }
+}
+
+void CpuBackend::softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * E > kParallelMin)
+  for (int n = 0; n < N; ++n) {
+    const float* p = probs + static_cast<size_t>(n) * E;
+    const float* dp = dprobs + static_cast<size_t>(n) * E;
+    float* dx = dlogits + static_cast<size_t>(n) * E;
+    const float dot = row_dot(p, dp, E);
+#pragma omp simd
+    for (int e = 0; e < E; ++e) dx[e] += p[e] * (dp[e] - dot);
+  }
+}
+
+// ---- row gather/scatter ----
+
+void CpuBackend::gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                             int C) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(M) * C > kParallelMin)
+  for (int m = 0; m < M; ++m) {
+    float* dst = out + static_cast<size_t>(m) * C;
+    const float* src = inp + static_cast<size_t>(rows[m]) * C;
+    if (weights == nullptr) {
+      std::memcpy(dst, src, sizeof(float) * C);
+    } else {
+      const float w = weights[m];
+#pragma omp simd
+      for (int c = 0; c < C; ++c) dst[c] = w * src[c];
+    }
+  }
+}
+
+void CpuBackend::scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                                  int C) {
+  // Destinations repeat, so threads split channels and each walks m in
+  // increasing order, as the contract requires.
+  const int blocks = (C + kChannelBlock - 1) / kChannelBlock;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(M) * C > kParallelMin)
+  for (int blk = 0; blk < blocks; ++blk) {
+    const int c0 = blk * kChannelBlock;
+    const int width = std::min(kChannelBlock, C - c0);
+    for (int m = 0; m < M; ++m) {
+      float* dst = out + static_cast<size_t>(rows[m]) * C + c0;
+      const float* src = inp + static_cast<size_t>(m) * C + c0;
+      if (weights == nullptr) {
+#pragma omp simd
+        for (int c = 0; c < width; ++c) dst[c] += src[c];
+      } else {
+        const float w = weights[m];
+#pragma omp simd
+        for (int c = 0; c < width; ++c) dst[c] += w * src[c];
+      }
+    }
+  }
+}
+
+void CpuBackend::gathered_row_dot(float* out, const float* a, const int32_t* rows, const float* b, int M, int C) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(M) * C > kParallelMin)
+  for (int m = 0; m < M; ++m) {
+    out[m] = row_dot(a + static_cast<size_t>(rows[m]) * C, b + static_cast<size_t>(m) * C, C);
+  }
+}
+
+// ---- optimizer ----
+
+void CpuBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
+                              float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                              int64_t t) {
+  // The scalars are formed in double and the elementwise work in float, in
+  // torch.optim.AdamW's (single-tensor) order of operations, so the PyTorch
+  // oracle agrees to the last bit or two.
+  const double bias1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
+  const double bias2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
+  const float step_size = static_cast<float>(static_cast<double>(lr) / bias1);
+  const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
+  const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(beta2));
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) {
+    const float g = grads[i] * grad_scale;
+    const float p = params[i] * decay;
+    const float mi = m[i] + one_minus_beta1 * (g - m[i]);  // torch's lerp
+    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
+    const float denom = std::sqrt(vi) / bias2_sqrt + eps;
+    m[i] = mi;
+    v[i] = vi;
+    params[i] = p - step_size * (mi / denom);
+  }
+}
+
+double CpuBackend::sum_squares(const float* x, size_t n) {
+  return chunked_sum(n, [x](size_t i) {
+    const double xi = x[i];
+    return xi * xi;
+  });
+}
+
+double CpuBackend::sum(const float* x, size_t n) {
+  return chunked_sum(n, [x](size_t i) { return static_cast<double>(x[i]); });
+}
+
+}  // namespace keel::trainer

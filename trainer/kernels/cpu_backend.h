@@ -1,0 +1,62 @@
+// The reference backend: OpenBLAS (OpenMP build) for GEMM, C++ loops with
+// OpenMP elsewhere. Every reduction runs in a fixed, shape-determined order,
+// so results do not depend on the thread count.
+#pragma once
+
+#include "trainer/kernels/backend.h"
+
+namespace keel::trainer {
+
+class CpuBackend final : public Backend {
+ public:
+  // threads <= 0: every core. Sets the OpenMP and OpenBLAS thread counts
+  // for the whole process.
+  explicit CpuBackend(int threads = 0);
+  const char* name() const override { return "cpu"; }
+  int threads() const { return threads_; }
+
+  void* alloc(size_t bytes) override;
+  void free(void* ptr) override;
+  void zero(void* ptr, size_t bytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B, int T,
+                         int C) override;
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B, int T,
+                          int C) override;
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int N, int C) override;
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int N, int C) override;
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) override;
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) override;
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override;
+  void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
+                          int B, int T, int C, int NH) override;
+  void gelu_forward(float* out, const float* inp, size_t n) override;
+  void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
+  void add(float* out, const float* a, const float* b, size_t n) override;
+  void accumulate(float* dst, const float* src, size_t n) override;
+  void scale(float* x, float s, size_t n) override;
+  void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits, const int32_t* targets,
+                                     float dloss, int N, int V, int Vp) override;
+  void softmax_forward(float* probs, const float* logits, int N, int E) override;
+  void softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) override;
+  void gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                   int C) override;
+  void scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                        int C) override;
+  void gathered_row_dot(float* out, const float* a, const int32_t* rows, const float* b, int M, int C) override;
+  void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, float grad_scale, int64_t t) override;
+  double sum_squares(const float* x, size_t n) override;
+  double sum(const float* x, size_t n) override;
+
+ private:
+  int threads_;
+};
+
+}  // namespace keel::trainer

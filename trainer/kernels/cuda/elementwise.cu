@@ -1,0 +1,157 @@
+// Elementwise kernels and AdamW. Each is memory-bound, so a grid-stride loop
+// with coalesced accesses and just enough blocks to fill the device is all
+// the speed there is to get. The math follows cpu_backend.cpp line by line
+// so the tests can compare the two elementwise.
+#include "trainer/kernels/cuda/cuda_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/error.h"
+
+namespace keel::trainer::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Resident blocks per SM that fill it at kThreads (2048 threads on Hopper).
+constexpr int kBlocksPerSm = 8;
+
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluCubic = 0.044715f;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw common::Error(common::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(err));
+  }
+}
+
+unsigned grid_for(size_t n) {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const size_t needed = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::min<size_t>(needed, static_cast<size_t>(sms) * kBlocksPerSm));
+}
+
+// Launches kernel(args..., n) over n elements and turns a launch failure
+// into an Error. A kernel that faults while running surfaces at the next
+// synchronising call, as with any CUDA work.
+template <typename... KernelArgs, typename... Args>
+void launch(const char* name, void (*kernel)(KernelArgs...), size_t n, cudaStream_t stream, Args... args) {
+  if (n == 0) return;  // a zero-block grid is a launch error
+  kernel<<<grid_for(n), kThreads, 0, stream>>>(args..., n);
+  check(cudaGetLastError(), name);
+}
+
+__device__ inline size_t first_index() { return blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; }
+__device__ inline size_t grid_stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
+
+// exp of -2u, clamped as the CPU backend clamps it, so the backward's e * s
+// stays finite instead of becoming inf * 0.
+__device__ inline float gelu_exp(float x) {
+  const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
+  return expf(fminf(fmaxf(-2.0f * u, -87.0f), 88.0f));
+}
+
+// gelu(x) = 0.5 x (1 + tanh u) = x * sigmoid(2u), which avoids the
+// cancellation of 1 + tanh u for negative u.
+__global__ void gelu_forward_kernel(float* out, const float* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = inp[i];
+    out[i] = x / (1.0f + gelu_exp(x));
+  }
+}
+
+__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const float x = inp[i];
+    const float e = gelu_exp(x);
+    const float s = 1.0f / (1.0f + e);
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * (x * x));
+    const float grad = s + 2.0f * x * du * (e * s) * s;
+    dinp[i] += grad * dout[i];
+  }
+}
+
+__global__ void add_kernel(float* out, const float* a, const float* b, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = a[i] + b[i];
+}
+
+__global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
+}
+
+__global__ void scale_kernel(float* x, float s, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) x[i] *= s;
+}
+
+__global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
+                             float* __restrict__ v, float step_size, float bias2_sqrt, float decay,
+                             float one_minus_beta1, float beta2, float one_minus_beta2, float eps, float grad_scale,
+                             size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = grads[i] * grad_scale;
+    const float p = params[i] * decay;
+    const float mi = m[i] + one_minus_beta1 * (g - m[i]);
+    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
+    const float denom = sqrtf(vi) / bias2_sqrt + eps;
+    m[i] = mi;
+    v[i] = vi;
+    params[i] = p - step_size * (mi / denom);
+  }
+}
+
+}  // namespace
+
+bool device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it so later calls do not report it again
+    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (count == 0) {
+    if (why != nullptr) *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+void gelu_forward(float* out, const float* inp, size_t n, cudaStream_t stream) {
+  launch("gelu_forward", gelu_forward_kernel, n, stream, out, inp);
+}
+
+void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n, cudaStream_t stream) {
+  launch("gelu_backward", gelu_backward_kernel, n, stream, dinp, inp, dout);
+}
+
+void add(float* out, const float* a, const float* b, size_t n, cudaStream_t stream) {
+  launch("add", add_kernel, n, stream, out, a, b);
+}
+
+void accumulate(float* dst, const float* src, size_t n, cudaStream_t stream) {
+  launch("accumulate", accumulate_kernel, n, stream, dst, src);
+}
+
+void scale(float* x, float s, size_t n, cudaStream_t stream) { launch("scale", scale_kernel, n, stream, x, s); }
+
+void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, float grad_scale, int64_t t, cudaStream_t stream) {
+  // Scalars in double on the host, exactly as CpuBackend::adamw_update.
+  const double bias1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
+  const double bias2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
+  const float step_size = static_cast<float>(static_cast<double>(lr) / bias1);
+  const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
+  const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(beta2));
+  launch("adamw_update", adamw_kernel, n, stream, params, grads, m, v, step_size, bias2_sqrt, decay, one_minus_beta1,
+         beta2, one_minus_beta2, eps, grad_scale);
+}
+
+}  // namespace keel::trainer::cuda

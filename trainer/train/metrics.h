@@ -1,0 +1,30 @@
+// run_dir/metrics.jsonl (DESIGN §6): one JSON object per optimizer step,
+// written by rank 0. Each line is flushed as it is written so a crash loses
+// at most the line in flight; close() fsyncs.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+
+namespace keel::trainer {
+
+class MetricsWriter {
+ public:
+  // Creates run_dir if needed and starts a fresh metrics.jsonl.
+  // Throws Error(kBadConfig) when the run directory cannot be written.
+  explicit MetricsWriter(const std::filesystem::path& run_dir);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
+  void write(const nlohmann::json& record);
+  void close();
+
+ private:
+  std::filesystem::path path_;
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace keel::trainer

@@ -1,0 +1,153 @@
+#include "trainer/train/train_loop.h"
+
+#include "common/log.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+
+namespace keel::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(std::llround(seconds));
+  if (s >= 3600) return fmt::format("{}h{:02}m", s / 3600, s % 3600 / 60);
+  if (s >= 60) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+std::string format_rate(double tokens_per_s) {
+  return tokens_per_s >= 1e4 ? fmt::format("{:.1f}k", tokens_per_s / 1e3) : fmt::format("{:.0f}", tokens_per_s);
+}
+
+int sequences_per_microbatch(const common::Config& c) {
+  return static_cast<int>(c.train.batch_size / (c.parallel.dp * c.parallel.micro_batches));
+}
+
+}  // namespace
+
+TrainLoop::TrainLoop(const common::Config& config, Backend& backend)
+    : config_(config),
+      backend_(backend),
+      train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
+      micro_batch_(sequences_per_microbatch(config)),
+      model_(config.model, backend, micro_batch_),
+      optimizer_(backend, model_.table(), config.train) {
+  if (!config.data.val.empty()) {
+    val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
+  }
+  model_.init(static_cast<uint64_t>(config.job.seed));
+  const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
+  inputs_.resize(tokens);
+  targets_.resize(tokens);
+}
+
+StepStats TrainLoop::train_step(int64_t step) {
+  const auto start = Clock::now();
+  const int T = static_cast<int>(config_.model.seq_len);
+  const int64_t micro_batches = config_.parallel.micro_batches;
+  const float loss_scale = 1.0f / static_cast<float>(micro_batches);
+
+  StepStats stats;
+  stats.step = step;
+  model_.zero_grads();
+  double loss_sum = 0, aux_sum = 0;
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
+                     m * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
+    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
+    aux_sum += model_.aux_loss();
+    model_.backward(loss_scale);
+  }
+  stats.loss = static_cast<float>(loss_sum / micro_batches);
+  stats.aux_loss = static_cast<float>(aux_sum / micro_batches);
+  stats.lr = learning_rate(config_.train, step);
+  stats.grad_norm = optimizer_.step(model_.params(), model_.grads(), static_cast<float>(stats.lr), step);
+  stats.step_ms = seconds_since(start) * 1e3;
+  return stats;
+}
+
+float TrainLoop::validate() {
+  const int T = static_cast<int>(config_.model.seq_len);
+  double sum = 0;
+  for (int64_t i = 0; i < config_.train.val_batches; ++i) {
+    fill_val_batch(*val_, i, micro_batch_, T, inputs_.data(), targets_.data());
+    sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
+  }
+  return static_cast<float>(sum / config_.train.val_batches);
+}
+
+RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
+  auto log = common::logger("trainer");
+  const auto& train = config_.train;
+  const int64_t tokens_per_step = train.batch_size * config_.model.seq_len;
+  std::filesystem::path run_dir(config_.job.run_dir);
+  MetricsWriter metrics(run_dir);
+  log->info("training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters; run_dir {}",
+            train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
+            model_.table().total(), run_dir.string());
+
+  RunSummary summary;
+  const auto run_start = Clock::now();
+  double window_ms = 0, window_loss = 0;
+  int64_t window_steps = 0;
+  for (int64_t step = 0; step < train.steps; ++step) {
+    common::set_log_step(step);
+    StepStats stats = train_step(step);
+    summary.steps_done = step + 1;
+    summary.final_train_loss = stats.loss;
+    summary.tokens += tokens_per_step;
+    if (!std::isfinite(stats.loss)) {
+      log->error("loss is {} at step {}; lower train.lr or raise train.warmup_steps", stats.loss, step);
+    }
+
+    nlohmann::json record = {{"step", step},
+                             {"loss", stats.loss},
+                             {"lr", stats.lr},
+                             {"grad_norm", stats.grad_norm},
+                             {"tokens", summary.tokens},
+                             {"tokens_per_s", tokens_per_step / (stats.step_ms / 1e3)},
+                             {"step_ms", stats.step_ms}};
+    if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
+    const bool last = step + 1 == train.steps || stop.load();
+    if (val_ && train.val_every > 0 && ((step + 1) % train.val_every == 0 || last)) {
+      const float val_loss = validate();
+      summary.final_val_loss = val_loss;
+      record["val_loss"] = val_loss;
+      log->info("validation loss {:.4f}", val_loss);
+    }
+    metrics.write(record);
+
+    window_ms += stats.step_ms;
+    window_loss += stats.loss;
+    ++window_steps;
+    if ((step + 1) % train.log_every == 0 || last) {
+      const double elapsed = seconds_since(run_start);
+      const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(train.steps - step - 1);
+      log->info("step {}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {} tok/s | {:.0f} ms/step | ETA {}",
+                step + 1, train.steps, window_loss / window_steps, stats.lr, stats.grad_norm,
+                format_rate(tokens_per_step * window_steps / (window_ms / 1e3)), window_ms / window_steps,
+                format_duration(eta));
+      window_ms = window_loss = 0;
+      window_steps = 0;
+    }
+    if (stop.load() && step + 1 < train.steps) {
+      summary.stopped_early = true;
+      log->warn("stop requested: stopping after step {}", step);
+      break;
+    }
+  }
+  metrics.close();
+  summary.wall_s = seconds_since(run_start);
+  summary.tokens_per_s = summary.tokens / summary.wall_s;
+  return summary;
+}
+
+}  // namespace keel::trainer

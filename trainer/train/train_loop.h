@@ -1,0 +1,71 @@
+// The single-rank training loop: batches from the dataset, microbatched
+// forward/backward, clipping and AdamW, periodic validation, metrics and
+// progress with ETA.
+#pragma once
+
+#include "common/config.h"
+#include "trainer/data/dataset.h"
+#include "trainer/kernels/backend.h"
+#include "trainer/model/gpt.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/train/metrics.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace keel::trainer {
+
+struct StepStats {
+  int64_t step = 0;
+  float loss = 0;       // mean cross-entropy over the step's microbatches
+  float aux_loss = 0;   // mean MoE load-balancing loss
+  float grad_norm = 0;  // before clipping
+  double lr = 0;
+  double step_ms = 0;
+};
+
+struct RunSummary {
+  int64_t steps_done = 0;
+  bool stopped_early = false;         // a stop was requested before the last step
+  float final_train_loss = 0;         // last step's loss
+  std::optional<float> final_val_loss;
+  int64_t tokens = 0;
+  double wall_s = 0;
+  double tokens_per_s = 0;
+};
+
+class TrainLoop {
+ public:
+  // Opens the datasets (Error kDataError on bad shards), builds and
+  // initialises the model from job.seed.
+  TrainLoop(const common::Config& config, Backend& backend);
+
+  Gpt& model() { return model_; }
+  int micro_batch_size() const { return micro_batch_; }
+
+  // One optimizer step on the batch of global step `step`.
+  StepStats train_step(int64_t step);
+
+  bool has_validation() const { return val_.has_value(); }
+  // Mean cross-entropy over train.val_batches validation batches.
+  float validate();
+
+  // Trains train.steps steps, logging progress and writing metrics.jsonl;
+  // returns after the current step once `stop` becomes true.
+  RunSummary run(const std::atomic<bool>& stop);
+
+ private:
+  common::Config config_;
+  Backend& backend_;
+  TokenDataset train_;
+  std::optional<TokenDataset> val_;
+  int micro_batch_;
+  Gpt model_;
+  AdamW optimizer_;
+  std::vector<int32_t> inputs_, targets_;
+};
+
+}  // namespace keel::trainer
