@@ -14,7 +14,8 @@ std::atomic<int> g_rank{0};
 std::atomic<int64_t> g_step{-1};
 std::once_flag g_init_once;
 
-// %R: rank, %S: step ("-" before the first step).
+// %k: rank, %q: step ("-" before the first step). Letters spdlog itself
+// does not use, so its own time flags keep working.
 class RankFlag : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg&, const std::tm&, spdlog::memory_buf_t& dest) override {
@@ -38,8 +39,8 @@ class StepFlag : public spdlog::custom_flag_formatter {
 
 std::unique_ptr<spdlog::formatter> make_formatter() {
   auto formatter = std::make_unique<spdlog::pattern_formatter>();
-  formatter->add_flag<RankFlag>('R').add_flag<StepFlag>('S');
-  formatter->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%-5l%$ [%n] rank=%R step=%S %v");
+  formatter->add_flag<RankFlag>('k').add_flag<StepFlag>('q');
+  formatter->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%-5l%$ [%n] rank=%k step=%q %v");
   return formatter;
 }
 

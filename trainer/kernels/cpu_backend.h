@@ -1,6 +1,9 @@
 // The reference backend: OpenBLAS (OpenMP build) for GEMM, C++ loops with
 // OpenMP elsewhere. Every reduction runs in a fixed, shape-determined order,
-// so results do not depend on the thread count.
+// so results do not depend on the thread count. OpenBLAS's own results
+// change with how it splits a product, so every GEMM is cut into tiles whose
+// sizes depend on the shape only, each tile one single-threaded sgemm inside
+// keel's OpenMP region.
 #pragma once
 
 #include "trainer/kernels/backend.h"
@@ -9,8 +12,8 @@ namespace keel::trainer {
 
 class CpuBackend final : public Backend {
  public:
-  // threads <= 0: every core. Sets the OpenMP and OpenBLAS thread counts
-  // for the whole process.
+  // threads <= 0: every core. Sets the process's OpenMP thread count and
+  // keeps OpenBLAS single-threaded (keel's tiles supply the parallelism).
   explicit CpuBackend(int threads = 0);
   const char* name() const override { return "cpu"; }
   int threads() const { return threads_; }

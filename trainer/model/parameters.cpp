@@ -59,6 +59,12 @@ const ParamSpec& ParameterTable::find(const std::string& name) const {
   throw std::out_of_range("the model has no tensor named '" + name + "'");
 }
 
+size_t ParameterTable::parameter_count() const {
+  size_t count = 0;
+  for (const auto& spec : specs_) count += spec.numel;
+  return count;
+}
+
 void init_parameters(const ParameterTable& table, uint64_t seed, float* out) {
   for (const auto& spec : table.specs()) {
     float* p = out + spec.offset;

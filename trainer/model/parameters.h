@@ -30,7 +30,10 @@ class ParameterTable {
   explicit ParameterTable(const common::ModelConfig& model);
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
+  // Floats in the flat buffer, alignment gaps between tensors included.
   size_t total() const { return total_; }
+  // Model parameters, gaps excluded.
+  size_t parameter_count() const;
   // Throws std::out_of_range naming the tensor when there is none.
   const ParamSpec& find(const std::string& name) const;
 

@@ -92,7 +92,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
   MetricsWriter metrics(run_dir);
   log->info("training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters; run_dir {}",
             train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
-            model_.table().total(), run_dir.string());
+            model_.table().parameter_count(), run_dir.string());
 
   RunSummary summary;
   const auto run_start = Clock::now();
