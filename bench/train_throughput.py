@@ -4,15 +4,22 @@
 Trains GPT-2 (L=4, C=256, H=4, T=256, batch 8, V=256, fp32) for S steps in
 keel (build/bin/keel-trainer with a generated config and random-token shard,
 read back from RUN_DIR/metrics.jsonl) and in PyTorch (tests/python/torch_gpt.py,
-float32, torch.set_num_threads(threads)), alternating keel and torch runs for
-R rounds on the same machine with the same thread count. The first
---warmup steps of every run are discarded. Prints one JSON object per run
-and a summary object (medians over runs) on stdout; progress goes to stderr.
+float32), alternating keel and torch runs for R rounds on the same machine
+with the same number of threads. The first --warmup steps of every run are
+discarded. Prints one JSON object per run and a summary object (medians over
+runs) on stdout; progress goes to stderr.
+
+PyTorch on Debian has two thread pools: its OpenMP intra-op pool
+(torch.set_num_threads) and the pthreads pool of the OpenBLAS behind its
+GEMMs (OPENBLAS_NUM_THREADS, fixed when the library loads). With N threads
+allowed, each torch run is its own process with one split of the two pools
+(N/N, the default; 1/N; N/1), and keel is compared with the best of them.
 
     /usr/bin/python3 bench/train_throughput.py [--keel-trainer PATH] [--threads N]
                                                [--rounds 3] [--steps 12]
 """
 import argparse
+import collections
 import json
 import math
 import os
@@ -128,8 +135,30 @@ def run_keel(args, tmp, shard, rnd):
     }
 
 
+def torch_splits(threads):
+    """(intra-op threads, OpenBLAS threads) for each torch run: the default
+    first, then each pool alone at full width."""
+    splits = [(threads, threads), (1, threads), (threads, 1)]
+    return list(dict.fromkeys(splits))
+
+
+def run_torch_process(args, shard, rnd, intra, blas):
+    """One torch run in a child process, so its OpenBLAS pool has `blas` threads."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", shard, "--intra-threads", str(intra),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--round", str(rnd)]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(blas))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          timeout=args.timeout)
+    if proc.returncode != 0:
+        log(f"torch run failed with status {proc.returncode}:\n{proc.stderr}")
+        sys.exit(1)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result.update(intra_threads=intra, blas_threads=blas)
+    return result
+
+
 def run_torch(args, tokens, rnd):
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.intra_threads)
     torch.manual_seed(SEED + rnd)
     cfg = tg.GPTConfig(**MODEL)
     model = tg.GPT(cfg).float()
@@ -169,7 +198,14 @@ def main():
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one keel run may take")
     ap.add_argument("--require-target", action="store_true",
                     help="exit 1 when keel/torch is below the target ratio")
+    ap.add_argument("--torch-worker", metavar="SHARD", help=argparse.SUPPRESS)
+    ap.add_argument("--intra-threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_worker:
+        tokens = np.fromfile(args.torch_worker, dtype=np.uint16, offset=256 * 4)
+        print(json.dumps(run_torch(args, tokens, args.round)), flush=True)
+        return 0
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if args.threads < 1 or args.rounds < 1:
@@ -180,7 +216,7 @@ def main():
         log(f"keel trainer not found or not executable: {args.keel_trainer} (build it, or pass --keel-trainer)")
         return 1
 
-    results = {"keel": [], "torch": []}
+    results = collections.defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="keel-bench-") as tmp:
         shard = os.path.join(tmp, "train_000000.bin")
         rng = np.random.default_rng(SEED)
@@ -194,19 +230,28 @@ def main():
                     log(f"round {rnd}: keel, {args.steps} steps, {args.threads} threads")
                     r = run_keel(args, tmp, shard, rnd)
                 elif side == "torch" and run_torch_side:
-                    log(f"round {rnd}: torch, {args.steps} steps, {args.threads} threads")
-                    r = run_torch(args, tokens, rnd)
+                    for intra, blas in torch_splits(args.threads):
+                        log(f"round {rnd}: torch, {args.steps} steps, {intra} intra-op x {blas} OpenBLAS threads")
+                        r = run_torch_process(args, shard, rnd, intra, blas)
+                        r["threads"] = args.threads
+                        results[f"torch_{intra}x{blas}"].append(r)
+                        print(json.dumps(r), flush=True)
+                    continue
                 else:
                     continue
                 r["threads"] = args.threads
                 results[side].append(r)
                 print(json.dumps(r), flush=True)
 
-    def median_tps(side):
-        rs = results[side]
+    def median_tps(key):
+        rs = results.get(key, [])
         return statistics.median(r["tokens_per_s"] for r in rs) if rs else None
 
-    keel_tps, torch_tps = median_tps("keel"), median_tps("torch")
+    keel_tps = median_tps("keel")
+    torch_by_split = {key[len("torch_"):]: median_tps(key) for key in results if key.startswith("torch_")}
+    best_split = max(torch_by_split, key=torch_by_split.get) if torch_by_split else None
+    torch_tps = torch_by_split.get(best_split)
+    default_tps = torch_by_split.get(f"{args.threads}x{args.threads}")
     ratio = keel_tps / torch_tps if keel_tps and torch_tps else None
     summary = {
         "bench": "train_throughput",
@@ -219,7 +264,10 @@ def main():
         "warmup_steps_discarded": args.warmup,
         "keel_tokens_per_s": keel_tps,
         "torch_tokens_per_s": torch_tps,
+        "torch_best_split": best_split,
+        "torch_tokens_per_s_by_split": torch_by_split,
         "ratio": ratio,
+        "ratio_vs_torch_default_threads": keel_tps / default_tps if keel_tps and default_tps else None,
         "target_ratio": 1.2,
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
         "torch_version": torch.__version__,
