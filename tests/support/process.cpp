@@ -12,13 +12,12 @@
 
 namespace keel::test {
 
-ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-                          double timeout_s) {
+ChildProcess::ChildProcess(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
+  pid_ = fork();
+  if (pid_ < 0) throw std::runtime_error("fork failed");
+  if (pid_ == 0) {
     dup2(pipe_fds[1], STDOUT_FILENO);
     dup2(pipe_fds[1], STDERR_FILENO);
     for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
@@ -29,30 +28,47 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
     _exit(127);
   }
   close(pipe_fds[1]);
+  output_fd_ = pipe_fds[0];
+}
 
+ChildProcess::~ChildProcess() {
+  if (!reaped_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (output_fd_ >= 0) close(output_fd_);
+}
+
+void ChildProcess::signal(int signo) { kill(pid_, signo); }
+
+ProcessResult ChildProcess::wait(double timeout_s) {
   ProcessResult result;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   bool killed = false;
   char buffer[4096];
   for (;;) {
-    pollfd pfd{pipe_fds[0], POLLIN, 0};
-    int ready = poll(&pfd, 1, 200);
-    if (ready > 0) {
-      ssize_t n = read(pipe_fds[0], buffer, sizeof(buffer));
+    pollfd pfd{output_fd_, POLLIN, 0};
+    if (poll(&pfd, 1, 200) > 0) {
+      ssize_t n = read(output_fd_, buffer, sizeof(buffer));
       if (n <= 0) break;
       result.output.append(buffer, static_cast<size_t>(n));
     }
     if (!killed && std::chrono::steady_clock::now() > deadline) {
-      kill(pid, SIGKILL);
+      kill(pid_, SIGKILL);
       killed = true;
-      result.output += "\n[run_process: killed after timeout]\n";
+      result.output += "\n[ChildProcess: killed after timeout]\n";
     }
   }
-  close(pipe_fds[0]);
   int status = 0;
-  waitpid(pid, &status, 0);
+  waitpid(pid_, &status, 0);
+  reaped_ = true;
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;
+}
+
+ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                          double timeout_s) {
+  return ChildProcess(argv, env).wait(timeout_s);
 }
 
 std::filesystem::path keel_binary(const std::string& name) { return std::filesystem::path(KEEL_BIN_DIR) / name; }

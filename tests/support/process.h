@@ -1,5 +1,7 @@
 #pragma once
 
+#include <sys/types.h>
+
 #include <filesystem>
 #include <map>
 #include <string>
@@ -12,9 +14,28 @@ struct ProcessResult {
   std::string output;   // stdout and stderr together
 };
 
-// Runs a program as a real child process (fork/exec, no shell), waits for it
-// and returns its exit status and output. `env` entries are added to the
-// inherited environment. Gives up and kills it after timeout_s.
+// A program running as a real child process (fork/exec, no shell) with its
+// stdout and stderr captured together. `env` entries are added to the
+// inherited environment. The destructor kills a child still running.
+class ChildProcess {
+ public:
+  ChildProcess(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {});
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  void signal(int signo);
+  // Reads output until the child exits, killing it after timeout_s.
+  ProcessResult wait(double timeout_s = 300);
+
+ private:
+  pid_t pid_ = -1;
+  int output_fd_ = -1;
+  bool reaped_ = false;
+};
+
+// Runs a program to completion: ChildProcess(argv, env).wait(timeout_s).
 ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);
 
