@@ -73,6 +73,4 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
 
 std::filesystem::path keel_binary(const std::string& name) { return std::filesystem::path(KEEL_BIN_DIR) / name; }
 
-std::filesystem::path keel_source_dir() { return KEEL_SOURCE_DIR; }
-
 }  // namespace keel::test

@@ -42,7 +42,4 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
 // A keel executable from the build tree this test was built in.
 std::filesystem::path keel_binary(const std::string& name);
 
-// The source tree this test was built from.
-std::filesystem::path keel_source_dir();
-
 }  // namespace keel::test

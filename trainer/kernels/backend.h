@@ -67,10 +67,8 @@ class Backend {
   virtual void gelu_forward(float* out, const float* inp, size_t n) = 0;
   virtual void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) = 0;
 
-  // ---- elementwise ----
-  virtual void add(float* out, const float* a, const float* b, size_t n) = 0;  // out = a + b
-  virtual void accumulate(float* dst, const float* src, size_t n) = 0;          // dst += src
-  virtual void scale(float* x, float s, size_t n) = 0;                          // x *= s
+  // ---- residual: dst += src ----
+  virtual void accumulate(float* dst, const float* src, size_t n) = 0;
 
   // ---- softmax cross-entropy over logits[N,Vp]; only the first V columns
   // are real classes, padded columns never take part. losses[N] gets

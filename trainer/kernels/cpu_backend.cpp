@@ -482,21 +482,11 @@ void CpuBackend::gelu_backward(float* dinp, const float* inp, const float* dout,
   }
 }
 
-// ---- elementwise ----
-
-void CpuBackend::add(float* out, const float* a, const float* b, size_t n) {
-#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-}
+// ---- residual ----
 
 void CpuBackend::accumulate(float* dst, const float* src, size_t n) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
   for (size_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-void CpuBackend::scale(float* x, float s, size_t n) {
-#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) x[i] *= s;
 }
 
 // ---- cross-entropy ----

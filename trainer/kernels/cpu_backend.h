@@ -41,9 +41,7 @@ class CpuBackend final : public Backend {
                           int B, int T, int C, int NH) override;
   void gelu_forward(float* out, const float* inp, size_t n) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
-  void add(float* out, const float* a, const float* b, size_t n) override;
   void accumulate(float* dst, const float* src, size_t n) override;
-  void scale(float* x, float s, size_t n) override;
   void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits, const int32_t* targets,
                                      float dloss, int N, int V, int Vp) override;
   void softmax_forward(float* probs, const float* logits, int N, int E) override;

@@ -29,8 +29,6 @@ class Gpt {
   // Flat buffers in backend memory, table().total() floats each.
   float* params() { return params_.data(); }
   float* grads() { return grads_.data(); }
-  float* param(const std::string& name) { return params_.data() + table_.find(name).offset; }
-  float* grad(const std::string& name) { return grads_.data() + table_.find(name).offset; }
 
   // Draws the initial model from the counter RNG (see init_parameters).
   void init(uint64_t seed);

@@ -24,9 +24,6 @@ class AdamW {
   // global gradient norm before clipping.
   float step(float* params, const float* grads, float lr, int64_t step);
 
-  float* exp_avg() { return m_.data(); }
-  float* exp_avg_sq() { return v_.data(); }
-
  private:
   Backend& backend_;
   const ParameterTable& table_;

@@ -44,13 +44,12 @@ class TrainLoop {
   TrainLoop(const common::Config& config, Backend& backend);
 
   Gpt& model() { return model_; }
-  int micro_batch_size() const { return micro_batch_; }
 
   // One optimizer step on the batch of global step `step`.
   StepStats train_step(int64_t step);
 
-  bool has_validation() const { return val_.has_value(); }
-  // Mean cross-entropy over train.val_batches validation batches.
+  // Mean cross-entropy over train.val_batches validation batches; needs
+  // data.val (run() validates only when it is set).
   float validate();
 
   // Trains train.steps steps, logging progress and writing metrics.jsonl;

@@ -1,6 +1,6 @@
-// The first CUDA kernels of the kernel interface (DESIGN §3.3): the
-// elementwise ones and AdamW, with the CPU backend's math so the two can be
-// held against each other. Free functions on device pointers and a stream;
+// The first CUDA kernels of the kernel interface (DESIGN §3.3): GELU, the
+// residual accumulate and AdamW, with the CPU backend's math so the two can
+// be held against each other. Free functions on device pointers and a stream;
 // the CUDA backend class wraps them when it arrives. A failed launch throws
 // keel::common::Error with ErrorCode::kInternal. Plain C++ can include this
 // header: it needs only the CUDA runtime API's types.
@@ -21,12 +21,8 @@ bool device_available(std::string* why);
 void gelu_forward(float* out, const float* inp, size_t n, cudaStream_t stream);
 // dinp += gelu'(inp) * dout.
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n, cudaStream_t stream);
-// out = a + b.
-void add(float* out, const float* a, const float* b, size_t n, cudaStream_t stream);
 // dst += src.
 void accumulate(float* dst, const float* src, size_t n, cudaStream_t stream);
-// x *= s.
-void scale(float* x, float s, size_t n, cudaStream_t stream);
 // One AdamW step, as Backend::adamw_update.
 void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, float grad_scale, int64_t t, cudaStream_t stream);

@@ -77,16 +77,8 @@ __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float*
   }
 }
 
-__global__ void add_kernel(float* out, const float* a, const float* b, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = a[i] + b[i];
-}
-
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
-}
-
-__global__ void scale_kernel(float* x, float s, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) x[i] *= s;
 }
 
 __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
@@ -130,15 +122,9 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n, c
   launch("gelu_backward", gelu_backward_kernel, n, stream, dinp, inp, dout);
 }
 
-void add(float* out, const float* a, const float* b, size_t n, cudaStream_t stream) {
-  launch("add", add_kernel, n, stream, out, a, b);
-}
-
 void accumulate(float* dst, const float* src, size_t n, cudaStream_t stream) {
   launch("accumulate", accumulate_kernel, n, stream, dst, src);
 }
-
-void scale(float* x, float s, size_t n, cudaStream_t stream) { launch("scale", scale_kernel, n, stream, x, s); }
 
 void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, float grad_scale, int64_t t, cudaStream_t stream) {
