@@ -67,6 +67,12 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "TOML run configuration")->required();
   app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
+  app.footer(
+      "Environment (set by keeld; without it this is a single rank): KEEL_RANK, KEEL_WORLD_SIZE,\n"
+      "KEEL_RUN_DIR (overrides job.run_dir). Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
+      "Exit codes: 0 finished, 2 bad config or usage, 3 data error, 10 collective hang, 11 SDC suspected,\n"
+      "12 peer or transport failure, 13 checkpoint failure, 14 stopped on request (SIGTERM/SIGINT),\n"
+      "70 internal error.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
