@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <map>
 #include <fstream>
 #include <vector>
 
@@ -90,7 +91,8 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
         {"inconsistent heads", good, {"--set", "model.n_head=5"}, good_shard, 2, "n_head=5 does not divide n_embd=32"},
         {"bad override syntax", good, {"--set", "model.n_head"}, good_shard, 2, "expected section.key=value"},
         {"unknown override", good, {"--set", "train.epochs=3"}, good_shard, 2, "unknown key 'epochs' in [train]"},
-        {"multi-rank layout", good, {"--set", "parallel.dp=2"}, good_shard, 2, "single rank"},
+        {"layout larger than the world", good, {"--set", "parallel.dp=2"}, good_shard, 2,
+         "dp*tp*pp*cp = 2*1*1*1 = 2 but the world has 1 ranks"},
         {"missing config option", "", {"--no-such-flag"}, good_shard, 2, ""},
         {"no shard matches", good, {"--set", "data.train=nothing_*.bin"}, good_shard, 3, "nothing_*.bin"},
         {"empty shard", good, {}, {}, 3, "train.bin"},
@@ -122,6 +124,33 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
       CHECK(result.exit_code == row.exit_code);
       CHECK(result.output.find(row.expected) != std::string::npos);
       CHECK(result.output.find("internal error") == std::string::npos);
+    }
+  }
+
+  TEST_CASE("a malformed or multi-rank worker environment exits 2 and names the variable") {
+    keel::test::TempDir dir;
+    auto config = dir.write("run.toml", kGoodConfig);
+    write_bytes(dir / "train.bin", shard_bytes(20240520, 1, 4000, tokens(4000)));
+    const std::string trainer = keel::test::keel_binary("keel-trainer").string();
+    struct Row {
+      std::map<std::string, std::string> env;
+      std::vector<std::string> args;
+      const char* expected;
+    };
+    const Row rows[] = {
+        {{{"KEEL_RANK", "x"}}, {}, "KEEL_RANK=x is not an integer"},
+        {{{"KEEL_WORLD_SIZE", "2"}}, {}, "needs KEEL_STORE"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {"--set", "parallel.dp=2"},
+         "this build trains a single rank"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.expected);
+      std::vector<std::string> argv = {trainer, "--config", config.string()};
+      argv.insert(argv.end(), row.args.begin(), row.args.end());
+      auto result = keel::test::run_process(argv, row.env, 60);
+      CAPTURE(result.output);
+      CHECK(result.exit_code == 2);
+      CHECK(result.output.find(row.expected) != std::string::npos);
     }
   }
 }

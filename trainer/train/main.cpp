@@ -5,7 +5,9 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "trainer/kernels/cpu_backend.h"
+#include "trainer/parallel/mesh.h"
 #include "trainer/train/train_loop.h"
+#include "trainer/train/worker_env.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -21,18 +23,6 @@ namespace {
 std::atomic<bool> g_stop{false};
 
 void request_stop(int) { g_stop.store(true); }
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return fallback;
-  char* end = nullptr;
-  long long parsed = std::strtoll(value, &end, 10);
-  if (end == value || *end != '\0') {
-    throw keel::common::Error(keel::common::ErrorCode::kBadConfig,
-                              fmt::format("{}={} is not an integer", name, value));
-  }
-  return parsed;
-}
 
 void print_summary(const keel::trainer::RunSummary& s, bool json) {
   if (json) {
@@ -81,19 +71,18 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const int64_t rank = env_int("KEEL_RANK", 0);
-    const int64_t world_size = env_int("KEEL_WORLD_SIZE", 1);
-    keel::common::init_logging(static_cast<int>(rank));
+    const auto worker = keel::trainer::WorkerEnv::from_process();
+    keel::common::init_logging(worker.rank);
     auto log = keel::common::logger("trainer");
 
     auto config = keel::common::Config::load(config_path, overrides);
-    if (const char* run_dir = std::getenv("KEEL_RUN_DIR")) config.job.run_dir = run_dir;
-    const int64_t layout = config.parallel.dp * config.parallel.tp * config.parallel.pp * config.parallel.cp;
-    if (world_size != 1 || layout != 1) {
+    if (worker.run_dir) config.job.run_dir = *worker.run_dir;
+    keel::trainer::validate_layout(config, worker.world_size);
+    if (worker.world_size != 1) {
       throw Error(ErrorCode::kBadConfig,
-                  fmt::format("this build trains a single rank, but KEEL_WORLD_SIZE={} and dp*tp*pp*cp={}; set every "
-                              "[parallel] degree to 1",
-                              world_size, layout));
+                  fmt::format("this build trains a single rank, but KEEL_WORLD_SIZE={}: multi-rank layouts arrive "
+                              "with the distributed core",
+                              worker.world_size));
     }
     log->info("resolved config:\n{}", config.to_toml());
 

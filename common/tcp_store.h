@@ -1,0 +1,83 @@
+// The embedded Store (DESIGN §3.5): one node's ranks and keeld rendezvous
+// through a small TCP key-value server, as PyTorch's TCPStore does.
+// StoreServer lives inside keeld (or a test launcher) and serves on its own
+// thread; every rank reaches it through a TcpStore named by KEEL_STORE
+// ("tcp://127.0.0.1:PORT", DESIGN §4).
+//
+// The server handles every request on one thread, so add and compare_set
+// are atomic without locks, and a wait is parked on the server (per key,
+// with a server-side timer) instead of being polled by the client.
+#pragma once
+
+#include "common/store.h"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace keel::common {
+
+// The largest message either side accepts: bounds what one connection can
+// make the server allocate, and still carries any rendezvous value with room
+// to spare (NCCL's unique id is 128 bytes).
+inline constexpr size_t kMaxStoreMessageBytes = size_t{64} << 20;
+
+class StoreServer {
+ public:
+  // Listens on 127.0.0.1:port (0 picks a free port) and serves until
+  // destroyed. Error(kBadConfig) when the port cannot be bound.
+  explicit StoreServer(uint16_t port = 0);
+  // Stops serving: every connected client sees its connection close.
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  uint16_t port() const { return port_; }
+  // "tcp://127.0.0.1:PORT", the KEEL_STORE value for the ranks.
+  std::string address() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+  uint16_t port_ = 0;
+};
+
+// A client: one TCP connection, safe to share between threads (calls take
+// turns, so a wait holds up the other threads' calls until it returns).
+// `timeout` bounds connecting (retried until then, since ranks may start
+// before the server) and every call; a wait may take its own timeout plus
+// this one. Once the connection fails (the server died or stopped
+// answering) every later call throws Error(kPeerFailure): a rank that lost
+// its store cannot rejoin the generation and should exit.
+class TcpStore final : public Store {
+ public:
+  TcpStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  ~TcpStore() override;
+  TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
+
+  void set(const std::string& key, const std::string& value) override;
+  std::optional<std::string> get(const std::string& key) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  // Values written by add are decimal text ("42"), so get reads them too;
+  // add on a value that is not an integer throws Error(kInternal).
+  int64_t add(const std::string& key, int64_t delta) override;
+  std::optional<std::string> compare_set(const std::string& key, const std::optional<std::string>& expected,
+                                         const std::string& desired) override;
+  bool remove(const std::string& key) override;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Connects to a store address as KEEL_STORE gives it: "tcp://HOST:PORT".
+// Error(kBadConfig) for a malformed address, Error(kPeerFailure) when no
+// store answers there within `timeout`.
+std::unique_ptr<Store> connect_store(const std::string& address, std::chrono::milliseconds timeout);
+
+}  // namespace keel::common

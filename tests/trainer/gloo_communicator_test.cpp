@@ -1,0 +1,834 @@
+// GlooCommunicator and the instrumented Communicator path: threads of one
+// process act as ranks, each with its own communicator over loopback TCP,
+// rendezvousing through an in-memory Store.
+#include "common/error.h"
+#include "common/store.h"
+#include "trainer/comm/flight_recorder.h"
+#include "trainer/comm/gloo_communicator.h"
+
+#include "tests/support/temp_dir.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <latch>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using keel::common::Error;
+using keel::common::ErrorCode;
+using keel::test::TempDir;
+using namespace keel::trainer;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kTimeout = 10000ms;       // healthy groups: never reached
+constexpr auto kFailureTimeout = 1500ms;  // groups whose failure is the point
+
+// The Store contract of common/store.h, in memory, shared by the threads
+// that act as ranks.
+class MemoryStore final : public keel::common::Store {
+ public:
+  void set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    values_[key] = value;
+    changed_.notify_all();
+  }
+
+  std::optional<std::string> get(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = values_.find(key);
+    if (it == values_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto all_present = [&] {
+      for (const auto& key : keys) {
+        if (!values_.count(key)) return false;
+      }
+      return true;
+    };
+    if (!changed_.wait_for(lock, timeout, all_present)) {
+      std::string missing;
+      for (const auto& key : keys) {
+        if (!values_.count(key)) missing += " " + key;
+      }
+      throw Error(ErrorCode::kPeerFailure, "store wait timed out; missing:" + missing);
+    }
+  }
+
+  int64_t add(const std::string& key, int64_t delta) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = values_.find(key);
+    int64_t value = (it == values_.end() ? 0 : std::stoll(it->second)) + delta;
+    values_[key] = std::to_string(value);
+    changed_.notify_all();
+    return value;
+  }
+
+  std::optional<std::string> compare_set(const std::string& key, const std::optional<std::string>& expected,
+                                         const std::string& desired) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = values_.find(key);
+    std::optional<std::string> current;
+    if (it != values_.end()) current = it->second;
+    if (current == expected) {
+      values_[key] = desired;
+      changed_.notify_all();
+      return desired;
+    }
+    return current;
+  }
+
+  bool remove(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return values_.erase(key) > 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::string, std::string> values_;
+};
+
+// Runs body(rank) on `size` threads and returns what each rank threw (null
+// when it did not): no exception escapes a thread, and assertions run on the
+// test's own thread.
+std::vector<std::exception_ptr> run_ranks(int size, const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank);
+      } catch (...) {
+        errors[static_cast<size_t>(rank)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return errors;
+}
+
+void require_no_errors(const std::vector<std::exception_ptr>& errors) {
+  for (size_t rank = 0; rank < errors.size(); ++rank) {
+    if (!errors[rank]) continue;
+    try {
+      std::rethrow_exception(errors[rank]);
+    } catch (const std::exception& e) {
+      FAIL("rank " << rank << " threw: " << e.what());
+    }
+  }
+}
+
+// One healthy group of `size` ranks: body(comm) on every rank. A rank keeps
+// its communicator until every rank is done, because closing its sockets
+// while a peer still finishes the last call would fail that peer.
+void run_group(MemoryStore& store, const std::string& name, int size,
+               const std::function<void(GlooCommunicator&)>& body,
+               const std::vector<std::shared_ptr<FlightRecorder>>& recorders = {}) {
+  std::barrier done(size);
+  require_no_errors(run_ranks(size, [&](int rank) {
+    std::exception_ptr error;
+    {
+      std::unique_ptr<GlooCommunicator> comm;
+      try {
+        auto recorder = recorders.empty() ? nullptr : recorders[static_cast<size_t>(rank)];
+        comm = std::make_unique<GlooCommunicator>(store, name, rank, size, kTimeout, recorder);
+        body(*comm);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      done.arrive_and_wait();
+    }
+    if (error) std::rethrow_exception(error);
+  }));
+}
+
+// Integers small enough that every sum below is exact in float, so results
+// can be compared with ==.
+float value(int rank, size_t i) { return static_cast<float>((rank + 1) * 1000 + static_cast<int>(i % 997)); }
+
+const std::vector<size_t> kCounts = {1, 5, 1000, 70001};
+
+// How a call failed: its code (none if it did not fail), message and how
+// long it took.
+struct Failure {
+  std::optional<ErrorCode> code;
+  std::string message;
+  std::chrono::milliseconds elapsed{0};
+};
+
+Failure failure_of(const std::function<void()>& call) {
+  auto start = Clock::now();
+  auto since_start = [&] { return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start); };
+  try {
+    call();
+  } catch (const Error& e) {
+    return {e.code(), e.what(), since_start()};
+  }
+  return {std::nullopt, "the call did not fail", since_start()};
+}
+
+std::string describe(const Failure& f) {
+  return std::string(f.code ? keel::common::error_code_name(*f.code) : "no error") + " after " +
+         std::to_string(f.elapsed.count()) + " ms: " + f.message;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("all_reduce sums every rank's buffer for world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::vector<std::vector<std::vector<float>>> results(static_cast<size_t>(size));
+      run_group(store, "dp", size, [&](GlooCommunicator& comm) {
+        for (size_t count : kCounts) {
+          std::vector<float> data(count);
+          for (size_t i = 0; i < count; ++i) data[i] = value(comm.rank(), i);
+          comm.all_reduce(data.data(), count);
+          results[static_cast<size_t>(comm.rank())].push_back(std::move(data));
+        }
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        for (size_t c = 0; c < kCounts.size(); ++c) {
+          const auto& got = results[static_cast<size_t>(rank)][c];
+          size_t wrong = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            float expect = 0;
+            for (int q = 0; q < size; ++q) expect += value(q, i);
+            wrong += got[i] != expect;
+          }
+          CHECK_MESSAGE(wrong == 0, "rank " << rank << " count " << kCounts[c]);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("reduce_scatter gives each rank the sum of its own block for world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::vector<std::vector<std::vector<float>>> results(static_cast<size_t>(size));
+      std::vector<int> inputs_changed(static_cast<size_t>(size), 0);
+      run_group(store, "dp", size, [&](GlooCommunicator& comm) {
+        for (size_t count : kCounts) {
+          std::vector<float> in(static_cast<size_t>(size) * count);
+          for (size_t i = 0; i < in.size(); ++i) in[i] = value(comm.rank(), i);
+          const std::vector<float> original = in;
+          std::vector<float> out(count, -1.0f);
+          comm.reduce_scatter(in.data(), out.data(), count);
+          inputs_changed[static_cast<size_t>(comm.rank())] += in != original;
+          results[static_cast<size_t>(comm.rank())].push_back(std::move(out));
+        }
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        CHECK(inputs_changed[static_cast<size_t>(rank)] == 0);
+        for (size_t c = 0; c < kCounts.size(); ++c) {
+          const size_t count = kCounts[c];
+          const auto& got = results[static_cast<size_t>(rank)][c];
+          size_t wrong = 0;
+          for (size_t j = 0; j < count; ++j) {
+            float expect = 0;
+            for (int q = 0; q < size; ++q) expect += value(q, static_cast<size_t>(rank) * count + j);
+            wrong += got[j] != expect;
+          }
+          CHECK_MESSAGE(wrong == 0, "rank " << rank << " count " << count);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("all_gather puts block r from rank r on every rank for world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::vector<std::vector<std::vector<float>>> results(static_cast<size_t>(size));
+      run_group(store, "tp", size, [&](GlooCommunicator& comm) {
+        for (size_t count : kCounts) {
+          std::vector<float> in(count);
+          for (size_t i = 0; i < count; ++i) in[i] = value(comm.rank(), i);
+          std::vector<float> out(static_cast<size_t>(size) * count, -1.0f);
+          comm.all_gather(in.data(), out.data(), count);
+          results[static_cast<size_t>(comm.rank())].push_back(std::move(out));
+        }
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        for (size_t c = 0; c < kCounts.size(); ++c) {
+          const size_t count = kCounts[c];
+          std::vector<float> expect;
+          for (int q = 0; q < size; ++q) {
+            for (size_t i = 0; i < count; ++i) expect.push_back(value(q, i));
+          }
+          CHECK_MESSAGE(results[static_cast<size_t>(rank)][c] == expect, "rank " << rank << " count " << count);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("broadcast copies the root's buffer to every rank for every root of world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::vector<std::vector<std::vector<float>>> results(static_cast<size_t>(size));
+      run_group(store, "pp", size, [&](GlooCommunicator& comm) {
+        for (int root = 0; root < size; ++root) {
+          const size_t count = 1000 + static_cast<size_t>(root);
+          std::vector<float> data(count);
+          for (size_t i = 0; i < count; ++i) data[i] = value(comm.rank(), i);
+          comm.broadcast(data.data(), count, root);
+          results[static_cast<size_t>(comm.rank())].push_back(std::move(data));
+        }
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        for (int root = 0; root < size; ++root) {
+          std::vector<float> expect(1000 + static_cast<size_t>(root));
+          for (size_t i = 0; i < expect.size(); ++i) expect[i] = value(root, i);
+          CHECK_MESSAGE(results[static_cast<size_t>(rank)][static_cast<size_t>(root)] == expect,
+                        "rank " << rank << " root " << root);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("send and recv deliver every message between every pair of ranks for world sizes two to four") {
+    for (int size = 2; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      // received[to][from]: the messages `to` got from `from`, in order.
+      std::vector<std::vector<std::vector<std::vector<float>>>> received(
+          static_cast<size_t>(size), std::vector<std::vector<std::vector<float>>>(static_cast<size_t>(size)));
+      auto message = [](int from, int to, int k) {
+        std::vector<float> m(static_cast<size_t>(10 + k));
+        for (size_t i = 0; i < m.size(); ++i) {
+          m[i] = static_cast<float>(from * 100000 + to * 1000 + k * 100) + static_cast<float>(i);
+        }
+        return m;
+      };
+      run_group(store, "pp", size, [&](GlooCommunicator& comm) {
+        // Every pair in one global order, lower rank sending first, so the
+        // rendezvous sends cannot deadlock; two messages each way exercise
+        // the per-pair ordering.
+        const int me = comm.rank();
+        for (int a = 0; a < size; ++a) {
+          for (int b = a + 1; b < size; ++b) {
+            if (me != a && me != b) continue;
+            const int other = me == a ? b : a;
+            for (int k = 0; k < 2; ++k) {
+              for (int from : {a, b}) {
+                if (from == me) {
+                  auto m = message(me, other, k);
+                  comm.send(m.data(), m.size(), other);
+                } else {
+                  std::vector<float> m(static_cast<size_t>(10 + k), -1.0f);
+                  comm.recv(m.data(), m.size(), other);
+                  received[static_cast<size_t>(me)][static_cast<size_t>(other)].push_back(std::move(m));
+                }
+              }
+            }
+          }
+        }
+      });
+      for (int to = 0; to < size; ++to) {
+        for (int from = 0; from < size; ++from) {
+          if (from == to) continue;
+          const auto& got = received[static_cast<size_t>(to)][static_cast<size_t>(from)];
+          REQUIRE(got.size() == 2);
+          for (int k = 0; k < 2; ++k) CHECK(got[static_cast<size_t>(k)] == message(from, to, k));
+        }
+      }
+    }
+  }
+
+  TEST_CASE("all_to_all delivers block r of every rank to rank r for world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      const size_t count = 333;
+      // Element i of the block rank s sends to rank d.
+      auto element = [](int s, int d, size_t i) {
+        return static_cast<float>(s * 10000 + d * 1000) + static_cast<float>(i);
+      };
+      std::vector<std::vector<float>> results(static_cast<size_t>(size));
+      run_group(store, "ep", size, [&](GlooCommunicator& comm) {
+        std::vector<float> in(static_cast<size_t>(size) * count);
+        for (int d = 0; d < size; ++d) {
+          for (size_t i = 0; i < count; ++i) in[static_cast<size_t>(d) * count + i] = element(comm.rank(), d, i);
+        }
+        std::vector<float> out(in.size(), -1.0f);
+        comm.all_to_all(in.data(), out.data(), count);
+        results[static_cast<size_t>(comm.rank())] = std::move(out);
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        std::vector<float> expect;
+        for (int s = 0; s < size; ++s) {
+          for (size_t i = 0; i < count; ++i) expect.push_back(element(s, rank, i));
+        }
+        CHECK_MESSAGE(results[static_cast<size_t>(rank)] == expect, "rank " << rank);
+      }
+    }
+  }
+
+  TEST_CASE("barrier lets no rank through before every rank has arrived for world sizes one to four") {
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::atomic<int> arrived{0};
+      std::vector<int> seen(static_cast<size_t>(size));
+      run_group(store, "world", size, [&](GlooCommunicator& comm) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(40 * comm.rank()));
+        arrived.fetch_add(1);
+        comm.barrier();
+        seen[static_cast<size_t>(comm.rank())] = arrived.load();
+      });
+      for (int rank = 0; rank < size; ++rank) CHECK(seen[static_cast<size_t>(rank)] == size);
+    }
+  }
+
+  TEST_CASE("operations on zero elements complete without touching the buffers") {
+    MemoryStore store;
+    std::vector<std::vector<float>> results(3);
+    run_group(store, "empty", 3, [&](GlooCommunicator& comm) {
+      comm.all_reduce(nullptr, 0);
+      comm.reduce_scatter(nullptr, nullptr, 0);
+      comm.all_gather(nullptr, nullptr, 0);
+      comm.broadcast(nullptr, 0, 2);
+      comm.all_to_all(nullptr, nullptr, 0);
+      if (comm.rank() == 0) comm.send(nullptr, 0, 1);
+      if (comm.rank() == 1) comm.recv(nullptr, 0, 0);
+      std::vector<float> data(4, 1.0f);
+      comm.all_reduce(data.data(), data.size());
+      results[static_cast<size_t>(comm.rank())] = data;
+    });
+    for (const auto& data : results) CHECK(data == std::vector<float>(4, 3.0f));
+  }
+
+  TEST_CASE("all_reduce results are bit identical across two runs and across ranks") {
+    for (int size : {3, 4}) {
+      CAPTURE(size);
+      // Values of mixed magnitude and sign, so the summation order matters.
+      const size_t count = 600000;
+      auto input = [&](int rank) {
+        std::mt19937 gen(static_cast<uint32_t>(1234 + rank));
+        std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+        std::uniform_int_distribution<int> exponent(-20, 20);
+        std::vector<float> data(count);
+        for (auto& x : data) x = std::ldexp(mantissa(gen), exponent(gen));
+        return data;
+      };
+      std::vector<std::vector<std::vector<float>>> runs;
+      for (int run = 0; run < 2; ++run) {
+        MemoryStore store;
+        std::vector<std::vector<float>> results(static_cast<size_t>(size));
+        run_group(store, "dp", size, [&](GlooCommunicator& comm) {
+          auto data = input(comm.rank());
+          comm.all_reduce(data.data(), data.size());
+          results[static_cast<size_t>(comm.rank())] = std::move(data);
+        });
+        runs.push_back(std::move(results));
+      }
+      for (int rank = 0; rank < size; ++rank) {
+        const auto& first = runs[0][static_cast<size_t>(rank)];
+        CHECK(std::memcmp(first.data(), runs[1][static_cast<size_t>(rank)].data(), count * sizeof(float)) == 0);
+        CHECK(std::memcmp(first.data(), runs[0][0].data(), count * sizeof(float)) == 0);
+      }
+    }
+  }
+
+  TEST_CASE("two groups sharing one store and one recorder per rank do not collide") {
+    MemoryStore store;
+    const int size = 3;
+    std::vector<std::shared_ptr<FlightRecorder>> recorders;
+    for (int rank = 0; rank < size; ++rank) recorders.push_back(std::make_shared<FlightRecorder>());
+    std::vector<std::vector<float>> alpha(size), beta(size);
+    std::barrier done(size);
+    require_no_errors(run_ranks(size, [&](int rank) {
+      // Both groups use the same ranks, so without per-group key prefixes
+      // the second would read the first one's addresses.
+      GlooCommunicator a(store, "alpha", rank, size, kTimeout, recorders[static_cast<size_t>(rank)]);
+      GlooCommunicator b(store, "beta", rank, size, kTimeout, recorders[static_cast<size_t>(rank)]);
+      std::vector<float> x(100, static_cast<float>(rank + 1));
+      std::vector<float> y(100, static_cast<float>(10 * (rank + 1)));
+      a.all_reduce(x.data(), x.size());
+      b.all_reduce(y.data(), y.size());
+      a.all_reduce(x.data(), x.size());
+      alpha[static_cast<size_t>(rank)] = x;
+      beta[static_cast<size_t>(rank)] = y;
+      done.arrive_and_wait();
+    }));
+    for (int rank = 0; rank < size; ++rank) {
+      CHECK(alpha[static_cast<size_t>(rank)] == std::vector<float>(100, 18.0f));
+      CHECK(beta[static_cast<size_t>(rank)] == std::vector<float>(100, 60.0f));
+      auto entries = recorders[static_cast<size_t>(rank)]->snapshot();
+      REQUIRE(entries.size() == 3);
+      CHECK(entries[0].group == "alpha");
+      CHECK(entries[0].seq == 0);
+      CHECK(entries[1].group == "beta");
+      CHECK(entries[1].seq == 0);
+      CHECK(entries[2].group == "alpha");
+      CHECK(entries[2].seq == 1);
+    }
+  }
+
+  TEST_CASE("sequence numbers and byte counters follow the formulas of communicator.h") {
+    MemoryStore store;
+    const int size = 3;
+    std::vector<std::shared_ptr<FlightRecorder>> recorders;
+    for (int rank = 0; rank < size; ++rank) recorders.push_back(std::make_shared<FlightRecorder>());
+    std::vector<CommStats> stats(size);
+    std::vector<float> last(size);
+    run_group(
+        store, "mixed", size,
+        [&](GlooCommunicator& comm) {
+          std::vector<float> a(size * 10, 1.0f), b(size * 10, 0.0f);
+          comm.all_reduce(a.data(), 10);
+          comm.all_reduce(a.data(), 10);
+          comm.reduce_scatter(a.data(), b.data(), 4);
+          comm.all_gather(a.data(), b.data(), 5);
+          comm.broadcast(a.data(), 6, 1);
+          comm.all_to_all(a.data(), b.data(), 2);
+          comm.barrier();
+          // Only ranks 0 and 1 talk point to point: rank 2's group sequence
+          // falls behind theirs, and the collective below must still match.
+          if (comm.rank() == 0) comm.send(a.data(), 7, 1);
+          if (comm.rank() == 1) comm.recv(b.data(), 7, 0);
+          std::vector<float> one(3, 1.0f);
+          comm.all_reduce(one.data(), one.size());
+          last[static_cast<size_t>(comm.rank())] = one[0];
+          stats[static_cast<size_t>(comm.rank())] = comm.stats();
+        },
+        recorders);
+    const uint64_t f = sizeof(float);
+    for (int rank = 0; rank < size; ++rank) {
+      CAPTURE(rank);
+      const CommStats& s = stats[static_cast<size_t>(rank)];
+      CHECK(last[static_cast<size_t>(rank)] == 3.0f);
+      CHECK(s.calls_of(CollectiveOp::kAllReduce) == 3);
+      CHECK(s.bytes_of(CollectiveOp::kAllReduce) == (10 + 10 + 3) * f);
+      CHECK(s.calls_of(CollectiveOp::kReduceScatter) == 1);
+      CHECK(s.bytes_of(CollectiveOp::kReduceScatter) == size * 4 * f);
+      CHECK(s.bytes_of(CollectiveOp::kAllGather) == 5 * f);
+      CHECK(s.bytes_of(CollectiveOp::kBroadcast) == 6 * f);
+      CHECK(s.bytes_of(CollectiveOp::kAllToAll) == size * 2 * f);
+      CHECK(s.calls_of(CollectiveOp::kBarrier) == 1);
+      CHECK(s.bytes_of(CollectiveOp::kBarrier) == 0);
+      CHECK(s.calls_of(CollectiveOp::kSend) == (rank == 0 ? 1u : 0u));
+      CHECK(s.bytes_of(CollectiveOp::kSend) == (rank == 0 ? 7 * f : 0));
+      CHECK(s.calls_of(CollectiveOp::kRecv) == (rank == 1 ? 1u : 0u));
+      CHECK(s.bytes_of(CollectiveOp::kRecv) == (rank == 1 ? 7 * f : 0));
+
+      std::vector<std::string> ops = {"all_reduce", "all_reduce", "reduce_scatter", "all_gather",
+                                      "broadcast",  "all_to_all", "barrier"};
+      std::vector<uint64_t> bytes = {10 * f, 10 * f, size * 4 * f, 5 * f, 6 * f, size * 2 * f, 0};
+      std::vector<int> peers = {-1, -1, -1, -1, 1, -1, -1};
+      if (rank < 2) {
+        ops.push_back(rank == 0 ? "send" : "recv");
+        bytes.push_back(7 * f);
+        peers.push_back(rank == 0 ? 1 : 0);
+      }
+      ops.push_back("all_reduce");
+      bytes.push_back(3 * f);
+      peers.push_back(-1);
+      auto entries = recorders[static_cast<size_t>(rank)]->snapshot();
+      REQUIRE(entries.size() == ops.size());
+      for (size_t i = 0; i < entries.size(); ++i) {
+        CAPTURE(i);
+        CHECK(entries[i].group == "mixed");
+        CHECK(entries[i].seq == static_cast<int64_t>(i));
+        CHECK(entries[i].op == ops[i]);
+        CHECK(entries[i].bytes == bytes[i]);
+        CHECK(entries[i].peer == peers[i]);
+        CHECK(entries[i].state == FlightState::kDone);
+        CHECK(entries[i].end.has_value());
+      }
+    }
+  }
+
+  TEST_CASE("argument errors are internal errors that take no sequence number") {
+    MemoryStore store;
+    auto recorder = std::make_shared<FlightRecorder>();
+    GlooCommunicator comm(store, "solo", 0, 1, kTimeout, recorder);
+    std::vector<float> data(4, 1.0f);
+    CHECK(failure_of([&] { comm.send(data.data(), 4, 1); }).code == ErrorCode::kInternal);
+    CHECK(failure_of([&] { comm.recv(data.data(), 4, 0); }).code == ErrorCode::kInternal);
+    CHECK(failure_of([&] { comm.broadcast(data.data(), 4, -1); }).code == ErrorCode::kInternal);
+    CHECK(failure_of([&] { comm.all_reduce(nullptr, 4); }).code == ErrorCode::kInternal);
+    CHECK(recorder->snapshot().empty());
+    CHECK(comm.stats().calls_of(CollectiveOp::kSend) == 0);
+    comm.all_reduce(data.data(), 4);
+    auto entries = recorder->snapshot();
+    REQUIRE(entries.size() == 1);
+    CHECK(entries[0].seq == 0);
+    CHECK(data == std::vector<float>(4, 1.0f));
+  }
+
+  TEST_CASE("the flight recorder keeps the last N calls in order with their states") {
+    FlightRecorder recorder(4);
+    std::vector<uint64_t> ids;
+    for (int i = 0; i < 6; ++i) ids.push_back(recorder.begin("dp", i, "all_reduce", 64u * i, i % 2 ? 1 : -1));
+    recorder.end(ids[0], FlightState::kDone);  // already out of the ring
+    recorder.end(ids[2], FlightState::kDone);
+    recorder.end(ids[3], FlightState::kFailed, "boom");
+    recorder.end(ids[4], FlightState::kDone);
+    auto entries = recorder.snapshot();
+    REQUIRE(entries.size() == 4);
+    for (size_t i = 0; i < 4; ++i) {
+      CHECK(entries[i].id == ids[i + 2]);
+      CHECK(entries[i].seq == static_cast<int64_t>(i + 2));
+      CHECK(entries[i].bytes == 64u * (i + 2));
+      CHECK(entries[i].peer == ((i + 2) % 2 ? 1 : -1));
+    }
+    CHECK(entries[0].state == FlightState::kDone);
+    CHECK(entries[1].state == FlightState::kFailed);
+    CHECK(entries[1].error == "boom");
+    CHECK(entries[2].state == FlightState::kDone);
+    CHECK(entries[3].state == FlightState::kInFlight);
+    CHECK_FALSE(entries[3].end.has_value());
+    CHECK(*entries[1].end >= entries[1].start);
+
+    // Through a communicator: the ring holds the newest calls only.
+    MemoryStore store;
+    auto small = std::make_shared<FlightRecorder>(8);
+    GlooCommunicator comm(store, "solo", 0, 1, kTimeout, small);
+    for (int i = 0; i < 10; ++i) comm.barrier();
+    auto recent = small->snapshot();
+    REQUIRE(recent.size() == 8);
+    for (size_t i = 0; i < 8; ++i) {
+      CHECK(recent[i].seq == static_cast<int64_t>(i + 2));
+      CHECK(recent[i].state == FlightState::kDone);
+    }
+  }
+
+  TEST_CASE("dump writes the recorder as JSON that parses back") {
+    TempDir dir;
+    FlightRecorder recorder(4);
+    for (int i = 0; i < 5; ++i) {
+      uint64_t id = recorder.begin("tp", i, "all_gather", 16, -1);
+      if (i < 3) recorder.end(id, FlightState::kDone);
+      if (i == 3) recorder.end(id, FlightState::kFailed, "peer \"2\" gone\n\xff");
+    }
+    const auto path = dir / "rank-00000.json";
+    recorder.dump(path);
+    recorder.dump(path);  // replaces the first dump
+
+    std::ifstream file(path);
+    auto doc = nlohmann::json::parse(file);
+    CHECK(doc["version"] == 1);
+    CHECK(doc["capacity"] == 4);
+    CHECK(doc["recorded"] == 5);
+    CHECK(doc["dump_steady_ns"].get<int64_t>() > 0);
+    CHECK(doc["dump_wall_ns"].get<int64_t>() > 0);
+    const auto& entries = doc["entries"];
+    REQUIRE(entries.size() == 4);
+    for (size_t i = 0; i < 4; ++i) {
+      CHECK(entries[i]["id"] == i + 1);
+      CHECK(entries[i]["seq"] == i + 1);
+      CHECK(entries[i]["group"] == "tp");
+      CHECK(entries[i]["op"] == "all_gather");
+      CHECK(entries[i]["bytes"] == 16);
+      CHECK(entries[i]["peer"] == -1);
+      CHECK(entries[i]["start_steady_ns"].get<int64_t>() <= doc["dump_steady_ns"].get<int64_t>());
+      CHECK(entries[i]["start_wall_ns"].get<int64_t>() > 0);
+    }
+    CHECK(entries[1]["state"] == "done");
+    CHECK(entries[2]["state"] == "failed");
+    CHECK(contains(entries[2]["error"].get<std::string>(), "peer \"2\" gone"));
+    CHECK(entries[3]["state"] == "in_flight");
+    CHECK(entries[3]["end_steady_ns"].is_null());
+    CHECK(entries[1]["end_steady_ns"].get<int64_t>() >= entries[1]["start_steady_ns"].get<int64_t>());
+
+    // Only the dump itself is left: the temporary files were renamed.
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(dir.path())) files.push_back(entry.path());
+    CHECK(files == std::vector<fs::path>{path});
+
+    CHECK_THROWS_AS(recorder.dump(dir / "missing" / "rank.json"), Error);
+  }
+
+  TEST_CASE("a rank whose peer never joins a collective raises a hang error within its timeout") {
+    // Measured on this Gloo: the waiting rank's recv times out ("Timed out
+    // waiting ... for recv operation to complete"): kCollectiveHang.
+    MemoryStore store;
+    auto recorder = std::make_shared<FlightRecorder>();
+    std::latch failed(1);
+    Failure failure;
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "stuck", rank, 2, kFailureTimeout, rank == 0 ? recorder : nullptr);
+      comm.barrier();
+      if (rank == 1) {
+        // Alive and connected, but never enters the all_reduce.
+        failed.wait();
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      failure = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      failed.count_down();
+    }));
+    CHECK_MESSAGE(failure.code == ErrorCode::kCollectiveHang, describe(failure));
+    CHECK(failure.elapsed >= kFailureTimeout - 100ms);
+    CHECK(failure.elapsed < kFailureTimeout + 2s);
+    CHECK(contains(failure.message, "group 'stuck' all_reduce seq 1"));
+    CHECK(contains(failure.message, "Timed out"));
+    auto entries = recorder->snapshot();
+    REQUIRE(entries.size() == 2);
+    CHECK(entries[0].state == FlightState::kDone);
+    CHECK(entries[1].op == "all_reduce");
+    CHECK(entries[1].state == FlightState::kFailed);
+    CHECK(entries[1].error == failure.message);
+  }
+
+  TEST_CASE("in a group of three a missing rank makes the others fail with typed errors within the timeout") {
+    MemoryStore store;
+    std::latch failed(2);
+    std::vector<Failure> failures(2);
+    require_no_errors(run_ranks(3, [&](int rank) {
+      GlooCommunicator comm(store, "stuck3", rank, 3, kFailureTimeout, nullptr);
+      comm.barrier();
+      if (rank == 2) {
+        failed.wait();
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      failures[static_cast<size_t>(rank)] = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      failed.count_down();
+    }));
+    int hangs = 0;
+    // Measured: both usually time out themselves (kCollectiveHang); the one
+    // that times out second may instead see the first one close its pairs.
+    for (const auto& f : failures) {
+      CHECK_MESSAGE((f.code == ErrorCode::kCollectiveHang || f.code == ErrorCode::kPeerFailure), describe(f));
+      CHECK_MESSAGE(f.elapsed < kFailureTimeout + 2s, describe(f));
+      hangs += f.code == ErrorCode::kCollectiveHang;
+    }
+    CHECK(hangs >= 1);
+  }
+
+  TEST_CASE("a rank whose peer's communicator is destroyed mid-collective raises a peer failure at once") {
+    MemoryStore store;
+    auto recorder = std::make_shared<FlightRecorder>();
+    Failure failure;
+    const auto timeout = 5000ms;
+    require_no_errors(run_ranks(2, [&](int rank) {
+      auto comm = std::make_unique<GlooCommunicator>(store, "gone", rank, 2, timeout, rank == 0 ? recorder : nullptr);
+      std::vector<float> data(1000, 1.0f);
+      comm->all_reduce(data.data(), data.size());
+      if (rank == 1) {
+        // Rank 0 is inside its second all_reduce by now; this rank leaves.
+        std::this_thread::sleep_for(200ms);
+        comm.reset();
+        return;
+      }
+      failure = failure_of([&] { comm->all_reduce(data.data(), data.size()); });
+    }));
+    CHECK_MESSAGE(failure.code == ErrorCode::kPeerFailure, describe(failure));
+    CHECK(failure.elapsed < 2s);
+    CHECK(contains(failure.message, "group 'gone' all_reduce seq 1"));
+    auto entries = recorder->snapshot();
+    REQUIRE(entries.size() == 2);
+    CHECK(entries[1].state == FlightState::kFailed);
+  }
+
+  TEST_CASE("abort fails a blocked collective and every later call at once and its peers see a peer failure") {
+    MemoryStore store;
+    const auto timeout = 5000ms;
+    Failure blocked, later, peer;
+    std::latch aborted(1);
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "aborted", rank, 2, timeout, nullptr);
+      comm.barrier();
+      std::vector<float> data(1000, 1.0f);
+      if (rank == 1) {
+        aborted.wait();
+        peer = failure_of([&] { comm.barrier(); });
+        return;
+      }
+      std::thread watchdog([&] {
+        std::this_thread::sleep_for(200ms);
+        comm.abort();
+        comm.abort();  // idempotent
+      });
+      blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      watchdog.join();
+      later = failure_of([&] { comm.barrier(); });
+      aborted.count_down();
+    }));
+    CHECK_MESSAGE(blocked.code == ErrorCode::kCollectiveHang, describe(blocked));
+    CHECK(contains(blocked.message, "aborted"));
+    CHECK(blocked.elapsed < 2s);
+    CHECK_MESSAGE(later.code == ErrorCode::kCollectiveHang, describe(later));
+    CHECK(later.elapsed < 1s);
+    CHECK_MESSAGE(peer.code == ErrorCode::kPeerFailure, describe(peer));
+    CHECK(peer.elapsed < 2s);
+  }
+
+  TEST_CASE("abort wakes a call waiting on a live peer after another peer has died") {
+    MemoryStore store;
+    const auto timeout = 5000ms;
+    Failure dead, blocked;
+    std::latch rank1_gone(1);
+    std::latch aborted(1);
+    require_no_errors(run_ranks(3, [&](int rank) {
+      auto comm = std::make_unique<GlooCommunicator>(store, "partial", rank, 3, timeout, nullptr);
+      comm->barrier();
+      std::vector<float> data(10, 1.0f);
+      if (rank == 1) {
+        comm.reset();
+        rank1_gone.count_down();
+        return;
+      }
+      if (rank == 2) {
+        // Alive, but never sends what rank 0 waits for.
+        aborted.wait();
+        return;
+      }
+      rank1_gone.wait();
+      dead = failure_of([&] { comm->recv(data.data(), data.size(), 1); });
+      std::thread watchdog([&] {
+        std::this_thread::sleep_for(200ms);
+        comm->abort();
+      });
+      blocked = failure_of([&] { comm->recv(data.data(), data.size(), 2); });
+      watchdog.join();
+      aborted.count_down();
+    }));
+    CHECK_MESSAGE(dead.code == ErrorCode::kPeerFailure, describe(dead));
+    CHECK_MESSAGE(blocked.code == ErrorCode::kCollectiveHang, describe(blocked));
+    CHECK(contains(blocked.message, "aborted"));
+    CHECK(blocked.elapsed < 2s);
+  }
+
+  TEST_CASE("a rank that never arrives at the rendezvous makes the constructor raise a peer failure") {
+    MemoryStore store;
+    const auto start = Clock::now();
+    try {
+      GlooCommunicator comm(store, "lonely", 0, 2, 500ms, nullptr);
+      FAIL("the constructor returned without its peer");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kPeerFailure);
+      CHECK(contains(e.what(), "group 'lonely'"));
+    }
+    CHECK(Clock::now() - start < 500ms + 2s);
+  }
+}

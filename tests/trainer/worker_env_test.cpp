@@ -1,0 +1,80 @@
+#include "common/error.h"
+#include "trainer/train/worker_env.h"
+
+#include <doctest/doctest.h>
+
+#include <map>
+#include <string>
+
+using keel::trainer::WorkerEnv;
+
+namespace {
+
+WorkerEnv read_env(const std::map<std::string, std::string>& vars) {
+  return WorkerEnv::read([&vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("without the worker environment a trainer is a single rank") {
+    WorkerEnv env = read_env({});
+    CHECK(env.rank == 0);
+    CHECK(env.world_size == 1);
+    CHECK(env.local_world_size == 1);
+    CHECK(env.generation == 0);
+    CHECK_FALSE(env.run_dir.has_value());
+  }
+
+  TEST_CASE("the full worker environment is read as keeld sets it") {
+    WorkerEnv env = read_env({{"KEEL_RANK", "5"},
+                              {"KEEL_WORLD_SIZE", "8"},
+                              {"KEEL_LOCAL_RANK", "1"},
+                              {"KEEL_LOCAL_WORLD_SIZE", "4"},
+                              {"KEEL_GENERATION", "3"},
+                              {"KEEL_STORE", "tcp://127.0.0.1:29500"},
+                              {"KEEL_BOARD", "/keel-board-5"},
+                              {"KEEL_RUN_DIR", "/runs/a"}});
+    CHECK(env.rank == 5);
+    CHECK(env.world_size == 8);
+    CHECK(env.local_rank == 1);
+    CHECK(env.local_world_size == 4);
+    CHECK(env.generation == 3);
+    CHECK(env.store == "tcp://127.0.0.1:29500");
+    CHECK(env.board == "/keel-board-5");
+    CHECK(env.run_dir == "/runs/a");
+  }
+
+  TEST_CASE("a malformed worker environment is a config error naming the variable") {
+    struct Row {
+      std::map<std::string, std::string> vars;
+      const char* expected;
+    };
+    const Row rows[] = {
+        {{{"KEEL_RANK", "two"}}, "KEEL_RANK=two is not an integer"},
+        {{{"KEEL_RANK", "3x"}}, "KEEL_RANK=3x is not an integer"},
+        {{{"KEEL_WORLD_SIZE", "0"}}, "KEEL_WORLD_SIZE=0 is outside"},
+        {{{"KEEL_RANK", "-1"}}, "KEEL_RANK=-1 is outside"},
+        {{{"KEEL_RANK", "99999999999999999999"}}, "KEEL_RANK=99999999999999999999 is not an integer"},
+        {{{"KEEL_RANK", "2"}, {"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}}, "must be below KEEL_WORLD_SIZE=2"},
+        {{{"KEEL_WORLD_SIZE", "2"}}, "needs KEEL_STORE"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_LOCAL_WORLD_SIZE", "4"}, {"KEEL_STORE", "tcp://h:1"}},
+         "KEEL_LOCAL_WORLD_SIZE=4 exceeds"},
+        {{{"KEEL_LOCAL_RANK", "1"}, {"KEEL_LOCAL_WORLD_SIZE", "1"}}, "KEEL_LOCAL_RANK=1 must be below"},
+        {{{"KEEL_GENERATION", "-4"}}, "KEEL_GENERATION=-4 is outside"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.expected);
+      try {
+        read_env(row.vars);
+        FAIL("accepted");
+      } catch (const keel::common::Error& e) {
+        CHECK(e.code() == keel::common::ErrorCode::kBadConfig);
+        CHECK(std::string(e.what()).find(row.expected) != std::string::npos);
+      }
+    }
+  }
+}

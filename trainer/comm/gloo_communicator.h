@@ -1,0 +1,97 @@
+// GlooCommunicator: the CPU communicator (DESIGN §3.5), Debian's Gloo
+// (2022-05 snapshot) over its TCP transport on the loopback interface.
+//
+// Construction connects a full mesh of TCP pairs through the Store. Gloo's
+// rendezvous keys are prefixed with "gloo/<group_name>/", so many groups can
+// share one Store; a name must therefore be unique among the live groups of
+// a Store (two DP groups are "dp.0" and "dp.1", not both "dp"), and a name
+// reused for a new generation needs a fresh Store or a generation in the
+// name, or it would meet the old generation's addresses.
+//
+// Algorithms: Gloo's ring all_reduce (fixed segmentation, so results are
+// bit-identical run to run and on every rank), ring all_gather, binomial-tree
+// broadcast, pairwise all_to_all and dissemination barrier; reduce_scatter is
+// a ring on Gloo's unbound buffers (gloo_communicator.cpp says why not Gloo's
+// legacy ReduceScatterHalvingDoubling); send/recv are unbound-buffer
+// messages tagged by their order between the two ranks.
+//
+// Every wait inside an operation is bounded by `timeout`. Failures, as
+// measured on this Gloo (tests/trainer/gloo_communicator_test.cpp):
+// * a peer that never joins: the ranks waiting on it directly raise
+//   kCollectiveHang after `timeout` ("Timed out waiting ... for recv|send operation");
+//   Gloo then closes every pair of the timed-out rank, so ranks further
+//   away in the algorithm may see kPeerFailure first;
+// * a peer that dies or destroys its communicator: kPeerFailure within
+//   milliseconds ("Connection closed by peer");
+// * abort(): every pending and later call of this communicator raises
+//   kCollectiveHang at once (the watchdog aborts a call that outlived its
+//   deadline); its peers see the connections close: kPeerFailure.
+// After any failure the communicator is unusable (Gloo has closed its pairs):
+// the rank exits and keeld restarts the generation.
+//
+// Semantics beyond communicator.h: send() returns once the peer has posted
+// the matching recv() and the data has been handed to the socket, so two
+// ranks that both send to each other first deadlock (until the timeout);
+// order pipeline traffic so that one side receives first.
+//
+// The constructor ignores SIGPIPE for the process (when it still has the
+// default action): a write to a peer that just died must become
+// kPeerFailure, not kill the rank.
+#pragma once
+
+#include "common/store.h"
+#include "trainer/comm/communicator.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace gloo {
+class Context;
+}
+
+namespace keel::trainer {
+
+class GlooCommunicator final : public Communicator {
+ public:
+  // Blocks until all `size` ranks of the group have connected; a rank that
+  // does not arrive within `timeout` makes it raise kPeerFailure.
+  GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
+                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder);
+  GlooCommunicator(const GlooCommunicator&) = delete;
+  GlooCommunicator& operator=(const GlooCommunicator&) = delete;
+
+  void abort() override;
+
+ protected:
+  void do_all_reduce(float* data, size_t count) override;
+  void do_reduce_scatter(const float* in, float* out, size_t count) override;
+  void do_all_gather(const float* in, float* out, size_t count) override;
+  void do_broadcast(float* data, size_t count, int root) override;
+  void do_send(const float* data, size_t count, int peer) override;
+  void do_recv(float* data, size_t count, int peer) override;
+  void do_all_to_all(const float* in, float* out, size_t count) override;
+  void do_barrier() override;
+
+ private:
+  // Runs `body` (Gloo calls) and turns whatever Gloo throws into Error.
+  template <class Body> void guarded(Body&& body);
+  // The tag of the next collective: every rank of the group makes the same
+  // collective calls in the same order, so the counts agree across ranks
+  // even when point-to-point calls (which only some ranks make) interleave.
+  uint32_t next_collective_tag() { return static_cast<uint32_t>(collectives_++); }
+
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::Context> context_;
+  std::atomic<bool> aborted_{false};
+  uint64_t collectives_ = 0;
+  // Messages sent to / received from each peer so far: the tag of a
+  // point-to-point message, matched by order on the two sides of a pair.
+  std::vector<uint64_t> sent_to_;
+  std::vector<uint64_t> received_from_;
+};
+
+}  // namespace keel::trainer

@@ -1,0 +1,31 @@
+// The worker contract (DESIGN §4): the environment keeld starts every rank
+// with. Without it keel-trainer is a single rank, which is how tests and
+// developers run it by hand.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace keel::trainer {
+
+struct WorkerEnv {
+  int rank = 0;                  // KEEL_RANK: global rank
+  int world_size = 1;            // KEEL_WORLD_SIZE
+  int local_rank = 0;            // KEEL_LOCAL_RANK: rank on this node
+  int local_world_size = 1;      // KEEL_LOCAL_WORLD_SIZE: ranks on this node
+  int64_t generation = 0;        // KEEL_GENERATION: bumped by every restart
+  std::string store;             // KEEL_STORE: Store address, e.g. tcp://127.0.0.1:29500
+  std::string board;             // KEEL_BOARD: this rank's progress-board segment
+  std::optional<std::string> run_dir;  // KEEL_RUN_DIR: overrides job.run_dir
+
+  // Reads the contract through `getenv` (std::getenv by default, a map in
+  // tests). Throws Error(kBadConfig) naming the variable when a value is
+  // not a number, out of range or inconsistent (rank >= world size, a world
+  // above one without KEEL_STORE, ...).
+  static WorkerEnv read(const std::function<const char*(const char*)>& getenv);
+  static WorkerEnv from_process();
+};
+
+}  // namespace keel::trainer
