@@ -282,6 +282,7 @@ void Config::validate() const {
     at_least(value, 1, key);
   }
   check(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", fmt::format("must be a ZeRO stage 0-3 (got {})", parallel.zero));
+  check(parallel.timeout_s > 0, "parallel.timeout_s", fmt::format("must be positive (got {})", parallel.timeout_s));
 
   at_least(train.steps, 1, "train.steps");
   at_least(train.batch_size, 1, "train.batch_size");

@@ -76,6 +76,7 @@ struct ParallelConfig {
   int64_t ep = 1;              // expert-parallel degree (carved out of dp x cp)
   int64_t zero = 0;            // ZeRO stage 0-3
   int64_t micro_batches = 1;   // gradient-accumulation microbatches per step and DP rank
+  double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
 
   template <class V> void visit(V& v) {
     v("dp", dp);
@@ -85,6 +86,7 @@ struct ParallelConfig {
     v("ep", ep);
     v("zero", zero);
     v("micro_batches", micro_batches);
+    v("timeout_s", timeout_s);
   }
 };
 
@@ -100,7 +102,7 @@ struct TrainConfig {
   double eps = 1e-8;             // AdamW denominator epsilon
   double grad_clip = 1.0;        // global gradient-norm clip; 0 disables
   int64_t val_every = 100;       // validate every N steps and after the last; 0 = never
-  int64_t val_batches = 8;       // batches per validation pass
+  int64_t val_batches = 8;       // batches of batch_size sequences per validation pass
   int64_t log_every = 10;        // progress line every N steps
   int64_t threads = 0;           // CPU threads for kernels; 0 = all cores
 

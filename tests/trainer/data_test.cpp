@@ -325,7 +325,7 @@ TEST_CASE("validation batches are consecutive windows that repeat identically an
   constexpr int B = 4;
   auto val = [&](int64_t index) {
     Batch b{std::vector<int32_t>(B * T), std::vector<int32_t>(B * T)};
-    fill_val_batch(data, index, B, T, b.inputs.data(), b.targets.data());
+    fill_val_batch(data, index, B, T, 0, B, b.inputs.data(), b.targets.data());
     return b;
   };
   const Batch first = val(0);
@@ -342,6 +342,12 @@ TEST_CASE("validation batches are consecutive windows that repeat identically an
   CHECK(wrapped.targets[0 * T + T - 1] == 2000);
   CHECK(wrapped.inputs[1 * T] == 0);
   CHECK(wrapped.inputs[3 * T] == 2 * T);
+
+  // A slice of a batch (a DP rank's share) is the same windows.
+  Batch slice{std::vector<int32_t>(2 * T), std::vector<int32_t>(2 * T)};
+  fill_val_batch(data, 31, B, T, 2, 2, slice.inputs.data(), slice.targets.data());
+  CHECK(std::equal(slice.inputs.begin(), slice.inputs.end(), wrapped.inputs.begin() + 2 * T));
+  CHECK(std::equal(slice.targets.begin(), slice.targets.end(), wrapped.targets.begin() + 2 * T));
 }
 
 }  // TEST_SUITE("unit")

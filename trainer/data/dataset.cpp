@@ -109,7 +109,8 @@ void fill_train_batch(const TokenDataset& data, uint64_t seed, int64_t step, int
 // input, as in llm.c). Validation window w = index * B + b starts at
 // (w mod W) * T, so a pass cycles through exactly those W windows and the
 // fewer than T tokens left over at the end are never evaluated.
-void fill_val_batch(const TokenDataset& data, int64_t index, int B, int T, int32_t* inputs, int32_t* targets) {
+void fill_val_batch(const TokenDataset& data, int64_t index, int64_t global_batch, int T, int64_t first_sample,
+                    int64_t count, int32_t* inputs, int32_t* targets) {
   const int64_t whole_windows = (data.num_tokens() - 1) / T;
   if (whole_windows < 1) {
     throw Error(ErrorCode::kDataError,
@@ -117,9 +118,9 @@ void fill_val_batch(const TokenDataset& data, int64_t index, int B, int T, int32
                             "add data or lower model.seq_len",
                             data.num_tokens(), T + 1));
   }
-  for (int b = 0; b < B; ++b) {
-    const int64_t window = (index * B + b) % whole_windows;
-    fill_window(data, window * T, T, inputs + static_cast<int64_t>(b) * T, targets + static_cast<int64_t>(b) * T);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t window = (index * global_batch + first_sample + i) % whole_windows;
+    fill_window(data, window * T, T, inputs + i * T, targets + i * T);
   }
 }
 

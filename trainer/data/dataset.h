@@ -41,9 +41,11 @@ class TokenDataset {
 void fill_train_batch(const TokenDataset& data, uint64_t seed, int64_t step, int64_t global_batch, int T,
                       int64_t first_sample, int64_t count, int32_t* inputs, int32_t* targets);
 
-// Validation batch `index` of B sequences: consecutive non-overlapping
-// windows from the start of the stream, wrapping around at the end, so every
-// validation pass sees the same tokens.
-void fill_val_batch(const TokenDataset& data, int64_t index, int B, int T, int32_t* inputs, int32_t* targets);
+// Fills samples [first_sample, first_sample + count) of validation batch
+// `index` of global_batch sequences: consecutive non-overlapping windows from
+// the start of the stream, wrapping around at the end, so every validation
+// pass sees the same tokens whatever the layout.
+void fill_val_batch(const TokenDataset& data, int64_t index, int64_t global_batch, int T, int64_t first_sample,
+                    int64_t count, int32_t* inputs, int32_t* targets);
 
 }  // namespace keel::trainer

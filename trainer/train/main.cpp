@@ -4,6 +4,8 @@
 #include "common/config.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tcp_store.h"
+#include "trainer/comm/gloo_communicator.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/parallel/mesh.h"
 #include "trainer/train/train_loop.h"
@@ -23,6 +25,18 @@ namespace {
 std::atomic<bool> g_stop{false};
 
 void request_stop(int) { g_stop.store(true); }
+
+void dump_flight_recorder(const keel::trainer::FlightRecorder& recorder, const std::filesystem::path& path) {
+  if (path.empty() || recorder.snapshot().empty()) return;
+  try {
+    std::filesystem::create_directories(path.parent_path());
+    recorder.dump(path);
+    std::cerr << "keel-trainer: flight recorder written to " << path.string() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "keel-trainer: could not write the flight recorder to " << path.string() << ": " << e.what()
+              << std::endl;
+  }
+}
 
 void print_summary(const keel::trainer::RunSummary& s, bool json) {
   if (json) {
@@ -70,6 +84,10 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : keel::common::exit_code(ErrorCode::kBadConfig);
   }
 
+  // The last collectives of this rank, dumped to run_dir/flight/ on any
+  // error so keeld (and an operator) can see where it stopped.
+  auto recorder = std::make_shared<keel::trainer::FlightRecorder>();
+  std::filesystem::path flight_path;
   try {
     const auto worker = keel::trainer::WorkerEnv::from_process();
     keel::common::init_logging(worker.rank);
@@ -78,24 +96,41 @@ int main(int argc, char** argv) {
     auto config = keel::common::Config::load(config_path, overrides);
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     keel::trainer::validate_layout(config, worker.world_size);
-    if (worker.world_size != 1) {
+    const auto& parallel = config.parallel;
+    if (parallel.tp * parallel.pp * parallel.cp * parallel.ep != 1 || parallel.zero != 0) {
       throw Error(ErrorCode::kBadConfig,
-                  fmt::format("this build trains a single rank, but KEEL_WORLD_SIZE={}: multi-rank layouts arrive "
-                              "with the distributed core",
-                              worker.world_size));
+                  fmt::format("this build trains data-parallel layouts without ZeRO only (tp={} pp={} cp={} ep={} "
+                              "zero={}): set them to 1 and zero to 0",
+                              parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.zero));
     }
+    flight_path = std::filesystem::path(config.job.run_dir) / "flight" / fmt::format("rank-{:05d}.json", worker.rank);
     log->info("resolved config:\n{}", config.to_toml());
 
     std::signal(SIGINT, request_stop);
     std::signal(SIGTERM, request_stop);
     keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
     log->info("backend {} with {} threads", backend.name(), backend.threads());
-    keel::trainer::TrainLoop loop(config, backend);
+    // Ranks rendezvous through the Store; groups are named by generation so
+    // a restarted generation never reads the addresses of the one before.
+    std::unique_ptr<keel::common::Store> store;
+    std::unique_ptr<keel::trainer::GlooCommunicator> dp;
+    if (worker.world_size > 1) {
+      const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
+      store = keel::common::connect_store(worker.store, timeout);
+      keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
+      const auto& group = mesh.group(keel::trainer::Axis::kDp);
+      dp = std::make_unique<keel::trainer::GlooCommunicator>(
+          *store, fmt::format("g{}.{}", worker.generation, group.name), group.index_in_group,
+          static_cast<int>(group.ranks.size()), timeout, recorder);
+      log->info("joined {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
+    }
+    keel::trainer::TrainLoop loop(config, backend, dp.get());
     auto summary = loop.run(g_stop);
     print_summary(summary, json);
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;
+    dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(e.code());
   } catch (const std::exception& e) {
     std::cerr << "keel-trainer: internal error: " << e.what() << std::endl;

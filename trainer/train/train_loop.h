@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/config.h"
+#include "trainer/comm/communicator.h"
 #include "trainer/data/dataset.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
@@ -40,12 +41,16 @@ struct RunSummary {
 class TrainLoop {
  public:
   // Opens the datasets (Error kDataError on bad shards), builds and
-  // initialises the model from job.seed.
-  TrainLoop(const common::Config& config, Backend& backend);
+  // initialises the model from job.seed. `dp` is the data-parallel group
+  // (nullptr: a single rank): each DP rank trains its slice of every global
+  // batch and the gradients are summed over the group before the optimizer
+  // step, so every replica applies the same update.
+  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr);
 
   Gpt& model() { return model_; }
 
-  // One optimizer step on the batch of global step `step`.
+  // One optimizer step on the batch of global step `step`; loss and
+  // gradient norm are the same on every DP rank.
   StepStats train_step(int64_t step);
 
   // Mean cross-entropy over train.val_batches validation batches; needs
@@ -57,8 +62,14 @@ class TrainLoop {
   RunSummary run(const std::atomic<bool>& stop);
 
  private:
+  // Sums gradients over the DP group in buckets of kAllReduceBucketFloats.
+  void all_reduce_gradients();
+
   common::Config config_;
   Backend& backend_;
+  Communicator* dp_;
+  int dp_rank_;
+  int dp_size_;
   TokenDataset train_;
   std::optional<TokenDataset> val_;
   int micro_batch_;

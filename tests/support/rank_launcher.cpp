@@ -1,0 +1,25 @@
+#include "tests/support/rank_launcher.h"
+
+namespace keel::test {
+
+RankLauncher::RankLauncher(int world_size, const std::vector<std::string>& argv,
+                           const std::map<std::string, std::string>& extra_env, int64_t generation) {
+  for (int r = 0; r < world_size; ++r) {
+    auto env = extra_env;
+    env["KEEL_RANK"] = std::to_string(r);
+    env["KEEL_WORLD_SIZE"] = std::to_string(world_size);
+    env["KEEL_LOCAL_RANK"] = std::to_string(r);
+    env["KEEL_LOCAL_WORLD_SIZE"] = std::to_string(world_size);
+    env["KEEL_GENERATION"] = std::to_string(generation);
+    env["KEEL_STORE"] = store_.address();
+    ranks_.push_back(std::make_unique<ChildProcess>(argv, env));
+  }
+}
+
+std::vector<ProcessResult> RankLauncher::wait_all(double timeout_s) {
+  std::vector<ProcessResult> results;
+  for (auto& rank : ranks_) results.push_back(rank->wait(timeout_s));
+  return results;
+}
+
+}  // namespace keel::test

@@ -1,0 +1,32 @@
+#pragma once
+
+#include "common/tcp_store.h"
+#include "tests/support/process.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace keel::test {
+
+// What keeld does for one node, for tests: serves an embedded Store and
+// starts `world_size` ranks of a program as real processes, each with the
+// worker environment of DESIGN §4 (KEEL_RANK, KEEL_WORLD_SIZE,
+// KEEL_LOCAL_RANK, KEEL_LOCAL_WORLD_SIZE, KEEL_GENERATION, KEEL_STORE).
+class RankLauncher {
+ public:
+  RankLauncher(int world_size, const std::vector<std::string>& argv,
+               const std::map<std::string, std::string>& extra_env = {}, int64_t generation = 0);
+
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+  ChildProcess& rank(int r) { return *ranks_.at(static_cast<size_t>(r)); }
+  // Waits for every rank, in rank order.
+  std::vector<ProcessResult> wait_all(double timeout_s = 300);
+
+ private:
+  common::StoreServer store_;
+  std::vector<std::unique_ptr<ChildProcess>> ranks_;
+};
+
+}  // namespace keel::test
