@@ -5,7 +5,9 @@
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
 #include "tests/support/temp_dir.h"
+#include "common/config.h"
 #include "trainer/data/token_shard.h"
+#include "trainer/model/parameters.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -120,6 +122,28 @@ TEST_SUITE("integration") {
       check_parity(reference, f.data_parallel(2, "dp2m2", {"parallel.micro_batches=2"}));
     }
     SUBCASE("dp4") { check_parity(reference, f.data_parallel(4, "dp4")); }
+  }
+
+  TEST_CASE("a DP step moves exactly the gradients plus three scalars through all-reduce") {
+    Fixture f;
+    f.data_parallel(2, "volume");
+    keel::common::Config config = keel::common::Config::load(f.dir() / "run.toml");
+    // The flat gradient buffer (alignment gaps included) in 16 MiB buckets,
+    // then loss and aux loss, then the stop vote; a validation step adds the
+    // validation sum.
+    const uint64_t gradient_floats = keel::trainer::ParameterTable(config.model).total();
+    const uint64_t buckets = (gradient_floats + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
+    std::ifstream in(f.dir() / "volume" / "metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line); ++steps) {
+      auto record = nlohmann::json::parse(line);
+      const bool validated = record.contains("val_loss");
+      CAPTURE(line);
+      CHECK(record["comm"]["all_reduce"]["bytes"] == 4 * (gradient_floats + 2 + 1 + (validated ? 1 : 0)));
+      CHECK(record["comm"]["all_reduce"]["calls"] == buckets + 2 + (validated ? 1 : 0));
+      CHECK(record["comm"].size() == 1);
+    }
+    CHECK(steps == 20);
   }
 
   TEST_CASE("two DP2 runs of one config are bit-identical") {

@@ -146,6 +146,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
   int64_t window_steps = 0;
   for (int64_t step = 0; step < train.steps; ++step) {
     common::set_log_step(step);
+    if (dp_ != nullptr) dp_->reset_stats();
     StepStats stats = train_step(step);
     summary.steps_done = step + 1;
     summary.final_train_loss = stats.loss;
@@ -176,6 +177,16 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
       summary.final_val_loss = val_loss;
       record["val_loss"] = val_loss;
       log->info("validation loss {:.4f}", val_loss);
+    }
+    if (dp_ != nullptr) {
+      // Payload bytes this rank handed to the DP group during the step, per op.
+      nlohmann::json comm = nlohmann::json::object();
+      for (size_t op = 0; op < kCollectiveOpCount; ++op) {
+        if (dp_->stats().calls[op] == 0) continue;
+        comm[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", dp_->stats().bytes[op]},
+                                                                   {"calls", dp_->stats().calls[op]}};
+      }
+      record["comm"] = comm;
     }
     if (metrics) metrics->write(record);
 
