@@ -145,7 +145,7 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}},
          {"--set", "parallel.dp=2", "--set", "parallel.timeout_s=1"}, 12, "127.0.0.1:1"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {"--set", "parallel.tp=2"}, 2,
-         "data-parallel layouts without ZeRO only"},
+         "data-parallel layouts with ZeRO 0 or 1 only"},
     };
     for (const Row& row : rows) {
       CAPTURE(row.expected);

@@ -82,14 +82,23 @@ class Fixture {
     return read_metrics(dir_ / run / "metrics.jsonl");
   }
 
-  Run data_parallel(int dp, const std::string& run, std::vector<std::string> sets = {}) const {
+  // Runs dp ranks to completion and returns each rank's output.
+  std::vector<std::string> data_parallel_outputs(int dp, const std::string& run, std::vector<std::string> sets) const {
     sets.push_back("parallel.dp=" + std::to_string(dp));
-    keel::test::RankLauncher ranks(dp, argv(run, sets), {{"SPDLOG_LEVEL", "warn"}});
-    auto results = ranks.wait_all(300);
-    for (size_t r = 0; r < results.size(); ++r) {
-      CAPTURE(r);
-      REQUIRE_MESSAGE(results[r].exit_code == 0, results[r].output);
+    auto args = argv(run, sets);
+    args.push_back("--json");
+    keel::test::RankLauncher ranks(dp, args, {{"SPDLOG_LEVEL", "warn"}});
+    std::vector<std::string> outputs;
+    for (const auto& result : ranks.wait_all(300)) {
+      CAPTURE(outputs.size());
+      REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+      outputs.push_back(result.output);
     }
+    return outputs;
+  }
+
+  Run data_parallel(int dp, const std::string& run, std::vector<std::string> sets = {}) const {
+    data_parallel_outputs(dp, run, std::move(sets));
     return read_metrics(dir_ / run / "metrics.jsonl");
   }
 
@@ -99,6 +108,12 @@ class Fixture {
   keel::test::TempDir dir_;
   fs::path config_;
 };
+
+nlohmann::json last_json_line(const std::string& output) {
+  auto end = output.find_last_not_of('\n');
+  auto start = output.rfind('\n', end);
+  return nlohmann::json::parse(output.substr(start == std::string::npos ? 0 : start + 1, end - start));
+}
 
 void check_parity(const Run& reference, const Run& parallel) {
   REQUIRE(parallel.losses.size() == reference.losses.size());
@@ -113,7 +128,7 @@ void check_parity(const Run& reference, const Run& parallel) {
 }  // namespace
 
 TEST_SUITE("integration") {
-  TEST_CASE("DP2 and DP4 reproduce the single-rank loss sequence over 20 steps") {
+  TEST_CASE("DP2 and DP4 with ZeRO-0 and ZeRO-1 reproduce the single-rank loss sequence over 20 steps") {
     Fixture f;
     const Run reference = f.single("single");
     REQUIRE(reference.losses.size() == 20);
@@ -122,28 +137,74 @@ TEST_SUITE("integration") {
       check_parity(reference, f.data_parallel(2, "dp2m2", {"parallel.micro_batches=2"}));
     }
     SUBCASE("dp4") { check_parity(reference, f.data_parallel(4, "dp4")); }
+    SUBCASE("dp2 zero1") { check_parity(reference, f.data_parallel(2, "dp2z1", {"parallel.zero=1"})); }
+    SUBCASE("dp4 zero1 with two microbatches") {
+      check_parity(reference, f.data_parallel(4, "dp4z1m2", {"parallel.zero=1", "train.batch_size=8",
+                                                               "parallel.micro_batches=2"}));
+    }
   }
 
-  TEST_CASE("a DP step moves exactly the gradients plus three scalars through all-reduce") {
+  TEST_CASE("each rank holds the fp32 ZeRO-0 and ZeRO-1 bytes for parameters and gradients and optimizer state") {
     Fixture f;
-    f.data_parallel(2, "volume");
     keel::common::Config config = keel::common::Config::load(f.dir() / "run.toml");
-    // The flat gradient buffer (alignment gaps included) in 16 MiB buckets,
-    // then loss and aux loss, then the stop vote; a validation step adds the
-    // validation sum.
-    const uint64_t gradient_floats = keel::trainer::ParameterTable(config.model).total();
-    const uint64_t buckets = (gradient_floats + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
-    std::ifstream in(f.dir() / "volume" / "metrics.jsonl");
-    int steps = 0;
-    for (std::string line; std::getline(in, line); ++steps) {
-      auto record = nlohmann::json::parse(line);
-      const bool validated = record.contains("val_loss");
-      CAPTURE(line);
-      CHECK(record["comm"]["all_reduce"]["bytes"] == 4 * (gradient_floats + 2 + 1 + (validated ? 1 : 0)));
-      CHECK(record["comm"]["all_reduce"]["calls"] == buckets + 2 + (validated ? 1 : 0));
-      CHECK(record["comm"].size() == 1);
+    const double P = static_cast<double>(keel::trainer::ParameterTable(config.model).parameter_count());
+    for (int zero : {0, 1}) {
+      for (int dp : {2, 4}) {
+        CAPTURE(zero);
+        CAPTURE(dp);
+        auto outputs = f.data_parallel_outputs(dp, "mem" + std::to_string(zero) + std::to_string(dp),
+                                               {"parallel.zero=" + std::to_string(zero), "train.steps=2"});
+        for (const auto& output : outputs) {
+          auto memory = last_json_line(output).at("memory");
+          // Formulas: parameters and gradients 4P each; Adam moments 8P, or
+          // 8P/dp when sharded (ZeRO-1).
+          const double optimizer = zero >= 1 ? 8 * P / dp : 8 * P;
+          CHECK(std::fabs(memory.at("params_bytes").get<double>() - 4 * P) <= 0.05 * 4 * P);
+          CHECK(std::fabs(memory.at("grads_bytes").get<double>() - 4 * P) <= 0.05 * 4 * P);
+          CHECK(std::fabs(memory.at("optimizer_bytes").get<double>() - optimizer) <= 0.05 * optimizer);
+        }
+      }
     }
-    CHECK(steps == 20);
+  }
+
+  TEST_CASE("a DP step's byte counters equal the ZeRO-0 and ZeRO-1 formulas") {
+    Fixture f;
+    keel::common::Config config = keel::common::Config::load(f.dir() / "run.toml");
+    const keel::trainer::ParameterTable table(config.model);
+    const int dp = 2;
+    // All-reduce: the flat gradient buffer (alignment gaps included) in
+    // 16 MiB buckets, then loss and aux loss, then the stop vote; a
+    // validation step adds the validation sum.
+    const uint64_t gradient_floats = table.total();
+    const uint64_t buckets = (gradient_floats + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
+    // ZeRO-1 all-gather: every tensor's dim-0 shard padded to ceil(rows/dp) rows.
+    uint64_t shard_floats = 0;
+    for (const auto& spec : table.specs()) {
+      const uint64_t rows = static_cast<uint64_t>(spec.shape[0]);
+      shard_floats += (rows + dp - 1) / dp * (spec.numel / rows);
+    }
+    for (int zero : {0, 1}) {
+      CAPTURE(zero);
+      const std::string run = "volume" + std::to_string(zero);
+      f.data_parallel(dp, run, {"parallel.zero=" + std::to_string(zero)});
+      std::ifstream in(f.dir() / run / "metrics.jsonl");
+      int steps = 0;
+      for (std::string line; std::getline(in, line); ++steps) {
+        auto comm = nlohmann::json::parse(line)["comm"];
+        const int validated = line.find("val_loss") != std::string::npos ? 1 : 0;
+        CAPTURE(line);
+        CHECK(comm["all_reduce"]["bytes"] == 4 * (gradient_floats + 2 + 1 + validated));
+        CHECK(comm["all_reduce"]["calls"] == buckets + 2 + validated);
+        if (zero == 0) {
+          CHECK(comm.size() == 1);
+        } else {
+          CHECK(comm["all_gather"]["bytes"] == 4 * shard_floats);
+          CHECK(comm["all_gather"]["calls"] == 1);
+          CHECK(comm.size() == 2);
+        }
+      }
+      CHECK(steps == 20);
+    }
   }
 
   TEST_CASE("two DP2 runs of one config are bit-identical") {

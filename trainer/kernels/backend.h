@@ -33,6 +33,7 @@ class Backend {
   virtual void zero(void* ptr, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
 
   // ---- embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] ----
   virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,

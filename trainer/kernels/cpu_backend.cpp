@@ -237,6 +237,8 @@ void CpuBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
 
 void CpuBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) { std::memcpy(host_dst, src, bytes); }
 
+void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+
 // ---- embedding ----
 
 void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,

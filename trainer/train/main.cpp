@@ -45,7 +45,11 @@ void print_summary(const keel::trainer::RunSummary& s, bool json) {
                           {"final_train_loss", s.final_train_loss},
                           {"tokens", s.tokens},
                           {"wall_s", s.wall_s},
-                          {"tokens_per_s", s.tokens_per_s}};
+                          {"tokens_per_s", s.tokens_per_s},
+                          {"memory",
+                           {{"params_bytes", s.memory.params},
+                            {"grads_bytes", s.memory.grads},
+                            {"optimizer_bytes", s.memory.optimizer}}}};
     out["final_val_loss"] = s.final_val_loss ? nlohmann::json(*s.final_val_loss) : nlohmann::json(nullptr);
     std::cout << out.dump() << std::endl;
     return;
@@ -97,10 +101,10 @@ int main(int argc, char** argv) {
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     keel::trainer::validate_layout(config, worker.world_size);
     const auto& parallel = config.parallel;
-    if (parallel.tp * parallel.pp * parallel.cp * parallel.ep != 1 || parallel.zero != 0) {
+    if (parallel.tp * parallel.pp * parallel.cp * parallel.ep != 1 || parallel.zero > 1) {
       throw Error(ErrorCode::kBadConfig,
-                  fmt::format("this build trains data-parallel layouts without ZeRO only (tp={} pp={} cp={} ep={} "
-                              "zero={}): set them to 1 and zero to 0",
+                  fmt::format("this build trains data-parallel layouts with ZeRO 0 or 1 only (tp={} pp={} cp={} "
+                              "ep={} zero={}): set tp, pp, cp and ep to 1 and zero to 0 or 1",
                               parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.zero));
     }
     flight_path = std::filesystem::path(config.job.run_dir) / "flight" / fmt::format("rank-{:05d}.json", worker.rank);

@@ -49,7 +49,14 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       model_(config.model, backend, micro_batch_),
-      optimizer_(backend, model_.table(), config.train) {
+      shards_(config.parallel.zero >= 1 ? std::optional<ShardLayout>(std::in_place, model_.table(), dp_size_)
+                                        : std::nullopt),
+      optimizer_(backend, model_.table(), config.train, shards_ ? &*shards_ : nullptr, dp_rank_) {
+  if (shards_) {
+    const size_t block = shards_->packed_numel(0, shards_->tensor_count());
+    packed_ = BackendArray<float>(backend, block);
+    gathered_ = BackendArray<float>(backend, block * static_cast<size_t>(dp_size_));
+  }
   if (dp_size_ != config.parallel.dp) {
     throw common::Error(common::ErrorCode::kInternal,
                         fmt::format("the DP group has {} ranks but parallel.dp = {}", dp_size_, config.parallel.dp));
@@ -94,6 +101,7 @@ StepStats TrainLoop::train_step(int64_t step) {
   stats.aux_loss = static_cast<float>(aux_sum / (micro_batches * dp_size_));
   stats.lr = learning_rate(config_.train, step);
   stats.grad_norm = optimizer_.step(model_.params(), model_.grads(), static_cast<float>(stats.lr), step);
+  if (shards_) all_gather_parameters();
   stats.step_ms = seconds_since(start) * 1e3;
   return stats;
 }
@@ -104,6 +112,22 @@ void TrainLoop::all_reduce_gradients() {
   for (size_t offset = 0; offset < total; offset += kAllReduceBucketFloats) {
     dp_->all_reduce(grads + offset, std::min(kAllReduceBucketFloats, total - offset));
   }
+}
+
+void TrainLoop::all_gather_parameters() {
+  const size_t tensors = shards_->tensor_count();
+  shards_->pack(backend_, model_.params(), dp_rank_, 0, tensors, packed_.data());
+  if (dp_ != nullptr) {
+    dp_->all_gather(packed_.data(), gathered_.data(), packed_.size());
+  } else {
+    backend_.copy(gathered_.data(), packed_.data(), packed_.bytes());
+  }
+  shards_->unpack(backend_, gathered_.data(), 0, tensors, model_.params());
+}
+
+MemoryUse TrainLoop::memory() const {
+  const size_t flat_bytes = model_.table().total() * sizeof(float);
+  return MemoryUse{flat_bytes, flat_bytes, optimizer_.state_bytes()};
 }
 
 float TrainLoop::validate() {
@@ -212,6 +236,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
   if (metrics) metrics->close();
   summary.wall_s = seconds_since(run_start);
   summary.tokens_per_s = summary.tokens / summary.wall_s;
+  summary.memory = memory();
   return summary;
 }
 

@@ -9,6 +9,7 @@
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
+#include "trainer/parallel/shard_layout.h"
 #include "trainer/train/metrics.h"
 
 #include <atomic>
@@ -28,6 +29,14 @@ struct StepStats {
   double step_ms = 0;
 };
 
+// Bytes this rank holds for the model's state (DESIGN §3.4's ZeRO formulas
+// count these three).
+struct MemoryUse {
+  size_t params = 0;
+  size_t grads = 0;
+  size_t optimizer = 0;
+};
+
 struct RunSummary {
   int64_t steps_done = 0;
   bool stopped_early = false;         // a stop was requested before the last step
@@ -36,6 +45,7 @@ struct RunSummary {
   int64_t tokens = 0;
   double wall_s = 0;
   double tokens_per_s = 0;
+  MemoryUse memory;
 };
 
 class TrainLoop {
@@ -44,10 +54,13 @@ class TrainLoop {
   // initialises the model from job.seed. `dp` is the data-parallel group
   // (nullptr: a single rank): each DP rank trains its slice of every global
   // batch and the gradients are summed over the group before the optimizer
-  // step, so every replica applies the same update.
+  // step, so every replica applies the same update. With parallel.zero = 1
+  // each rank holds the optimizer state of its shard of every tensor only,
+  // updates that shard and all-gathers the parameters.
   TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr);
 
   Gpt& model() { return model_; }
+  MemoryUse memory() const;
 
   // One optimizer step on the batch of global step `step`; loss and
   // gradient norm are the same on every DP rank.
@@ -64,6 +77,8 @@ class TrainLoop {
  private:
   // Sums gradients over the DP group in buckets of kAllReduceBucketFloats.
   void all_reduce_gradients();
+  // ZeRO: every rank's updated shards into every rank's parameters.
+  void all_gather_parameters();
 
   common::Config config_;
   Backend& backend_;
@@ -74,7 +89,9 @@ class TrainLoop {
   std::optional<TokenDataset> val_;
   int micro_batch_;
   Gpt model_;
+  std::optional<ShardLayout> shards_;  // set with ZeRO >= 1
   AdamW optimizer_;
+  BackendArray<float> packed_, gathered_;  // ZeRO parameter all-gather buffers
   std::vector<int32_t> inputs_, targets_;
 };
 
