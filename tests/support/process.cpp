@@ -71,6 +71,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
   return ChildProcess(argv, env).wait(timeout_s);
 }
 
+nlohmann::json last_json_line(const std::string& output) {
+  const auto end = output.find_last_not_of('\n');
+  if (end == std::string::npos) throw std::runtime_error("the process printed nothing");
+  const auto start = output.rfind('\n', end);
+  const auto first = start == std::string::npos ? 0 : start + 1;
+  return nlohmann::json::parse(output.substr(first, end - first + 1));
+}
+
 std::filesystem::path keel_binary(const std::string& name) { return std::filesystem::path(KEEL_BIN_DIR) / name; }
 
 }  // namespace keel::test

@@ -2,6 +2,8 @@
 
 #include <sys/types.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <map>
 #include <string>
@@ -38,6 +40,10 @@ class ChildProcess {
 // Runs a program to completion: ChildProcess(argv, env).wait(timeout_s).
 ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);
+
+// The last line of a process's output parsed as JSON: the summary that
+// keel's programs print on stdout with --json.
+nlohmann::json last_json_line(const std::string& output);
 
 // A keel executable from the build tree this test was built in.
 std::filesystem::path keel_binary(const std::string& name);

@@ -6,7 +6,7 @@
 #include "tests/support/rank_launcher.h"
 #include "tests/support/temp_dir.h"
 #include "common/config.h"
-#include "trainer/data/token_shard.h"
+#include "tests/trainer/token_fixture.h"
 #include "trainer/model/parameters.h"
 
 #include <doctest/doctest.h>
@@ -63,9 +63,7 @@ Run read_metrics(const fs::path& path) {
 class Fixture {
  public:
   Fixture() {
-    std::vector<uint16_t> tokens(30000);
-    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 2654435761u >> 9) % 256);
-    keel::trainer::write_token_shard(dir_ / "train.bin", tokens);
+    keel::test::write_pattern_shard(dir_ / "train.bin", 30000);
     config_ = dir_.write("run.toml", kConfig);
   }
 
@@ -109,12 +107,6 @@ class Fixture {
   fs::path config_;
 };
 
-nlohmann::json last_json_line(const std::string& output) {
-  auto end = output.find_last_not_of('\n');
-  auto start = output.rfind('\n', end);
-  return nlohmann::json::parse(output.substr(start == std::string::npos ? 0 : start + 1, end - start));
-}
-
 void check_parity(const Run& reference, const Run& parallel) {
   REQUIRE(parallel.losses.size() == reference.losses.size());
   for (size_t s = 0; s < reference.losses.size(); ++s) {
@@ -155,7 +147,7 @@ TEST_SUITE("integration") {
         auto outputs = f.data_parallel_outputs(dp, "mem" + std::to_string(zero) + std::to_string(dp),
                                                {"parallel.zero=" + std::to_string(zero), "train.steps=2"});
         for (const auto& output : outputs) {
-          auto memory = last_json_line(output).at("memory");
+          auto memory = keel::test::last_json_line(output).at("memory");
           // Formulas: parameters and gradients 4P each; Adam moments 8P, or
           // 8P/dp when sharded (ZeRO-1).
           const double optimizer = zero >= 1 ? 8 * P / dp : 8 * P;

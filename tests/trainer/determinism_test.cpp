@@ -2,7 +2,7 @@
 // (DESIGN §3.3): two real keel-trainer processes are compared line by line.
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
-#include "trainer/data/token_shard.h"
+#include "tests/trainer/token_fixture.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -33,9 +33,7 @@ keel::test::ProcessResult train(const keel::test::TempDir& dir, const std::strin
 TEST_SUITE("integration") {
   TEST_CASE("two runs of one config give bit-identical loss sequences and another seed does not") {
     keel::test::TempDir dir;
-    std::vector<uint16_t> tokens(20000);
-    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 2654435761u >> 7) % 256);
-    keel::trainer::write_token_shard(dir / "train.bin", tokens);
+    keel::test::write_pattern_shard(dir / "train.bin", 20000);
     dir.write("run.toml", R"(
 [model]
 seq_len = 32

@@ -29,12 +29,6 @@ std::vector<std::string> fortune_files() {
   return files;
 }
 
-nlohmann::json last_json_line(const std::string& output) {
-  auto end = output.find_last_not_of('\n');
-  auto start = output.rfind('\n', end);
-  return nlohmann::json::parse(output.substr(start == std::string::npos ? 0 : start + 1, end - start));
-}
-
 }  // namespace
 
 TEST_SUITE("integration") {
@@ -48,7 +42,7 @@ TEST_SUITE("integration") {
     prepare.insert(prepare.end(), files.begin(), files.end());
     auto prepared = keel::test::run_process(prepare, {}, 120);
     REQUIRE_MESSAGE(prepared.exit_code == 0, prepared.output);
-    const double entropy = last_json_line(prepared.output).at("train_unigram_entropy_nats").get<double>();
+    const double entropy = keel::test::last_json_line(prepared.output).at("train_unigram_entropy_nats").get<double>();
 
     dir.write("run.toml", R"(
 [model]
@@ -73,7 +67,7 @@ threads = 2
                                             "job.run_dir=" + (dir / "run").string(), "--json"},
                                            {}, 300);
     REQUIRE_MESSAGE(trained.exit_code == 0, trained.output);
-    const double val_loss = last_json_line(trained.output).at("final_val_loss").get<double>();
+    const double val_loss = keel::test::last_json_line(trained.output).at("final_val_loss").get<double>();
     MESSAGE("validation loss " << val_loss << " nats/byte, unigram entropy " << entropy << " nats/byte");
     CHECK(entropy > 3.0);  // English text in bytes: about 4.8 bits
     CHECK(val_loss < entropy - 0.5);

@@ -2,7 +2,7 @@
 // keeps every metrics line it wrote, and exits 14 (DESIGN §4).
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
-#include "trainer/data/token_shard.h"
+#include "tests/trainer/token_fixture.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -30,9 +30,7 @@ TEST_SUITE("integration") {
     for (int signo : {SIGTERM, SIGINT}) {
       CAPTURE(signo);
       keel::test::TempDir dir;
-      std::vector<uint16_t> tokens(20000);
-      for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i * 31 % 256);
-      keel::trainer::write_token_shard(dir / "train.bin", tokens);
+      keel::test::write_pattern_shard(dir / "train.bin", 20000);
       dir.write("run.toml", R"(
 [model]
 seq_len = 32
