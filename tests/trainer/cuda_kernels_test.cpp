@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "trainer/kernels/cpu_backend.h"
+#include "tests/trainer/cuda_fixture.h"
 #include "trainer/kernels/cuda/cuda_kernels.h"
 
 namespace {
@@ -30,36 +31,8 @@ Vec random_vec(size_t n, uint64_t seed, float lo, float hi) {
   return v;
 }
 
-bool device_or_skip() {
-  std::string why;
-  if (kc::device_available(&why)) return true;
-  MESSAGE("skipped: " << why);
-  return false;
-}
-
-// Device memory holding a copy of a host vector.
-class DeviceVec {
- public:
-  explicit DeviceVec(const Vec& host) : size_(host.size()) {
-    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes()) == cudaSuccess);
-    REQUIRE(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
-  }
-  ~DeviceVec() { cudaFree(ptr_); }
-  DeviceVec(const DeviceVec&) = delete;
-  DeviceVec& operator=(const DeviceVec&) = delete;
-
-  float* get() { return ptr_; }
-  Vec to_host() const {
-    Vec host(size_);
-    REQUIRE(cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
-    return host;
-  }
-
- private:
-  size_t bytes() const { return size_ * sizeof(float); }
-  size_t size_;
-  float* ptr_ = nullptr;
-};
+using keel::test::device_or_skip;
+using keel::test::DeviceVec;
 
 class Stream {
  public:

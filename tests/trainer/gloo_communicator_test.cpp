@@ -6,6 +6,8 @@
 #include "trainer/comm/flight_recorder.h"
 #include "trainer/comm/gloo_communicator.h"
 
+#include "tests/support/failure.h"
+#include "tests/support/memory_store.h"
 #include "tests/support/temp_dir.h"
 
 #include <doctest/doctest.h>
@@ -15,14 +17,12 @@
 #include <barrier>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <latch>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -34,6 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 using keel::common::Error;
 using keel::common::ErrorCode;
+using keel::test::MemoryStore;
 using keel::test::TempDir;
 using namespace keel::trainer;
 using namespace std::chrono_literals;
@@ -41,74 +42,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kTimeout = 10000ms;       // healthy groups: never reached
 constexpr auto kFailureTimeout = 1500ms;  // groups whose failure is the point
-
-// The Store contract of common/store.h, in memory, shared by the threads
-// that act as ranks.
-class MemoryStore final : public keel::common::Store {
- public:
-  void set(const std::string& key, const std::string& value) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    values_[key] = value;
-    changed_.notify_all();
-  }
-
-  std::optional<std::string> get(const std::string& key) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = values_.find(key);
-    if (it == values_.end()) return std::nullopt;
-    return it->second;
-  }
-
-  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    auto all_present = [&] {
-      for (const auto& key : keys) {
-        if (!values_.count(key)) return false;
-      }
-      return true;
-    };
-    if (!changed_.wait_for(lock, timeout, all_present)) {
-      std::string missing;
-      for (const auto& key : keys) {
-        if (!values_.count(key)) missing += " " + key;
-      }
-      throw Error(ErrorCode::kPeerFailure, "store wait timed out; missing:" + missing);
-    }
-  }
-
-  int64_t add(const std::string& key, int64_t delta) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = values_.find(key);
-    int64_t value = (it == values_.end() ? 0 : std::stoll(it->second)) + delta;
-    values_[key] = std::to_string(value);
-    changed_.notify_all();
-    return value;
-  }
-
-  std::optional<std::string> compare_set(const std::string& key, const std::optional<std::string>& expected,
-                                         const std::string& desired) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = values_.find(key);
-    std::optional<std::string> current;
-    if (it != values_.end()) current = it->second;
-    if (current == expected) {
-      values_[key] = desired;
-      changed_.notify_all();
-      return desired;
-    }
-    return current;
-  }
-
-  bool remove(const std::string& key) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return values_.erase(key) > 0;
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::map<std::string, std::string> values_;
-};
 
 // Runs body(rank) on `size` threads and returns what each rank threw (null
 // when it did not): no exception escapes a thread, and assertions run on the
@@ -172,29 +105,10 @@ const std::vector<size_t> kCounts = {1, 5, 1000, 70001};
 
 // How a call failed: its code (none if it did not fail), message and how
 // long it took.
-struct Failure {
-  std::optional<ErrorCode> code;
-  std::string message;
-  std::chrono::milliseconds elapsed{0};
-};
-
-Failure failure_of(const std::function<void()>& call) {
-  auto start = Clock::now();
-  auto since_start = [&] { return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start); };
-  try {
-    call();
-  } catch (const Error& e) {
-    return {e.code(), e.what(), since_start()};
-  }
-  return {std::nullopt, "the call did not fail", since_start()};
-}
-
-std::string describe(const Failure& f) {
-  return std::string(f.code ? keel::common::error_code_name(*f.code) : "no error") + " after " +
-         std::to_string(f.elapsed.count()) + " ms: " + f.message;
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using keel::test::contains;
+using keel::test::describe;
+using keel::test::Failure;
+using keel::test::failure_of;
 
 }  // namespace
 

@@ -1,0 +1,47 @@
+// Shared by the GPU tests: skipping without a device, and device buffers.
+#pragma once
+
+#include "trainer/kernels/cuda/cuda_kernels.h"
+
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+namespace keel::test {
+
+// True when a CUDA device is usable; otherwise marks the test skipped with
+// the reason (ctest reports "MESSAGE: skipped: ..." as a skip).
+inline bool device_or_skip() {
+  std::string why;
+  if (trainer::cuda::device_available(&why)) return true;
+  MESSAGE("skipped: " << why);
+  return false;
+}
+
+// Device memory holding a copy of a host vector.
+class DeviceVec {
+ public:
+  explicit DeviceVec(const std::vector<float>& host) : size_(host.size()) {
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes()) == cudaSuccess);
+    REQUIRE(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  ~DeviceVec() { cudaFree(ptr_); }
+  DeviceVec(const DeviceVec&) = delete;
+  DeviceVec& operator=(const DeviceVec&) = delete;
+
+  float* get() { return ptr_; }
+  std::vector<float> to_host() const {
+    std::vector<float> host(size_);
+    REQUIRE(cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return host;
+  }
+
+ private:
+  size_t bytes() const { return size_ * sizeof(float); }
+  size_t size_;
+  float* ptr_ = nullptr;
+};
+
+}  // namespace keel::test

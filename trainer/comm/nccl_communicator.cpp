@@ -1,0 +1,360 @@
+#include "trainer/comm/nccl_communicator.h"
+
+#include "common/log.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+namespace keel::trainer {
+namespace {
+
+using common::Error;
+using common::ErrorCode;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kAbortMessage = "communicator aborted";
+
+// A small collective is done within microseconds, so the first polls only
+// yield; after that a poll every 100 µs keeps a long collective from
+// burning a core while adding at most that much latency.
+constexpr int kSpinPolls = 1000;
+constexpr auto kPollInterval = std::chrono::microseconds(100);
+
+void pause(int polls) {
+  if (polls < kSpinPolls) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+// ncclRemoteError is NCCL's "remote process exited or there was a network
+// error"; ncclSystemError a failed socket or system call, which is how a
+// dead peer shows on the local side. The rest are misuse or NCCL bugs.
+ErrorCode nccl_error_code(ncclResult_t result) {
+  return result == ncclRemoteError || result == ncclSystemError ? ErrorCode::kPeerFailure : ErrorCode::kInternal;
+}
+
+// ncclGetErrorString names only the class of error; the detail is in NCCL's
+// last warning, which is one string for the whole process (it may belong
+// to another communicator when several fail at once).
+std::string nccl_message(ncclResult_t result) {
+  auto message = fmt::format("nccl: {}", ncclGetErrorString(result));
+  std::string_view last = ncclGetLastError(nullptr);
+  while (!last.empty() && (last.back() == '\n' || last.back() == ' ')) last.remove_suffix(1);
+  if (!last.empty()) message += fmt::format(" (last NCCL warning: {})", last);
+  return message;
+}
+
+std::string cuda_message(const char* what, cudaError_t error) {
+  return fmt::format("{}: {}", what, cudaGetErrorString(error));
+}
+
+// Makes `device` current for its scope and then restores the caller's:
+// NCCL and the CUDA calls here act on the current device (NCCL's abort and
+// destroy even leave theirs current), and the calling thread may be driving
+// another device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    status_ = cudaGetDevice(&previous_);
+    if (status_ == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      restore_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+ncclUniqueId exchange_unique_id(common::Store& store, const std::string& where, const std::string& key, int rank,
+                                std::chrono::milliseconds timeout) {
+  ncclUniqueId id{};
+  try {
+    if (rank == 0) {
+      const ncclResult_t result = ncclGetUniqueId(&id);
+      if (result != ncclSuccess) throw Error(nccl_error_code(result), "ncclGetUniqueId: " + nccl_message(result));
+      store.set(key, std::string(id.internal, sizeof(id.internal)));
+    } else {
+      store.wait({key}, timeout);
+      const auto value = store.get(key);
+      if (!value) throw Error(ErrorCode::kPeerFailure, fmt::format("key {} disappeared", key));
+      if (value->size() != sizeof(id.internal)) {
+        throw Error(ErrorCode::kPeerFailure, fmt::format("key {} holds {} bytes, not an ncclUniqueId's {}", key,
+                                                         value->size(), sizeof(id.internal)));
+      }
+      std::memcpy(id.internal, value->data(), sizeof(id.internal));
+    }
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("{}: rendezvous failed: {}", where, e.what()));
+  }
+  return id;
+}
+
+}  // namespace
+
+std::string nccl_version_string() {
+  int code = 0;
+  if (ncclGetVersion(&code) != ncclSuccess) return "unknown";
+  // Since 2.9 NCCL codes its version as major * 10000 + minor * 100 + patch.
+  return fmt::format("{}.{}.{}", code / 10000, code / 100 % 100, code % 100);
+}
+
+NcclCommunicator::NcclCommunicator(common::Store& store, std::string group_name, int rank, int size, int device,
+                                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder)
+    : Communicator(std::move(group_name), rank, size, std::move(recorder)), timeout_(timeout), device_(device) {
+  const auto where = fmt::format("group '{}' rank {} of {}", name(), rank, size);
+  if (timeout_.count() <= 0) throw Error(ErrorCode::kInternal, where + ": timeout must be positive");
+  if (device_ < 0) throw Error(ErrorCode::kInternal, fmt::format("{}: no CUDA device {}", where, device_));
+  const auto started = Clock::now();
+  const ncclUniqueId id = exchange_unique_id(store, where, "nccl/" + name() + "/id", rank, timeout_);
+
+  // No other thread can see the communicator yet: the *_locked calls below
+  // need no lock.
+  try {
+    DeviceScope scope(device_);
+    auto check = [&](cudaError_t error, const char* what) {
+      if (error != cudaSuccess) {
+        throw Error(ErrorCode::kInternal, fmt::format("{}: {}", where, cuda_message(what, error)));
+      }
+    };
+    check(scope.status(), "cudaSetDevice");
+    // Non-blocking: the legacy default stream waits for every blocking
+    // stream, so a collective stuck on a blocking one would also stall
+    // every plain cudaMemcpy in the process, the checkpointer's included.
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    check(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaMalloc(reinterpret_cast<void**>(&barrier_value_), sizeof(float)), "cudaMalloc");
+    check(cudaMemset(barrier_value_, 0, sizeof(float)), "cudaMemset");
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    // NCCL keeps the pointer, and the name outlives the NCCL communicator.
+    config.commName = name().c_str();
+    ncclResult_t state = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    const auto deadline = Clock::now() + timeout_;
+    for (int polls = 0; state == ncclInProgress; ++polls) {
+      if (Clock::now() >= deadline) {
+        abort_locked();
+        throw Error(ErrorCode::kPeerFailure,
+                    fmt::format("{}: NCCL initialisation did not complete within {} ms: a rank did not join", where,
+                                timeout_.count()));
+      }
+      pause(polls);
+      const ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+      if (result != ncclSuccess) state = result;
+    }
+    if (state != ncclSuccess) {
+      // Read before the abort, which may log warnings of its own.
+      const auto message = nccl_message(state);
+      abort_locked();
+      throw Error(nccl_error_code(state), fmt::format("{}: NCCL initialisation failed: {}", where, message));
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  common::logger("comm")->debug(
+      "{}: NCCL {} communicator on device {} ready in {} ms", where, nccl_version_string(), device_,
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count());
+}
+
+NcclCommunicator::~NcclCommunicator() { release(); }
+
+void NcclCommunicator::abort() {
+  DeviceScope scope(device_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_) return;
+  common::logger("comm")->warn("group '{}' rank {} of {}: aborting", name(), rank(), size());
+  abort_locked();
+  failure_ = Failure{ErrorCode::kCollectiveHang, kAbortMessage};
+}
+
+void NcclCommunicator::throw_if_unusable_locked() const {
+  if (failure_) throw Error(failure_->code, failure_->message);
+}
+
+void NcclCommunicator::fail_locked(ErrorCode code, const std::string& message) {
+  abort_locked();
+  failure_ = Failure{code, "communicator unusable after an earlier failure: " + message};
+  throw Error(code, message);
+}
+
+void NcclCommunicator::abort_locked() {
+  if (comm_ == nullptr) return;
+  const ncclResult_t result = ncclCommAbort(comm_);
+  comm_ = nullptr;
+  if (result != ncclSuccess) {
+    common::logger("comm")->warn("group '{}' rank {} of {}: ncclCommAbort: {}", name(), rank(), size(),
+                                 nccl_message(result));
+  }
+}
+
+// Finalize first: ncclCommDestroy of a communicator that was not finalized
+// waits for its streams inline, without a bound, while ncclCommFinalize
+// does that wait in NCCL's background thread and lets this one give up.
+void NcclCommunicator::destroy_locked() noexcept {
+  if (comm_ == nullptr) return;
+  ncclResult_t state = ncclCommFinalize(comm_);
+  const auto deadline = Clock::now() + timeout_;
+  for (int polls = 0; state == ncclInProgress && Clock::now() < deadline; ++polls) {
+    pause(polls);
+    const ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+    if (result != ncclSuccess) state = result;
+  }
+  if (state != ncclSuccess) {
+    common::logger("comm")->warn("group '{}' rank {} of {}: NCCL did not finalize ({}); aborting", name(), rank(),
+                                 size(), state == ncclInProgress ? "timed out" : nccl_message(state));
+    abort_locked();
+    return;
+  }
+  const ncclResult_t result = ncclCommDestroy(comm_);
+  comm_ = nullptr;
+  if (result != ncclSuccess) {
+    common::logger("comm")->warn("group '{}' rank {} of {}: ncclCommDestroy: {}", name(), rank(), size(),
+                                 nccl_message(result));
+  }
+}
+
+void NcclCommunicator::release() noexcept {
+  DeviceScope scope(device_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    destroy_locked();
+  }
+  // Failures are ignored: nothing here can be retried, and this runs in the
+  // destructor.
+  if (barrier_value_ != nullptr) cudaFree(barrier_value_);
+  if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+template <class Enqueue>
+void NcclCommunicator::run(size_t count, Enqueue&& enqueue) {
+  const auto deadline = Clock::now() + timeout_;
+  DeviceScope scope(device_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    throw_if_unusable_locked();
+    if (count == 0) return;
+    if (scope.status() != cudaSuccess) {
+      fail_locked(ErrorCode::kInternal, cuda_message("cudaSetDevice", scope.status()));
+    }
+    // stream_ does not sync with the legacy default stream by itself, and a
+    // cudaMemcpy from pageable memory may return before its copy has landed.
+    cudaError_t error = cudaEventRecord(inputs_ready_, cudaStreamLegacy);
+    if (error == cudaSuccess) error = cudaStreamWaitEvent(stream_, inputs_ready_, 0);
+    if (error != cudaSuccess) {
+      fail_locked(ErrorCode::kInternal, cuda_message("ordering after the default stream", error));
+    }
+    const ncclResult_t result = enqueue(comm_, stream_);
+    if (result != ncclSuccess && result != ncclInProgress) fail_locked(nccl_error_code(result), nccl_message(result));
+  }
+  wait_until_done(deadline);
+}
+
+void NcclCommunicator::wait_until_done(Clock::time_point deadline) {
+  for (int polls = 0;; ++polls) {
+    {
+      // Held for one poll only, so that abort() can get in between.
+      std::lock_guard<std::mutex> lock(mutex_);
+      throw_if_unusable_locked();
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t result = ncclCommGetAsyncError(comm_, &state);
+      if (result != ncclSuccess) fail_locked(nccl_error_code(result), nccl_message(result));
+      if (state != ncclSuccess && state != ncclInProgress) fail_locked(nccl_error_code(state), nccl_message(state));
+      // While NCCL still reports ncclInProgress its background thread may
+      // not have queued the kernels yet, so an idle stream proves nothing.
+      if (state == ncclSuccess) {
+        const cudaError_t query = cudaStreamQuery(stream_);
+        if (query == cudaSuccess) return;
+        if (query != cudaErrorNotReady) fail_locked(ErrorCode::kInternal, cuda_message("cudaStreamQuery", query));
+      }
+      if (Clock::now() >= deadline) {
+        fail_locked(ErrorCode::kCollectiveHang,
+                    fmt::format("timed out after {} ms; communicator aborted", timeout_.count()));
+      }
+    }
+    pause(polls);
+  }
+}
+
+void NcclCommunicator::do_all_reduce(float* data, size_t count) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm, stream);
+  });
+}
+
+void NcclCommunicator::do_reduce_scatter(const float* in, float* out, size_t count) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclReduceScatter(in, out, count, ncclFloat32, ncclSum, comm, stream);
+  });
+}
+
+void NcclCommunicator::do_all_gather(const float* in, float* out, size_t count) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllGather(in, out, count, ncclFloat32, comm, stream);
+  });
+}
+
+void NcclCommunicator::do_broadcast(float* data, size_t count, int root) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclBroadcast(data, data, count, ncclFloat32, root, comm, stream);
+  });
+}
+
+void NcclCommunicator::do_send(const float* data, size_t count, int peer) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclSend(data, count, ncclFloat32, peer, comm, stream);
+  });
+}
+
+void NcclCommunicator::do_recv(float* data, size_t count, int peer) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclRecv(data, count, ncclFloat32, peer, comm, stream);
+  });
+}
+
+// One group of a send and a receive per rank (itself included), which all
+// progress together. all_to_all(v) will need exactly this with per-rank
+// counts, which NCCL's ncclAlltoAll (equal counts only) cannot give.
+void NcclCommunicator::do_all_to_all(const float* in, float* out, size_t count) {
+  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    for (int r = 0; r < size() && result == ncclSuccess; ++r) {
+      const size_t offset = static_cast<size_t>(r) * count;
+      result = ncclSend(in + offset, count, ncclFloat32, r, comm, stream);
+      if (result == ncclSuccess) result = ncclRecv(out + offset, count, ncclFloat32, r, comm, stream);
+    }
+    // The group must be closed even after a failed call inside it; NCCL
+    // then reports that failure from ncclGroupEnd too.
+    const ncclResult_t end = ncclGroupEnd();
+    return result != ncclSuccess ? result : end;
+  });
+}
+
+void NcclCommunicator::do_barrier() {
+  run(1, [&](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllReduce(barrier_value_, barrier_value_, 1, ncclFloat32, ncclSum, comm, stream);
+  });
+}
+
+}  // namespace keel::trainer
