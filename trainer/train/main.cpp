@@ -17,7 +17,6 @@
 
 #include <atomic>
 #include <csignal>
-#include <cstdlib>
 #include <iostream>
 
 namespace {

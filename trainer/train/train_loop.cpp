@@ -49,8 +49,10 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       model_(config.model, backend, micro_batch_),
-      shards_(config.parallel.zero >= 1 ? std::optional<ShardLayout>(std::in_place, model_.table(), dp_size_)
-                                        : std::nullopt),
+      // A single rank has nothing to shard over: ZeRO only applies with a group.
+      shards_(config.parallel.zero >= 1 && dp != nullptr
+                  ? std::optional<ShardLayout>(std::in_place, model_.table(), dp_size_)
+                  : std::nullopt),
       optimizer_(backend, model_.table(), config.train, shards_ ? &*shards_ : nullptr, dp_rank_) {
   if (shards_) {
     const size_t block = shards_->packed_numel(0, shards_->tensor_count());
@@ -117,11 +119,7 @@ void TrainLoop::all_reduce_gradients() {
 void TrainLoop::all_gather_parameters() {
   const size_t tensors = shards_->tensor_count();
   shards_->pack(backend_, model_.params(), dp_rank_, 0, tensors, packed_.data());
-  if (dp_ != nullptr) {
-    dp_->all_gather(packed_.data(), gathered_.data(), packed_.size());
-  } else {
-    backend_.copy(gathered_.data(), packed_.data(), packed_.bytes());
-  }
+  dp_->all_gather(packed_.data(), gathered_.data(), packed_.size());
   shards_->unpack(backend_, gathered_.data(), 0, tensors, model_.params());
 }
 

@@ -89,7 +89,7 @@ class TrainLoop {
   std::optional<TokenDataset> val_;
   int micro_batch_;
   Gpt model_;
-  std::optional<ShardLayout> shards_;  // set with ZeRO >= 1
+  std::optional<ShardLayout> shards_;  // set with ZeRO >= 1 and a DP group
   AdamW optimizer_;
   BackendArray<float> packed_, gathered_;  // ZeRO parameter all-gather buffers
   std::vector<int32_t> inputs_, targets_;
