@@ -698,9 +698,13 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("abort wakes a call waiting on a live peer after another peer has died") {
+    // abort() probes the pairs one by one; the pair to the dead rank cannot
+    // carry its timeout, so abort must go on to the next. Nobody records a
+    // failure here (abort's probes are not calls), so no rank learns of the
+    // death through the store and only abort can end the wait.
     MemoryStore store;
     const auto timeout = 5000ms;
-    Failure dead, blocked;
+    Failure blocked;
     std::latch rank1_gone(1);
     std::latch aborted(1);
     require_no_errors(run_ranks(3, [&](int rank) {
@@ -718,7 +722,7 @@ TEST_SUITE("unit") {
         return;
       }
       rank1_gone.wait();
-      dead = failure_of([&] { comm->recv(data.data(), data.size(), 1); });
+      std::this_thread::sleep_for(100ms);  // let the closed connection reach rank 0's pair
       std::thread watchdog([&] {
         std::this_thread::sleep_for(200ms);
         comm->abort();
@@ -727,10 +731,78 @@ TEST_SUITE("unit") {
       watchdog.join();
       aborted.count_down();
     }));
-    CHECK_MESSAGE(dead.code == ErrorCode::kPeerFailure, describe(dead));
     CHECK_MESSAGE(blocked.code == ErrorCode::kCollectiveHang, describe(blocked));
     CHECK(contains(blocked.message, "aborted"));
     CHECK(blocked.elapsed < 2s);
+  }
+
+  TEST_CASE("a peer failure recorded by another rank wakes a call blocked on a live peer") {
+    // What Gloo alone gets wrong: rank 1 is alive but will never take part
+    // (as a rank blocked in a send that Gloo never fails), and another rank
+    // has already recorded a peer failure. Rank 0 must not wait out its
+    // timeout and call it a hang.
+    MemoryStore store;
+    const auto timeout = 5000ms;
+    Failure blocked;
+    std::latch done(1);
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "told", rank, 2, timeout, nullptr);
+      comm.barrier();
+      if (rank == 1) {
+        done.wait();
+        return;
+      }
+      std::thread reporter([&] {
+        std::this_thread::sleep_for(200ms);
+        store.set(GlooCommunicator::failure_key("told"), "peer_failure|7|gloo: Connection closed by peer");
+      });
+      std::vector<float> data(10, 1.0f);
+      blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      reporter.join();
+      done.count_down();
+    }));
+    CHECK_MESSAGE(blocked.code == ErrorCode::kPeerFailure, describe(blocked));
+    CHECK(contains(blocked.message, "rank 7 of the group reported a peer failure"));
+    CHECK(blocked.elapsed < 2s);
+  }
+
+  TEST_CASE("a recorded hang does not turn another rank's timeout into a peer failure") {
+    MemoryStore store;
+    Failure blocked;
+    std::latch done(1);
+    store.set(GlooCommunicator::failure_key("hung"), "collective_hang|1|gloo: Timed out");
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "hung", rank, 2, kFailureTimeout, nullptr);
+      comm.barrier();
+      if (rank == 1) {
+        done.wait();
+        return;
+      }
+      std::vector<float> data(10, 1.0f);
+      blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      done.count_down();
+    }));
+    CHECK_MESSAGE(blocked.code == ErrorCode::kCollectiveHang, describe(blocked));
+    CHECK(blocked.elapsed >= kFailureTimeout - 100ms);
+  }
+
+  TEST_CASE("a rank that fails records the first failure of its group in the store") {
+    MemoryStore store;
+    Failure failure;
+    require_no_errors(run_ranks(2, [&](int rank) {
+      auto comm = std::make_unique<GlooCommunicator>(store, "recorded", rank, 2, 5000ms, nullptr);
+      comm->barrier();
+      std::vector<float> data(10, 1.0f);
+      if (rank == 1) {
+        comm.reset();
+        return;
+      }
+      failure = failure_of([&] { comm->all_reduce(data.data(), data.size()); });
+    }));
+    CHECK_MESSAGE(failure.code == ErrorCode::kPeerFailure, describe(failure));
+    auto record = store.get(GlooCommunicator::failure_key("recorded"));
+    REQUIRE(record.has_value());
+    CHECK(record->rfind("peer_failure|0|", 0) == 0);
   }
 
   TEST_CASE("a rank that never arrives at the rendezvous makes the constructor raise a peer failure") {

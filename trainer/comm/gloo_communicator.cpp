@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cctype>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -113,6 +114,7 @@ void sum_floats(void* out, const void* a, const void* b, size_t n) { gloo::sum<f
 GlooCommunicator::GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
                                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder)
     : Communicator(std::move(group_name), rank, size, std::move(recorder)),
+      store_(store),
       timeout_(timeout),
       sent_to_(static_cast<size_t>(size), 0),
       received_from_(static_cast<size_t>(size), 0) {
@@ -139,11 +141,71 @@ GlooCommunicator::GlooCommunicator(common::Store& store, std::string group_name,
   common::logger("comm")->debug(
       "group '{}' rank {} of {}: Gloo mesh connected in {} ms", name(), rank, size,
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count());
+  if (size > 1) watcher_ = std::thread([this] { watch_for_peer_failures(); });
 }
 
-void GlooCommunicator::abort() {
-  if (aborted_.exchange(true)) return;
-  common::logger("comm")->warn("group '{}' rank {} of {}: aborting", name(), rank(), size());
+GlooCommunicator::~GlooCommunicator() {
+  if (!watcher_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    stopping_ = true;
+  }
+  watch_wakeup_.notify_all();
+  watcher_.join();
+}
+
+std::string GlooCommunicator::failure_key(const std::string& group_name) { return "gloo/" + group_name + "/failure"; }
+
+void GlooCommunicator::record_failure(const Error& error) {
+  try {
+    store_.compare_set(failure_key(name()), std::nullopt,
+                       fmt::format("{}|{}|{}", common::error_code_name(error.code()), rank(), error.what()));
+  } catch (const std::exception& e) {
+    // The record only speeds up the peers; this rank fails either way.
+    common::logger("comm")->warn("group '{}': could not record the failure in the store: {}", name(), e.what());
+  }
+}
+
+void GlooCommunicator::watch_for_peer_failures() {
+  constexpr auto kPollInterval = std::chrono::milliseconds(100);
+  const std::string peer_failure = common::error_code_name(ErrorCode::kPeerFailure);
+  std::unique_lock<std::mutex> lock(watch_mutex_);
+  while (!watch_wakeup_.wait_for(lock, kPollInterval, [this] { return stopping_; })) {
+    std::optional<std::string> record;
+    try {
+      record = store_.get(failure_key(name()));
+    } catch (const std::exception&) {
+      return;  // the store is gone: the ranks' own timeouts still bound every call
+    }
+    if (!record) continue;
+    const auto first = record->find('|');
+    const auto second = record->find('|', first + 1);
+    if (first == std::string::npos || second == std::string::npos) continue;
+    const std::string code = record->substr(0, first);
+    const std::string reporter = record->substr(first + 1, second - first - 1);
+    if (code != peer_failure || reporter == std::to_string(rank())) return;
+    abort_with(ErrorCode::kPeerFailure,
+               fmt::format("rank {} of the group reported a peer failure: {}", reporter, record->substr(second + 1)));
+    return;
+  }
+}
+
+Error GlooCommunicator::abort_error() {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  return Error(abort_code_, abort_reason_);
+}
+
+void GlooCommunicator::abort() { abort_with(ErrorCode::kCollectiveHang, kAbortMessage); }
+
+void GlooCommunicator::abort_with(ErrorCode code, std::string reason) {
+  {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    if (aborted_.load()) return;
+    abort_code_ = code;
+    abort_reason_ = std::move(reason);
+    aborted_.store(true);
+  }
+  common::logger("comm")->warn("group '{}' rank {} of {}: aborting: {}", name(), rank(), size(), abort_error().what());
   if (size() == 1) return;
   // Gloo has no public call that fails the operations pending on a context:
   // Context::closeConnections() closes the sockets but leaves local waiters
@@ -170,7 +232,7 @@ void GlooCommunicator::abort() {
 
 template <class Body>
 void GlooCommunicator::guarded(Body&& body) {
-  if (aborted_.load()) throw Error(ErrorCode::kCollectiveHang, kAbortMessage);
+  if (aborted_.load()) throw abort_error();
   try {
     body();
   } catch (const Error&) {
@@ -178,15 +240,16 @@ void GlooCommunicator::guarded(Body&& body) {
   } catch (const std::exception& e) {
     // An abort wakes the waiters with Gloo's "Application timeout caused
     // pair closure"; the flag, not the text, says it was an abort.
-    if (aborted_.load()) throw Error(ErrorCode::kCollectiveHang, kAbortMessage);
+    if (aborted_.load()) throw abort_error();
+    ErrorCode code = ErrorCode::kInternal;  // gloo::EnforceNotMet and the rest: a broken invariant
     if (dynamic_cast<const gloo::IoException*>(&e) != nullptr) {
-      throw Error(classify_io_failure(e.what()), fmt::format("gloo: {}", e.what()));
+      code = classify_io_failure(e.what());
+    } else if (dynamic_cast<const gloo::Exception*>(&e) != nullptr) {
+      code = ErrorCode::kPeerFailure;
     }
-    if (dynamic_cast<const gloo::Exception*>(&e) != nullptr) {
-      throw Error(ErrorCode::kPeerFailure, fmt::format("gloo: {}", e.what()));
-    }
-    // gloo::EnforceNotMet and the rest: a broken invariant, not the network.
-    throw Error(ErrorCode::kInternal, fmt::format("gloo: {}", e.what()));
+    Error error(code, fmt::format("gloo: {}", e.what()));
+    record_failure(error);
+    throw error;
   }
 }
 

@@ -39,14 +39,18 @@
 // kPeerFailure, not kill the rank.
 #pragma once
 
+#include "common/error.h"
 #include "common/store.h"
 #include "trainer/comm/communicator.h"
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace gloo {
@@ -58,13 +62,27 @@ namespace keel::trainer {
 class GlooCommunicator final : public Communicator {
  public:
   // Blocks until all `size` ranks of the group have connected; a rank that
-  // does not arrive within `timeout` makes it raise kPeerFailure.
+  // does not arrive within `timeout` makes it raise kPeerFailure. `store`
+  // must outlive the communicator: failures are reported through it.
   GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder);
+  ~GlooCommunicator() override;
   GlooCommunicator(const GlooCommunicator&) = delete;
   GlooCommunicator& operator=(const GlooCommunicator&) = delete;
 
   void abort() override;
+
+  // Failure propagation. This Gloo does not wake a pending send when the
+  // pair under it breaks, so a rank blocked in a send to a peer that has
+  // exited would wait out its whole timeout and report a hang although a
+  // peer died. Each rank therefore records the first failure of the group
+  // in the Store under failure_key(group) ("<code name>|<rank>|<message>",
+  // the first writer wins), and a watcher thread (groups of two or more)
+  // aborts this communicator with kPeerFailure as soon as another rank has
+  // recorded a peer failure. A rank whose own wait times out does not
+  // consult the record, so a genuine hang is still reported as one. keeld
+  // can read the key to learn the first cause.
+  static std::string failure_key(const std::string& group_name);
 
  protected:
   void do_all_reduce(float* data, size_t count) override;
@@ -77,16 +95,32 @@ class GlooCommunicator final : public Communicator {
   void do_barrier() override;
 
  private:
-  // Runs `body` (Gloo calls) and turns whatever Gloo throws into Error.
+  // Runs `body` (Gloo calls) and turns whatever Gloo throws into Error,
+  // recording the group's first failure in the Store.
   template <class Body> void guarded(Body&& body);
+  // Makes pending and later calls fail with `code` and `reason`.
+  void abort_with(common::ErrorCode code, std::string reason);
+  // The error a call raises once the communicator is aborted.
+  common::Error abort_error();
+  void record_failure(const common::Error& error);
+  // Watcher thread: polls the failure record until stopped.
+  void watch_for_peer_failures();
   // The tag of the next collective: every rank of the group makes the same
   // collective calls in the same order, so the counts agree across ranks
   // even when point-to-point calls (which only some ranks make) interleave.
   uint32_t next_collective_tag() { return static_cast<uint32_t>(collectives_++); }
 
+  common::Store& store_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::Context> context_;
   std::atomic<bool> aborted_{false};
+  std::mutex abort_mutex_;  // guards the two below, set before aborted_
+  common::ErrorCode abort_code_ = common::ErrorCode::kCollectiveHang;
+  std::string abort_reason_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_wakeup_;
+  bool stopping_ = false;
+  std::thread watcher_;
   uint64_t collectives_ = 0;
   // Messages sent to / received from each peer so far: the tag of a
   // point-to-point message, matched by order on the two sides of a pair.
