@@ -144,8 +144,10 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "127.0.0.1:1"}}, {"--set", "parallel.dp=2"}, 2, "KEEL_STORE"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}},
          {"--set", "parallel.dp=2", "--set", "parallel.timeout_s=1"}, 12, "127.0.0.1:1"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {"--set", "parallel.tp=2"}, 2,
-         "data-parallel layouts with ZeRO 0 or 1 only"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {"--set", "parallel.cp=2"}, 2,
+         "DP x TP layouts only"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}},
+         {"--set", "parallel.tp=2", "--set", "model.n_expert=2"}, 2, "use tp=1 for MoE models"},
     };
     for (const Row& row : rows) {
       CAPTURE(row.expected);

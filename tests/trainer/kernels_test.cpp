@@ -204,6 +204,25 @@ Ref softmax_ref(const Vec& logits, int N, int E) {
   return p;
 }
 
+// The three cross-entropy passes over an unsplit vocabulary (one shard),
+// as a single rank runs them; dlogits nullable.
+void crossentropy(CpuBackend& cpu, float* losses, float* dlogits, const float* logits, const int32_t* targets,
+                  float dloss, int N, int V, int Vp) {
+  Vec stats(static_cast<size_t>(N) * 3), lse(static_cast<size_t>(N));
+  cpu.crossentropy_stats(stats.data(), logits, targets, N, 0, Vp, V);
+  cpu.crossentropy_combine(losses, lse.data(), stats.data(), 1, N);
+  if (dlogits != nullptr) cpu.crossentropy_backward(dlogits, logits, lse.data(), targets, dloss, N, 0, Vp, V);
+}
+
+// Columns [begin, begin + width) of a row-major [rows, cols] matrix.
+Vec columns(const Vec& m, int rows, int cols, int begin, int width) {
+  Vec out(static_cast<size_t>(rows) * width);
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(m.begin() + static_cast<ptrdiff_t>(r) * cols + begin, width, out.begin() + static_cast<ptrdiff_t>(r) * width);
+  }
+  return out;
+}
+
 // ---- the kernels' losses for finite differences ----
 
 struct AttentionShape {
@@ -252,7 +271,7 @@ TEST_SUITE("unit") {
     const Vec wpe = random_vec(static_cast<size_t>(T) * C, 2);
     const Ints tokens = random_ints(B * T, V, 3);
     Vec out = nan_vec(static_cast<size_t>(B) * T * C);
-    cpu.embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+    cpu.embedding_forward(out.data(), tokens.data(), wte.data(), 0, V, wpe.data(), B, T, C);
     Ref want(out.size());
     for (int bt = 0; bt < B * T; ++bt) {
       for (int c = 0; c < C; ++c) want[bt * C + c] = static_cast<double>(wte[tokens[bt] * C + c]) + wpe[bt % T * C + c];
@@ -269,12 +288,12 @@ TEST_SUITE("unit") {
     const Vec r = random_vec(static_cast<size_t>(B) * T * C, 4);
     Vec out(r.size());
     auto loss = [&] {
-      cpu.embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+      cpu.embedding_forward(out.data(), tokens.data(), wte.data(), 0, V, wpe.data(), B, T, C);
       return weighted_sum(out, r);
     };
     Vec dwte(wte.size(), 0.0f);
     Vec dwpe(wpe.size(), 0.0f);
-    cpu.embedding_backward(dwte.data(), dwpe.data(), r.data(), tokens.data(), B, T, C);
+    cpu.embedding_backward(dwte.data(), dwpe.data(), r.data(), tokens.data(), 0, V, B, T, C);
     check_gradient("dwte", wte, dwte, loss);
     check_gradient("dwpe", wpe, dwpe, loss);
   }
@@ -460,7 +479,7 @@ TEST_SUITE("unit") {
     }
     const Ints targets = random_ints(N, V, 29);
     Vec losses = nan_vec(N);
-    cpu.crossentropy_forward_backward(losses.data(), nullptr, logits.data(), targets.data(), 1.0f, N, V, Vp);
+    crossentropy(cpu, losses.data(), nullptr, logits.data(), targets.data(), 1.0f, N, V, Vp);
     Ref want(N);
     for (int n = 0; n < N; ++n) {
       double max = -INFINITY;
@@ -480,11 +499,11 @@ TEST_SUITE("unit") {
     const Ints targets = random_ints(N, V, 31);
     Vec losses(N);
     auto loss = [&] {
-      cpu.crossentropy_forward_backward(losses.data(), nullptr, logits.data(), targets.data(), dloss, N, V, Vp);
+      crossentropy(cpu, losses.data(), nullptr, logits.data(), targets.data(), dloss, N, V, Vp);
       return dloss * std::accumulate(losses.begin(), losses.end(), 0.0);
     };
     Vec dlogits = nan_vec(logits.size());
-    cpu.crossentropy_forward_backward(losses.data(), dlogits.data(), logits.data(), targets.data(), dloss, N, V, Vp);
+    crossentropy(cpu, losses.data(), dlogits.data(), logits.data(), targets.data(), dloss, N, V, Vp);
     for (int n = 0; n < N; ++n) {
       for (int c = V; c < Vp; ++c) CHECK(dlogits[n * Vp + c] == 0.0f);
     }
@@ -498,11 +517,10 @@ TEST_SUITE("unit") {
     const Ints targets = random_ints(N, V, 33);
     Vec losses(N);
     Vec dlogits(logits.size());
-    cpu.crossentropy_forward_backward(losses.data(), dlogits.data(), logits.data(), targets.data(), 0.5f, N, V, Vp);
+    crossentropy(cpu, losses.data(), dlogits.data(), logits.data(), targets.data(), 0.5f, N, V, Vp);
     Vec inplace = logits;
     Vec losses_inplace(N);
-    cpu.crossentropy_forward_backward(losses_inplace.data(), inplace.data(), inplace.data(), targets.data(), 0.5f,
-                                      N, V, Vp);
+    crossentropy(cpu, losses_inplace.data(), inplace.data(), inplace.data(), targets.data(), 0.5f, N, V, Vp);
     CHECK(losses_inplace == losses);
     CHECK(inplace == dlogits);
   }
@@ -514,11 +532,80 @@ TEST_SUITE("unit") {
     const Ints targets = random_ints(N, V, 35);
     Vec losses(N);
     Vec once(logits.size(), 0.0f);
-    cpu.crossentropy_forward_backward(losses.data(), once.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
+    crossentropy(cpu, losses.data(), once.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
     Vec twice = once;
-    cpu.crossentropy_forward_backward(losses.data(), twice.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
+    crossentropy(cpu, losses.data(), twice.data(), logits.data(), targets.data(), 1.0f, N, V, Vp);
     CHECK(twice == once);
     CHECK(max_abs(once) > 0.0);
+  }
+
+  TEST_CASE("crossentropy over a vocabulary split in shards equals the unsplit one") {
+    CpuBackend cpu;
+    // V = 21 real classes padded to 32 and split 4 ways: the last shard
+    // holds 5 real and 3 padded classes.
+    const int N = 6, V = 21, Vp = 32, S = 4, Vl = Vp / S;
+    Vec logits = random_vec(static_cast<size_t>(N) * Vp, 70, -4.0f, 4.0f);
+    const Ints targets = random_ints(N, V, 71);
+    Vec losses(N), dlogits(logits.size());
+    crossentropy(cpu, losses.data(), dlogits.data(), logits.data(), targets.data(), 0.25f, N, V, Vp);
+
+    Vec stats(static_cast<size_t>(S) * N * 3);
+    for (int s = 0; s < S; ++s) {
+      const Vec shard = columns(logits, N, Vp, s * Vl, Vl);
+      cpu.crossentropy_stats(stats.data() + static_cast<size_t>(s) * N * 3, shard.data(), targets.data(), N, s * Vl,
+                             Vl, V);
+    }
+    Vec split_losses(N), lse(N);
+    cpu.crossentropy_combine(split_losses.data(), lse.data(), stats.data(), S, N);
+    check_close("losses", split_losses, Ref(losses.begin(), losses.end()), 1e-6);
+    for (int s = 0; s < S; ++s) {
+      Vec shard = columns(logits, N, Vp, s * Vl, Vl);
+      cpu.crossentropy_backward(shard.data(), shard.data(), lse.data(), targets.data(), 0.25f, N, s * Vl, Vl, V);
+      const Vec want = columns(dlogits, N, Vp, s * Vl, Vl);
+      check_close("dlogits shard", shard, Ref(want.begin(), want.end()), 1e-6);
+    }
+  }
+
+  TEST_CASE("a vocabulary shard with no real classes contributes nothing to the crossentropy") {
+    CpuBackend cpu;
+    const int N = 3, V = 8, Vl = 8;
+    const Vec logits = random_vec(static_cast<size_t>(N) * Vl, 72);
+    const Ints targets = random_ints(N, V, 73);
+    Vec stats(static_cast<size_t>(N) * 3);
+    cpu.crossentropy_stats(stats.data(), logits.data(), targets.data(), N, 8, Vl, V);
+    for (int n = 0; n < N; ++n) {
+      CHECK(std::isinf(stats[n * 3]));
+      CHECK(stats[n * 3 + 1] == 0.0f);
+      CHECK(stats[n * 3 + 2] == 0.0f);
+    }
+    Vec dlogits = nan_vec(logits.size());
+    cpu.crossentropy_backward(dlogits.data(), logits.data(), std::vector<float>(N, 1.0f).data(), targets.data(),
+                              1.0f, N, 8, Vl, V);
+    CHECK(max_abs(dlogits) == 0.0);
+  }
+
+  TEST_CASE("embedding shards of the vocabulary sum to the unsplit embedding and split its gradient") {
+    CpuBackend cpu;
+    const int B = 2, T = 6, C = 4, Vp = 12, S = 3, Vl = Vp / S;
+    const Vec wte = random_vec(static_cast<size_t>(Vp) * C, 74);
+    const Vec wpe = random_vec(static_cast<size_t>(T) * C, 75);
+    const Ints tokens = random_ints(B * T, Vp, 76);
+    const Vec dout = random_vec(static_cast<size_t>(B) * T * C, 77);
+    Vec whole(static_cast<size_t>(B) * T * C), dwte(wte.size(), 0.0f);
+    cpu.embedding_forward(whole.data(), tokens.data(), wte.data(), 0, Vp, wpe.data(), B, T, C);
+    cpu.embedding_backward(dwte.data(), nullptr, dout.data(), tokens.data(), 0, Vp, B, T, C);
+    Ref sum(whole.size(), 0.0);
+    for (int s = 0; s < S; ++s) {
+      const float* rows = wte.data() + static_cast<size_t>(s) * Vl * C;
+      Vec part = nan_vec(whole.size());
+      // The position rows are added by one shard only, as TP rank 0 does.
+      cpu.embedding_forward(part.data(), tokens.data(), rows, s * Vl, Vl, s == 0 ? wpe.data() : nullptr, B, T, C);
+      for (size_t i = 0; i < part.size(); ++i) sum[i] += part[i];
+      Vec dshard(static_cast<size_t>(Vl) * C, 0.0f);
+      cpu.embedding_backward(dshard.data(), nullptr, dout.data(), tokens.data(), s * Vl, Vl, B, T, C);
+      CHECK(std::equal(dshard.begin(), dshard.end(), dwte.begin() + static_cast<ptrdiff_t>(s) * Vl * C));
+    }
+    check_close("sum of shards", whole, sum, 1e-7);
   }
 
   TEST_CASE("softmax forward matches a naive reference") {
@@ -683,10 +770,10 @@ TEST_SUITE("unit") {
     const Vec dy = random_vec(static_cast<size_t>(N) * C, 57);
     const Ints tokens = random_ints(N, V, 58);
     check_doubles("embedding dwte", [&](float* g) {
-      cpu.embedding_backward(g, nullptr, dy.data(), tokens.data(), B, T, C);
+      cpu.embedding_backward(g, nullptr, dy.data(), tokens.data(), 0, V, B, T, C);
     }, static_cast<size_t>(V) * C);
     check_doubles("embedding dwpe", [&](float* g) {
-      cpu.embedding_backward(nullptr, g, dy.data(), tokens.data(), B, T, C);
+      cpu.embedding_backward(nullptr, g, dy.data(), tokens.data(), 0, V, B, T, C);
     }, static_cast<size_t>(T) * C);
 
     const Vec w = random_vec(C, 59, 0.5f, 1.5f);
@@ -812,7 +899,7 @@ TEST_SUITE("unit") {
       results.insert(results.end(), {att_out, att, dqkv});
 
       Vec dwte(static_cast<size_t>(V) * C, 0.0f), dwpe(static_cast<size_t>(T) * C, 0.0f);
-      cpu.embedding_backward(dwte.data(), dwpe.data(), dy.data(), tokens.data(), B, T, C);
+      cpu.embedding_backward(dwte.data(), dwpe.data(), dy.data(), tokens.data(), 0, V, B, T, C);
       Vec scattered(static_cast<size_t>(V) * C, 0.0f);
       cpu.scatter_add_rows(scattered.data(), dy.data(), tokens.data(), dy.data(), N, C);
       results.insert(results.end(), {dwte, dwpe, scattered});

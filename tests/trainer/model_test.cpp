@@ -2,9 +2,11 @@
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
+#include "trainer/parallel/zero_storage.h"
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -12,6 +14,7 @@ using keel::common::ModelConfig;
 using keel::trainer::CpuBackend;
 using keel::trainer::Gpt;
 using keel::trainer::ParameterTable;
+using keel::trainer::ZeroStorage;
 
 namespace {
 
@@ -35,6 +38,17 @@ std::vector<int32_t> sample_tokens(int count, int vocab, uint64_t salt) {
   return t;
 }
 
+// A single-rank model with its storage, initialised from `seed`.
+struct TestModel {
+  TestModel(const ModelConfig& config, CpuBackend& backend, int max_batch, uint64_t seed)
+      : table(config), storage(backend, table), gpt(config, backend, max_batch, storage) {
+    storage.init(seed);
+  }
+  ParameterTable table;
+  ZeroStorage storage;
+  Gpt gpt;
+};
+
 std::vector<float> copy_out(Gpt& model, const float* buffer) {
   std::vector<float> host(model.table().total());
   model.backend().copy_to_host(host.data(), buffer, host.size() * sizeof(float));
@@ -46,15 +60,15 @@ std::vector<float> copy_out(Gpt& model, const float* buffer) {
 void check_model_gradients(const ModelConfig& config, float eps, double tolerance, const std::string& filter = "") {
   CpuBackend backend(1);
   const int B = 2, T = static_cast<int>(config.seq_len);
-  Gpt model(config, backend, B);
-  model.init(7);
+  TestModel test_model(config, backend, B, 7);
+  Gpt& model = test_model.gpt;
   auto inputs = sample_tokens(B * T, static_cast<int>(config.vocab_size), 1);
   auto targets = sample_tokens(B * T, static_cast<int>(config.vocab_size), 2);
 
-  model.zero_grads();
+  test_model.storage.zero_gradients();
   model.forward(inputs.data(), targets.data(), B);
   model.backward(1.0f);
-  auto grads = copy_out(model, model.grads());
+  auto grads = copy_out(model, test_model.storage.grads());
   auto objective = [&] {
     double loss = model.forward(inputs.data(), targets.data(), B);
     return loss + model.aux_loss();
@@ -69,7 +83,7 @@ void check_model_gradients(const ModelConfig& config, float eps, double toleranc
     for (size_t i = spec.offset; i < spec.offset + spec.numel; ++i) {
       if (std::fabs(grads[i]) > std::fabs(grads[best])) best = i;
     }
-    float* p = model.params() + best;
+    float* p = test_model.storage.params() + best;
     const float saved = *p;
     *p = saved + eps;
     const double up = objective();
@@ -139,6 +153,74 @@ TEST_SUITE("unit") {
     CHECK(a[spec.offset + 1000] == static_cast<float>(0.02 * keel::common::counter_normal(key, 1000)));
   }
 
+  TEST_CASE("the TP slices of every tensor tile the global tensor with rectangular blocks") {
+    ModelConfig m = tiny_model();
+    m.n_head = 4;
+    const ParameterTable whole(m);
+    for (int tp : {2, 4}) {
+      CAPTURE(tp);
+      std::vector<std::vector<int>> covered(whole.specs().size());
+      for (size_t t = 0; t < whole.specs().size(); ++t) covered[t].assign(whole.specs()[t].numel, 0);
+      for (int r = 0; r < tp; ++r) {
+        const ParameterTable slice(m, r, tp);
+        REQUIRE(slice.specs().size() == whole.specs().size());
+        for (size_t t = 0; t < slice.specs().size(); ++t) {
+          const auto& spec = slice.specs()[t];
+          CAPTURE(spec.name);
+          CHECK(spec.global_shape == whole.specs()[t].shape);
+          const int64_t global_cols = spec.global_shape.size() == 2 ? spec.global_shape[1] : 1;
+          int64_t local_rows = 0;
+          for (const auto& block : spec.global_blocks(0, spec.rows())) {
+            CHECK(block.local_row == local_rows);
+            local_rows += block.rows;
+            for (int64_t i = 0; i < block.rows; ++i) {
+              for (int64_t j = 0; j < block.cols; ++j) ++covered[t][(block.row + i) * global_cols + block.col + j];
+            }
+          }
+          CHECK(local_rows == spec.rows());
+        }
+      }
+      for (size_t t = 0; t < covered.size(); ++t) {
+        CAPTURE(whole.specs()[t].name);
+        const bool split = ParameterTable(m, 0, tp).specs()[t].split != keel::trainer::TpSplit::kReplicated;
+        const int want = split ? 1 : tp;  // replicated tensors: every rank holds all of it
+        CHECK(std::all_of(covered[t].begin(), covered[t].end(), [&](int n) { return n == want; }));
+      }
+    }
+    // q, k and v each give a TP rank the rows of its own heads.
+    const auto blocks = ParameterTable(m, 1, 2).find("h.0.attn.c_attn.weight").global_blocks(0, 24);
+    REQUIRE(blocks.size() == 3);
+    CHECK(blocks[0].row == 8);
+    CHECK(blocks[1].row == 24);
+    CHECK(blocks[2].row == 40);
+  }
+
+  TEST_CASE("every TP rank initialises its slice with the values of the global model") {
+    ModelConfig m = tiny_model();
+    m.n_head = 4;
+    const ParameterTable whole(m);
+    std::vector<float> global(whole.total());
+    keel::trainer::init_parameters(whole, 9, global.data());
+    for (int r = 0; r < 4; ++r) {
+      const ParameterTable slice(m, r, 4);
+      std::vector<float> local(slice.total());
+      keel::trainer::init_parameters(slice, 9, local.data());
+      for (size_t t = 0; t < slice.specs().size(); ++t) {
+        const auto& spec = slice.specs()[t];
+        CAPTURE(spec.name);
+        const int64_t global_cols = spec.global_shape.size() == 2 ? spec.global_shape[1] : 1;
+        for (const auto& block : spec.global_blocks(0, spec.rows())) {
+          for (int64_t i = 0; i < block.rows; ++i) {
+            for (int64_t j = 0; j < block.cols; ++j) {
+              REQUIRE(local[spec.offset + (block.local_row + i) * block.cols + j] ==
+                      global[whole.specs()[t].offset + (block.row + i) * global_cols + block.col + j]);
+            }
+          }
+        }
+      }
+    }
+  }
+
   TEST_CASE("the dense model's backward matches finite differences for every tensor") {
     check_model_gradients(tiny_model(), 1e-2f, 0.05);
   }
@@ -157,14 +239,14 @@ TEST_SUITE("unit") {
   TEST_CASE("padded vocabulary columns get no gradient and the loss starts near log(V)") {
     ModelConfig m = tiny_model();
     CpuBackend backend(1);
-    Gpt model(m, backend, 2);
-    model.init(3);
+    TestModel test_model(m, backend, 2, 3);
+    Gpt& model = test_model.gpt;
     auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
-    model.zero_grads();
+    test_model.storage.zero_gradients();
     const float loss = model.forward(inputs.data(), targets.data(), 2);
     CHECK(loss == doctest::Approx(std::log(50.0)).epsilon(0.05));
     model.backward(1.0f);
-    auto grads = copy_out(model, model.grads());
+    auto grads = copy_out(model, test_model.storage.grads());
     const auto& wte = model.table().find("wte");
     // wte rows >= V get gradient only from the head's padded columns: none.
     for (size_t i = 50 * 16; i < 128 * 16; ++i) REQUIRE(grads[wte.offset + i] == 0.0f);
@@ -186,8 +268,8 @@ TEST_SUITE("unit") {
   TEST_CASE("AdamW steps drive the loss of a repeated batch down") {
     ModelConfig m = tiny_model(4);
     CpuBackend backend(1);
-    Gpt model(m, backend, 2);
-    model.init(5);
+    TestModel test_model(m, backend, 2, 5);
+    Gpt& model = test_model.gpt;
     keel::common::TrainConfig t;
     t.steps = 60;
     t.warmup_steps = 0;
@@ -196,12 +278,19 @@ TEST_SUITE("unit") {
     auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
     float first = 0, last = 0;
     for (int step = 0; step < t.steps; ++step) {
-      model.zero_grads();
+      test_model.storage.zero_gradients();
       last = model.forward(inputs.data(), targets.data(), 2);
       if (step == 0) first = last;
       model.backward(1.0f);
-      float norm = optimizer.step(model.params(), model.grads(), static_cast<float>(keel::trainer::learning_rate(t, step)), step);
-      CHECK(std::isfinite(norm));
+      const auto& specs = test_model.table.specs();
+      double squares = 0;
+      for (const auto& spec : specs) squares += backend.sum_squares(test_model.storage.grads() + spec.offset, spec.numel);
+      CHECK(std::isfinite(squares));
+      const float scale = optimizer.clip_scale(std::sqrt(squares));
+      for (size_t i = 0; i < specs.size(); ++i) {
+        optimizer.update(i, test_model.storage.params() + specs[i].offset, test_model.storage.grads() + specs[i].offset,
+                         static_cast<float>(keel::trainer::learning_rate(t, step)), scale, step);
+      }
     }
     CHECK(last < 0.5f * first);
   }

@@ -57,14 +57,14 @@ int main(int argc, char** argv) {
     check_config.parallel.micro_batches = 1;
     keel::trainer::TrainLoop check(check_config, backend);
     keel::trainer::Gpt& model = check.model();
-    dump_tensors(model, model.params(), out / "init");
+    dump_tensors(model, check.storage().params(), out / "init");
 
     std::vector<int32_t> inputs(static_cast<size_t>(B) * T), targets(inputs.size());
     keel::trainer::TokenDataset data = keel::trainer::TokenDataset::open(config.data.train, config.model.vocab_size, T + 1);
     keel::trainer::fill_train_batch(data, static_cast<uint64_t>(config.job.seed), 0, B, T, 0, B, inputs.data(), targets.data());
     write_npy(out / "check_inputs.npy", inputs.data(), {B, T});
     write_npy(out / "check_targets.npy", targets.data(), {B, T});
-    model.zero_grads();
+    check.storage().zero_gradients();
     float loss = model.forward(inputs.data(), targets.data(), B);
     float aux = model.aux_loss();
     auto logits = download(backend, model.logits(), static_cast<size_t>(B) * T * config.model.padded_vocab());
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     write_npy(out / "check_loss.npy", &loss, {1});
     write_npy(out / "check_aux_loss.npy", &aux, {1});
     model.backward(1.0f);
-    dump_tensors(model, model.grads(), out / "check_grads");
+    dump_tensors(model, check.storage().grads(), out / "check_grads");
 
     // A fresh loop from the same seed trains with the configured microbatches.
     keel::trainer::TrainLoop loop(config, backend);

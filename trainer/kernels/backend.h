@@ -35,11 +35,15 @@ class Backend {
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
 
-  // ---- embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] ----
-  virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                                 int B, int T, int C) = 0;
-  virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
-                                  int B, int T, int C) = 0;
+  // ---- embedding, vocabulary split over TP ranks (DESIGN §3.4) ----
+  // wte holds rows [v_begin, v_begin + Vl) of the token table (a single
+  // rank: v_begin = 0, Vl = the padded vocabulary).
+  // out[b,t,:] = wte[tokens[b,t] - v_begin,:] when the token lies in that
+  // range, else 0, plus wpe[t,:] when wpe is non-null.
+  virtual void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
+                                 const float* wpe, int B, int T, int C) = 0;
+  virtual void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int v_begin,
+                                  int Vl, int B, int T, int C) = 0;
 
   // ---- layernorm over the last dim, eps 1e-5; saves mean[N] and rstd[N] ----
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
@@ -71,13 +75,25 @@ class Backend {
   // ---- residual: dst += src ----
   virtual void accumulate(float* dst, const float* src, size_t n) = 0;
 
-  // ---- softmax cross-entropy over logits[N,Vp]; only the first V columns
-  // are real classes, padded columns never take part. losses[N] gets
-  // -log p(target). When dlogits is non-null it is OVERWRITTEN (not
-  // accumulated) with dloss * (softmax - onehot), zero in padded columns;
-  // dlogits may alias logits. ----
-  virtual void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits,
-                                             const int32_t* targets, float dloss, int N, int V, int Vp) = 0;
+  // ---- softmax cross-entropy, vocabulary split over TP ranks ----
+  // logits[N,Vl] hold classes [v_begin, v_begin + Vl) of the padded
+  // vocabulary; only classes below V are real, padded ones never take part.
+  // A single rank is the case v_begin = 0, Vl = Vp. Three passes, so that
+  // the ranks only exchange three floats per row:
+  // stats[N,3] per row over this shard's real classes: the max logit
+  // (-inf when the shard has none), the sum of exp(logit - max), and the
+  // target's logit when the target lies in this shard (else 0).
+  virtual void crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,
+                                  int Vl, int V) = 0;
+  // Combines the stats of S shards ([S,N,3], shard after shard, as
+  // all_gather returns them): lse[n] = log of the sum of exp over every
+  // class, losses[n] = lse[n] - the target's logit. Shards are combined in
+  // index order whatever the caller.
+  virtual void crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) = 0;
+  // dlogits = dloss * (softmax - onehot) over this shard, zero in padded
+  // columns. OVERWRITES (not accumulates) dlogits, which may alias logits.
+  virtual void crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                     float dloss, int N, int v_begin, int Vl, int V) = 0;
 
   // ---- row softmax over probs[N,E] (MoE router) ----
   virtual void softmax_forward(float* probs, const float* logits, int N, int E) = 0;

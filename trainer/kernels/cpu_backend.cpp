@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <vector>
 
@@ -241,20 +242,26 @@ void CpuBackend::copy(void* dst, const void* src, size_t bytes) { std::memcpy(ds
 
 // ---- embedding ----
 
-void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B,
-                                   int T, int C) {
+void CpuBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
+                                   const float* wpe, int B, int T, int C) {
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; ++bt) {
-    const float* w = wte + static_cast<size_t>(tokens[bt]) * C;
-    const float* p = wpe + static_cast<size_t>(bt % T) * C;
+    const int row = tokens[bt] - v_begin;
     float* o = out + static_cast<size_t>(bt) * C;
+    if (row >= 0 && row < Vl) {
+      std::copy_n(wte + static_cast<size_t>(row) * C, C, o);
+    } else {
+      std::fill_n(o, C, 0.0f);
+    }
+    if (wpe == nullptr) continue;
+    const float* p = wpe + static_cast<size_t>(bt % T) * C;
 #pragma omp simd
-    for (int c = 0; c < C; ++c) o[c] = w[c] + p[c];
+    for (int c = 0; c < C; ++c) o[c] += p[c];
   }
 }
 
-void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B,
-                                    int T, int C) {
+void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int v_begin,
+                                    int Vl, int B, int T, int C) {
   if (dwpe != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; ++t) {
@@ -275,7 +282,9 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
       const int c0 = blk * kChannelBlock;
       const int width = std::min(kChannelBlock, C - c0);
       for (int bt = 0; bt < B * T; ++bt) {
-        float* dst = dwte + static_cast<size_t>(tokens[bt]) * C + c0;
+        const int row = tokens[bt] - v_begin;
+        if (row < 0 || row >= Vl) continue;
+        float* dst = dwte + static_cast<size_t>(row) * C + c0;
         const float* src = dout + static_cast<size_t>(bt) * C + c0;
 #pragma omp simd
         for (int c = 0; c < width; ++c) dst[c] += src[c];
@@ -493,31 +502,62 @@ void CpuBackend::accumulate(float* dst, const float* src, size_t n) {
 
 // ---- cross-entropy ----
 
-void CpuBackend::crossentropy_forward_backward(float* losses, float* dlogits, const float* logits,
-                                               const int32_t* targets, float dloss, int N, int V, int Vp) {
+void CpuBackend::crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,
+                                    int Vl, int V) {
+  // The shard's real classes are its first `real` columns.
+  const int real = std::clamp(V - v_begin, 0, Vl);
 #pragma omp parallel
   {
-    // Without dlogits the exps need a home of their own; with it they live
-    // in the dlogits row (each element is read before it is overwritten, so
-    // aliasing logits is safe).
-    std::vector<float> own(dlogits == nullptr ? V : 0);
+    std::vector<float> e(static_cast<size_t>(real));
 #pragma omp for schedule(static)
     for (int n = 0; n < N; ++n) {
-      const float* x = logits + static_cast<size_t>(n) * Vp;
-      float* e = dlogits != nullptr ? dlogits + static_cast<size_t>(n) * Vp : own.data();
-      const int target = targets[n];
-      const float x_target = x[target];
-      const float max = row_max(x, V);
+      const float* x = logits + static_cast<size_t>(n) * Vl;
+      float* s = stats + static_cast<size_t>(n) * 3;
+      const int target = targets[n] - v_begin;
+      s[2] = target >= 0 && target < real ? x[target] : 0.0f;
+      if (real == 0) {
+        s[0] = -std::numeric_limits<float>::infinity();
+        s[1] = 0.0f;
+        continue;
+      }
+      const float max = row_max(x, real);
 #pragma omp simd
-      for (int c = 0; c < V; ++c) e[c] = exp_approx(x[c] - max);
-      const float sum = row_sum(e, V);
-      losses[n] = (max + std::log(sum)) - x_target;
-      if (dlogits == nullptr) continue;
-      const float inv = 1.0f / sum;
-#pragma omp simd
-      for (int c = 0; c < V; ++c) e[c] = dloss * (e[c] * inv - (c == target ? 1.0f : 0.0f));
-      std::fill(e + V, e + Vp, 0.0f);
+      for (int c = 0; c < real; ++c) e[c] = exp_approx(x[c] - max);
+      s[0] = max;
+      s[1] = row_sum(e.data(), real);
     }
+  }
+}
+
+void CpuBackend::crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) {
+  const size_t shard = static_cast<size_t>(N) * 3;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * S > kParallelMin)
+  for (int n = 0; n < N; ++n) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < S; ++s) max = std::max(max, stats[s * shard + static_cast<size_t>(n) * 3]);
+    float sum = 0.0f, target = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float* st = stats + s * shard + static_cast<size_t>(n) * 3;
+      if (st[1] > 0.0f) sum += st[1] * std::exp(st[0] - max);
+      target += st[2];
+    }
+    lse[n] = max + std::log(sum);
+    losses[n] = lse[n] - target;
+  }
+}
+
+void CpuBackend::crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                       float dloss, int N, int v_begin, int Vl, int V) {
+  const int real = std::clamp(V - v_begin, 0, Vl);
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const float* x = logits + static_cast<size_t>(n) * Vl;
+    float* d = dlogits + static_cast<size_t>(n) * Vl;
+    const float shift = lse[n];
+    const int target = targets[n] - v_begin;
+#pragma omp simd
+    for (int c = 0; c < real; ++c) d[c] = dloss * (exp_approx(x[c] - shift) - (c == target ? 1.0f : 0.0f));
+    std::fill(d + real, d + Vl, 0.0f);
   }
 }
 

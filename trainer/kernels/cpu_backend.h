@@ -25,10 +25,10 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
 
-  void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int B, int T,
-                         int C) override;
-  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B, int T,
-                          int C) override;
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
+                         const float* wpe, int B, int T, int C) override;
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int v_begin, int Vl,
+                          int B, int T, int C) override;
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, int N, int C) override;
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -43,8 +43,11 @@ class CpuBackend final : public Backend {
   void gelu_forward(float* out, const float* inp, size_t n) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
   void accumulate(float* dst, const float* src, size_t n) override;
-  void crossentropy_forward_backward(float* losses, float* dlogits, const float* logits, const int32_t* targets,
-                                     float dloss, int N, int V, int Vp) override;
+  void crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin, int Vl,
+                          int V) override;
+  void crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) override;
+  void crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                             float dloss, int N, int v_begin, int Vl, int V) override;
   void softmax_forward(float* probs, const float* logits, int N, int E) override;
   void softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) override;
   void gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,

@@ -9,7 +9,7 @@
 namespace keel::trainer {
 namespace {
 
-// Where one block's tensors sit in the flat buffers.
+// Where one block's tensors sit within its unit's buffers.
 struct BlockOffsets {
   size_t ln1_w = 0, ln1_b = 0, qkv_w = 0, qkv_b = 0, attproj_w = 0, attproj_b = 0, ln2_w = 0, ln2_b = 0;
   size_t fc_w = 0, fc_b = 0, proj_w = 0, proj_b = 0;  // dense MLP
@@ -19,7 +19,8 @@ struct BlockOffsets {
 
 BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i) {
   const std::string h = "h." + std::to_string(i);
-  auto at = [&](const std::string& name) { return t.find(h + name).offset; };
+  const size_t origin = t.unit_begin(static_cast<int>(i) + 1);
+  auto at = [&](const std::string& name) { return t.find(h + name).offset - origin; };
   BlockOffsets o;
   o.ln1_w = at(".ln_1.weight");
   o.ln1_b = at(".ln_1.bias");
@@ -47,6 +48,16 @@ BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m
   return o;
 }
 
+// Unit 0: the embeddings and the final norm.
+struct OuterOffsets {
+  size_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
+};
+
+OuterOffsets outer_offsets(const ParameterTable& t) {
+  auto at = [&](const std::string& name) { return t.find(name).offset - t.unit_begin(0); };
+  return OuterOffsets{at("wte"), at("wpe"), at("ln_f.weight"), at("ln_f.bias")};
+}
+
 }  // namespace
 
 // The routing of one MoE block for the last forward: which token went to
@@ -65,54 +76,77 @@ struct Gpt::MoeLayer {
   std::vector<double> load;                  // [E]: f_e, the fraction of slots routed to e
 };
 
+// Shapes: N = B*T positions, Ns = N / tp of them in this rank's position
+// shard, and per rank Cl = C / tp attention channels, Fl = 4C / tp MLP
+// channels and Vl = Vp / tp vocabulary rows. "whole" buffers hold all N
+// positions and exist only with TP; without it they alias their shards.
 struct Gpt::Activations {
   struct Block {
-    BackendArray<float> ln1, ln1_mean, ln1_rstd, qkv, att, atty, residual2;
-    BackendArray<float> ln2, ln2_mean, ln2_rstd, fch, fch_gelu, residual3;
+    BackendArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, att, atty, residual2;
+    BackendArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
     std::unique_ptr<MoeLayer> moe;
+    const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
+    const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
   BackendArray<int32_t> inputs, targets;  // [B, T]
-  BackendArray<float> encoded;            // [B, T, C]
+  BackendArray<float> encoded;            // [Ns, C]
   std::vector<Block> blocks;
   std::vector<BlockOffsets> offsets;
-  BackendArray<float> lnf, lnf_mean, lnf_rstd, logits, losses;
+  OuterOffsets outer;
+  BackendArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;
+  BackendArray<float> xent_stats, xent_all;  // [N, 3] of this rank, [tp, N, 3] of all
+  // [N, C] with TP: the partial sums of a row-parallel linear or of the
+  // embedding (forward), a gathered output gradient and an input gradient
+  // to be summed (backward).
+  BackendArray<float> partial, dwhole_out, dwhole_in;
   // Gradient scratch, reused by every block.
   BackendArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu, dattention;
   // MoE gradient scratch.
   BackendArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
 };
 
-Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch)
+Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage, Communicator* tp)
     : config_(config),
       backend_(backend),
-      table_(config),
+      storage_(storage),
+      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
+      tp_rank_(tp_ != nullptr ? tp_->rank() : 0),
+      tp_size_(tp_ != nullptr ? tp_->size() : 1),
       max_batch_(max_batch),
-      params_(backend, table_.total()),
-      grads_(backend, table_.total()),
       acts_(std::make_unique<Activations>()) {
   const size_t B = static_cast<size_t>(max_batch), T = static_cast<size_t>(config.seq_len);
-  const size_t C = static_cast<size_t>(config.n_embd), NH = static_cast<size_t>(config.n_head);
-  const size_t Vp = static_cast<size_t>(config.padded_vocab()), N = B * T;
+  const size_t C = static_cast<size_t>(config.n_embd), tp_size = static_cast<size_t>(tp_size_);
+  const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
+  const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T;
   const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
+  if (N % tp_size != 0 || (tp_ != nullptr && config.n_expert > 0)) {
+    throw common::Error(common::ErrorCode::kInternal, "TP layout not validated: B*T % tp != 0 or MoE with TP");
+  }
+  const size_t Ns = N / tp_size;
+  // With TP a buffer of all N positions; without, an empty one (the shard serves).
+  auto whole = [&](size_t width) { return BackendArray<float>(backend, tp_ != nullptr ? N * width : 0); };
   Activations& a = *acts_;
   a.inputs = BackendArray<int32_t>(backend, N);
   a.targets = BackendArray<int32_t>(backend, N);
-  a.encoded = BackendArray<float>(backend, N * C);
+  a.encoded = BackendArray<float>(backend, Ns * C);
+  a.outer = outer_offsets(storage.table());
   bool any_moe = false;
   for (int64_t i = 0; i < config.n_layer; ++i) {
-    a.offsets.push_back(block_offsets(table_, config, i));
+    a.offsets.push_back(block_offsets(storage.table(), config, i));
     Activations::Block blk;
-    blk.ln1 = BackendArray<float>(backend, N * C);
-    blk.ln1_mean = BackendArray<float>(backend, N);
-    blk.ln1_rstd = BackendArray<float>(backend, N);
-    blk.qkv = BackendArray<float>(backend, N * 3 * C);
-    blk.att = BackendArray<float>(backend, B * NH * T * T);
-    blk.atty = BackendArray<float>(backend, N * C);
-    blk.residual2 = BackendArray<float>(backend, N * C);
-    blk.ln2 = BackendArray<float>(backend, N * C);
-    blk.ln2_mean = BackendArray<float>(backend, N);
-    blk.ln2_rstd = BackendArray<float>(backend, N);
-    blk.residual3 = BackendArray<float>(backend, N * C);
+    blk.ln1 = BackendArray<float>(backend, Ns * C);
+    blk.ln1_mean = BackendArray<float>(backend, Ns);
+    blk.ln1_rstd = BackendArray<float>(backend, Ns);
+    blk.ln1_whole = whole(C);
+    blk.qkv = BackendArray<float>(backend, N * 3 * Cl);
+    blk.att = BackendArray<float>(backend, B * NHl * T * T);
+    blk.atty = BackendArray<float>(backend, N * Cl);
+    blk.residual2 = BackendArray<float>(backend, Ns * C);
+    blk.ln2 = BackendArray<float>(backend, Ns * C);
+    blk.ln2_mean = BackendArray<float>(backend, Ns);
+    blk.ln2_rstd = BackendArray<float>(backend, Ns);
+    blk.ln2_whole = whole(C);
+    blk.residual3 = BackendArray<float>(backend, Ns * C);
     if (config.is_moe_layer(i)) {
       any_moe = true;
       auto moe = std::make_unique<MoeLayer>();
@@ -126,23 +160,30 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch)
       moe->ye = BackendArray<float>(backend, N * K * C);
       blk.moe = std::move(moe);
     } else {
-      blk.fch = BackendArray<float>(backend, N * 4 * C);
-      blk.fch_gelu = BackendArray<float>(backend, N * 4 * C);
+      blk.fch = BackendArray<float>(backend, N * Fl);
+      blk.fch_gelu = BackendArray<float>(backend, N * Fl);
     }
     a.blocks.push_back(std::move(blk));
   }
-  a.lnf = BackendArray<float>(backend, N * C);
-  a.lnf_mean = BackendArray<float>(backend, N);
-  a.lnf_rstd = BackendArray<float>(backend, N);
-  a.logits = BackendArray<float>(backend, N * Vp);
+  a.lnf = BackendArray<float>(backend, Ns * C);
+  a.lnf_mean = BackendArray<float>(backend, Ns);
+  a.lnf_rstd = BackendArray<float>(backend, Ns);
+  a.lnf_whole = whole(C);
+  a.logits = BackendArray<float>(backend, N * Vl);
   a.losses = BackendArray<float>(backend, N);
-  a.dresidual = BackendArray<float>(backend, N * C);
-  a.dln = BackendArray<float>(backend, N * C);
-  a.datty = BackendArray<float>(backend, N * C);
-  a.dqkv = BackendArray<float>(backend, N * 3 * C);
-  a.dfch = BackendArray<float>(backend, N * 4 * C);
-  a.dfch_gelu = BackendArray<float>(backend, N * 4 * C);
-  a.dattention = BackendArray<float>(backend, B * NH * T * T);
+  a.lse = BackendArray<float>(backend, N);
+  a.xent_stats = BackendArray<float>(backend, N * 3);
+  a.xent_all = BackendArray<float>(backend, tp_ != nullptr ? tp_size * N * 3 : 0);
+  a.partial = whole(C);
+  a.dwhole_out = whole(C);
+  a.dwhole_in = whole(C);
+  a.dresidual = BackendArray<float>(backend, Ns * C);
+  a.dln = BackendArray<float>(backend, Ns * C);
+  a.datty = BackendArray<float>(backend, N * Cl);
+  a.dqkv = BackendArray<float>(backend, N * 3 * Cl);
+  a.dfch = BackendArray<float>(backend, N * Fl);
+  a.dfch_gelu = BackendArray<float>(backend, N * Fl);
+  a.dattention = BackendArray<float>(backend, B * NHl * T * T);
   if (any_moe) {
     a.dye = BackendArray<float>(backend, N * K * C);
     a.dge = BackendArray<float>(backend, N * K * 4 * C);
@@ -156,13 +197,15 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch)
 
 Gpt::~Gpt() = default;
 
-void Gpt::init(uint64_t seed) {
-  std::vector<float> host(table_.total());
-  init_parameters(table_, seed, host.data());
-  backend_.copy_from_host(params_.data(), host.data(), host.size() * sizeof(float));
+const float* Gpt::logits() const { return acts_->logits.data(); }
+
+void Gpt::gather_positions(const float* shard, float* whole, size_t shard_numel) {
+  if (tp_ != nullptr) tp_->all_gather(shard, whole, shard_numel);
 }
 
-const float* Gpt::logits() const { return acts_->logits.data(); }
+void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_numel) {
+  if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
+}
 
 float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   if (B < 1 || B > max_batch_) {
@@ -171,115 +214,159 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   }
   batch_ = B;
   const int T = static_cast<int>(config_.seq_len), C = static_cast<int>(config_.n_embd);
-  const int NH = static_cast<int>(config_.n_head), N = B * T;
-  const int V = static_cast<int>(config_.vocab_size), Vp = static_cast<int>(config_.padded_vocab());
+  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
+  const int NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const int v_begin = tp_rank_ * Vl;
+  const size_t NsC = static_cast<size_t>(Ns) * C;
+  const bool first_tp_rank = tp_rank_ == 0;
   Activations& a = *acts_;
   Backend& k = backend_;
-  const float* p = params_.data();
-  const ParameterTable& t = table_;
+  const OuterOffsets& outer = a.outer;
+  const float* p0 = storage_.acquire_parameters(0);
+  // A row-parallel linear's output: partial sums to be reduce-scattered
+  // with TP, the shard itself without.
+  auto partial_or = [&](BackendArray<float>& shard) { return tp_ != nullptr ? a.partial.data() : shard.data(); };
 
   k.copy_from_host(a.inputs.data(), inputs, static_cast<size_t>(N) * sizeof(int32_t));
   k.copy_from_host(a.targets.data(), targets, static_cast<size_t>(N) * sizeof(int32_t));
-  k.embedding_forward(a.encoded.data(), a.inputs.data(), p + t.find("wte").offset, p + t.find("wpe").offset, B, T, C);
+  // The vocabulary shards each embed their own tokens; the position rows
+  // and the row-parallel biases are added by TP rank 0 alone, so that the
+  // sum over the group counts them once.
+  k.embedding_forward(partial_or(a.encoded), a.inputs.data(), p0 + outer.wte, v_begin, Vl,
+                      first_tp_rank ? p0 + outer.wpe : nullptr, B, T, C);
+  sum_into_positions(a.partial.data(), a.encoded.data(), NsC);
 
   aux_loss_ = 0.0f;
   const float* residual = a.encoded.data();
   for (size_t i = 0; i < a.blocks.size(); ++i) {
     Activations::Block& blk = a.blocks[i];
     const BlockOffsets& o = a.offsets[i];
+    const float* p = storage_.acquire_parameters(static_cast<int>(i) + 1);
     // Attention branch.
-    k.layernorm_forward(blk.ln1.data(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w, p + o.ln1_b, N, C);
-    k.matmul_forward(blk.qkv.data(), blk.ln1.data(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * C);
-    k.attention_forward(blk.atty.data(), blk.att.data(), blk.qkv.data(), B, T, C, NH);
-    k.matmul_forward(blk.residual2.data(), blk.atty.data(), p + o.attproj_w, p + o.attproj_b, N, C, C);
-    k.accumulate(blk.residual2.data(), residual, static_cast<size_t>(N) * C);
+    k.layernorm_forward(blk.ln1.data(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
+                        p + o.ln1_b, Ns, C);
+    gather_positions(blk.ln1.data(), blk.ln1_whole.data(), NsC);
+    k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
+    k.attention_forward(blk.atty.data(), blk.att.data(), blk.qkv.data(), B, T, Cl, NHl);
+    k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
+                     first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
+    sum_into_positions(a.partial.data(), blk.residual2.data(), NsC);
+    k.accumulate(blk.residual2.data(), residual, NsC);
     // MLP (or MoE) branch.
-    k.layernorm_forward(blk.ln2.data(), blk.ln2_mean.data(), blk.ln2_rstd.data(), blk.residual2.data(), p + o.ln2_w,
-                        p + o.ln2_b, N, C);
+    k.layernorm_forward(blk.ln2.data(), blk.ln2_mean.data(), blk.ln2_rstd.data(), blk.residual2.data(),
+                        p + o.ln2_w, p + o.ln2_b, Ns, C);
     if (blk.moe) {
-      moe_forward(static_cast<int>(i), blk.ln2.data(), blk.residual3.data(), N);
+      moe_forward(static_cast<int>(i), p, blk.ln2.data(), blk.residual3.data(), N);
     } else {
-      k.matmul_forward(blk.fch.data(), blk.ln2.data(), p + o.fc_w, p + o.fc_b, N, C, 4 * C);
-      k.gelu_forward(blk.fch_gelu.data(), blk.fch.data(), static_cast<size_t>(N) * 4 * C);
-      k.matmul_forward(blk.residual3.data(), blk.fch_gelu.data(), p + o.proj_w, p + o.proj_b, N, 4 * C, C);
+      gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
+      k.matmul_forward(blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.gelu_forward(blk.fch_gelu.data(), blk.fch.data(), static_cast<size_t>(N) * Fl);
+      k.matmul_forward(partial_or(blk.residual3), blk.fch_gelu.data(), p + o.proj_w,
+                       first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
+      sum_into_positions(a.partial.data(), blk.residual3.data(), NsC);
     }
-    k.accumulate(blk.residual3.data(), blk.residual2.data(), static_cast<size_t>(N) * C);
+    k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
     residual = blk.residual3.data();
   }
-  k.layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), residual, p + t.find("ln_f.weight").offset,
-                      p + t.find("ln_f.bias").offset, N, C);
-  // The LM head is tied to the token embedding.
-  k.matmul_forward(a.logits.data(), a.lnf.data(), p + t.find("wte").offset, nullptr, N, C, Vp);
-  k.crossentropy_forward_backward(a.losses.data(), nullptr, a.logits.data(), a.targets.data(), 0.0f, N, V, Vp);
+  k.layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), residual, p0 + outer.lnf_w,
+                      p0 + outer.lnf_b, Ns, C);
+  gather_positions(a.lnf.data(), a.lnf_whole.data(), NsC);
+  // The LM head is tied to the token embedding: each rank scores its own
+  // vocabulary rows, and the ranks exchange three floats per position.
+  const float* lnf_all = tp_ != nullptr ? a.lnf_whole.data() : a.lnf.data();
+  k.matmul_forward(a.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
+  k.crossentropy_stats(a.xent_stats.data(), a.logits.data(), a.targets.data(), N, v_begin, Vl, V);
+  if (tp_ != nullptr) tp_->all_gather(a.xent_stats.data(), a.xent_all.data(), static_cast<size_t>(N) * 3);
+  k.crossentropy_combine(a.losses.data(), a.lse.data(), tp_ != nullptr ? a.xent_all.data() : a.xent_stats.data(),
+                         tp_size_, N);
   return static_cast<float>(k.sum(a.losses.data(), static_cast<size_t>(N)) / N);
 }
 
 void Gpt::backward(float loss_scale) {
   const int B = batch_, T = static_cast<int>(config_.seq_len), C = static_cast<int>(config_.n_embd);
-  const int NH = static_cast<int>(config_.n_head), N = B * T;
-  const int V = static_cast<int>(config_.vocab_size), Vp = static_cast<int>(config_.padded_vocab());
-  const size_t NC = static_cast<size_t>(N) * C;
+  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
+  const int NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const int v_begin = tp_rank_ * Vl;
+  const size_t NsC = static_cast<size_t>(Ns) * C;
   Activations& a = *acts_;
   Backend& k = backend_;
-  const float* p = params_.data();
-  float* g = grads_.data();
-  const ParameterTable& t = table_;
-  const size_t wte = t.find("wte").offset;
+  const OuterOffsets& outer = a.outer;
+  const float* p0 = storage_.acquire_parameters(0);
+  float* g0 = storage_.unit_gradients(0);
+  // The gradient of a sequence-parallel boundary, both ways: the shards of
+  // an output gradient gathered (all-gather's backward is a reduce-scatter
+  // and vice versa), and an input gradient summed into the shards.
+  float* dout_all = tp_ != nullptr ? a.dwhole_out.data() : a.dresidual.data();
+  float* din_all = tp_ != nullptr ? a.dwhole_in.data() : a.dln.data();
+  const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
 
   // Softmax cross-entropy gradient, written over the logits in place.
-  k.crossentropy_forward_backward(a.losses.data(), a.logits.data(), a.logits.data(), a.targets.data(),
-                                  loss_scale / static_cast<float>(N), N, V, Vp);
-  a.dln.zero();
-  k.matmul_backward(a.dln.data(), g + wte, nullptr, a.logits.data(), a.lnf.data(), p + wte, N, C, Vp);
+  k.crossentropy_backward(a.logits.data(), a.logits.data(), a.lse.data(), a.targets.data(),
+                          loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
+  k.zero(din_all, din_numel * sizeof(float));
+  const float* lnf_all = tp_ != nullptr ? a.lnf_whole.data() : a.lnf.data();
+  k.matmul_backward(din_all, g0 + outer.wte, nullptr, a.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
+  sum_into_positions(din_all, a.dln.data(), NsC);
   const float* last_residual = a.blocks.back().residual3.data();
   a.dresidual.zero();
-  k.layernorm_backward(a.dresidual.data(), g + t.find("ln_f.weight").offset, g + t.find("ln_f.bias").offset,
-                       a.dln.data(), last_residual, p + t.find("ln_f.weight").offset, a.lnf_mean.data(),
-                       a.lnf_rstd.data(), N, C);
+  k.layernorm_backward(a.dresidual.data(), g0 + outer.lnf_w, g0 + outer.lnf_b, a.dln.data(), last_residual,
+                       p0 + outer.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), Ns, C);
 
-  // dresidual holds the gradient of the residual stream; each branch adds
-  // its input's gradient into it on the way down.
+  // dresidual holds the gradient of this rank's shard of the residual
+  // stream; each branch adds its input's gradient into it on the way down.
   for (size_t i = a.blocks.size(); i-- > 0;) {
     Activations::Block& blk = a.blocks[i];
     const BlockOffsets& o = a.offsets[i];
+    const int unit = static_cast<int>(i) + 1;
+    const float* p = storage_.acquire_parameters(unit);
+    float* g = storage_.unit_gradients(unit);
     const float* residual = i == 0 ? a.encoded.data() : a.blocks[i - 1].residual3.data();
 
-    a.dln.zero();
+    k.zero(din_all, din_numel * sizeof(float));
     if (blk.moe) {
-      moe_backward(static_cast<int>(i), a.dln.data(), a.dresidual.data(), loss_scale, N);
+      moe_backward(static_cast<int>(i), p, g, a.dln.data(), a.dresidual.data(), loss_scale, N);
     } else {
+      gather_positions(a.dresidual.data(), dout_all, NsC);
       a.dfch_gelu.zero();
-      k.matmul_backward(a.dfch_gelu.data(), g + o.proj_w, g + o.proj_b, a.dresidual.data(), blk.fch_gelu.data(),
-                        p + o.proj_w, N, 4 * C, C);
+      k.matmul_backward(a.dfch_gelu.data(), g + o.proj_w, g + o.proj_b, dout_all, blk.fch_gelu.data(),
+                        p + o.proj_w, N, Fl, C);
       a.dfch.zero();
-      k.gelu_backward(a.dfch.data(), blk.fch.data(), a.dfch_gelu.data(), NC * 4);
-      k.matmul_backward(a.dln.data(), g + o.fc_w, g + o.fc_b, a.dfch.data(), blk.ln2.data(), p + o.fc_w, N, C, 4 * C);
+      k.gelu_backward(a.dfch.data(), blk.fch.data(), a.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
+      k.matmul_backward(din_all, g + o.fc_w, g + o.fc_b, a.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
+      sum_into_positions(din_all, a.dln.data(), NsC);
     }
     k.layernorm_backward(a.dresidual.data(), g + o.ln2_w, g + o.ln2_b, a.dln.data(), blk.residual2.data(),
-                         p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), N, C);
+                         p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
 
+    gather_positions(a.dresidual.data(), dout_all, NsC);
     a.datty.zero();
-    k.matmul_backward(a.datty.data(), g + o.attproj_w, g + o.attproj_b, a.dresidual.data(), blk.atty.data(),
-                      p + o.attproj_w, N, C, C);
+    k.matmul_backward(a.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(),
+                      p + o.attproj_w, N, Cl, C);
     a.dqkv.zero();
-    k.attention_backward(a.dqkv.data(), a.dattention.data(), a.datty.data(), blk.qkv.data(), blk.att.data(), B, T, C, NH);
-    a.dln.zero();
-    k.matmul_backward(a.dln.data(), g + o.qkv_w, g + o.qkv_b, a.dqkv.data(), blk.ln1.data(), p + o.qkv_w, N, C, 3 * C);
+    k.attention_backward(a.dqkv.data(), a.dattention.data(), a.datty.data(), blk.qkv.data(), blk.att.data(), B, T,
+                         Cl, NHl);
+    k.zero(din_all, din_numel * sizeof(float));
+    k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, a.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
+    sum_into_positions(din_all, a.dln.data(), NsC);
     k.layernorm_backward(a.dresidual.data(), g + o.ln1_w, g + o.ln1_b, a.dln.data(), residual, p + o.ln1_w,
-                         blk.ln1_mean.data(), blk.ln1_rstd.data(), N, C);
+                         blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
+    storage_.gradients_ready(unit);
   }
-  k.embedding_backward(g + wte, g + t.find("wpe").offset, a.dresidual.data(), a.inputs.data(), B, T, C);
+  gather_positions(a.dresidual.data(), dout_all, NsC);
+  k.embedding_backward(g0 + outer.wte, g0 + outer.wpe, dout_all, a.inputs.data(), v_begin, Vl, B, T, C);
+  storage_.gradients_ready(0);
 }
 
 // Dropless top-k routing: every token reaches all k of its experts, each
 // expert runs one GEMM over the tokens routed to it, and the outputs are
 // combined with the renormalised gates.
-void Gpt::moe_forward(int layer, const float* inp, float* out, int N) {
+void Gpt::moe_forward(int layer, const float* p, const float* inp, float* out, int N) {
   Activations& a = *acts_;
   MoeLayer& moe = *a.blocks[layer].moe;
   const BlockOffsets& o = a.offsets[layer];
   Backend& k = backend_;
-  const float* p = params_.data();
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K;
 
@@ -352,13 +439,12 @@ void Gpt::moe_forward(int layer, const float* inp, float* out, int N) {
   aux_loss_ += static_cast<float>(config_.aux_loss_coef * E * aux);
 }
 
-void Gpt::moe_backward(int layer, float* dinp, const float* dout, float loss_scale, int N) {
+void Gpt::moe_backward(int layer, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
+                       int N) {
   Activations& a = *acts_;
   MoeLayer& moe = *a.blocks[layer].moe;
   const BlockOffsets& o = a.offsets[layer];
   Backend& k = backend_;
-  const float* p = params_.data();
-  float* g = grads_.data();
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K;
 

@@ -1,12 +1,22 @@
 // GPT-2 (DESIGN §3.1) with optional dropless top-k MoE blocks, written out
 // layer by layer: forward() keeps every activation backward() needs, and
 // backward() walks the same layers in reverse. There is no autograd.
+//
+// With a tensor-parallel group (DESIGN §3.4, Megatron-style) every rank of
+// it runs the same sequences on its slice of the weights: attention heads
+// and MLP columns are split, the token embedding and the cross-entropy are
+// split by vocabulary, and between the blocks the residual stream is split
+// by position (sequence parallelism): each rank normalises its own rows,
+// an all-gather assembles the whole sequence before a column-parallel
+// linear, and a reduce-scatter sums a row-parallel linear's partial outputs
+// straight into the position shards.
 #pragma once
 
 #include "common/config.h"
+#include "trainer/comm/communicator.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/backend_array.h"
-#include "trainer/model/parameters.h"
+#include "trainer/model/model_storage.h"
 
 #include <cstdint>
 #include <memory>
@@ -16,22 +26,17 @@ namespace keel::trainer {
 
 class Gpt {
  public:
-  // Allocates parameters, gradients and activations for batches of up to
-  // max_batch sequences of config.seq_len tokens. Parameters start at zero:
-  // call init() or load them.
-  Gpt(const common::ModelConfig& config, Backend& backend, int max_batch);
+  // Runs on the parameters and gradients of `storage`, whose table is this
+  // TP rank's slice of the model, for batches of up to max_batch sequences
+  // of config.seq_len tokens. `tp` is the tensor-parallel group (nullptr:
+  // none); MoE blocks run without one.
+  Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
+      Communicator* tp = nullptr);
   ~Gpt();
 
   const common::ModelConfig& config() const { return config_; }
-  const ParameterTable& table() const { return table_; }
+  const ParameterTable& table() const { return storage_.table(); }
   Backend& backend() { return backend_; }
-
-  // Flat buffers in backend memory, table().total() floats each.
-  float* params() { return params_.data(); }
-  float* grads() { return grads_.data(); }
-
-  // Draws the initial model from the counter RNG (see init_parameters).
-  void init(uint64_t seed);
 
   // Runs B sequences (host tokens, [B, seq_len] each) and returns the mean
   // cross-entropy. aux_loss() then holds the MoE load-balancing loss.
@@ -39,27 +44,31 @@ class Gpt {
   float aux_loss() const { return aux_loss_; }
 
   // Accumulates the gradient of loss_scale * (cross-entropy + aux loss) of
-  // the last forward() into grads(). Overwrites logits().
+  // the last forward() into the storage's gradients. Overwrites logits().
   void backward(float loss_scale);
 
-  // [B, seq_len, padded_vocab] after forward(), in backend memory.
+  // [B, seq_len, this rank's vocabulary slice] after forward(), in backend memory.
   const float* logits() const;
-
-  void zero_grads() { grads_.zero(); }
 
  private:
   struct Activations;
   struct MoeLayer;
 
-  void moe_forward(int layer, const float* inp, float* out, int N);
-  void moe_backward(int layer, float* dinp, const float* dout, float loss_scale, int N);
+  void moe_forward(int layer, const float* p, const float* inp, float* out, int N);
+  void moe_backward(int layer, const float* p, float* g, float* dinp, const float* dout, float loss_scale, int N);
+  // Sequence parallelism: the position shards of all TP ranks into one
+  // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
+  // rank's shard. Both do nothing without TP, where the buffers alias.
+  void gather_positions(const float* shard, float* whole, size_t shard_numel);
+  void sum_into_positions(const float* partial, float* shard, size_t shard_numel);
 
   common::ModelConfig config_;
   Backend& backend_;
-  ParameterTable table_;
+  ModelStorage& storage_;
+  Communicator* tp_;
+  int tp_rank_;
+  int tp_size_;
   int max_batch_;
-  BackendArray<float> params_;
-  BackendArray<float> grads_;
   std::unique_ptr<Activations> acts_;
   int batch_ = 0;  // B of the last forward()
   float aux_loss_ = 0.0f;

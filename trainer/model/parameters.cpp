@@ -2,54 +2,105 @@
 
 #include "common/counter_rng.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
 namespace keel::trainer {
 
-ParameterTable::ParameterTable(const common::ModelConfig& m) {
+std::vector<GlobalBlock> ParamSpec::global_blocks(int64_t row_begin, int64_t row_end) const {
+  const int64_t local_rows = rows(), cols = row_numel();
+  std::vector<GlobalBlock> blocks;
+  auto add = [&](int64_t first, int64_t last, int64_t global_row, int64_t global_col) {
+    first = std::max(first, row_begin);
+    last = std::min(last, row_end);
+    if (first < last) blocks.push_back(GlobalBlock{first, last - first, cols, global_row + first, global_col});
+  };
+  switch (split) {
+    case TpSplit::kReplicated:
+      add(0, local_rows, 0, 0);
+      break;
+    case TpSplit::kRows:
+      add(0, local_rows, tp_rank * local_rows, 0);
+      break;
+    case TpSplit::kColumns:
+      add(0, local_rows, 0, tp_rank * cols);
+      break;
+    case TpSplit::kQkvRows: {
+      // Local third j (whole heads of q, k or v) sits in global third j.
+      const int64_t third = local_rows / 3, global_third = global_shape[0] / 3;
+      for (int64_t j = 0; j < 3; ++j) add(j * third, (j + 1) * third, j * global_third + tp_rank * third - j * third, 0);
+      break;
+    }
+  }
+  return blocks;
+}
+
+ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size)
+    : tp_rank_(tp_rank), tp_size_(tp_size) {
   const int64_t C = m.n_embd;
   // GPT-2 scales the init of every projection into the residual stream by
   // 1/sqrt(2L) so the stream's variance does not grow with depth.
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(m.n_layer));
-  auto linear = [&](const std::string& prefix, int64_t out, int64_t in, float std) {
-    add(prefix + ".weight", {out, in}, InitKind::kNormal, std);
-    add(prefix + ".bias", {out}, InitKind::kZeros);
+  // Megatron's pairs: the first linear splits its outputs, the second its
+  // inputs, so the activation between them never leaves the rank.
+  auto column_parallel = [&](const std::string& prefix, int64_t out, int64_t in, TpSplit split) {
+    add(prefix + ".weight", {out, in}, split, InitKind::kNormal);
+    add(prefix + ".bias", {out}, split, InitKind::kZeros);
+  };
+  auto row_parallel = [&](const std::string& prefix, int64_t out, int64_t in) {
+    add(prefix + ".weight", {out, in}, TpSplit::kColumns, InitKind::kNormal, proj_std);
+    add(prefix + ".bias", {out}, TpSplit::kReplicated, InitKind::kZeros);
   };
   auto layernorm = [&](const std::string& prefix) {
-    add(prefix + ".weight", {C}, InitKind::kOnes);
-    add(prefix + ".bias", {C}, InitKind::kZeros);
+    add(prefix + ".weight", {C}, TpSplit::kReplicated, InitKind::kOnes);
+    add(prefix + ".bias", {C}, TpSplit::kReplicated, InitKind::kZeros);
+    // Under sequence parallelism each TP rank normalises its own positions.
+    specs_.end()[-1].grad_partial_over_tp = specs_.end()[-2].grad_partial_over_tp = tp_size > 1;
   };
 
-  add("wte", {m.padded_vocab(), C}, InitKind::kNormal);
-  add("wpe", {m.seq_len, C}, InitKind::kNormal);
+  unit_first_tensor_.push_back(0);
+  add("wte", {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal);
+  add("wpe", {m.seq_len, C}, TpSplit::kReplicated, InitKind::kNormal);
+  layernorm("ln_f");
   for (int64_t i = 0; i < m.n_layer; ++i) {
+    unit_first_tensor_.push_back(specs_.size());
     const std::string h = "h." + std::to_string(i);
     layernorm(h + ".ln_1");
-    linear(h + ".attn.c_attn", 3 * C, C, 0.02f);
-    linear(h + ".attn.c_proj", C, C, proj_std);
+    column_parallel(h + ".attn.c_attn", 3 * C, C, TpSplit::kQkvRows);
+    row_parallel(h + ".attn.c_proj", C, C);
     layernorm(h + ".ln_2");
     if (m.is_moe_layer(i)) {
-      add(h + ".moe.router.weight", {m.n_expert, C}, InitKind::kNormal);
+      add(h + ".moe.router.weight", {m.n_expert, C}, TpSplit::kReplicated, InitKind::kNormal);
       for (int64_t e = 0; e < m.n_expert; ++e) {
         const std::string expert = h + ".moe.experts." + std::to_string(e);
-        linear(expert + ".c_fc", 4 * C, C, 0.02f);
-        linear(expert + ".c_proj", C, 4 * C, proj_std);
+        column_parallel(expert + ".c_fc", 4 * C, C, TpSplit::kRows);
+        row_parallel(expert + ".c_proj", C, 4 * C);
       }
     } else {
-      linear(h + ".mlp.c_fc", 4 * C, C, 0.02f);
-      linear(h + ".mlp.c_proj", C, 4 * C, proj_std);
+      column_parallel(h + ".mlp.c_fc", 4 * C, C, TpSplit::kRows);
+      row_parallel(h + ".mlp.c_proj", C, 4 * C);
     }
   }
-  layernorm("ln_f");
+  unit_first_tensor_.push_back(specs_.size());
 }
 
-void ParameterTable::add(std::string name, std::vector<int64_t> shape, InitKind init, float init_std) {
+void ParameterTable::add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init,
+                         float init_std) {
+  std::vector<int64_t> local = shape;
+  if (split == TpSplit::kRows || split == TpSplit::kQkvRows) local[0] /= tp_size_;
+  if (split == TpSplit::kColumns) local[1] /= tp_size_;
   size_t numel = 1;
-  for (int64_t d : shape) numel *= static_cast<size_t>(d);
+  for (int64_t d : local) numel *= static_cast<size_t>(d);
+  ParamSpec spec{std::move(name), std::move(shape), std::move(local), split, tp_rank_, tp_size_, init, init_std,
+                 total_, numel};
+  specs_.push_back(std::move(spec));
   // Every tensor starts on a 16-float boundary so kernels see aligned rows.
-  specs_.push_back(ParamSpec{std::move(name), std::move(shape), init, init_std, total_, numel});
   total_ += (numel + 15) / 16 * 16;
+}
+
+size_t ParameterTable::unit_end(int unit) const {
+  return unit + 1 < unit_count() ? unit_begin(unit + 1) : total_;
 }
 
 const ParamSpec& ParameterTable::find(const std::string& name) const {
@@ -77,9 +128,16 @@ void init_parameters(const ParameterTable& table, uint64_t seed, float* out) {
         break;
       case InitKind::kNormal: {
         const uint64_t key = common::stream_key(seed, spec.name);
+        const int64_t global_cols = spec.global_shape.size() == 2 ? spec.global_shape[1] : 1;
+        for (const GlobalBlock& b : spec.global_blocks(0, spec.rows())) {
 #pragma omp parallel for schedule(static)
-        for (size_t i = 0; i < spec.numel; ++i) {
-          p[i] = static_cast<float>(spec.init_std * common::counter_normal(key, i));
+          for (int64_t r = 0; r < b.rows; ++r) {
+            float* row = p + (b.local_row + r) * b.cols;
+            const uint64_t first = static_cast<uint64_t>((b.row + r) * global_cols + b.col);
+            for (int64_t c = 0; c < b.cols; ++c) {
+              row[c] = static_cast<float>(spec.init_std * common::counter_normal(key, first + c));
+            }
+          }
         }
         break;
       }

@@ -1,5 +1,13 @@
 // The model's tensors (DESIGN §3.1): names, PyTorch [out, in] shapes, how
-// each is initialised, and where it sits in the flat parameter buffer.
+// each is initialised, how tensor parallelism splits it, and where this
+// rank's part of it sits in the flat parameter buffer.
+//
+// With tp > 1 a rank holds a local tensor per global one (DESIGN §3.4):
+// column-parallel weights and biases keep a slice of the output rows,
+// row-parallel weights a slice of the input columns, the token embedding a
+// slice of the vocabulary rows, and everything else is replicated. The local
+// tensor is always a stack of rectangular blocks of the global tensor, so
+// checkpoints and tests can place every element.
 #pragma once
 
 #include "common/config.h"
@@ -12,40 +20,85 @@ namespace keel::trainer {
 
 enum class InitKind { kNormal, kZeros, kOnes };
 
+enum class TpSplit {
+  kReplicated,  // every TP rank holds the whole tensor
+  kRows,        // rank r holds rows [r, r + 1) * rows / tp: column-parallel outputs, vocabulary rows
+  kColumns,     // rank r holds columns [r, r + 1) * cols / tp: row-parallel inputs
+  kQkvRows,     // the q, k and v thirds of the rows are each split like kRows (whole heads per rank)
+};
+
+// Rows [local_row, local_row + rows) of a local tensor are the global
+// block at (row, col) of that size; 1-D tensors have cols = 1.
+struct GlobalBlock {
+  int64_t local_row = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row = 0;
+  int64_t col = 0;
+};
+
 struct ParamSpec {
-  std::string name;            // nanoGPT name, e.g. "h.0.attn.c_attn.weight"
-  std::vector<int64_t> shape;  // global shape, PyTorch layout
+  std::string name;                   // nanoGPT name, e.g. "h.0.attn.c_attn.weight"
+  std::vector<int64_t> global_shape;  // PyTorch layout
+  std::vector<int64_t> shape;         // this rank's local tensor
+  TpSplit split = TpSplit::kReplicated;
+  int tp_rank = 0;
+  int tp_size = 1;
   InitKind init = InitKind::kNormal;
-  float init_std = 0.02f;      // for kNormal
-  size_t offset = 0;           // first element in the flat buffer
-  size_t numel = 0;
+  float init_std = 0.02f;  // for kNormal
+  size_t offset = 0;       // first element in the flat buffer
+  size_t numel = 0;        // of the local tensor
+  // Its gradient on one TP rank covers that rank's sequence shard only and
+  // must be summed over the TP group (the norms, under sequence parallelism).
+  bool grad_partial_over_tp = false;
 
   // AdamW decays 2-D tensors only (weights and embeddings, not biases or norms).
   bool weight_decay() const { return shape.size() == 2; }
+  int64_t rows() const { return shape[0]; }
+  int64_t row_numel() const { return static_cast<int64_t>(numel) / shape[0]; }
+  // The global blocks that local rows [row_begin, row_end) hold, in row order.
+  std::vector<GlobalBlock> global_blocks(int64_t row_begin, int64_t row_end) const;
 };
 
 class ParameterTable {
  public:
-  // Every tensor of the GPT described by `model`, in a fixed order.
-  explicit ParameterTable(const common::ModelConfig& model);
+  // Every tensor of the GPT described by `model`, in a fixed order, as TP
+  // rank `tp_rank` of `tp_size` holds it. Callers validate the layout first
+  // (tp divides n_head, n_embd and the padded vocabulary).
+  explicit ParameterTable(const common::ModelConfig& model, int tp_rank = 0, int tp_size = 1);
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   // Floats in the flat buffer, alignment gaps between tensors included.
   size_t total() const { return total_; }
-  // Model parameters, gaps excluded.
+  // Elements this rank holds, gaps excluded.
   size_t parameter_count() const;
   // Throws std::out_of_range naming the tensor when there is none.
   const ParamSpec& find(const std::string& name) const;
 
+  // The model runs in units, each a run of consecutive tensors and of the
+  // flat buffer: unit 0 holds the embeddings and the final norm (used at
+  // both ends of the model), unit 1 + i block i. ZeRO-3 gathers and ZeRO-2
+  // reduces one unit at a time.
+  int unit_count() const { return static_cast<int>(unit_first_tensor_.size()) - 1; }
+  size_t unit_first_tensor(int unit) const { return unit_first_tensor_[unit]; }
+  size_t unit_end_tensor(int unit) const { return unit_first_tensor_[unit + 1]; }
+  // The unit's floats in the flat buffer: [unit_begin, unit_end).
+  size_t unit_begin(int unit) const { return specs_[unit_first_tensor(unit)].offset; }
+  size_t unit_end(int unit) const;
+
  private:
-  void add(std::string name, std::vector<int64_t> shape, InitKind init, float init_std = 0.02f);
+  void add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init, float init_std = 0.02f);
+  int tp_rank_;
+  int tp_size_;
   std::vector<ParamSpec> specs_;
+  std::vector<size_t> unit_first_tensor_;
   size_t total_ = 0;
 };
 
-// Fills `out` (host memory, table.total() floats) with the initial model:
-// element i of tensor `name` is N(0, std) drawn from the counter RNG keyed
-// by (seed, name) at counter i, so any rank can draw exactly its own shard.
+// Fills `out` (host memory, table.total() floats) with this rank's part of
+// the initial model: element (r, c) of global tensor `name` is N(0, std)
+// drawn from the counter RNG keyed by (seed, name) at counter r * cols + c,
+// so every layout draws the same global model.
 void init_parameters(const ParameterTable& table, uint64_t seed, float* out);
 
 }  // namespace keel::trainer

@@ -15,49 +15,44 @@ double learning_rate(const common::TrainConfig& train, int64_t step) {
   return min_lr + 0.5 * (train.lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
-std::vector<AdamW::Owned> AdamW::owned_elements(const ParameterTable& table, const ShardLayout* shards, int rank) {
-  std::vector<Owned> owned;
-  size_t state = 0;
-  for (size_t i = 0; i < table.specs().size(); ++i) {
-    const size_t begin = shards != nullptr ? shards->shard_begin(i, rank) : 0;
-    const size_t numel = shards != nullptr ? shards->shard_numel(i, rank) : table.specs()[i].numel;
-    owned.push_back(Owned{begin, numel, state});
-    state += numel;
-  }
-  return owned;
+namespace {
+
+std::vector<size_t> every_element(const ParameterTable& table, std::vector<size_t> owned_numel) {
+  if (!owned_numel.empty()) return owned_numel;
+  for (const auto& spec : table.specs()) owned_numel.push_back(spec.numel);
+  return owned_numel;
 }
 
-size_t AdamW::state_numel(const std::vector<Owned>& owned) {
-  return owned.empty() ? 0 : owned.back().state_offset + owned.back().numel;
+std::vector<size_t> prefix_sums(const std::vector<size_t>& sizes) {
+  std::vector<size_t> offsets(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) offsets[i + 1] = offsets[i] + sizes[i];
+  return offsets;
 }
+
+}  // namespace
 
 AdamW::AdamW(Backend& backend, const ParameterTable& table, const common::TrainConfig& train,
-             const ShardLayout* shards, int shard_rank)
+             std::vector<size_t> owned_numel)
     : backend_(backend),
       table_(table),
       train_(train),
-      owned_(owned_elements(table, shards, shard_rank)),
-      m_(backend, state_numel(owned_)),
-      v_(backend, state_numel(owned_)) {}
+      owned_numel_(every_element(table, std::move(owned_numel))),
+      state_offset_(prefix_sums(owned_numel_)),
+      m_(backend, state_offset_.back()),
+      v_(backend, state_offset_.back()) {}
 
-float AdamW::step(float* params, const float* grads, float lr, int64_t step) {
-  // The gaps between tensors in the flat buffer hold zero gradients, so the
-  // norm over the whole buffer is the norm over the tensors.
-  const double norm = std::sqrt(backend_.sum_squares(grads, table_.total()));
-  // Same rule as torch.nn.utils.clip_grad_norm_.
-  float scale = 1.0f;
-  if (train_.grad_clip > 0) scale = static_cast<float>(std::min(1.0, train_.grad_clip / (norm + 1e-6)));
-  for (size_t i = 0; i < owned_.size(); ++i) {
-    const ParamSpec& spec = table_.specs()[i];
-    const Owned& own = owned_[i];
-    if (own.numel == 0) continue;
-    const float decay = spec.weight_decay() ? static_cast<float>(train_.weight_decay) : 0.0f;
-    const size_t at = spec.offset + own.begin;
-    backend_.adamw_update(params + at, grads + at, m_.data() + own.state_offset, v_.data() + own.state_offset,
-                          own.numel, lr, static_cast<float>(train_.beta1), static_cast<float>(train_.beta2),
-                          static_cast<float>(train_.eps), decay, scale, step + 1);
-  }
-  return static_cast<float>(norm);
+float AdamW::clip_scale(double norm) const {
+  if (train_.grad_clip <= 0) return 1.0f;
+  return static_cast<float>(std::min(1.0, train_.grad_clip / (norm + 1e-6)));
+}
+
+void AdamW::update(size_t t, float* params, const float* grads, float lr, float grad_scale, int64_t step) {
+  const size_t n = owned_numel_[t];
+  if (n == 0) return;
+  const float decay = table_.specs()[t].weight_decay() ? static_cast<float>(train_.weight_decay) : 0.0f;
+  backend_.adamw_update(params, grads, m_.data() + state_offset_[t], v_.data() + state_offset_[t], n, lr,
+                        static_cast<float>(train_.beta1), static_cast<float>(train_.beta2),
+                        static_cast<float>(train_.eps), decay, grad_scale, step + 1);
 }
 
 }  // namespace keel::trainer

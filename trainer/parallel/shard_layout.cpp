@@ -30,24 +30,26 @@ size_t ShardLayout::packed_numel(size_t first, size_t last) const {
   return numel;
 }
 
-void ShardLayout::pack(Backend& backend, const float* flat, int rank, size_t first, size_t last, float* packed) const {
+void ShardLayout::pack(Backend& backend, const float* flat, int rank, size_t first, size_t last, float* packed,
+                       size_t origin) const {
   for (size_t t = first; t < last; ++t) {
     const Tensor& x = tensors_[t];
     const size_t padded = x.rows_per_rank * x.row_numel;
     const size_t owned = shard_numel(t, rank);
-    backend.copy(packed, flat + x.offset + shard_begin(t, rank), owned * sizeof(float));
+    backend.copy(packed, flat + (x.offset - origin) + shard_begin(t, rank), owned * sizeof(float));
     backend.zero(packed + owned, (padded - owned) * sizeof(float));
     packed += padded;
   }
 }
 
-void ShardLayout::unpack(Backend& backend, const float* gathered, size_t first, size_t last, float* flat) const {
+void ShardLayout::unpack(Backend& backend, const float* gathered, size_t first, size_t last, float* flat,
+                         size_t origin) const {
   const size_t block = packed_numel(first, last);
   for (int rank = 0; rank < size_; ++rank) {
     const float* packed = gathered + static_cast<size_t>(rank) * block;
     for (size_t t = first; t < last; ++t) {
       const Tensor& x = tensors_[t];
-      backend.copy(flat + x.offset + shard_begin(t, rank), packed, shard_numel(t, rank) * sizeof(float));
+      backend.copy(flat + (x.offset - origin) + shard_begin(t, rank), packed, shard_numel(t, rank) * sizeof(float));
       packed += x.rows_per_rank * x.row_numel;
     }
   }

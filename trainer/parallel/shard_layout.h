@@ -33,13 +33,16 @@ class ShardLayout {
   // Elements of one rank's packed block for tensors [first, last).
   size_t packed_numel(size_t first, size_t last) const;
 
-  // Copies rank `rank`'s shards of tensors [first, last) out of the flat
-  // buffer `flat` (table layout) into `packed` (packed_numel floats; the
-  // padding is zeroed).
-  void pack(Backend& backend, const float* flat, int rank, size_t first, size_t last, float* packed) const;
+  // Copies rank `rank`'s shards of tensors [first, last) out of `flat`
+  // (table layout, its first float being element `origin` of the flat
+  // buffer: a unit's buffer passes the unit's begin) into `packed`
+  // (packed_numel floats; the padding is zeroed).
+  void pack(Backend& backend, const float* flat, int rank, size_t first, size_t last, float* packed,
+            size_t origin = 0) const;
   // Copies every rank's packed block (size() blocks back to back, as
   // all_gather returns them) into the tensors [first, last) of `flat`.
-  void unpack(Backend& backend, const float* gathered, size_t first, size_t last, float* flat) const;
+  void unpack(Backend& backend, const float* gathered, size_t first, size_t last, float* flat,
+              size_t origin = 0) const;
 
  private:
   struct Tensor {

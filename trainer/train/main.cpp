@@ -71,9 +71,12 @@ int main(int argc, char** argv) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool json = false;
+  std::string gradient_dump;
   app.add_option("--config", config_path, "TOML run configuration")->required();
   app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
+  app.add_option("--dump-gradients", gradient_dump,
+                 "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
   app.footer(
       "Environment (set by keeld; without it this is a single rank): KEEL_RANK, KEEL_WORLD_SIZE,\n"
       "KEEL_RUN_DIR (overrides job.run_dir). Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
@@ -100,11 +103,15 @@ int main(int argc, char** argv) {
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     keel::trainer::validate_layout(config, worker.world_size);
     const auto& parallel = config.parallel;
-    if (parallel.tp * parallel.pp * parallel.cp * parallel.ep != 1 || parallel.zero > 1) {
+    if (parallel.pp * parallel.cp * parallel.ep != 1) {
       throw Error(ErrorCode::kBadConfig,
-                  fmt::format("this build trains data-parallel layouts with ZeRO 0 or 1 only (tp={} pp={} cp={} "
-                              "ep={} zero={}): set tp, pp, cp and ep to 1 and zero to 0 or 1",
-                              parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.zero));
+                  fmt::format("this build trains DP x TP layouts only (pp={} cp={} ep={}): set pp, cp and ep to 1",
+                              parallel.pp, parallel.cp, parallel.ep));
+    }
+    if (parallel.tp > 1 && config.model.n_expert > 0) {
+      throw Error(ErrorCode::kBadConfig,
+                  fmt::format("tp={} with a MoE model (n_expert={}) is not built yet: use tp=1 for MoE models",
+                              parallel.tp, config.model.n_expert));
     }
     flight_path = std::filesystem::path(config.job.run_dir) / "flight" / fmt::format("rank-{:05d}.json", worker.rank);
     log->info("resolved config:\n{}", config.to_toml());
@@ -116,18 +123,26 @@ int main(int argc, char** argv) {
     // Ranks rendezvous through the Store; groups are named by generation so
     // a restarted generation never reads the addresses of the one before.
     std::unique_ptr<keel::common::Store> store;
-    std::unique_ptr<keel::trainer::GlooCommunicator> dp;
+    std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
       store = keel::common::connect_store(worker.store, timeout);
       keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
-      const auto& group = mesh.group(keel::trainer::Axis::kDp);
-      dp = std::make_unique<keel::trainer::GlooCommunicator>(
-          *store, fmt::format("g{}.{}", worker.generation, group.name), group.index_in_group,
-          static_cast<int>(group.ranks.size()), timeout, recorder);
-      log->info("joined {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
+      // Every rank joins its groups in the same axis order, so no two ranks
+      // wait for each other in different rendezvous.
+      auto join = [&](keel::trainer::Axis axis) -> std::unique_ptr<keel::trainer::GlooCommunicator> {
+        const auto& group = mesh.group(axis);
+        if (group.ranks.size() < 2) return nullptr;
+        log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
+        return std::make_unique<keel::trainer::GlooCommunicator>(
+            *store, fmt::format("g{}.{}", worker.generation, group.name), group.index_in_group,
+            static_cast<int>(group.ranks.size()), timeout, recorder);
+      };
+      dp = join(keel::trainer::Axis::kDp);
+      tp = join(keel::trainer::Axis::kTp);
     }
-    keel::trainer::TrainLoop loop(config, backend, dp.get());
+    keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get());
+    if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
     auto summary = loop.run(g_stop);
     print_summary(summary, json);
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 
 namespace keel::trainer {
 namespace {
@@ -33,43 +34,55 @@ int sequences_per_microbatch(const common::Config& c) {
   return static_cast<int>(c.train.batch_size / (c.parallel.dp * c.parallel.micro_batches));
 }
 
-// Gradients are summed over the DP group in buckets of this many floats
-// (16 MiB): each bucket is one all-reduce, which bounds the transport's
-// buffers for any model size.
-constexpr size_t kAllReduceBucketFloats = size_t{4} << 20;
+std::vector<size_t> owned_numels(const ZeroStorage& storage) {
+  std::vector<size_t> numels;
+  for (size_t t = 0; t < storage.table().specs().size(); ++t) numels.push_back(storage.owned_numel(t));
+  return numels;
+}
+
+size_t tp_partial_numel(const ZeroStorage& storage) {
+  size_t numel = 0;
+  for (size_t t = 0; t < storage.table().specs().size(); ++t) {
+    if (storage.table().specs()[t].grad_partial_over_tp) numel += storage.owned_numel(t);
+  }
+  return numel;
+}
 
 }  // namespace
 
-TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp)
+TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp, Communicator* tp)
     : config_(config),
       backend_(backend),
       dp_(dp),
+      tp_(tp),
       dp_rank_(dp != nullptr ? dp->rank() : 0),
       dp_size_(dp != nullptr ? dp->size() : 1),
+      tp_rank_(tp != nullptr ? tp->rank() : 0),
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
-      model_(config.model, backend, micro_batch_),
-      // A single rank has nothing to shard over: ZeRO only applies with a group.
-      shards_(config.parallel.zero >= 1 && dp != nullptr
-                  ? std::optional<ShardLayout>(std::in_place, model_.table(), dp_size_)
-                  : std::nullopt),
-      optimizer_(backend, model_.table(), config.train, shards_ ? &*shards_ : nullptr, dp_rank_) {
-  if (shards_) {
-    const size_t block = shards_->packed_numel(0, shards_->tensor_count());
-    packed_ = BackendArray<float>(backend, block);
-    gathered_ = BackendArray<float>(backend, block * static_cast<size_t>(dp_size_));
-  }
-  if (dp_size_ != config.parallel.dp) {
+      table_(config.model, tp_rank_, tp != nullptr ? tp->size() : 1),
+      storage_(backend, table_, static_cast<int>(config.parallel.zero), dp),
+      optimizer_(backend, table_, config.train, owned_numels(storage_)),
+      model_(config.model, backend, micro_batch_, storage_, tp),
+      tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0) {
+  const int tp_size = tp != nullptr ? tp->size() : 1;
+  if (dp_size_ != config.parallel.dp || tp_size != config.parallel.tp) {
     throw common::Error(common::ErrorCode::kInternal,
-                        fmt::format("the DP group has {} ranks but parallel.dp = {}", dp_size_, config.parallel.dp));
+                        fmt::format("groups of dp={} tp={} ranks but parallel.dp = {} and parallel.tp = {}", dp_size_,
+                                    tp_size, config.parallel.dp, config.parallel.tp));
   }
   if (!config.data.val.empty()) {
     val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
   }
-  model_.init(static_cast<uint64_t>(config.job.seed));
+  storage_.init(static_cast<uint64_t>(config.job.seed));
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
+}
+
+void TrainLoop::dump_first_gradients(std::filesystem::path dir, int rank) {
+  gradient_dump_dir_ = std::move(dir);
+  gradient_dump_rank_ = rank;
 }
 
 StepStats TrainLoop::train_step(int64_t step) {
@@ -83,7 +96,7 @@ StepStats TrainLoop::train_step(int64_t step) {
 
   StepStats stats;
   stats.step = step;
-  model_.zero_grads();
+  storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
   for (int64_t m = 0; m < micro_batches; ++m) {
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
@@ -92,8 +105,10 @@ StepStats TrainLoop::train_step(int64_t step) {
     aux_sum += model_.aux_loss();
     model_.backward(loss_scale);
   }
+  storage_.reduce_gradients();
+  sum_norm_gradients_over_tp();
   if (dp_ != nullptr) {
-    all_reduce_gradients();
+    // The TP ranks of a DP rank computed the same losses.
     float sums[2] = {static_cast<float>(loss_sum), static_cast<float>(aux_sum)};
     dp_->all_reduce(sums, 2);
     loss_sum = sums[0];
@@ -102,30 +117,92 @@ StepStats TrainLoop::train_step(int64_t step) {
   stats.loss = static_cast<float>(loss_sum / (micro_batches * dp_size_));
   stats.aux_loss = static_cast<float>(aux_sum / (micro_batches * dp_size_));
   stats.lr = learning_rate(config_.train, step);
-  stats.grad_norm = optimizer_.step(model_.params(), model_.grads(), static_cast<float>(stats.lr), step);
-  if (shards_) all_gather_parameters();
+  if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
+  stats.grad_norm = optimizer_step(static_cast<float>(stats.lr), step);
   stats.step_ms = seconds_since(start) * 1e3;
   return stats;
 }
 
-void TrainLoop::all_reduce_gradients() {
-  float* grads = model_.grads();
-  const size_t total = model_.table().total();
-  for (size_t offset = 0; offset < total; offset += kAllReduceBucketFloats) {
-    dp_->all_reduce(grads + offset, std::min(kAllReduceBucketFloats, total - offset));
-  }
+float TrainLoop::sum_over_world(float value) {
+  if (tp_ != nullptr) tp_->all_reduce(&value, 1);
+  if (dp_ != nullptr) dp_->all_reduce(&value, 1);
+  return value;
 }
 
-void TrainLoop::all_gather_parameters() {
-  const size_t tensors = shards_->tensor_count();
-  shards_->pack(backend_, model_.params(), dp_rank_, 0, tensors, packed_.data());
-  dp_->all_gather(packed_.data(), gathered_.data(), packed_.size());
-  shards_->unpack(backend_, gathered_.data(), 0, tensors, model_.params());
+void TrainLoop::sum_norm_gradients_over_tp() {
+  // Under sequence parallelism each TP rank holds the norms' gradient of
+  // its own positions: sum them, every tensor in one all-reduce.
+  if (tp_ == nullptr || tp_partial_grads_.size() == 0) return;
+  auto for_each_partial = [&](auto&& visit) {
+    size_t at = 0;
+    for (size_t t = 0; t < table_.specs().size(); ++t) {
+      if (!table_.specs()[t].grad_partial_over_tp) continue;
+      const size_t bytes = storage_.owned_numel(t) * sizeof(float);
+      visit(tp_partial_grads_.data() + at, storage_.owned_gradients(t), bytes);
+      at += storage_.owned_numel(t);
+    }
+  };
+  for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(packed, owned, bytes); });
+  tp_->all_reduce(tp_partial_grads_.data(), tp_partial_grads_.size());
+  for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
+}
+
+float TrainLoop::optimizer_step(float lr, int64_t step) {
+  const auto& specs = table_.specs();
+  // The global norm: every owned part once, a tensor replicated over TP
+  // counted on TP rank 0 only.
+  double squares = 0;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    if (tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) continue;
+    squares += backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
+  }
+  if (tp_ != nullptr) {
+    float partial = static_cast<float>(squares);
+    tp_->all_reduce(&partial, 1);
+    squares = partial;
+  }
+  if (dp_ != nullptr && storage_.stage() >= 1) {
+    float partial = static_cast<float>(squares);
+    dp_->all_reduce(&partial, 1);
+    squares = partial;
+  }
+  const double norm = std::sqrt(squares);
+  const float scale = optimizer_.clip_scale(norm);
+  for (size_t t = 0; t < specs.size(); ++t) {
+    optimizer_.update(t, storage_.owned_parameters(t), storage_.owned_gradients(t), lr, scale, step);
+  }
+  storage_.publish_parameters();
+  return static_cast<float>(norm);
+}
+
+void TrainLoop::write_gradients(int64_t step) {
+  nlohmann::json pieces = nlohmann::json::array();
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    const ParamSpec& spec = table_.specs()[t];
+    const int64_t begin = storage_.owned_row_begin(t);
+    std::vector<float> owned(storage_.owned_numel(t));
+    backend_.copy_to_host(owned.data(), storage_.owned_gradients(t), owned.size() * sizeof(float));
+    for (const GlobalBlock& block : spec.global_blocks(begin, begin + storage_.owned_rows(t))) {
+      const auto first = owned.begin() + (block.local_row - begin) * block.cols;
+      pieces.push_back({{"name", spec.name},
+                        {"global_shape", spec.global_shape},
+                        {"row", block.row},
+                        {"col", block.col},
+                        {"rows", block.rows},
+                        {"cols", block.cols},
+                        {"values", std::vector<float>(first, first + block.rows * block.cols)}});
+    }
+  }
+  std::filesystem::create_directories(gradient_dump_dir_);
+  const auto path = gradient_dump_dir_ / fmt::format("rank-{:05d}.json", gradient_dump_rank_);
+  std::ofstream out(path);
+  out << nlohmann::json{{"step", step}, {"pieces", pieces}}.dump() << "\n";
+  if (!out) throw common::Error(common::ErrorCode::kInternal, "cannot write " + path.string());
 }
 
 MemoryUse TrainLoop::memory() const {
-  const size_t flat_bytes = model_.table().total() * sizeof(float);
-  return MemoryUse{flat_bytes, flat_bytes, optimizer_.state_bytes()};
+  return MemoryUse{storage_.parameter_bytes(), storage_.gradient_bytes(), optimizer_.state_bytes(),
+                   storage_.working_bytes() + tp_partial_grads_.bytes()};
 }
 
 float TrainLoop::validate() {
@@ -157,10 +234,12 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
   std::filesystem::path run_dir(config_.job.run_dir);
   // Every DP rank computes the same step records; rank 0 writes them.
   std::optional<MetricsWriter> metrics;
-  if (dp_rank_ == 0) metrics.emplace(run_dir);
-  log->info("training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters; run_dir {}",
-            train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
-            model_.table().parameter_count(), run_dir.string());
+  if (dp_rank_ == 0 && tp_rank_ == 0) metrics.emplace(run_dir);
+  log->info(
+      "training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters on this rank (tp={}, "
+      "zero={}); run_dir {}",
+      train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
+      table_.parameter_count(), config_.parallel.tp, storage_.stage(), run_dir.string());
 
   RunSummary summary;
   const auto run_start = Clock::now();
@@ -168,7 +247,9 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
   int64_t window_steps = 0;
   for (int64_t step = 0; step < train.steps; ++step) {
     common::set_log_step(step);
-    if (dp_ != nullptr) dp_->reset_stats();
+    for (Communicator* group : {dp_, tp_}) {
+      if (group != nullptr) group->reset_stats();
+    }
     StepStats stats = train_step(step);
     summary.steps_done = step + 1;
     summary.final_train_loss = stats.loss;
@@ -187,12 +268,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
     if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.
-    bool stop_now = stop.load();
-    if (dp_ != nullptr) {
-      float requested = stop_now ? 1.0f : 0.0f;
-      dp_->all_reduce(&requested, 1);
-      stop_now = requested > 0.0f;
-    }
+    const bool stop_now = sum_over_world(stop.load() ? 1.0f : 0.0f) > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
     if (val_ && train.val_every > 0 && ((step + 1) % train.val_every == 0 || last)) {
       const float val_loss = validate();
@@ -200,16 +276,19 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
       record["val_loss"] = val_loss;
       log->info("validation loss {:.4f}", val_loss);
     }
-    if (dp_ != nullptr) {
-      // Payload bytes this rank handed to the DP group during the step, per op.
-      nlohmann::json comm = nlohmann::json::object();
+    // Payload bytes this rank handed to each group during the step, per op.
+    nlohmann::json comm = nlohmann::json::object();
+    for (Communicator* group : {dp_, tp_}) {
+      if (group == nullptr) continue;
+      nlohmann::json ops = nlohmann::json::object();
       for (size_t op = 0; op < kCollectiveOpCount; ++op) {
-        if (dp_->stats().calls[op] == 0) continue;
-        comm[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", dp_->stats().bytes[op]},
-                                                                   {"calls", dp_->stats().calls[op]}};
+        if (group->stats().calls[op] == 0) continue;
+        ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group->stats().bytes[op]},
+                                                                  {"calls", group->stats().calls[op]}};
       }
-      record["comm"] = comm;
+      comm[group == dp_ ? "dp" : "tp"] = ops;
     }
+    if (!comm.empty()) record["comm"] = comm;
     if (metrics) metrics->write(record);
 
     window_ms += stats.step_ms;

@@ -9,10 +9,11 @@
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/parallel/shard_layout.h"
+#include "trainer/parallel/zero_storage.h"
 #include "trainer/train/metrics.h"
 
 #include <atomic>
+#include <filesystem>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -29,12 +30,13 @@ struct StepStats {
   double step_ms = 0;
 };
 
-// Bytes this rank holds for the model's state (DESIGN §3.4's ZeRO formulas
-// count these three).
+// Bytes this rank holds for the model's state: DESIGN §3.4's ZeRO formulas
+// count the first three; `working` carries units to and from collectives.
 struct MemoryUse {
   size_t params = 0;
   size_t grads = 0;
   size_t optimizer = 0;
+  size_t working = 0;
 };
 
 struct RunSummary {
@@ -51,19 +53,24 @@ struct RunSummary {
 class TrainLoop {
  public:
   // Opens the datasets (Error kDataError on bad shards), builds and
-  // initialises the model from job.seed. `dp` is the data-parallel group
-  // (nullptr: a single rank): each DP rank trains its slice of every global
-  // batch and the gradients are summed over the group before the optimizer
-  // step, so every replica applies the same update. With parallel.zero = 1
-  // each rank holds the optimizer state of its shard of every tensor only,
-  // updates that shard and all-gathers the parameters.
-  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr);
+  // initialises this rank's part of the model from job.seed.
+  // `dp` is the data-parallel group (nullptr: none): each DP rank trains its
+  // slice of every global batch and the gradients are summed over the
+  // group, as parallel.zero says (see ZeroStorage), so every replica applies
+  // the same update. `tp` is the tensor-parallel group (nullptr: none; see
+  // Gpt): its ranks train the same sequences on their slices of the model.
+  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr, Communicator* tp = nullptr);
 
   Gpt& model() { return model_; }
+  ZeroStorage& storage() { return storage_; }
   MemoryUse memory() const;
 
+  // Writes the summed gradients of the first step to `dir`, each rank the
+  // part it owns (rank-NNNNN.json), for layout parity checks.
+  void dump_first_gradients(std::filesystem::path dir, int rank);
+
   // One optimizer step on the batch of global step `step`; loss and
-  // gradient norm are the same on every DP rank.
+  // gradient norm are the same on every rank.
   StepStats train_step(int64_t step);
 
   // Mean cross-entropy over train.val_batches validation batches; needs
@@ -75,24 +82,34 @@ class TrainLoop {
   RunSummary run(const std::atomic<bool>& stop);
 
  private:
-  // Sums gradients over the DP group in buckets of kAllReduceBucketFloats.
-  void all_reduce_gradients();
-  // ZeRO: every rank's updated shards into every rank's parameters.
-  void all_gather_parameters();
+  // Sums `value` over the world: over the TP group, then the DP group.
+  float sum_over_world(float value);
+  // Sums the gradients that sequence parallelism leaves partial over TP.
+  void sum_norm_gradients_over_tp();
+  // Clips by the global gradient norm and applies AdamW to the owned
+  // parts; returns the norm before clipping.
+  float optimizer_step(float lr, int64_t step);
+  void write_gradients(int64_t step);
 
   common::Config config_;
   Backend& backend_;
   Communicator* dp_;
+  Communicator* tp_;
   int dp_rank_;
   int dp_size_;
+  int tp_rank_;
   TokenDataset train_;
   std::optional<TokenDataset> val_;
   int micro_batch_;
-  Gpt model_;
-  std::optional<ShardLayout> shards_;  // set with ZeRO >= 1 and a DP group
+  ParameterTable table_;
+  ZeroStorage storage_;
   AdamW optimizer_;
-  BackendArray<float> packed_, gathered_;  // ZeRO parameter all-gather buffers
+  Gpt model_;
+  // The norms' gradients, summed over TP in one all-reduce (sequence parallelism).
+  BackendArray<float> tp_partial_grads_;
   std::vector<int32_t> inputs_, targets_;
+  std::filesystem::path gradient_dump_dir_;
+  int gradient_dump_rank_ = 0;
 };
 
 }  // namespace keel::trainer

@@ -1,0 +1,375 @@
+// Data and tensor parallelism end to end with real processes: N
+// keel-trainer ranks rendezvous through an embedded Store and run their
+// collectives over Gloo, and every layout must reproduce the single-rank
+// run (DESIGN §3.4: the single-rank run of the same config is the oracle
+// for every layout). The same runs are held against the closed-form byte
+// counts and memory of each ZeRO stage and of TP.
+#include "tests/support/process.h"
+#include "tests/support/rank_launcher.h"
+#include "tests/support/temp_dir.h"
+#include "common/config.h"
+#include "tests/trainer/token_fixture.h"
+#include "trainer/model/parameters.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <fstream>
+#include <map>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// n_head = 4 so that TP4 holds one head per rank; vocab 256 splits evenly.
+const char* kConfig = R"(
+[model]
+seq_len = 32
+n_layer = 2
+n_head = 4
+n_embd = 32
+[data]
+train = "train.bin"
+val = "train.bin"
+[train]
+steps = 20
+batch_size = 8
+lr = 3e-3
+warmup_steps = 2
+val_every = 10
+val_batches = 4
+threads = 1
+)";
+
+struct Layout {
+  int dp = 1;
+  int tp = 1;
+  int zero = 0;
+  int micro_batches = 1;
+
+  int world() const { return dp * tp; }
+  std::string name() const {
+    return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + "z" + std::to_string(zero) + "m" +
+           std::to_string(micro_batches);
+  }
+  std::vector<std::string> sets() const {
+    return {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
+            "parallel.zero=" + std::to_string(zero), "parallel.micro_batches=" + std::to_string(micro_batches)};
+  }
+};
+
+struct Run {
+  std::vector<double> losses, grad_norms;
+  std::vector<std::string> exact;  // the printed values, for bit-identity
+  std::vector<nlohmann::json> records;
+  double val_loss = NAN;
+  std::vector<std::string> outputs;  // each rank's stdout and stderr
+};
+
+// Every global tensor of a gradient dump, assembled from the ranks' pieces.
+using Tensors = std::map<std::string, std::vector<double>>;
+
+Tensors read_gradients(const fs::path& dir) {
+  Tensors tensors;
+  std::map<std::string, std::vector<int>> covered;
+  for (const auto& file : fs::directory_iterator(dir)) {
+    std::ifstream in(file.path());
+    const auto dump = nlohmann::json::parse(in);
+    for (const auto& piece : dump.at("pieces")) {
+      const std::string name = piece.at("name");
+      const auto shape = piece.at("global_shape").get<std::vector<int64_t>>();
+      const int64_t cols = shape.size() == 2 ? shape[1] : 1;
+      auto& tensor = tensors[name];
+      auto& hits = covered[name];
+      tensor.resize(static_cast<size_t>(shape[0] * cols));
+      hits.resize(tensor.size());
+      const auto values = piece.at("values").get<std::vector<double>>();
+      const int64_t rows = piece.at("rows"), piece_cols = piece.at("cols");
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < piece_cols; ++c) {
+          const size_t at = static_cast<size_t>((piece.at("row").get<int64_t>() + r) * cols + piece.at("col").get<int64_t>() + c);
+          tensor[at] = values[static_cast<size_t>(r * piece_cols + c)];
+          hits[at] = 1;
+        }
+      }
+    }
+  }
+  for (const auto& [name, hits] : covered) {
+    CAPTURE(name);
+    CHECK(std::count(hits.begin(), hits.end(), 0) == 0);  // some rank holds every element
+  }
+  return tensors;
+}
+
+class Fixture {
+ public:
+  Fixture() {
+    keel::test::write_pattern_shard(dir_ / "train.bin", 30000);
+    config_ = dir_.write("run.toml", kConfig);
+  }
+
+  keel::common::Config config() const { return keel::common::Config::load(config_); }
+  const fs::path& dir() const { return dir_.path(); }
+
+  std::vector<std::string> argv(const std::string& run, const std::vector<std::string>& sets) const {
+    std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config", config_.string(),
+                                     "--set", "job.run_dir=" + (dir_ / run).string(), "--json",
+                                     "--dump-gradients", (dir_ / run / "grads").string()};
+    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
+    return args;
+  }
+
+  // Runs `layout` to completion (a single rank without the worker
+  // environment, which is how the oracle runs).
+  Run run(const Layout& layout, const std::string& name, std::vector<std::string> extra = {}) const {
+    auto sets = layout.sets();
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    Run run;
+    if (layout.world() == 1) {
+      auto result = keel::test::run_process(argv(name, sets), {{"SPDLOG_LEVEL", "warn"}});
+      REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+      run.outputs.push_back(result.output);
+    } else {
+      keel::test::RankLauncher ranks(layout.world(), argv(name, sets), {{"SPDLOG_LEVEL", "warn"}});
+      for (const auto& result : ranks.wait_all(300)) {
+        CAPTURE(run.outputs.size());
+        REQUIRE_MESSAGE(result.exit_code == 0, result.output);
+        run.outputs.push_back(result.output);
+      }
+    }
+    std::ifstream in(dir_ / name / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto record = nlohmann::json::parse(line);
+      run.losses.push_back(record.at("loss").get<double>());
+      run.grad_norms.push_back(record.at("grad_norm").get<double>());
+      run.exact.push_back(record.at("loss").dump() + " " + record.at("grad_norm").dump());
+      if (record.contains("val_loss")) run.val_loss = record.at("val_loss").get<double>();
+      run.records.push_back(std::move(record));
+    }
+    return run;
+  }
+
+ private:
+  keel::test::TempDir dir_;
+  fs::path config_;
+};
+
+double relative(double got, double want) { return std::fabs(got - want) / std::fabs(want); }
+
+void check_parity(const Fixture& f, const Run& reference, const std::string& reference_name, const Run& parallel,
+                  const std::string& parallel_name) {
+  REQUIRE(parallel.losses.size() == reference.losses.size());
+  for (size_t s = 0; s < reference.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(relative(parallel.losses[s], reference.losses[s]) <= 1e-5);
+    CHECK(relative(parallel.grad_norms[s], reference.grad_norms[s]) <= 1e-4);
+  }
+  CHECK(relative(parallel.val_loss, reference.val_loss) <= 1e-5);
+  // Every gradient of step 1, tensor by tensor: |g - g_ref| / |g_ref| in
+  // the 2-norm, since single elements near zero have no useful relative error.
+  const Tensors want = read_gradients(f.dir() / reference_name / "grads");
+  const Tensors got = read_gradients(f.dir() / parallel_name / "grads");
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, w] : want) {
+    CAPTURE(name);
+    const auto& g = got.at(name);
+    REQUIRE(g.size() == w.size());
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      diff += (g[i] - w[i]) * (g[i] - w[i]);
+      norm += w[i] * w[i];
+    }
+    CHECK(std::sqrt(diff) <= 1e-5 * std::sqrt(norm) + 1e-12);
+  }
+}
+
+// Bytes each rank holds for parameters, gradients and AdamW state, within
+// 5% of the fp32 ZeRO formulas over the P parameters of its TP slice:
+// parameters 4P (4P/dp at ZeRO-3), gradients 4P (4P/dp from ZeRO-2),
+// moments 8P (8P/dp from ZeRO-1).
+void check_memory(const Fixture& f, const Layout& layout, const Run& run) {
+  const auto config = f.config();
+  for (int r = 0; r < layout.world(); ++r) {
+    CAPTURE(r);
+    const double P = static_cast<double>(keel::trainer::ParameterTable(config.model, r % layout.tp, layout.tp).parameter_count());
+    const double dp = layout.dp;
+    const double params = layout.zero >= 3 ? 4 * P / dp : 4 * P;
+    const double grads = layout.zero >= 2 ? 4 * P / dp : 4 * P;
+    const double optimizer = layout.zero >= 1 ? 8 * P / dp : 8 * P;
+    const auto memory = keel::test::last_json_line(run.outputs[static_cast<size_t>(r)]).at("memory");
+    CHECK(relative(memory.at("params_bytes").get<double>(), params) <= 0.05);
+    CHECK(relative(memory.at("grads_bytes").get<double>(), grads) <= 0.05);
+    CHECK(relative(memory.at("optimizer_bytes").get<double>(), optimizer) <= 0.05);
+  }
+}
+
+// Every meaningful ZeRO stage of a layout (ZeRO needs a DP group), plus a
+// run with two microbatches, against the single-rank run.
+void check_layout(int dp, int tp) {
+  Fixture f;
+  const Run reference = f.run(Layout{}, "single");
+  REQUIRE(reference.losses.size() == 20);
+  std::vector<Layout> layouts;
+  for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) layouts.push_back(Layout{dp, tp, zero, 1});
+  layouts.push_back(Layout{dp, tp, dp > 1 ? 3 : 0, 2});
+  for (const Layout& layout : layouts) {
+    CAPTURE(layout.name());
+    const Run run = f.run(layout, layout.name());
+    check_parity(f, reference, "single", run, layout.name());
+    check_memory(f, layout, run);
+  }
+}
+
+// ---- the communication volume formulas ----
+
+struct Shape {
+  std::vector<keel::trainer::ParamSpec> specs;  // the TP slice of rank 0
+  int blocks = 0;
+};
+
+int unit_of(const std::string& name) { return name.rfind("h.", 0) == 0 ? 1 + std::stoi(name.substr(2)) : 0; }
+
+// Floats of one rank's packed shard of every tensor of `unit`: each
+// tensor's dim 0 padded to ceil(rows / dp) rows.
+uint64_t packed_unit(const Shape& shape, int unit, int dp) {
+  uint64_t floats = 0;
+  for (const auto& spec : shape.specs) {
+    if (unit_of(spec.name) != unit) continue;
+    const uint64_t rows = static_cast<uint64_t>(spec.shape[0]);
+    floats += (rows + dp - 1) / dp * (spec.numel / rows);
+  }
+  return floats;
+}
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE("DP2 with ZeRO 0 to 3 reproduces the single-rank losses and gradients and holds the ZeRO memory") {
+    check_layout(2, 1);
+  }
+  TEST_CASE("DP4 with ZeRO 0 to 3 reproduces the single-rank losses and gradients and holds the ZeRO memory") {
+    check_layout(4, 1);
+  }
+  TEST_CASE("TP2 with sequence parallelism reproduces the single-rank losses and gradients") { check_layout(1, 2); }
+  TEST_CASE("TP4 with sequence parallelism reproduces the single-rank losses and gradients") { check_layout(1, 4); }
+  TEST_CASE("DP2 x TP2 with ZeRO 0 to 3 reproduces the single-rank losses and gradients and holds the memory") {
+    check_layout(2, 2);
+  }
+
+  TEST_CASE("two runs of DP2 x TP2 with ZeRO-3 are bit-identical") {
+    Fixture f;
+    const Layout layout{2, 2, 3, 2};
+    CHECK(f.run(layout, "a").exact == f.run(layout, "b").exact);
+  }
+
+  TEST_CASE("a step's byte counters equal the formulas of every ZeRO stage and of TP") {
+    Fixture f;
+    const auto config = f.config();
+    const int L = static_cast<int>(config.model.n_layer);
+    const uint64_t C = static_cast<uint64_t>(config.model.n_embd), T = static_cast<uint64_t>(config.model.seq_len);
+    for (const Layout& layout : {Layout{2, 1, 0}, Layout{2, 1, 1}, Layout{2, 1, 2}, Layout{2, 1, 3}, Layout{1, 2, 0},
+                                 Layout{2, 2, 1}, Layout{2, 2, 3}}) {
+      CAPTURE(layout.name());
+      const int dp = layout.dp, tp = layout.tp, zero = layout.zero;
+      const keel::trainer::ParameterTable table(config.model, 0, tp);
+      const Shape shape{table.specs(), L};
+      const uint64_t units_packed = [&] {
+        uint64_t sum = 0;
+        for (int u = 0; u <= L; ++u) sum += packed_unit(shape, u, dp);
+        return sum;
+      }();
+      // The flat gradient buffer, every tensor padded to 16 floats.
+      uint64_t flat = 0;
+      for (const auto& spec : shape.specs) flat += (spec.numel + 15) / 16 * 16;
+      const Run run = f.run(layout, layout.name(), {"train.steps=3", "train.val_every=0"});
+      REQUIRE(run.records.size() == 3);
+      for (const auto& record : run.records) {
+        CAPTURE(record.dump());
+        const auto& comm = record.at("comm");
+        if (dp > 1) {
+          const auto& g = comm.at("dp");
+          // all_reduce: the flat gradients (stages 0 and 1, one 16 MiB
+          // bucket here), loss and aux loss, the squared gradient norm
+          // (sharded stages), the stop vote.
+          const uint64_t grads = zero <= 1 ? flat : 0;
+          const uint64_t norm = zero >= 1 ? 1 : 0;
+          CHECK(g.at("all_reduce").at("bytes") == 4 * (grads + 2 + norm + 1));
+          CHECK(g.at("all_reduce").at("calls") == (zero <= 1 ? 1 : 0) + 1 + norm + 1);
+          if (zero == 1 || zero == 2) {
+            // The updated shards gathered back, one unit at a time.
+            CHECK(g.at("all_gather").at("bytes") == 4 * units_packed);
+            CHECK(g.at("all_gather").at("calls") == L + 1);
+          }
+          if (zero == 3) {
+            // Unit 0 once per step; every block in forward, and in backward
+            // all but the top one, which is still gathered.
+            const uint64_t block = packed_unit(shape, 1, dp);
+            CHECK(g.at("all_gather").at("bytes") == 4 * (packed_unit(shape, 0, dp) + (2 * L - 1) * block));
+            CHECK(g.at("all_gather").at("calls") == 2 * L);
+          }
+          if (zero >= 2) {
+            // Every unit's gradients once per microbatch; the payload is the
+            // whole packed input, dp blocks.
+            CHECK(g.at("reduce_scatter").at("bytes") == 4 * dp * units_packed);
+            CHECK(g.at("reduce_scatter").at("calls") == L + 1);
+          }
+          CHECK(g.size() == (zero == 0 ? 1u : zero == 1 ? 2u : 3u));
+        }
+        if (tp > 1) {
+          const auto& g = comm.at("tp");
+          const uint64_t N = T * static_cast<uint64_t>(config.train.batch_size / dp);
+          const uint64_t shard = N / tp * C;  // one rank's positions of the residual stream
+          // Forward: the embedding's and each block's two row-parallel
+          // outputs reduce-scattered; the two norms' outputs of each block,
+          // the final norm and the cross-entropy's three floats per
+          // position gathered. Backward mirrors it, plus the gather of the
+          // embedding's output gradient.
+          CHECK(g.at("reduce_scatter").at("calls") == 2 * (2 * L + 1));
+          CHECK(g.at("reduce_scatter").at("bytes") == 4 * 2 * (2 * L + 1) * tp * shard);
+          CHECK(g.at("all_gather").at("calls") == (2 * L + 2) + (2 * L + 1));
+          CHECK(g.at("all_gather").at("bytes") == 4 * ((4 * L + 2) * shard + 3 * N));
+          // all_reduce: the norms' gradients (this rank's DP shard of each),
+          // the squared gradient norm, the stop vote.
+          const uint64_t norms = (2 * L + 1) * 2 * (zero >= 1 ? C / dp : C);
+          CHECK(g.at("all_reduce").at("bytes") == 4 * (norms + 1 + 1));
+          CHECK(g.at("all_reduce").at("calls") == 3);
+          CHECK(g.size() == 3);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("a rank killed mid-step makes every survivor exit 12 within the timeout and dump its flight recorder") {
+    Fixture f;
+    const double timeout_s = 5;
+    auto args = f.argv("killed", {"parallel.dp=3", "train.batch_size=3", "train.steps=1000000", "train.val_every=0",
+                                  "parallel.timeout_s=" + std::to_string(timeout_s)});
+    keel::test::RankLauncher ranks(3, args, {{"SPDLOG_LEVEL", "warn"}});
+    const fs::path metrics = f.dir() / "killed" / "metrics.jsonl";
+    for (int i = 0; i < 600; ++i) {
+      std::ifstream in(metrics);
+      if (std::count(std::istreambuf_iterator<char>(in), {}, '\n') >= 3) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const auto killed_at = std::chrono::steady_clock::now();
+    ranks.rank(1).signal(SIGKILL);
+    for (int r : {0, 2}) {
+      CAPTURE(r);
+      auto result = ranks.rank(r).wait(timeout_s + 30);
+      const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+      CAPTURE(result.output);
+      CHECK(result.exit_code == 12);
+      CHECK(after <= timeout_s + 5);
+      const fs::path dump = f.dir() / "killed" / "flight" / (r == 0 ? "rank-00000.json" : "rank-00002.json");
+      REQUIRE(fs::exists(dump));
+      std::ifstream in(dump);
+      auto flight = nlohmann::json::parse(in);
+      CHECK_FALSE(flight.dump().find("failed") == std::string::npos);
+    }
+    CHECK(ranks.rank(1).wait(5).exit_code == 128 + SIGKILL);
+  }
+}

@@ -1,0 +1,193 @@
+#include "trainer/parallel/zero_storage.h"
+
+#include "common/error.h"
+
+#include <algorithm>
+
+namespace keel::trainer {
+namespace {
+
+// Stage 0 and 1 sum gradients in buckets of this many floats (16 MiB): each
+// bucket is one all-reduce, which bounds the transport's buffers for any
+// model size.
+constexpr size_t kAllReduceBucketFloats = size_t{4} << 20;
+
+int effective_stage(int stage, const Communicator* dp) { return dp != nullptr && dp->size() > 1 ? stage : 0; }
+
+}  // namespace
+
+ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stage, Communicator* dp)
+    : backend_(backend),
+      table_(table),
+      dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
+      stage_(effective_stage(stage, dp)),
+      grads_open_(static_cast<size_t>(table.unit_count()), false) {
+  if (stage < 0 || stage > 3) {
+    throw common::Error(common::ErrorCode::kInternal, "ZeRO stage " + std::to_string(stage) + " outside 0-3");
+  }
+  const size_t tensors = table.specs().size();
+  if (stage_ >= 1) {
+    dp_rank_ = dp_->rank();
+    shards_.emplace(table, dp_->size());
+    size_t offset = 0;
+    for (size_t t = 0; t < tensors; ++t) {
+      packed_offset_.push_back(offset);
+      offset += shards_->packed_numel(t, t + 1);
+    }
+    size_t max_unit = 0, max_block = 0;
+    for (int u = 0; u < table.unit_count(); ++u) {
+      max_unit = std::max(max_unit, unit_packed_numel(u));
+      if (u > 0) max_block = std::max(max_block, table.unit_end(u) - table.unit_begin(u));
+    }
+    exchange_ = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
+    packed_unit_ = BackendArray<float>(backend, max_unit);
+    const size_t unit0 = table.unit_end(0) - table.unit_begin(0);
+    if (stage_ >= 2) {
+      unit0_grads_ = BackendArray<float>(backend, unit0);
+      block_grads_ = BackendArray<float>(backend, max_block);
+    }
+    if (stage_ == 3) {
+      unit0_params_ = BackendArray<float>(backend, unit0);
+      block_params_ = BackendArray<float>(backend, max_block);
+    }
+    const size_t shard = shards_->packed_numel(0, tensors);
+    params_ = BackendArray<float>(backend, stage_ == 3 ? shard : table.total());
+    grads_ = BackendArray<float>(backend, stage_ >= 2 ? shard : table.total());
+  } else {
+    params_ = BackendArray<float>(backend, table.total());
+    grads_ = BackendArray<float>(backend, table.total());
+  }
+}
+
+void ZeroStorage::init(uint64_t seed) {
+  std::vector<float> host(table_.total());
+  init_parameters(table_, seed, host.data());
+  if (stage_ < 3) {
+    backend_.copy_from_host(params_.data(), host.data(), host.size() * sizeof(float));
+    return;
+  }
+  BackendArray<float> whole(backend_, host.size());
+  backend_.copy_from_host(whole.data(), host.data(), host.size() * sizeof(float));
+  shards_->pack(backend_, whole.data(), dp_rank_, 0, table_.specs().size(), params_.data());
+  unit0_params_valid_ = false;
+  block_params_unit_ = -1;
+}
+
+float* ZeroStorage::params() {
+  if (stage_ == 3) throw common::Error(common::ErrorCode::kInternal, "ZeRO-3 holds no whole parameter buffer");
+  return params_.data();
+}
+
+float* ZeroStorage::grads() {
+  if (stage_ >= 2) throw common::Error(common::ErrorCode::kInternal, "ZeRO-2/3 hold no whole gradient buffer");
+  return grads_.data();
+}
+
+void ZeroStorage::zero_gradients() {
+  grads_.zero();
+  std::fill(grads_open_.begin(), grads_open_.end(), false);
+}
+
+void ZeroStorage::reduce_gradients() {
+  if (dp_ == nullptr || stage_ >= 2) return;
+  float* grads = grads_.data();
+  const size_t total = grads_.size();
+  for (size_t offset = 0; offset < total; offset += kAllReduceBucketFloats) {
+    dp_->all_reduce(grads + offset, std::min(kAllReduceBucketFloats, total - offset));
+  }
+}
+
+int64_t ZeroStorage::owned_row_begin(size_t t) const {
+  if (stage_ == 0) return 0;
+  return static_cast<int64_t>(shards_->shard_begin(t, dp_rank_)) / table_.specs()[t].row_numel();
+}
+
+int64_t ZeroStorage::owned_rows(size_t t) const {
+  return static_cast<int64_t>(owned_numel(t)) / table_.specs()[t].row_numel();
+}
+
+size_t ZeroStorage::owned_numel(size_t t) const {
+  return stage_ == 0 ? table_.specs()[t].numel : shards_->shard_numel(t, dp_rank_);
+}
+
+float* ZeroStorage::owned_parameters(size_t t) {
+  if (stage_ == 3) return params_.data() + packed_offset_[t];
+  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, dp_rank_);
+  return params_.data() + table_.specs()[t].offset + begin;
+}
+
+float* ZeroStorage::owned_gradients(size_t t) {
+  if (stage_ >= 2) return grads_.data() + packed_offset_[t];
+  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, dp_rank_);
+  return grads_.data() + table_.specs()[t].offset + begin;
+}
+
+void ZeroStorage::publish_parameters() {
+  if (stage_ == 3) {
+    unit0_params_valid_ = false;
+    block_params_unit_ = -1;
+    return;
+  }
+  if (stage_ == 0) return;
+  for (int u = 0; u < table_.unit_count(); ++u) {
+    const size_t first = table_.unit_first_tensor(u), last = table_.unit_end_tensor(u);
+    shards_->pack(backend_, params_.data(), dp_rank_, first, last, packed_unit_.data());
+    dp_->all_gather(packed_unit_.data(), exchange_.data(), unit_packed_numel(u));
+    shards_->unpack(backend_, exchange_.data(), first, last, params_.data());
+  }
+}
+
+size_t ZeroStorage::working_bytes() const {
+  return exchange_.bytes() + packed_unit_.bytes() + unit0_params_.bytes() + block_params_.bytes() +
+         unit0_grads_.bytes() + block_grads_.bytes();
+}
+
+size_t ZeroStorage::unit_packed_numel(int unit) const {
+  return shards_->packed_numel(table_.unit_first_tensor(unit), table_.unit_end_tensor(unit));
+}
+
+void ZeroStorage::gather_unit(int unit, float* dst) {
+  const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
+  dp_->all_gather(params_.data() + packed_offset_[first], exchange_.data(), unit_packed_numel(unit));
+  shards_->unpack(backend_, exchange_.data(), first, last, dst, table_.unit_begin(unit));
+}
+
+const float* ZeroStorage::acquire_parameters(int unit) {
+  if (stage_ < 3) return params_.data() + table_.unit_begin(unit);
+  if (unit == 0) {
+    if (!unit0_params_valid_) gather_unit(0, unit0_params_.data());
+    unit0_params_valid_ = true;
+    return unit0_params_.data();
+  }
+  // The blocks share one buffer; the block backward starts with is still
+  // there from the end of forward, so it is not gathered twice.
+  if (block_params_unit_ != unit) gather_unit(unit, block_params_.data());
+  block_params_unit_ = unit;
+  return block_params_.data();
+}
+
+float* ZeroStorage::unit_gradients(int unit) {
+  if (stage_ < 2) return grads_.data() + table_.unit_begin(unit);
+  BackendArray<float>& buffer = unit == 0 ? unit0_grads_ : block_grads_;
+  if (!grads_open_[unit]) {
+    backend_.zero(buffer.data(), (table_.unit_end(unit) - table_.unit_begin(unit)) * sizeof(float));
+    grads_open_[unit] = true;
+  }
+  return buffer.data();
+}
+
+void ZeroStorage::gradients_ready(int unit) {
+  if (stage_ < 2) return;
+  const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
+  const size_t count = unit_packed_numel(unit);
+  const float* unit_grads = unit == 0 ? unit0_grads_.data() : block_grads_.data();
+  for (int r = 0; r < shards_->size(); ++r) {
+    shards_->pack(backend_, unit_grads, r, first, last, exchange_.data() + static_cast<size_t>(r) * count,
+                  table_.unit_begin(unit));
+  }
+  dp_->reduce_scatter(exchange_.data(), packed_unit_.data(), count);
+  backend_.accumulate(grads_.data() + packed_offset_[first], packed_unit_.data(), count);
+  grads_open_[unit] = false;
+}
+
+}  // namespace keel::trainer

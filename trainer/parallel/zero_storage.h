@@ -1,0 +1,103 @@
+// One rank's model state under ZeRO stage 0-3 over its data-parallel group
+// (DESIGN §3.4), behind the ModelStorage interface the model runs on.
+//
+//   stage 0  parameters and gradients whole; gradients all-reduced after
+//            the last microbatch in 16 MiB buckets.
+//   stage 1  as 0, but each rank updates only its dim-0 shard of every
+//            tensor (the optimizer holds state for that shard only) and the
+//            updated shards are all-gathered, one unit at a time.
+//   stage 2  as 1, but gradients are reduce-scattered one unit at a time as
+//            soon as backward has finished the unit: a rank keeps only its
+//            shard of the summed gradient, plus one unit's worth of
+//            gradient in flight.
+//   stage 3  as 2, and parameters too: a rank keeps its shard and gathers a
+//            unit's parameters just before forward or backward uses them,
+//            into one buffer for unit 0 and one shared by the blocks.
+//
+// Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
+// lays the tensors out in table order, so a unit's shard is a contiguous
+// run of it. Without a DP group (or with one rank) every stage is stage 0.
+#pragma once
+
+#include "trainer/comm/communicator.h"
+#include "trainer/kernels/backend.h"
+#include "trainer/kernels/backend_array.h"
+#include "trainer/model/model_storage.h"
+#include "trainer/parallel/shard_layout.h"
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace keel::trainer {
+
+class ZeroStorage final : public ModelStorage {
+ public:
+  ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr);
+
+  const ParameterTable& table() const override { return table_; }
+  int stage() const { return stage_; }
+
+  // This rank's part of the initial model (see init_parameters).
+  void init(uint64_t seed);
+
+  // The whole flat buffers; only while the stage keeps them whole
+  // (parameters below stage 3, gradients below stage 2). Throw otherwise.
+  float* params();
+  float* grads();
+
+  // Starts a step's gradient accumulation from zero.
+  void zero_gradients();
+  // After the last microbatch's backward: sums over the DP group what is
+  // not summed yet (stages 0 and 1), so that owned_gradients() holds the
+  // gradient of the whole batch.
+  void reduce_gradients();
+
+  // The part of tensor t this rank updates: all of it at stage 0, its dim-0
+  // shard otherwise, as local rows [begin, begin + count) of the tensor.
+  int64_t owned_row_begin(size_t t) const;
+  int64_t owned_rows(size_t t) const;
+  size_t owned_numel(size_t t) const;
+  float* owned_parameters(size_t t);
+  float* owned_gradients(size_t t);
+
+  // After the optimizer has updated the owned parameters: stages 1 and 2
+  // all-gather them so every rank holds the whole model again; stage 3
+  // marks its gathered copies stale.
+  void publish_parameters();
+
+  // Bytes held for the whole run (the quantities of the ZeRO formulas)
+  // and the working buffers that carry units to and from the collectives.
+  size_t parameter_bytes() const { return params_.bytes(); }
+  size_t gradient_bytes() const { return grads_.bytes(); }
+  size_t working_bytes() const;
+
+  const float* acquire_parameters(int unit) override;
+  float* unit_gradients(int unit) override;
+  void gradients_ready(int unit) override;
+
+ private:
+  size_t unit_packed_numel(int unit) const;
+  // All-gathers the parameters of `unit` into `dst` (the unit's layout).
+  void gather_unit(int unit, float* dst);
+
+  Backend& backend_;
+  const ParameterTable& table_;
+  Communicator* dp_;
+  int stage_;
+  int dp_rank_ = 0;
+  std::optional<ShardLayout> shards_;
+  std::vector<size_t> packed_offset_;  // tensor t's shard in the packed buffers
+  BackendArray<float> params_;         // flat (stages 0-2) or packed shard (3)
+  BackendArray<float> grads_;          // flat (stages 0-1) or packed shard (2, 3)
+  // Working buffers: every rank's packed shard of one unit (collective
+  // input or output), this rank's packed shard of one unit, and the
+  // gathered parameters or pending gradients of unit 0 and of one block.
+  BackendArray<float> exchange_, packed_unit_;
+  BackendArray<float> unit0_params_, block_params_, unit0_grads_, block_grads_;
+  bool unit0_params_valid_ = false;
+  int block_params_unit_ = -1;  // the unit block_params_ holds, -1: none
+  std::vector<bool> grads_open_;
+};
+
+}  // namespace keel::trainer
