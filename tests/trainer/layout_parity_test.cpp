@@ -8,6 +8,7 @@
 #include "tests/support/rank_launcher.h"
 #include "tests/support/temp_dir.h"
 #include "common/config.h"
+#include "tests/trainer/comm_formulas.h"
 #include "tests/trainer/token_fixture.h"
 #include "trainer/model/parameters.h"
 
@@ -224,27 +225,6 @@ void check_layout(int dp, int tp) {
   }
 }
 
-// ---- the communication volume formulas ----
-
-struct Shape {
-  std::vector<keel::trainer::ParamSpec> specs;  // the TP slice of rank 0
-  int blocks = 0;
-};
-
-int unit_of(const std::string& name) { return name.rfind("h.", 0) == 0 ? 1 + std::stoi(name.substr(2)) : 0; }
-
-// Floats of one rank's packed shard of every tensor of `unit`: each
-// tensor's dim 0 padded to ceil(rows / dp) rows.
-uint64_t packed_unit(const Shape& shape, int unit, int dp) {
-  uint64_t floats = 0;
-  for (const auto& spec : shape.specs) {
-    if (unit_of(spec.name) != unit) continue;
-    const uint64_t rows = static_cast<uint64_t>(spec.shape[0]);
-    floats += (rows + dp - 1) / dp * (spec.numel / rows);
-  }
-  return floats;
-}
-
 }  // namespace
 
 TEST_SUITE("integration") {
@@ -268,108 +248,55 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a step's byte counters equal the formulas of every ZeRO stage and of TP") {
     Fixture f;
-    const auto config = f.config();
-    const int L = static_cast<int>(config.model.n_layer);
-    const uint64_t C = static_cast<uint64_t>(config.model.n_embd), T = static_cast<uint64_t>(config.model.seq_len);
-    for (const Layout& layout : {Layout{2, 1, 0}, Layout{2, 1, 1}, Layout{2, 1, 2}, Layout{2, 1, 3}, Layout{1, 2, 0},
-                                 Layout{2, 2, 1}, Layout{2, 2, 3}}) {
+    for (const Layout& layout : {Layout{2, 1, 0}, Layout{2, 1, 1}, Layout{2, 1, 2}, Layout{2, 1, 3}, Layout{4, 1, 3},
+                                 Layout{1, 2, 0}, Layout{1, 4, 0}, Layout{2, 2, 1}, Layout{2, 2, 3}}) {
       CAPTURE(layout.name());
-      const int dp = layout.dp, tp = layout.tp, zero = layout.zero;
-      const keel::trainer::ParameterTable table(config.model, 0, tp);
-      const Shape shape{table.specs(), L};
-      const uint64_t units_packed = [&] {
-        uint64_t sum = 0;
-        for (int u = 0; u <= L; ++u) sum += packed_unit(shape, u, dp);
-        return sum;
-      }();
-      // The flat gradient buffer, every tensor padded to 16 floats.
-      uint64_t flat = 0;
-      for (const auto& spec : shape.specs) flat += (spec.numel + 15) / 16 * 16;
+      const auto formula = keel::test::step_comm_formula(f.config(), layout.dp, layout.tp, layout.zero);
       const Run run = f.run(layout, layout.name(), {"train.steps=3", "train.val_every=0"});
       REQUIRE(run.records.size() == 3);
       for (const auto& record : run.records) {
         CAPTURE(record.dump());
-        const auto& comm = record.at("comm");
-        if (dp > 1) {
-          const auto& g = comm.at("dp");
-          // all_reduce: the flat gradients (stages 0 and 1, one 16 MiB
-          // bucket here), loss and aux loss, the squared gradient norm
-          // (sharded stages), the stop vote.
-          const uint64_t grads = zero <= 1 ? flat : 0;
-          const uint64_t norm = zero >= 1 ? 1 : 0;
-          CHECK(g.at("all_reduce").at("bytes") == 4 * (grads + 2 + norm + 1));
-          CHECK(g.at("all_reduce").at("calls") == (zero <= 1 ? 1 : 0) + 1 + norm + 1);
-          if (zero == 1 || zero == 2) {
-            // The updated shards gathered back, one unit at a time.
-            CHECK(g.at("all_gather").at("bytes") == 4 * units_packed);
-            CHECK(g.at("all_gather").at("calls") == L + 1);
-          }
-          if (zero == 3) {
-            // Unit 0 once per step; every block in forward, and in backward
-            // all but the top one, which is still gathered.
-            const uint64_t block = packed_unit(shape, 1, dp);
-            CHECK(g.at("all_gather").at("bytes") == 4 * (packed_unit(shape, 0, dp) + (2 * L - 1) * block));
-            CHECK(g.at("all_gather").at("calls") == 2 * L);
-          }
-          if (zero >= 2) {
-            // Every unit's gradients once per microbatch; the payload is the
-            // whole packed input, dp blocks.
-            CHECK(g.at("reduce_scatter").at("bytes") == 4 * dp * units_packed);
-            CHECK(g.at("reduce_scatter").at("calls") == L + 1);
-          }
-          CHECK(g.size() == (zero == 0 ? 1u : zero == 1 ? 2u : 3u));
-        }
-        if (tp > 1) {
-          const auto& g = comm.at("tp");
-          const uint64_t N = T * static_cast<uint64_t>(config.train.batch_size / dp);
-          const uint64_t shard = N / tp * C;  // one rank's positions of the residual stream
-          // Forward: the embedding's and each block's two row-parallel
-          // outputs reduce-scattered; the two norms' outputs of each block,
-          // the final norm and the cross-entropy's three floats per
-          // position gathered. Backward mirrors it, plus the gather of the
-          // embedding's output gradient.
-          CHECK(g.at("reduce_scatter").at("calls") == 2 * (2 * L + 1));
-          CHECK(g.at("reduce_scatter").at("bytes") == 4 * 2 * (2 * L + 1) * tp * shard);
-          CHECK(g.at("all_gather").at("calls") == (2 * L + 2) + (2 * L + 1));
-          CHECK(g.at("all_gather").at("bytes") == 4 * ((4 * L + 2) * shard + 3 * N));
-          // all_reduce: the norms' gradients (this rank's DP shard of each),
-          // the squared gradient norm, the stop vote.
-          const uint64_t norms = (2 * L + 1) * 2 * (zero >= 1 ? C / dp : C);
-          CHECK(g.at("all_reduce").at("bytes") == 4 * (norms + 1 + 1));
-          CHECK(g.at("all_reduce").at("calls") == 3);
-          CHECK(g.size() == 3);
-        }
+        CAPTURE(formula.dump());
+        CHECK(record.at("comm") == formula);
       }
     }
   }
 
   TEST_CASE("a rank killed mid-step makes every survivor exit 12 within the timeout and dump its flight recorder") {
-    Fixture f;
-    const double timeout_s = 5;
-    auto args = f.argv("killed", {"parallel.dp=3", "train.batch_size=3", "train.steps=1000000", "train.val_every=0",
-                                  "parallel.timeout_s=" + std::to_string(timeout_s)});
-    keel::test::RankLauncher ranks(3, args, {{"SPDLOG_LEVEL", "warn"}});
-    const fs::path metrics = f.dir() / "killed" / "metrics.jsonl";
-    for (int i = 0; i < 600; ++i) {
-      std::ifstream in(metrics);
-      if (std::count(std::istreambuf_iterator<char>(in), {}, '\n') >= 3) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // DP3, and DP2 x TP2, where the rank diagonal to the killed one shares
+    // no group with it and learns of the failure from the ranks that do.
+    for (const Layout& layout : {Layout{3, 1, 0}, Layout{2, 2, 3}}) {
+      CAPTURE(layout.name());
+      Fixture f;
+      const double timeout_s = 5;
+      auto sets = layout.sets();
+      sets.insert(sets.end(), {"train.batch_size=" + std::to_string(2 * layout.dp), "train.steps=1000000",
+                               "train.val_every=0", "parallel.timeout_s=" + std::to_string(timeout_s)});
+      keel::test::RankLauncher ranks(layout.world(), f.argv("killed", sets), {{"SPDLOG_LEVEL", "warn"}});
+      const fs::path metrics = f.dir() / "killed" / "metrics.jsonl";
+      for (int i = 0; i < 600; ++i) {
+        std::ifstream in(metrics);
+        if (std::count(std::istreambuf_iterator<char>(in), {}, '\n') >= 3) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      const int victim = 1;
+      const auto killed_at = std::chrono::steady_clock::now();
+      ranks.rank(victim).signal(SIGKILL);
+      for (int r = 0; r < layout.world(); ++r) {
+        if (r == victim) continue;
+        CAPTURE(r);
+        auto result = ranks.rank(r).wait(timeout_s + 30);
+        const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+        CAPTURE(result.output);
+        CHECK(result.exit_code == 12);
+        CHECK(after <= timeout_s + 5);
+        const fs::path dump = f.dir() / "killed" / "flight" / ("rank-0000" + std::to_string(r) + ".json");
+        REQUIRE(fs::exists(dump));
+        std::ifstream in(dump);
+        auto flight = nlohmann::json::parse(in);
+        CHECK_FALSE(flight.dump().find("failed") == std::string::npos);
+      }
+      CHECK(ranks.rank(victim).wait(5).exit_code == 128 + SIGKILL);
     }
-    const auto killed_at = std::chrono::steady_clock::now();
-    ranks.rank(1).signal(SIGKILL);
-    for (int r : {0, 2}) {
-      CAPTURE(r);
-      auto result = ranks.rank(r).wait(timeout_s + 30);
-      const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-      CAPTURE(result.output);
-      CHECK(result.exit_code == 12);
-      CHECK(after <= timeout_s + 5);
-      const fs::path dump = f.dir() / "killed" / "flight" / (r == 0 ? "rank-00000.json" : "rank-00002.json");
-      REQUIRE(fs::exists(dump));
-      std::ifstream in(dump);
-      auto flight = nlohmann::json::parse(in);
-      CHECK_FALSE(flight.dump().find("failed") == std::string::npos);
-    }
-    CHECK(ranks.rank(1).wait(5).exit_code == 128 + SIGKILL);
   }
 }

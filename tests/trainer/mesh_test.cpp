@@ -351,6 +351,13 @@ TEST_SUITE("unit") {
            c.parallel.micro_batches = 3;
          },
          "batch_size=8 is not divisible by dp*micro_batches = 4*3 = 12"},
+        {"tp against the positions of a microbatch", 4,
+         [](Config& c) {
+           c.parallel.tp = 4;
+           c.train.batch_size = 1;
+           c.model.seq_len = 6;
+         },
+         "tp=4 does not divide the 6 positions of a microbatch"},
     };
     for (const BadLayout& bad : cases) {
       CAPTURE(bad.what);

@@ -84,6 +84,15 @@ class Communicator {
   // safe to call from another thread (the watchdog).
   virtual void abort() = 0;
 
+  // This rank is about to exit because of `cause` (say, a failure in
+  // another of its groups): tells the group's other ranks, so that they fail
+  // with kPeerFailure at once instead of waiting out their timeouts, and
+  // aborts. Without a way to tell them, the default only aborts.
+  virtual void leave(const std::string& cause) {
+    (void)cause;
+    abort();
+  }
+
  protected:
   virtual void do_all_reduce(float* data, size_t count) = 0;
   virtual void do_reduce_scatter(const float* in, float* out, size_t count) = 0;

@@ -197,6 +197,12 @@ Error GlooCommunicator::abort_error() {
 
 void GlooCommunicator::abort() { abort_with(ErrorCode::kCollectiveHang, kAbortMessage); }
 
+void GlooCommunicator::leave(const std::string& cause) {
+  const std::string reason = fmt::format("rank {} left the group: {}", rank(), cause);
+  record_failure(Error(ErrorCode::kPeerFailure, reason));
+  abort_with(ErrorCode::kPeerFailure, reason);
+}
+
 void GlooCommunicator::abort_with(ErrorCode code, std::string reason) {
   {
     std::lock_guard<std::mutex> lock(abort_mutex_);

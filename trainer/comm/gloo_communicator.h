@@ -71,6 +71,7 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator& operator=(const GlooCommunicator&) = delete;
 
   void abort() override;
+  void leave(const std::string& cause) override;
 
   // Failure propagation. This Gloo does not wake a pending send when the
   // pair under it breaks, so a rank blocked in a send to a peer that has

@@ -165,6 +165,18 @@ std::vector<std::string> layout_problems(const common::Config& config, int world
         m.n_expert, p.ep, m.n_expert));
   }
 
+  // Sequence parallelism gives every TP rank an equal run of a
+  // microbatch's positions.
+  if (config.train.batch_size % (p.dp * p.micro_batches) == 0) {
+    const int64_t positions = config.train.batch_size / (p.dp * p.micro_batches) * m.seq_len;
+    if (positions % p.tp != 0) {
+      problems.push_back(fmt::format(
+          "tp={} does not divide the {} positions of a microbatch (batch_size/(dp*micro_batches) * seq_len = "
+          "{}/({}*{}) * {}): sequence parallelism splits them evenly over the TP ranks, so make that product a "
+          "multiple of {}",
+          p.tp, positions, config.train.batch_size, p.dp, p.micro_batches, m.seq_len, p.tp));
+    }
+  }
   if (config.train.batch_size % (p.dp * p.micro_batches) != 0) {
     problems.push_back(fmt::format(
         "batch_size={} is not divisible by dp*micro_batches = {}*{} = {}: every DP rank and microbatch takes an "

@@ -94,6 +94,10 @@ int main(int argc, char** argv) {
   // error so keeld (and an operator) can see where it stopped.
   auto recorder = std::make_shared<keel::trainer::FlightRecorder>();
   std::filesystem::path flight_path;
+  // Declared out here so that a failing rank can tell every group it
+  // belongs to before it exits; the Store outlives the communicators.
+  std::unique_ptr<keel::common::Store> store;
+  std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
   try {
     const auto worker = keel::trainer::WorkerEnv::from_process();
     keel::common::init_logging(worker.rank);
@@ -122,8 +126,6 @@ int main(int argc, char** argv) {
     log->info("backend {} with {} threads", backend.name(), backend.threads());
     // Ranks rendezvous through the Store; groups are named by generation so
     // a restarted generation never reads the addresses of the one before.
-    std::unique_ptr<keel::common::Store> store;
-    std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
       store = keel::common::connect_store(worker.store, timeout);
@@ -148,10 +150,16 @@ int main(int argc, char** argv) {
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;
+    for (auto* group : {dp.get(), tp.get()}) {
+      if (group != nullptr) group->leave(e.what());
+    }
     dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(e.code());
   } catch (const std::exception& e) {
     std::cerr << "keel-trainer: internal error: " << e.what() << std::endl;
+    for (auto* group : {dp.get(), tp.get()}) {
+      if (group != nullptr) group->leave(e.what());
+    }
     return keel::common::exit_code(ErrorCode::kInternal);
   }
 }

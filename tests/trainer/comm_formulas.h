@@ -1,0 +1,82 @@
+// The closed-form payload bytes and calls one rank hands to each collective
+// in one training step (one microbatch, no validation), per group and
+// operation, in the shape of the "comm" field of metrics.jsonl. Written from
+// the algorithms of DESIGN §3.4, not from the code that runs them: the
+// layout parity test and keel-bench-parallel hold the measured counters
+// against it.
+#pragma once
+
+#include "common/config.h"
+#include "trainer/model/parameters.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace keel::test {
+
+inline nlohmann::json step_comm_formula(const common::Config& config, int dp, int tp, int zero) {
+  const int L = static_cast<int>(config.model.n_layer);
+  const uint64_t C = static_cast<uint64_t>(config.model.n_embd);
+  // Shapes of TP rank 0's slice; every TP rank's slice has the same.
+  const trainer::ParameterTable table(config.model, 0, tp);
+  auto unit_of = [](const std::string& name) { return name.rfind("h.", 0) == 0 ? 1 + std::stoi(name.substr(2)) : 0; };
+  // One rank's packed shard of a unit: each tensor's dim 0 padded to
+  // ceil(rows / dp) rows.
+  auto packed_unit = [&](int unit) {
+    uint64_t floats = 0;
+    for (const auto& spec : table.specs()) {
+      if (unit_of(spec.name) != unit) continue;
+      const uint64_t rows = static_cast<uint64_t>(spec.shape[0]);
+      floats += (rows + dp - 1) / dp * (spec.numel / rows);
+    }
+    return floats;
+  };
+  uint64_t packed_all = 0, flat = 0;
+  for (int u = 0; u <= L; ++u) packed_all += packed_unit(u);
+  // The flat gradient buffer: every tensor padded to 16 floats, summed in
+  // one all-reduce per 16 MiB bucket.
+  for (const auto& spec : table.specs()) flat += (spec.numel + 15) / 16 * 16;
+  const uint64_t buckets = (flat + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
+  auto op = [](uint64_t floats, uint64_t calls) { return nlohmann::json{{"bytes", 4 * floats}, {"calls", calls}}; };
+
+  nlohmann::json comm = nlohmann::json::object();
+  if (dp > 1) {
+    nlohmann::json& g = comm["dp"];
+    // all_reduce: the flat gradients (stages 0 and 1), loss and aux loss,
+    // the squared gradient norm (sharded stages), the stop vote.
+    const uint64_t grads = zero <= 1 ? flat : 0, norm = zero >= 1 ? 1 : 0;
+    g["all_reduce"] = op(grads + 2 + norm + 1, (zero <= 1 ? buckets : 0) + 1 + norm + 1);
+    // Stages 1 and 2 gather the updated shards back one unit at a time.
+    if (zero == 1 || zero == 2) g["all_gather"] = op(packed_all, static_cast<uint64_t>(L) + 1);
+    // Stage 3 gathers unit 0 once per step, every block for forward and,
+    // for backward, every block but the top one, which is still there.
+    if (zero == 3) {
+      g["all_gather"] = op(packed_unit(0) + static_cast<uint64_t>(2 * L - 1) * packed_unit(1), 2 * L);
+    }
+    // Stages 2 and 3 reduce-scatter every unit's gradients; the payload is
+    // the whole input, dp packed blocks.
+    if (zero >= 2) g["reduce_scatter"] = op(static_cast<uint64_t>(dp) * packed_all, static_cast<uint64_t>(L) + 1);
+  }
+  if (tp > 1) {
+    nlohmann::json& g = comm["tp"];
+    const uint64_t N = static_cast<uint64_t>(config.model.seq_len * config.train.batch_size / dp);
+    const uint64_t shard = N / tp * C;  // one rank's positions of the residual stream
+    // Forward reduce-scatters the embedding and each block's two
+    // row-parallel outputs into the position shards; backward reduce-
+    // scatters the matching input gradients. Payload: all N positions.
+    g["reduce_scatter"] = op(2 * (2 * L + 1) * N * C, 2 * (2 * L + 1));
+    // Forward gathers each block's two norm outputs, the final norm's and
+    // the cross-entropy's three floats per position; backward gathers the
+    // output gradient of each block's two branches and of the embedding.
+    g["all_gather"] = op((4 * L + 2) * shard + 3 * N, (2 * L + 2) + (2 * L + 1));
+    // all_reduce: the norms' gradients (this rank's DP shard of each), the
+    // squared gradient norm, the stop vote.
+    const uint64_t norms = (2 * L + 1) * 2 * (zero >= 1 && dp > 1 ? (C + dp - 1) / dp : C);
+    g["all_reduce"] = op(norms + 1 + 1, 3);
+  }
+  return comm;
+}
+
+}  // namespace keel::test
