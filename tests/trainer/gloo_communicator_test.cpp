@@ -762,8 +762,53 @@ TEST_SUITE("unit") {
       done.count_down();
     }));
     CHECK_MESSAGE(blocked.code == ErrorCode::kPeerFailure, describe(blocked));
-    CHECK(contains(blocked.message, "rank 7 of the group reported a peer failure"));
+    CHECK(contains(blocked.message, "rank 7 of group 'told' reported a peer failure"));
     CHECK(blocked.elapsed < 2s);
+  }
+
+  TEST_CASE("a departure record wakes a blocked peer even after a hang was recorded and runs its handler") {
+    // The failure record already names a hang (first writer wins), so only
+    // the departure record can tell rank 0 that rank 1 is gone. Rank 1
+    // stays connected, as a rank blocked elsewhere would, so that nothing
+    // but the record can wake rank 0.
+    MemoryStore store;
+    const auto timeout = 5000ms;
+    Failure blocked;
+    std::string handled;
+    std::latch done(1);
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "left", rank, 2, timeout, nullptr);
+      comm.barrier();
+      if (rank == 1) {
+        store.set(GlooCommunicator::failure_key("left"), "collective_hang|1|gloo: timed out");
+        std::this_thread::sleep_for(200ms);
+        store.set(GlooCommunicator::left_key("left"), "1|its other group failed");
+        done.wait();
+        return;
+      }
+      comm.set_peer_failure_handler([&](const std::string& cause) { handled = cause; });
+      std::vector<float> data(10, 1.0f);
+      blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      comm.set_peer_failure_handler(nullptr);
+      done.count_down();
+    }));
+    CHECK_MESSAGE(blocked.code == ErrorCode::kPeerFailure, describe(blocked));
+    CHECK(contains(blocked.message, "rank 1 of group 'left' left it: its other group failed"));
+    CHECK(blocked.elapsed < 2s);
+    CHECK(contains(handled, "left it"));
+  }
+
+  TEST_CASE("leaving a group records the departure and aborts the communicator") {
+    MemoryStore store;
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "leaving", rank, 2, 5000ms, nullptr);
+      comm.barrier();
+      if (rank == 0) comm.leave("its other group failed");
+      std::vector<float> data(4, 1.0f);
+      const Failure after = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
+      CHECK_MESSAGE(after.code == ErrorCode::kPeerFailure, describe(after));
+    }));
+    CHECK(store.get(GlooCommunicator::left_key("leaving")) == std::optional<std::string>("0|its other group failed"));
   }
 
   TEST_CASE("a recorded hang does not turn another rank's timeout into a peer failure") {

@@ -141,4 +141,16 @@ void Communicator::barrier() {
   instrumented(CollectiveOp::kBarrier, 0, -1, [&] { do_barrier(); });
 }
 
+void Communicator::set_peer_failure_handler(std::function<void(const std::string& cause)> handler) {
+  std::lock_guard<std::mutex> lock(handler_mutex_);
+  peer_failure_handler_ = std::move(handler);
+}
+
+void Communicator::notify_peer_failure(const std::string& cause) {
+  // Held while the handler runs, so that clearing the handler waits for a
+  // call in progress: the owner may then destroy what the handler touches.
+  std::lock_guard<std::mutex> lock(handler_mutex_);
+  if (peer_failure_handler_) peer_failure_handler_(cause);
+}
+
 }  // namespace keel::trainer

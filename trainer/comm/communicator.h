@@ -20,7 +20,9 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace keel::trainer {
@@ -93,6 +95,15 @@ class Communicator {
     abort();
   }
 
+  // Runs `handler` (on whatever thread noticed it) when this communicator
+  // learns, while blocked or not, that a peer failed or left, just before
+  // it aborts itself. keel-trainer leaves the rank's other groups from it, so
+  // the news travels through every group to every rank, including ranks
+  // blocked in a group the failed rank was never part of. Setting another
+  // handler (or none) waits for a call of the old one to finish. The
+  // handler must not throw.
+  void set_peer_failure_handler(std::function<void(const std::string& cause)> handler);
+
  protected:
   virtual void do_all_reduce(float* data, size_t count) = 0;
   virtual void do_reduce_scatter(const float* in, float* out, size_t count) = 0;
@@ -103,6 +114,9 @@ class Communicator {
   virtual void do_all_to_all(const float* in, float* out, size_t count) = 0;
   virtual void do_barrier() = 0;
 
+  // For backends: reports a peer failure to the handler, if one is set.
+  void notify_peer_failure(const std::string& cause);
+
  private:
   // Runs `body` as one instrumented call of `op` moving `bytes`.
   template <class Body> void instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&& body);
@@ -111,6 +125,8 @@ class Communicator {
   int rank_;
   int size_;
   std::shared_ptr<FlightRecorder> recorder_;
+  std::mutex handler_mutex_;
+  std::function<void(const std::string&)> peer_failure_handler_;
   int64_t next_seq_ = 0;
   CommStats stats_;
 };

@@ -156,6 +156,8 @@ GlooCommunicator::~GlooCommunicator() {
 
 std::string GlooCommunicator::failure_key(const std::string& group_name) { return "gloo/" + group_name + "/failure"; }
 
+std::string GlooCommunicator::left_key(const std::string& group_name) { return "gloo/" + group_name + "/left"; }
+
 void GlooCommunicator::record_failure(const Error& error) {
   try {
     store_.compare_set(failure_key(name()), std::nullopt,
@@ -169,23 +171,43 @@ void GlooCommunicator::record_failure(const Error& error) {
 void GlooCommunicator::watch_for_peer_failures() {
   constexpr auto kPollInterval = std::chrono::milliseconds(100);
   const std::string peer_failure = common::error_code_name(ErrorCode::kPeerFailure);
+  const std::string me = std::to_string(rank());
+  // Once the failure record names another cause (a hang, say), only a
+  // departure can still concern this rank.
+  bool failure_settled = false;
   std::unique_lock<std::mutex> lock(watch_mutex_);
   while (!watch_wakeup_.wait_for(lock, kPollInterval, [this] { return stopping_; })) {
-    std::optional<std::string> record;
+    std::optional<std::string> failure, left;
     try {
-      record = store_.get(failure_key(name()));
+      if (!failure_settled) failure = store_.get(failure_key(name()));
+      left = store_.get(left_key(name()));
     } catch (const std::exception&) {
       return;  // the store is gone: the ranks' own timeouts still bound every call
     }
-    if (!record) continue;
-    const auto first = record->find('|');
-    const auto second = record->find('|', first + 1);
+    if (left) {
+      const auto bar = left->find('|');
+      if (bar != std::string::npos && left->substr(0, bar) != me) {
+        const std::string cause =
+            fmt::format("rank {} of group '{}' left it: {}", left->substr(0, bar), name(), left->substr(bar + 1));
+        notify_peer_failure(cause);
+        abort_with(ErrorCode::kPeerFailure, cause);
+        return;
+      }
+    }
+    if (!failure) continue;
+    const auto first = failure->find('|');
+    const auto second = failure->find('|', first + 1);
     if (first == std::string::npos || second == std::string::npos) continue;
-    const std::string code = record->substr(0, first);
-    const std::string reporter = record->substr(first + 1, second - first - 1);
-    if (code != peer_failure || reporter == std::to_string(rank())) return;
-    abort_with(ErrorCode::kPeerFailure,
-               fmt::format("rank {} of the group reported a peer failure: {}", reporter, record->substr(second + 1)));
+    const std::string code = failure->substr(0, first);
+    const std::string reporter = failure->substr(first + 1, second - first - 1);
+    if (code != peer_failure || reporter == me) {
+      failure_settled = true;
+      continue;
+    }
+    const std::string cause = fmt::format("rank {} of group '{}' reported a peer failure: {}", reporter, name(),
+                                          failure->substr(second + 1));
+    notify_peer_failure(cause);
+    abort_with(ErrorCode::kPeerFailure, cause);
     return;
   }
 }
@@ -198,9 +220,13 @@ Error GlooCommunicator::abort_error() {
 void GlooCommunicator::abort() { abort_with(ErrorCode::kCollectiveHang, kAbortMessage); }
 
 void GlooCommunicator::leave(const std::string& cause) {
-  const std::string reason = fmt::format("rank {} left the group: {}", rank(), cause);
-  record_failure(Error(ErrorCode::kPeerFailure, reason));
-  abort_with(ErrorCode::kPeerFailure, reason);
+  try {
+    store_.compare_set(left_key(name()), std::nullopt, fmt::format("{}|{}", rank(), cause));
+  } catch (const std::exception& e) {
+    common::logger("comm")->warn("group '{}': could not record this rank's departure in the store: {}", name(),
+                                 e.what());
+  }
+  abort_with(ErrorCode::kPeerFailure, "this rank left the group: " + cause);
 }
 
 void GlooCommunicator::abort_with(ErrorCode code, std::string reason) {

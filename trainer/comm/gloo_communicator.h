@@ -82,8 +82,11 @@ class GlooCommunicator final : public Communicator {
   // aborts this communicator with kPeerFailure as soon as another rank has
   // recorded a peer failure. A rank whose own wait times out does not
   // consult the record, so a genuine hang is still reported as one. keeld
-  // can read the key to learn the first cause.
+  // can read the key to learn the first cause. leave() writes its own key,
+  // left_key(group) ("<rank>|<cause>"), which the watcher also polls, so a
+  // departure is seen even when the failure record holds another cause.
   static std::string failure_key(const std::string& group_name);
+  static std::string left_key(const std::string& group_name);
 
  protected:
   void do_all_reduce(float* data, size_t count) override;

@@ -208,9 +208,10 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
 }
 
 float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
-  if (B < 1 || B > max_batch_) {
+  if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0) {
     throw common::Error(common::ErrorCode::kInternal,
-                        "forward batch " + std::to_string(B) + " outside [1, " + std::to_string(max_batch_) + "]");
+                        "forward batch " + std::to_string(B) + " outside [1, " + std::to_string(max_batch_) +
+                            "] or not splittable over " + std::to_string(tp_size_) + " TP ranks");
   }
   batch_ = B;
   const int T = static_cast<int>(config_.seq_len), C = static_cast<int>(config_.n_embd);

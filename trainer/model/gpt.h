@@ -58,7 +58,8 @@ class Gpt {
   void moe_backward(int layer, const float* p, float* g, float* dinp, const float* dout, float loss_scale, int N);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
-  // rank's shard. Both do nothing without TP, where the buffers alias.
+  // rank's shard. Both do nothing without TP, where the callers pass the
+  // shard itself for the whole.
   void gather_positions(const float* shard, float* whole, size_t shard_numel);
   void sum_into_positions(const float* partial, float* shard, size_t shard_numel);
 

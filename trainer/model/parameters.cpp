@@ -88,8 +88,16 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
 void ParameterTable::add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init,
                          float init_std) {
   std::vector<int64_t> local = shape;
-  if (split == TpSplit::kRows || split == TpSplit::kQkvRows) local[0] /= tp_size_;
-  if (split == TpSplit::kColumns) local[1] /= tp_size_;
+  const size_t dim = split == TpSplit::kColumns ? 1 : 0;
+  if (split != TpSplit::kReplicated) {
+    // kQkvRows splits each third: whole heads per rank.
+    const int64_t parts = split == TpSplit::kQkvRows ? 3 * tp_size_ : tp_size_;
+    if (local[dim] % parts != 0) {
+      throw std::invalid_argument(name + ": dim " + std::to_string(dim) + " of " + std::to_string(local[dim]) +
+                                  " does not split over " + std::to_string(tp_size_) + " TP ranks");
+    }
+    local[dim] /= tp_size_;
+  }
   size_t numel = 1;
   for (int64_t d : local) numel *= static_cast<size_t>(d);
   ParamSpec spec{std::move(name), std::move(shape), std::move(local), split, tp_rank_, tp_size_, init, init_std,

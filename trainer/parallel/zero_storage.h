@@ -38,7 +38,8 @@ class ZeroStorage final : public ModelStorage {
   const ParameterTable& table() const override { return table_; }
   int stage() const { return stage_; }
 
-  // This rank's part of the initial model (see init_parameters).
+  // This rank's part of the initial model (see init_parameters). At
+  // stage 3 it draws the whole TP-local model once, then keeps its shard.
   void init(uint64_t seed);
 
   // The whole flat buffers; only while the stage keeps them whole
@@ -50,7 +51,8 @@ class ZeroStorage final : public ModelStorage {
   void zero_gradients();
   // After the last microbatch's backward: sums over the DP group what is
   // not summed yet (stages 0 and 1), so that owned_gradients() holds the
-  // gradient of the whole batch.
+  // gradient of the whole batch (as far as the DP group goes: sums over
+  // other groups are the caller's).
   void reduce_gradients();
 
   // The part of tensor t this rank updates: all of it at stage 0, its dim-0

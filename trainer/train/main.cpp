@@ -17,7 +17,9 @@
 
 #include <atomic>
 #include <csignal>
+#include <initializer_list>
 #include <iostream>
+#include <string>
 
 namespace {
 
@@ -36,6 +38,33 @@ void dump_flight_recorder(const keel::trainer::FlightRecorder& recorder, const s
               << std::endl;
   }
 }
+
+// Tells every group this rank belongs to that it is leaving, so that ranks
+// sharing no group with the failure stop at once too. Best effort: nothing
+// here may replace the exit code the rank is about to report.
+void leave_groups(std::initializer_list<keel::trainer::Communicator*> groups, const std::string& cause) {
+  for (auto* group : groups) {
+    if (group == nullptr) continue;
+    try {
+      group->leave(cause);
+    } catch (const std::exception& e) {
+      std::cerr << "keel-trainer: could not tell group " << group->name() << " that this rank leaves: " << e.what()
+                << std::endl;
+    }
+  }
+}
+
+// The rank's communicators. The peer-failure handlers reach from one to
+// the others, so they are cleared (waiting for a call in progress) before
+// any communicator is destroyed.
+struct RankGroups {
+  std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
+  ~RankGroups() {
+    for (auto* group : {dp.get(), tp.get()}) {
+      if (group != nullptr) group->set_peer_failure_handler(nullptr);
+    }
+  }
+};
 
 void print_summary(const keel::trainer::RunSummary& s, bool json) {
   if (json) {
@@ -97,7 +126,9 @@ int main(int argc, char** argv) {
   // Declared out here so that a failing rank can tell every group it
   // belongs to before it exits; the Store outlives the communicators.
   std::unique_ptr<keel::common::Store> store;
-  std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
+  RankGroups groups;
+  auto& dp = groups.dp;
+  auto& tp = groups.tp;
   try {
     const auto worker = keel::trainer::WorkerEnv::from_process();
     keel::common::init_logging(worker.rank);
@@ -142,6 +173,16 @@ int main(int argc, char** argv) {
       };
       dp = join(keel::trainer::Axis::kDp);
       tp = join(keel::trainer::Axis::kTp);
+      // A peer failure seen in one group makes this rank leave the others,
+      // which wakes it if it is blocked there and tells their ranks.
+      for (auto* group : {dp.get(), tp.get()}) {
+        if (group == nullptr) continue;
+        group->set_peer_failure_handler([&groups, group](const std::string& cause) {
+          for (auto* other : {groups.dp.get(), groups.tp.get()}) {
+            if (other != nullptr && other != group) leave_groups({other}, cause);
+          }
+        });
+      }
     }
     keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get());
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
@@ -150,16 +191,13 @@ int main(int argc, char** argv) {
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;
-    for (auto* group : {dp.get(), tp.get()}) {
-      if (group != nullptr) group->leave(e.what());
-    }
+    leave_groups({dp.get(), tp.get()}, e.what());
     dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(e.code());
   } catch (const std::exception& e) {
     std::cerr << "keel-trainer: internal error: " << e.what() << std::endl;
-    for (auto* group : {dp.get(), tp.get()}) {
-      if (group != nullptr) group->leave(e.what());
-    }
+    leave_groups({dp.get(), tp.get()}, e.what());
+    dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(ErrorCode::kInternal);
   }
 }

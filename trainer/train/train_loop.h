@@ -1,6 +1,6 @@
-// The single-rank training loop: batches from the dataset, microbatched
-// forward/backward, clipping and AdamW, periodic validation, metrics and
-// progress with ETA.
+// The training loop of one rank: batches from the dataset, microbatched
+// forward/backward, the gradient sums of its DP and TP groups, clipping and
+// AdamW, periodic validation, metrics and progress with ETA.
 #pragma once
 
 #include "common/config.h"
