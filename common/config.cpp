@@ -204,7 +204,9 @@ void apply_override(Config& config, const std::string& text, std::map<std::strin
 // to the working directory.
 void resolve_path(std::string& value, const std::string& origin, const std::filesystem::path& base_dir) {
   if (value.empty() || std::filesystem::path(value).is_absolute()) return;
-  std::filesystem::path base = origin.starts_with("--set") ? std::filesystem::current_path() : base_dir;
+  // A config named without a directory ("run.toml") lives in the working directory.
+  std::filesystem::path base =
+      origin.starts_with("--set") || base_dir.empty() ? std::filesystem::current_path() : base_dir;
   value = (std::filesystem::absolute(base) / value).lexically_normal().string();
 }
 
@@ -229,6 +231,7 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.job.run_dir, config.origin("job.run_dir"), base_dir);
   resolve_path(config.data.train, config.origin("data.train"), base_dir);
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
+  resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
   config.validate();
   return config;
 }
@@ -239,6 +242,11 @@ Config Config::load(const std::filesystem::path& path, const std::vector<std::st
   std::stringstream text;
   text << in.rdbuf();
   return parse(text.str(), path.string(), path.parent_path(), overrides);
+}
+
+std::filesystem::path Config::checkpoint_dir() const {
+  return checkpoint.dir.empty() ? std::filesystem::path(job.run_dir) / "checkpoints"
+                                : std::filesystem::path(checkpoint.dir);
 }
 
 std::string Config::origin(const std::string& dotted_key) const {
@@ -283,6 +291,15 @@ void Config::validate() const {
   }
   check(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero", fmt::format("must be a ZeRO stage 0-3 (got {})", parallel.zero));
   check(parallel.timeout_s > 0, "parallel.timeout_s", fmt::format("must be positive (got {})", parallel.timeout_s));
+
+  at_least(checkpoint.every_steps, 0, "checkpoint.every_steps");
+  check(checkpoint.every_seconds >= 0, "checkpoint.every_seconds",
+        fmt::format("must be non-negative; 0 disables saving by time (got {})", checkpoint.every_seconds));
+  at_least(checkpoint.keep, 1, "checkpoint.keep");
+  at_least(checkpoint.keep_every, 0, "checkpoint.keep_every");
+  check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
+        fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
+  check(checkpoint.timeout_s > 0, "checkpoint.timeout_s", fmt::format("must be positive (got {})", checkpoint.timeout_s));
 
   at_least(train.steps, 1, "train.steps");
   at_least(train.batch_size, 1, "train.batch_size");

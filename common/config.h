@@ -124,6 +124,28 @@ struct TrainConfig {
   }
 };
 
+struct CheckpointConfig {
+  std::string dir = "";        // where checkpoints go; empty = run_dir/checkpoints; relative to the config file
+  int64_t every_steps = 0;     // save after every N steps; 0 = not by step count
+  double every_seconds = 0;    // save when N seconds have passed since the last save; 0 = not by time
+  int64_t keep = 3;            // newest committed checkpoints kept
+  int64_t keep_every = 0;      // also keep every checkpoint whose step is a multiple of N; 0 = none
+  std::string verify = "full"; // checksums checked before a checkpoint is loaded: full | off
+  bool o_direct = true;        // bulk writes bypass the page cache where the filesystem allows it
+  double timeout_s = 600;      // how long rank 0 waits for every rank's file before abandoning a save
+
+  template <class V> void visit(V& v) {
+    v("dir", dir);
+    v("every_steps", every_steps);
+    v("every_seconds", every_seconds);
+    v("keep", keep);
+    v("keep_every", keep_every);
+    v("verify", verify);
+    v("o_direct", o_direct);
+    v("timeout_s", timeout_s);
+  }
+};
+
 class Config {
  public:
   JobConfig job;
@@ -131,6 +153,10 @@ class Config {
   DataConfig data;
   ParallelConfig parallel;
   TrainConfig train;
+  CheckpointConfig checkpoint;
+
+  // checkpoint.dir, or run_dir/checkpoints when it is empty.
+  std::filesystem::path checkpoint_dir() const;
 
   template <class V> void visit(V& v) {
     v.section("job", job);
@@ -138,6 +164,7 @@ class Config {
     v.section("data", data);
     v.section("parallel", parallel);
     v.section("train", train);
+    v.section("checkpoint", checkpoint);
   }
 
   // Parses `path`, applies `overrides` ("section.key=value", the value in

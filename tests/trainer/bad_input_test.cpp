@@ -80,7 +80,7 @@ TEST_SUITE("integration") {
     const std::vector<Row> rows = {
         {"valid input trains", good, {}, good_shard, 0, "training finished"},
         {"TOML syntax error", good + "[train\n", {}, good_shard, 2, "not valid TOML"},
-        {"unknown key", good + "[checkpoint]\nevery = 5\n", {}, good_shard, 2, "unknown section [checkpoint]"},
+        {"unknown section", good + "[checkpoints]\nevery = 5\n", {}, good_shard, 2, "unknown section [checkpoints]"},
         {"section defined twice", good + "[job]\nseed = 5\n", {}, good_shard, 2, "not valid TOML"},
         {"misspelt key", std::string(good).replace(good.find("threads"), 7, "thread"), {}, good_shard, 2,
          "unknown key 'thread' in [train]"},

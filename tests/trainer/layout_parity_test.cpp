@@ -9,7 +9,7 @@
 #include "tests/support/temp_dir.h"
 #include "common/config.h"
 #include "tests/trainer/comm_formulas.h"
-#include "tests/trainer/token_fixture.h"
+#include "tests/trainer/trainer_runs.h"
 #include "trainer/model/parameters.h"
 
 #include <doctest/doctest.h>
@@ -26,50 +26,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// n_head = 4 so that TP4 holds one head per rank; vocab 256 splits evenly.
-const char* kConfig = R"(
-[model]
-seq_len = 32
-n_layer = 2
-n_head = 4
-n_embd = 32
-[data]
-train = "train.bin"
-val = "train.bin"
-[train]
-steps = 20
-batch_size = 8
-lr = 3e-3
-warmup_steps = 2
-val_every = 10
-val_batches = 4
-threads = 1
-)";
-
-struct Layout {
-  int dp = 1;
-  int tp = 1;
-  int zero = 0;
-  int micro_batches = 1;
-
-  int world() const { return dp * tp; }
-  std::string name() const {
-    return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + "z" + std::to_string(zero) + "m" +
-           std::to_string(micro_batches);
-  }
-  std::vector<std::string> sets() const {
-    return {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
-            "parallel.zero=" + std::to_string(zero), "parallel.micro_batches=" + std::to_string(micro_batches)};
-  }
-};
-
-struct Run {
-  std::vector<double> losses, grad_norms;
-  std::vector<std::string> exact;  // the printed values, for bit-identity
-  std::vector<nlohmann::json> records;
-  double val_loss = NAN;
-  std::vector<std::string> outputs;  // each rank's stdout and stderr
-};
+using keel::test::Layout;
+using keel::test::Run;
+using Fixture = keel::test::TrainerRuns;
 
 // Every global tensor of a gradient dump, assembled from the ranks' pieces.
 using Tensors = std::map<std::string, std::vector<double>>;
@@ -110,61 +69,6 @@ Tensors read_gradients(const fs::path& dir) {
   }
   return tensors;
 }
-
-class Fixture {
- public:
-  Fixture() {
-    keel::test::write_pattern_shard(dir_ / "train.bin", 30000);
-    config_ = dir_.write("run.toml", kConfig);
-  }
-
-  keel::common::Config config(const std::vector<std::string>& sets = {}) const {
-    return keel::common::Config::load(config_, sets);
-  }
-  const fs::path& dir() const { return dir_.path(); }
-
-  std::vector<std::string> argv(const std::string& run, const std::vector<std::string>& sets) const {
-    std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config", config_.string(),
-                                     "--set", "job.run_dir=" + (dir_ / run).string(), "--json",
-                                     "--dump-gradients", (dir_ / run / "grads").string()};
-    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
-    return args;
-  }
-
-  // Runs `layout` to completion (a single rank without the worker
-  // environment, which is how the oracle runs).
-  Run run(const Layout& layout, const std::string& name, std::vector<std::string> extra = {}) const {
-    auto sets = layout.sets();
-    sets.insert(sets.end(), extra.begin(), extra.end());
-    Run run;
-    if (layout.world() == 1) {
-      auto result = keel::test::run_process(argv(name, sets), {{"SPDLOG_LEVEL", "warn"}});
-      REQUIRE_MESSAGE(result.exit_code == 0, result.output);
-      run.outputs.push_back(result.output);
-    } else {
-      keel::test::RankLauncher ranks(layout.world(), argv(name, sets), {{"SPDLOG_LEVEL", "warn"}});
-      for (const auto& result : ranks.wait_all(300)) {
-        CAPTURE(run.outputs.size());
-        REQUIRE_MESSAGE(result.exit_code == 0, result.output);
-        run.outputs.push_back(result.output);
-      }
-    }
-    std::ifstream in(dir_ / name / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto record = nlohmann::json::parse(line);
-      run.losses.push_back(record.at("loss").get<double>());
-      run.grad_norms.push_back(record.at("grad_norm").get<double>());
-      run.exact.push_back(record.at("loss").dump() + " " + record.at("grad_norm").dump());
-      if (record.contains("val_loss")) run.val_loss = record.at("val_loss").get<double>();
-      run.records.push_back(std::move(record));
-    }
-    return run;
-  }
-
- private:
-  keel::test::TempDir dir_;
-  fs::path config_;
-};
 
 double relative(double got, double want) { return std::fabs(got - want) / std::fabs(want); }
 

@@ -14,7 +14,15 @@ std::vector<GlobalBlock> ParamSpec::global_blocks(int64_t row_begin, int64_t row
   auto add = [&](int64_t first, int64_t last, int64_t global_row, int64_t global_col) {
     first = std::max(first, row_begin);
     last = std::min(last, row_end);
-    if (first < last) blocks.push_back(GlobalBlock{first, last - first, cols, global_row + first, global_col});
+    if (first >= last) return;
+    // Blocks that continue each other in the global tensor too (q, k and v
+    // of a single TP rank) are one block.
+    if (!blocks.empty() && blocks.back().col == global_col &&
+        blocks.back().row + blocks.back().rows == global_row + first) {
+      blocks.back().rows += last - first;
+      return;
+    }
+    blocks.push_back(GlobalBlock{first, last - first, cols, global_row + first, global_col});
   };
   switch (split) {
     case TpSplit::kReplicated:

@@ -32,6 +32,10 @@ class AdamW {
   // grads are multiplied by grad_scale first.
   void update(size_t t, float* params, const float* grads, float lr, float grad_scale, int64_t step);
 
+  // The moments of the owned part of tensor t (owned_numel[t] floats each).
+  float* exp_avg(size_t t) { return m_.data() + state_offset_[t]; }
+  float* exp_avg_sq(size_t t) { return v_.data() + state_offset_[t]; }
+
   // Bytes of optimizer state this rank holds (both moments).
   size_t state_bytes() const { return m_.bytes() + v_.bytes(); }
 

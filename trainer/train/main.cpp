@@ -19,6 +19,7 @@
 #include <csignal>
 #include <initializer_list>
 #include <iostream>
+#include <optional>
 #include <string>
 
 namespace {
@@ -74,6 +75,8 @@ void print_summary(const keel::trainer::RunSummary& s, bool json) {
                           {"tokens", s.tokens},
                           {"wall_s", s.wall_s},
                           {"tokens_per_s", s.tokens_per_s},
+                          {"first_step", s.first_step},
+                          {"parameter_digest", s.parameter_digest},
                           {"memory",
                            {{"params_bytes", s.memory.params},
                             {"grads_bytes", s.memory.grads},
@@ -100,10 +103,15 @@ int main(int argc, char** argv) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool json = false;
-  std::string gradient_dump;
+  std::string gradient_dump, init_from;
+  int64_t stop_after = -1;
   app.add_option("--config", config_path, "TOML run configuration")->required();
   app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
+  app.add_option("--init-from", init_from,
+                 "start from this checkpoint directory (any layout) instead of the run's newest checkpoint");
+  app.add_option("--stop-after", stop_after,
+                 "stop after this many steps as a stop request would: final checkpoint, then exit 14");
   app.add_option("--dump-gradients", gradient_dump,
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
   app.footer(
@@ -153,6 +161,9 @@ int main(int argc, char** argv) {
 
     std::signal(SIGINT, request_stop);
     std::signal(SIGTERM, request_stop);
+    // A full file-size limit is a failed write (EFBIG) to handle, not a
+    // reason to die.
+    std::signal(SIGXFSZ, SIG_IGN);
     keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
     log->info("backend {} with {} threads", backend.name(), backend.threads());
     // Ranks rendezvous through the Store; groups are named by generation so
@@ -184,10 +195,26 @@ int main(int argc, char** argv) {
         });
       }
     }
-    keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get());
+    keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get(),
+                                  keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
+                                                             worker.generation});
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
-    auto summary = loop.run(g_stop);
+    // A run resumes from its newest checkpoint by itself; --init-from names
+    // another one (of any layout).
+    std::optional<std::filesystem::path> resume_dir;
+    if (!init_from.empty()) {
+      resume_dir = init_from;
+    } else {
+      resume_dir = loop.newest_checkpoint();
+    }
+    if (resume_dir) loop.restore(*resume_dir);
+    auto summary = loop.run(g_stop, stop_after);
     print_summary(summary, json);
+    if (summary.final_checkpoint_failed) {
+      std::cerr << "keel-trainer: checkpoint_failure: the final checkpoint was not committed; see events.jsonl"
+                << std::endl;
+      return keel::common::exit_code(ErrorCode::kCheckpointFailure);
+    }
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;

@@ -7,13 +7,28 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 namespace keel::trainer {
 
-MetricsWriter::MetricsWriter(const std::filesystem::path& run_dir) : path_(run_dir / "metrics.jsonl") {
+MetricsWriter::MetricsWriter(const std::filesystem::path& run_dir, int64_t first_step)
+    : path_(run_dir / "metrics.jsonl") {
   std::error_code ec;
   std::filesystem::create_directories(run_dir, ec);
+  std::string kept;
+  if (first_step > 0) {
+    std::ifstream in(path_);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line, nullptr, false);
+      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+          record["step"].get<int64_t>() < first_step) {
+        kept += line + "\n";
+      }
+    }
+  }
   file_ = std::fopen(path_.c_str(), "w");
+  if (file_ != nullptr && !kept.empty()) std::fwrite(kept.data(), 1, kept.size(), file_);
   if (file_ == nullptr) {
     throw common::Error(common::ErrorCode::kBadConfig,
                         fmt::format("cannot write {}: {}; set job.run_dir to a writable directory", path_.string(),

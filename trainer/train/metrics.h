@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 
@@ -12,9 +13,11 @@ namespace keel::trainer {
 
 class MetricsWriter {
  public:
-  // Creates run_dir if needed and starts a fresh metrics.jsonl.
+  // Creates run_dir if needed and opens metrics.jsonl for the steps from
+  // `first_step` on: the records of earlier steps are kept (a resumed run
+  // continues the file), later ones dropped (they are trained again).
   // Throws Error(kBadConfig) when the run directory cannot be written.
-  explicit MetricsWriter(const std::filesystem::path& run_dir);
+  explicit MetricsWriter(const std::filesystem::path& run_dir, int64_t first_step = 0);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

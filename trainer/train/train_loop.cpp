@@ -50,7 +50,8 @@ size_t tp_partial_numel(const ZeroStorage& storage) {
 
 }  // namespace
 
-TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp, Communicator* tp)
+TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp, Communicator* tp,
+                     RankContext rank)
     : config_(config),
       backend_(backend),
       dp_(dp),
@@ -64,7 +65,8 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       storage_(backend, table_, static_cast<int>(config.parallel.zero), dp),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, tp),
-      tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0) {
+      tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0),
+      rank_(rank) {
   const int tp_size = tp != nullptr ? tp->size() : 1;
   if (dp_size_ != config.parallel.dp || tp_size != config.parallel.tp) {
     throw common::Error(common::ErrorCode::kInternal,
@@ -75,6 +77,19 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
     val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
+  if (checkpoints_enabled()) {
+    const auto& c = config.checkpoint;
+    std::filesystem::create_directories(config.checkpoint_dir());
+    checkpointer_.emplace(
+        checkpoint::CheckpointerOptions{
+            config.checkpoint_dir(), config.job.run_dir, c.o_direct, c.keep, c.keep_every, c.timeout_s,
+            config.to_json(),
+            nlohmann::json{{"world_size", rank_.world_size}, {"dp", config.parallel.dp}, {"tp", config.parallel.tp},
+                           {"pp", config.parallel.pp}, {"cp", config.parallel.cp}, {"ep", config.parallel.ep},
+                           {"zero", config.parallel.zero}},
+            rank_.rank, rank_.world_size, rank_.generation},
+        rank_.store);
+  }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
@@ -123,10 +138,9 @@ StepStats TrainLoop::train_step(int64_t step) {
   return stats;
 }
 
-float TrainLoop::sum_over_world(float value) {
-  if (tp_ != nullptr) tp_->all_reduce(&value, 1);
-  if (dp_ != nullptr) dp_->all_reduce(&value, 1);
-  return value;
+void TrainLoop::sum_over_world(float* values, size_t count) {
+  if (tp_ != nullptr) tp_->all_reduce(values, count);
+  if (dp_ != nullptr) dp_->all_reduce(values, count);
 }
 
 void TrainLoop::sum_norm_gradients_over_tp() {
@@ -227,14 +241,14 @@ float TrainLoop::validate() {
   return static_cast<float>(sum / (config_.train.val_batches * micro_batches * dp_size_));
 }
 
-RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
+RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
   auto log = common::logger("trainer");
   const auto& train = config_.train;
   const int64_t tokens_per_step = train.batch_size * config_.model.seq_len;
   std::filesystem::path run_dir(config_.job.run_dir);
   // Every DP rank computes the same step records; rank 0 writes them.
   std::optional<MetricsWriter> metrics;
-  if (dp_rank_ == 0 && tp_rank_ == 0) metrics.emplace(run_dir);
+  if (dp_rank_ == 0 && tp_rank_ == 0) metrics.emplace(run_dir, start_step_);
   log->info(
       "training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters on this rank (tp={}, "
       "zero={}); run_dir {}",
@@ -242,10 +256,14 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
       table_.parameter_count(), config_.parallel.tp, storage_.stage(), run_dir.string());
 
   RunSummary summary;
+  summary.first_step = start_step_;
+  summary.steps_done = start_step_;
+  summary.tokens = start_step_ * tokens_per_step;
   const auto run_start = Clock::now();
+  auto last_save = Clock::now();
   double window_ms = 0, window_loss = 0;
   int64_t window_steps = 0;
-  for (int64_t step = 0; step < train.steps; ++step) {
+  for (int64_t step = start_step_; step < train.steps; ++step) {
     common::set_log_step(step);
     for (Communicator* group : {dp_, tp_}) {
       if (group != nullptr) group->reset_stats();
@@ -268,7 +286,13 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
     if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.
-    const bool stop_now = sum_over_world(stop.load() ? 1.0f : 0.0f) > 0.0f;
+    // A save by time is agreed the same way, since clocks differ.
+    const bool stop_requested = stop.load() || (stop_after >= 0 && step + 1 >= stop_after);
+    const bool save_time = config_.checkpoint.every_seconds > 0 &&
+                           seconds_since(last_save) >= config_.checkpoint.every_seconds;
+    float votes[2] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f};
+    sum_over_world(votes, 2);
+    const bool stop_now = votes[0] > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
     if (val_ && train.val_every > 0 && ((step + 1) % train.val_every == 0 || last)) {
       const float val_loss = validate();
@@ -304,6 +328,11 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
       window_ms = window_loss = 0;
       window_steps = 0;
     }
+    const int64_t every = config_.checkpoint.every_steps;
+    if (checkpointer_ && !last && (votes[1] > 0.0f || (every > 0 && (step + 1) % every == 0))) {
+      save_checkpoint(step + 1);
+      last_save = Clock::now();
+    }
     if (stop_now && step + 1 < train.steps) {
       summary.stopped_early = true;
       log->warn("stop requested: stopping after step {}", step);
@@ -311,8 +340,12 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop) {
     }
   }
   if (metrics) metrics->close();
+  // The end of a run, finished or stopped, is always saved.
+  if (checkpointer_ && last_saved_step_ != summary.steps_done) save_checkpoint(summary.steps_done);
+  if (checkpointer_) summary.final_checkpoint_failed = !checkpointer_->wait();
+  summary.parameter_digest = parameter_digest();
   summary.wall_s = seconds_since(run_start);
-  summary.tokens_per_s = summary.tokens / summary.wall_s;
+  summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;
   summary.memory = memory();
   return summary;
 }

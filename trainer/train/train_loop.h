@@ -3,7 +3,10 @@
 // AdamW, periodic validation, metrics and progress with ETA.
 #pragma once
 
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/piece.h"
 #include "common/config.h"
+#include "common/store.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/data/dataset.h"
 #include "trainer/kernels/backend.h"
@@ -48,6 +51,18 @@ struct RunSummary {
   double wall_s = 0;
   double tokens_per_s = 0;
   MemoryUse memory;
+  int64_t first_step = 0;          // where training started (a resumed run: the checkpoint's step)
+  bool final_checkpoint_failed = false;
+  std::string parameter_digest;    // XXH3 of the parameters this rank holds, after the last step
+};
+
+// Who this rank is in the run, for checkpoints: its global rank and the
+// Store the ranks report through (nullptr with one rank).
+struct RankContext {
+  common::Store* store = nullptr;
+  int rank = 0;
+  int world_size = 1;
+  int64_t generation = 0;
 };
 
 class TrainLoop {
@@ -59,7 +74,8 @@ class TrainLoop {
   // group, as parallel.zero says (see ZeroStorage), so every replica applies
   // the same update. `tp` is the tensor-parallel group (nullptr: none; see
   // Gpt): its ranks train the same sequences on their slices of the model.
-  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr, Communicator* tp = nullptr);
+  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr, Communicator* tp = nullptr,
+            RankContext rank = {});
 
   Gpt& model() { return model_; }
   ZeroStorage& storage() { return storage_; }
@@ -69,6 +85,20 @@ class TrainLoop {
   // part it owns (rank-NNNNN.json), for layout parity checks.
   void dump_first_gradients(std::filesystem::path dir, int rank);
 
+  // Checkpoints (DESIGN §5): with checkpoint.every_steps or every_seconds
+  // set, run() saves into config.checkpoint_dir() on that schedule and once
+  // more when it ends or stops.
+  bool checkpoints_enabled() const;
+  // The newest committed checkpoint that verifies (checkpoint.verify), or
+  // nothing: rank 0 decides, records skipped ones as events, and the
+  // others follow through the Store.
+  std::optional<std::filesystem::path> newest_checkpoint();
+  // Loads the checkpoint in `dir`, whatever layout wrote it, and makes
+  // run() continue from its step. Throws Error(kCheckpointFailure).
+  void restore(const std::filesystem::path& dir);
+  // XXH3-64 of the parameters this rank holds (16 hex digits).
+  std::string parameter_digest();
+
   // One optimizer step on the batch of global step `step`; loss and
   // gradient norm are the same on every rank.
   StepStats train_step(int64_t step);
@@ -77,13 +107,25 @@ class TrainLoop {
   // data.val (run() validates only when it is set).
   float validate();
 
-  // Trains train.steps steps, logging progress and writing metrics.jsonl;
-  // returns after the current step once `stop` becomes true.
-  RunSummary run(const std::atomic<bool>& stop);
+  // Trains up to train.steps steps, logging progress and writing
+  // metrics.jsonl; returns after the current step once `stop` becomes true
+  // or `stop_after` steps are done (-1: never), as a stop request does.
+  RunSummary run(const std::atomic<bool>& stop, int64_t stop_after = -1);
 
  private:
-  // Sums `value` over the world: over the TP group, then the DP group.
-  float sum_over_world(float value);
+  // Sums `values` over the world in place: over the TP group, then the DP group.
+  void sum_over_world(float* values, size_t count);
+  // A block of a global tensor this rank saves or loads, and where its rows
+  // live in this rank's memory.
+  struct StateBlock {
+    checkpoint::Piece piece;
+    float* local;
+  };
+  // Saved: each DP rank its dim-0 shard of every tensor, a tensor
+  // replicated over TP from TP rank 0 only, so every element is written
+  // once. Held: everything this rank keeps (all it needs on a load).
+  std::vector<StateBlock> state_blocks(bool saved);
+  void save_checkpoint(int64_t steps_done);
   // Sums the gradients that sequence parallelism leaves partial over TP.
   void sum_norm_gradients_over_tp();
   // Clips by the global gradient norm and applies AdamW to the owned
@@ -110,6 +152,10 @@ class TrainLoop {
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;
+  RankContext rank_;
+  std::optional<checkpoint::Checkpointer> checkpointer_;
+  int64_t start_step_ = 0;
+  int64_t last_saved_step_ = -1;
 };
 
 }  // namespace keel::trainer

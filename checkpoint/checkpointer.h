@@ -1,0 +1,91 @@
+// One rank's asynchronous checkpoint saves, and their commit (DESIGN §5).
+//
+// The training thread pays only for the snapshot: stage() waits for the
+// previous save (back-pressure, so a save in flight is never overwritten)
+// and hands out the staging buffer; the caller copies its state in and
+// calls save_async(). A writer thread then writes the rank file into
+// step_%08d.partial/ and reports it (size and XXH3) through the Store.
+//
+// Global rank 0 commits: once every rank's file is in, it writes index.h5
+// and the manifest, fsyncs them and the directory, renames it to
+// step_%08d, fsyncs the parent and applies retention. If any rank failed or
+// did not report within the timeout, it abandons the save (the .partial
+// directory is removed) and training goes on. Both outcomes are events in
+// run_dir/events.jsonl.
+#pragma once
+
+#include "checkpoint/piece.h"
+#include "checkpoint/shard_writer.h"
+#include "common/store.h"
+
+#include <nlohmann/json.hpp>
+
+#include <condition_variable>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+namespace keel::checkpoint {
+
+struct CheckpointerOptions {
+  std::filesystem::path root;     // the checkpoint directory
+  std::filesystem::path run_dir;  // events.jsonl goes here
+  bool o_direct = true;
+  int64_t keep = 3;
+  int64_t keep_every = 0;
+  double timeout_s = 600;  // rank 0's wait for the other ranks' files
+  nlohmann::json config;   // stored in the manifest
+  nlohmann::json layout;   // {"world_size", "dp", "tp", ...}
+  int rank = 0;
+  int world_size = 1;
+  int64_t generation = 0;
+};
+
+class Checkpointer {
+ public:
+  // `store` carries the ranks' reports to rank 0; nullptr with one rank.
+  // Rank 0 removes leftovers of interrupted saves (.partial, .deleting).
+  Checkpointer(CheckpointerOptions options, common::Store* store);
+  // Finishes the save in flight.
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Waits for the save in flight, then lays the staging buffer out for
+  // `pieces`; returns where each piece's floats go.
+  std::vector<float*> stage(std::vector<Piece> pieces);
+  // Saves what was staged as step `step` (steps completed) on the writer
+  // thread; returns at once.
+  void save_async(int64_t step, int64_t tokens);
+  // Waits for the save in flight, if any. False when it failed: this
+  // rank's file, or on rank 0 the commit.
+  bool wait();
+
+  const CheckpointerOptions& options() const { return options_; }
+
+ private:
+  struct Job {
+    int64_t step;
+    int64_t tokens;
+  };
+  void writer_loop();
+  bool run(const Job& job);
+  // Rank 0: gathers every rank's report and commits or abandons.
+  bool commit(const Job& job, const nlohmann::json& own_report, double write_s);
+  std::string report_key(int64_t step, int rank) const;
+
+  CheckpointerOptions options_;
+  common::Store* store_;
+  ShardWriter writer_;
+  std::mutex mutex_;
+  std::condition_variable wakeup_;
+  std::optional<Job> job_;  // set while a save is pending or running
+  bool last_ok_ = true;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace keel::checkpoint

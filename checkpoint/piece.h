@@ -1,0 +1,31 @@
+// A piece: the rectangular block of one global tensor that one rank file
+// holds as one contiguous dataset (DESIGN §5).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel::checkpoint {
+
+struct Piece {
+  std::string group;                  // "model", "optim/exp_avg" or "optim/exp_avg_sq"
+  std::string global_name;            // e.g. "h.0.attn.c_attn.weight"
+  std::vector<int64_t> global_shape;  // 1-D or 2-D
+  int64_t row = 0;                    // where the block starts in the global tensor
+  int64_t col = 0;                    // (0 for 1-D tensors)
+  int64_t rows = 0;                   // the block's size; cols = 1 for 1-D tensors
+  int64_t cols = 1;
+
+  size_t numel() const { return static_cast<size_t>(rows * cols); }
+  size_t bytes() const { return numel() * sizeof(float); }
+  // "/model/wte" : the tensor's path in index.h5.
+  std::string tensor_path() const { return "/" + group + "/" + global_name; }
+  // The dataset's path in a rank file: the tensor path plus the block's
+  // origin, so that a rank may hold several blocks of one tensor.
+  std::string dataset_path() const {
+    return tensor_path() + "@" + std::to_string(row) + "," + std::to_string(col);
+  }
+};
+
+}  // namespace keel::checkpoint

@@ -1,0 +1,64 @@
+// Writes one rank's pieces as a rank file, the write path of DESIGN §5:
+//
+// 1. HDF5 builds the skeleton: one contiguous dataset per piece, space
+//    allocated at creation, never filled, every dataset of 4 KiB or more
+//    4 KiB-aligned; H5Dget_offset gives each dataset's file offset; the file
+//    is closed. HDF5 never writes the bulk bytes.
+// 2. The bulk bytes go from the staging buffer (allocated once, 4 KiB
+//    aligned, registered with io_uring once) to those offsets: the aligned
+//    body of each dataset with O_DIRECT, its unaligned tail buffered, then
+//    an fsync that waits for every write.
+//
+// Fallbacks, each logged once per process: a filesystem that refuses
+// O_DIRECT (tmpfs) gets buffered writes; a kernel or sandbox that refuses
+// io_uring gets pwrite; a refused buffer registration gets unregistered
+// io_uring writes.
+#pragma once
+
+#include "checkpoint/piece.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+namespace keel::checkpoint {
+
+class ShardWriter {
+ public:
+  explicit ShardWriter(bool o_direct);
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  // Lays the staging buffer out for `pieces`. It is reallocated (and
+  // registered again) only when the total size changes, so the saves of one
+  // run reuse a single buffer.
+  void prepare(std::vector<Piece> pieces);
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  // Where piece i's floats go before write().
+  float* staging(size_t i);
+  size_t staging_bytes() const { return staging_bytes_; }
+
+  // Writes the staged pieces, and `state` as attributes of /state, to a new
+  // file at `path`, fsynced. Throws Error(kCheckpointFailure) naming what
+  // failed; a failed file is left for the caller to remove.
+  void write(const std::filesystem::path& path, const nlohmann::json& state);
+
+ private:
+  struct Ring;
+  // Creates the HDF5 skeleton and returns every piece's file offset.
+  std::vector<uint64_t> write_skeleton(const std::filesystem::path& path, const nlohmann::json& state) const;
+  void write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets);
+
+  bool o_direct_;
+  std::vector<Piece> pieces_;
+  std::vector<size_t> staging_offset_;
+  size_t staging_bytes_ = 0;
+  std::unique_ptr<std::byte, void (*)(void*)> staging_;
+  std::unique_ptr<Ring> ring_;
+};
+
+}  // namespace keel::checkpoint

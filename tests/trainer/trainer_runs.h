@@ -1,0 +1,130 @@
+// Real keel-trainer runs of one small model in a temporary directory, in
+// any DP x TP x ZeRO layout, with their metrics read back: the fixture of
+// the layout parity and checkpoint tests.
+#pragma once
+
+#include "common/config.h"
+#include "tests/support/process.h"
+#include "tests/support/rank_launcher.h"
+#include "tests/support/temp_dir.h"
+#include "tests/trainer/token_fixture.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace keel::test {
+
+// n_head = 4 so that TP4 holds one head per rank; vocab 256 splits evenly.
+inline const char* kTrainerRunsConfig = R"(
+[model]
+seq_len = 32
+n_layer = 2
+n_head = 4
+n_embd = 32
+[data]
+train = "train.bin"
+val = "train.bin"
+[train]
+steps = 20
+batch_size = 8
+lr = 3e-3
+warmup_steps = 2
+val_every = 10
+val_batches = 4
+threads = 1
+)";
+
+struct Layout {
+  int dp = 1;
+  int tp = 1;
+  int zero = 0;
+  int micro_batches = 1;
+
+  int world() const { return dp * tp; }
+  std::string name() const {
+    return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + "z" + std::to_string(zero) + "m" +
+           std::to_string(micro_batches);
+  }
+  std::vector<std::string> sets() const {
+    return {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
+            "parallel.zero=" + std::to_string(zero), "parallel.micro_batches=" + std::to_string(micro_batches)};
+  }
+};
+
+struct Run {
+  std::vector<double> losses, grad_norms;
+  std::vector<std::string> exact;  // the printed values, for bit-identity
+  std::vector<nlohmann::json> records;
+  double val_loss = NAN;
+  std::vector<std::string> outputs;  // each rank's stdout and stderr
+};
+
+class TrainerRuns {
+ public:
+  TrainerRuns() {
+    write_pattern_shard(dir_ / "train.bin", 30000);
+    config_ = dir_.write("run.toml", kTrainerRunsConfig);
+  }
+
+  keel::common::Config config(const std::vector<std::string>& sets = {}) const {
+    return keel::common::Config::load(config_, sets);
+  }
+  const std::filesystem::path& dir() const { return dir_.path(); }
+
+  // keel-trainer's command line for run directory `run`: the config,
+  // --json, the gradient dump of the first step into run/grads, `sets` as
+  // --set arguments, then `args`.
+  std::vector<std::string> argv(const std::string& run, const std::vector<std::string>& sets,
+                                const std::vector<std::string>& args = {}) const {
+    std::vector<std::string> argv = {keel_binary("keel-trainer").string(), "--config", config_.string(),
+                                     "--set", "job.run_dir=" + (dir_ / run).string(), "--json",
+                                     "--dump-gradients", (dir_ / run / "grads").string()};
+    for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  }
+
+  // Runs `layout` to completion in run directory `name` (a single rank
+  // without the worker environment, which is how the oracle runs); every
+  // rank must exit with `exit_code`.
+  Run run(const Layout& layout, const std::string& name, std::vector<std::string> extra = {},
+          const std::vector<std::string>& args = {}, int exit_code = 0) const {
+    auto sets = layout.sets();
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    Run run;
+    if (layout.world() == 1) {
+      auto result = run_process(argv(name, sets, args), {{"SPDLOG_LEVEL", "warn"}});
+      REQUIRE_MESSAGE(result.exit_code == exit_code, result.output);
+      run.outputs.push_back(result.output);
+    } else {
+      RankLauncher ranks(layout.world(), argv(name, sets, args), {{"SPDLOG_LEVEL", "warn"}});
+      for (const auto& result : ranks.wait_all(300)) {
+        CAPTURE(run.outputs.size());
+        REQUIRE_MESSAGE(result.exit_code == exit_code, result.output);
+        run.outputs.push_back(result.output);
+      }
+    }
+    std::ifstream in(dir_ / name / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto record = nlohmann::json::parse(line);
+      run.losses.push_back(record.at("loss").get<double>());
+      run.grad_norms.push_back(record.at("grad_norm").get<double>());
+      run.exact.push_back(record.at("loss").dump() + " " + record.at("grad_norm").dump());
+      if (record.contains("val_loss")) run.val_loss = record.at("val_loss").get<double>();
+      run.records.push_back(std::move(record));
+    }
+    return run;
+  }
+
+ private:
+  TempDir dir_;
+  std::filesystem::path config_;
+};
+
+}  // namespace keel::test

@@ -1,0 +1,153 @@
+// TrainLoop's side of checkpoints (DESIGN §5): which blocks of which global
+// tensors this rank saves and loads, and where they live in its memory.
+// checkpoint/ does the files; this maps the model onto them.
+#include "checkpoint/catalog.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/reader.h"
+#include "common/error.h"
+#include "common/events.h"
+#include "common/log.h"
+#include "trainer/train/train_loop.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <thread>
+
+namespace keel::trainer {
+namespace {
+
+constexpr const char* kGroups[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
+
+}  // namespace
+
+bool TrainLoop::checkpoints_enabled() const {
+  return config_.checkpoint.every_steps > 0 || config_.checkpoint.every_seconds > 0;
+}
+
+std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
+  // Saves split every tensor over the DP group whatever the ZeRO stage, so
+  // that the ranks share the writing.
+  const ShardLayout save_split(table_, dp_size_);
+  std::vector<StateBlock> blocks;
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    const ParamSpec& spec = table_.specs()[t];
+    if (saved && spec.split == TpSplit::kReplicated && tp_rank_ != 0) continue;
+    const int64_t row_numel = spec.row_numel();
+    const int64_t owned_begin = storage_.owned_row_begin(t);
+    for (const char* group : kGroups) {
+      const bool model = std::string(group) == "model";
+      int64_t begin = 0, end = spec.rows();
+      if (saved) {
+        begin = static_cast<int64_t>(save_split.shard_begin(t, dp_rank_)) / row_numel;
+        end = begin + static_cast<int64_t>(save_split.shard_numel(t, dp_rank_)) / row_numel;
+      } else if (!model || storage_.stage() == 3) {
+        begin = owned_begin;
+        end = begin + storage_.owned_rows(t);
+      }
+      // Where local row `begin` lives: parameters are whole below ZeRO-3,
+      // everything else starts at the first owned row.
+      float* base = nullptr;
+      if (model && storage_.stage() < 3) {
+        base = storage_.params() + spec.offset + begin * row_numel;
+      } else {
+        float* owned = model ? storage_.owned_parameters(t)
+                             : (std::string(group) == "optim/exp_avg" ? optimizer_.exp_avg(t) : optimizer_.exp_avg_sq(t));
+        base = owned + (begin - owned_begin) * row_numel;
+      }
+      for (const GlobalBlock& b : spec.global_blocks(begin, end)) {
+        checkpoint::Piece piece{group, spec.name, spec.global_shape, b.row, b.col, b.rows, b.cols};
+        blocks.push_back(StateBlock{std::move(piece), base + (b.local_row - begin) * row_numel});
+      }
+    }
+  }
+  return blocks;
+}
+
+void TrainLoop::save_checkpoint(int64_t steps_done) {
+  const auto blocks = state_blocks(true);
+  std::vector<checkpoint::Piece> pieces;
+  for (const auto& b : blocks) pieces.push_back(b.piece);
+  // Waits for the previous save; the copy below is all training pays.
+  const auto staging = checkpointer_->stage(std::move(pieces));
+  for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_to_host(staging[i], blocks[i].local, blocks[i].piece.bytes());
+  checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
+  last_saved_step_ = steps_done;
+}
+
+std::optional<std::filesystem::path> TrainLoop::newest_checkpoint() {
+  const auto root = config_.checkpoint_dir();
+  const std::string key = fmt::format("ckpt/g{}/resume", rank_.generation);
+  if (rank_.rank == 0) {
+    auto skipped = [&](const std::filesystem::path& dir, const std::string& why) {
+      common::logger("checkpoint")->warn("skipping checkpoint {}: {}", dir.string(), why);
+      common::append_event(config_.job.run_dir, "checkpoint_skipped", rank_.generation, rank_.rank,
+                           {{"dir", dir.string()}, {"cause", why}});
+    };
+    const auto newest = checkpoint::newest_loadable(root, config_.checkpoint.verify == "full", skipped);
+    if (rank_.store != nullptr) rank_.store->set(key, newest ? newest->dir.string() : "");
+    if (!newest) return std::nullopt;
+    return newest->dir;
+  }
+  // Polled, not waited on: a long Store wait would hold up the
+  // communicators' failure watchers, which share the connection.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(config_.checkpoint.timeout_s);
+  for (;;) {
+    if (auto dir = rank_.store->get(key)) {
+      if (dir->empty()) return std::nullopt;
+      return std::filesystem::path(*dir);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw common::Error(common::ErrorCode::kPeerFailure,
+                          fmt::format("rank 0 did not name the checkpoint to resume from within {} s",
+                                      config_.checkpoint.timeout_s));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void TrainLoop::restore(const std::filesystem::path& dir) {
+  auto log = common::logger("checkpoint");
+  checkpoint::CheckpointReader reader(dir);
+  if (rank_.rank == 0 && config_.checkpoint.verify == "full") {
+    const auto problems = checkpoint::verify_files(dir, reader.manifest());
+    if (!problems.empty()) {
+      throw common::Error(common::ErrorCode::kCheckpointFailure,
+                          fmt::format("checkpoint {} does not verify: {}", dir.string(), problems.front()));
+    }
+  }
+  std::vector<float> host;
+  for (const auto& b : state_blocks(false)) {
+    host.resize(b.piece.numel());
+    reader.read(b.piece.tensor_path(), b.piece.row, b.piece.col, b.piece.rows, b.piece.cols, host.data());
+    backend_.copy_from_host(b.local, host.data(), b.piece.bytes());
+  }
+  // ZeRO-3's gathered copies predate the load.
+  storage_.publish_parameters();
+  start_step_ = reader.manifest().step;
+  std::error_code ec;
+  // A checkpoint of this run's own directory need not be saved again at
+  // the same step; one loaded from elsewhere is.
+  if (std::filesystem::equivalent(dir.parent_path(), config_.checkpoint_dir(), ec)) last_saved_step_ = start_step_;
+  log->info("resuming from {} at step {} (saved as {})", dir.string(), start_step_,
+            reader.manifest().layout.dump());
+}
+
+std::string TrainLoop::parameter_digest() {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  std::vector<float> host;
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    const size_t n = storage_.stage() == 3 ? storage_.owned_numel(t) : table_.specs()[t].numel;
+    const float* p = storage_.stage() == 3 ? storage_.owned_parameters(t) : storage_.params() + table_.specs()[t].offset;
+    host.resize(n);
+    backend_.copy_to_host(host.data(), p, n * sizeof(float));
+    XXH3_64bits_update(state, host.data(), n * sizeof(float));
+  }
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return fmt::format("{:016x}", digest);
+}
+
+}  // namespace keel::trainer
