@@ -2,7 +2,6 @@
 
 #include "common/error.h"
 
-#include <mutex>
 
 namespace keel::checkpoint {
 
@@ -34,8 +33,10 @@ void h5_check(herr_t rc, const std::string& what) {
 }
 
 void quiet_hdf5() {
-  static std::once_flag once;
-  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+  // Per thread: a thread-safe HDF5 keeps the setting per thread.
+  thread_local bool quiet = false;
+  if (!quiet) H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  quiet = true;
 }
 
 void write_string_attribute(hid_t object, const char* name, const std::string& value) {

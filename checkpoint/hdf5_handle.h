@@ -35,7 +35,7 @@ class H5Handle {
 
 // Throws Error(kCheckpointFailure) with `what` when rc is negative.
 void h5_check(herr_t rc, const std::string& what);
-// Switches off HDF5's printing of its error stack (once per process).
+// Switches off HDF5's printing of its error stack for the calling thread.
 void quiet_hdf5();
 
 void write_string_attribute(hid_t object, const char* name, const std::string& value);

@@ -35,6 +35,20 @@ void warn_once(std::once_flag& flag, const std::string& message) {
 
 std::once_flag g_no_o_direct, g_no_uring, g_no_registration;
 
+// Fails cleanly, before HDF5 touches the disk, when the file cannot grow to
+// `bytes` (a full disk, a quota, a file-size limit): a write failure inside
+// HDF5's close leaves the library in a state that crashes it at exit.
+void reserve(const std::filesystem::path& path, size_t bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(fmt::format("cannot create {}: {}", path.string(), std::strerror(errno)));
+  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  ::close(fd);
+  if (rc != 0) {
+    ::unlink(path.c_str());
+    fail(fmt::format("no room for the {} bytes of {}: {}", bytes, path.string(), std::strerror(rc)));
+  }
+}
+
 // One write: `len` bytes from `data` at `offset` of `fd`; buf_index names
 // the registered buffer holding data, -1 when there is none.
 struct WriteOp {
@@ -141,6 +155,11 @@ void ShardWriter::write(const std::filesystem::path& path, const nlohmann::json&
 
 std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& path, const nlohmann::json& state) const {
   quiet_hdf5();
+  // An upper bound of the file: every dataset aligned, plus generous
+  // metadata (a few KiB per dataset with its attributes).
+  size_t bound = size_t{1} << 20;
+  for (const Piece& p : pieces_) bound += align_up(p.bytes()) + 8 * kAlign;
+  reserve(path, bound);
   const std::string where = path.string();
   H5Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, "H5Pcreate");
   h5_check(H5Pset_alignment(fapl.get(), kAlign, kAlign), "H5Pset_alignment");

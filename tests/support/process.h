@@ -16,7 +16,8 @@ struct ProcessResult {
   std::string output;   // stdout and stderr together
 };
 
-// A program running as a real child process (fork/exec, no shell) with its
+// A program running as a real child process (fork/exec, no shell; a name
+// without a slash is looked up on PATH) with its
 // stdout and stderr captured together. `env` entries are added to the
 // inherited environment. The destructor kills a child still running.
 class ChildProcess {

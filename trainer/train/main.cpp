@@ -209,12 +209,12 @@ int main(int argc, char** argv) {
     }
     if (resume_dir) loop.restore(*resume_dir);
     auto summary = loop.run(g_stop, stop_after);
-    print_summary(summary, json);
     if (summary.final_checkpoint_failed) {
       std::cerr << "keel-trainer: checkpoint_failure: the final checkpoint was not committed; see events.jsonl"
                 << std::endl;
-      return keel::common::exit_code(ErrorCode::kCheckpointFailure);
     }
+    print_summary(summary, json);
+    if (summary.final_checkpoint_failed) return keel::common::exit_code(ErrorCode::kCheckpointFailure);
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;

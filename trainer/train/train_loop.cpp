@@ -264,6 +264,9 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
   double window_ms = 0, window_loss = 0;
   int64_t window_steps = 0;
   for (int64_t step = start_step_; step < train.steps; ++step) {
+    // Resumed at or past the requested stop: nothing to train, only the
+    // final save below.
+    if (stop_after >= 0 && step >= stop_after) break;
     common::set_log_step(step);
     for (Communicator* group : {dp_, tp_}) {
       if (group != nullptr) group->reset_stats();

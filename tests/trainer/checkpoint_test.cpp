@@ -1,0 +1,224 @@
+// Checkpoints end to end with real keel-trainer processes (DESIGN §5):
+// bit-exact resume, resharding across DP, TP and ZeRO, interoperability
+// with h5py and h5dump, corruption, crashes in the middle of saves and a
+// full disk.
+#include "checkpoint/catalog.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/paths.h"
+#include "checkpoint/reader.h"
+#include "tests/trainer/trainer_runs.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <random>
+#include <thread>
+
+namespace fs = std::filesystem;
+using keel::test::Layout;
+using keel::test::Run;
+using keel::test::TrainerRuns;
+
+namespace {
+
+const std::vector<std::string> kEvery4 = {"train.steps=12", "train.val_every=0", "checkpoint.every_steps=4"};
+
+fs::path checkpoint_of(const TrainerRuns& f, const std::string& run, int64_t step) {
+  return keel::checkpoint::step_dir(f.dir() / run / "checkpoints", step);
+}
+
+std::vector<std::string> digests(const Run& run) {
+  std::vector<std::string> out;
+  for (const auto& output : run.outputs) out.push_back(keel::test::last_json_line(output).at("parameter_digest"));
+  return out;
+}
+
+// Every tensor of a checkpoint, read whole through keel's reader.
+std::map<std::string, std::vector<float>> all_tensors(const fs::path& dir) {
+  keel::checkpoint::CheckpointReader reader(dir);
+  std::map<std::string, std::vector<float>> tensors;
+  for (const auto& name : reader.tensors()) {
+    const auto shape = reader.global_shape(name);
+    const int64_t cols = shape.size() == 2 ? shape[1] : 1;
+    auto& data = tensors[name];
+    data.resize(static_cast<size_t>(shape[0] * cols));
+    reader.read(name, 0, 0, shape[0], cols, data.data());
+  }
+  return tensors;
+}
+
+std::vector<nlohmann::json> events(const fs::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir / "events.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+int count_events(const fs::path& run_dir, const std::string& kind) {
+  int n = 0;
+  for (const auto& e : events(run_dir)) n += e.at("kind") == kind ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE("a run stopped and resumed is bit-identical to one that never stopped") {
+    for (const Layout& layout : {Layout{}, Layout{2, 2, 1}, Layout{2, 1, 3}, Layout{2, 2, 3, 2}}) {
+      CAPTURE(layout.name());
+      TrainerRuns f;
+      const Run whole = f.run(layout, "whole", kEvery4);
+      // Stopped after step 6 (a final checkpoint, exit 14), then started
+      // again in the same run directory: it resumes by itself.
+      f.run(layout, "resumed", kEvery4, {"--stop-after", "6"}, 14);
+      const Run resumed = f.run(layout, "resumed", kEvery4);
+      CHECK(keel::test::last_json_line(resumed.outputs[0]).at("first_step") == 6);
+      CHECK(resumed.exact == whole.exact);
+      CHECK(digests(resumed) == digests(whole));
+    }
+  }
+
+  TEST_CASE("a checkpoint saved in one layout continues in another and round-trips bit-exactly") {
+    struct Pair {
+      Layout a, b;
+    };
+    const Pair pairs[] = {{Layout{}, Layout{2, 1, 1}},          {Layout{2, 1, 0}, Layout{1, 2, 0}},
+                          {Layout{1, 2, 0}, Layout{2, 2, 3}},   {Layout{2, 2, 1}, Layout{}},
+                          {Layout{4, 1, 3}, Layout{2, 1, 2}},   {Layout{2, 1, 2}, Layout{1, 4, 0}}};
+    TrainerRuns f;
+    const Run single = f.run(Layout{}, "single", kEvery4);
+    for (const Pair& pair : pairs) {
+      const std::string a = "a_" + pair.a.name() + "_" + pair.b.name(), b = "b_" + pair.a.name() + "_" + pair.b.name();
+      CAPTURE(a);
+      f.run(pair.a, a, kEvery4, {"--stop-after", "6"}, 14);
+      const fs::path saved = checkpoint_of(f, a, 6);
+      const Run continued = f.run(pair.b, b, kEvery4, {"--init-from", saved.string()});
+      REQUIRE(continued.losses.size() == 6);  // steps 6 to 11
+      for (size_t s = 0; s < 6; ++s) {
+        CAPTURE(s);
+        CHECK(std::fabs(continued.losses[s] - single.losses[6 + s]) <= 1e-5 * std::fabs(single.losses[6 + s]));
+      }
+      // A -> B -> A: B saves what it loaded, A loads that and saves again.
+      f.run(pair.b, b + "_rt", kEvery4, {"--init-from", saved.string(), "--stop-after", "6"});
+      f.run(pair.a, a + "_rt", kEvery4, {"--init-from", checkpoint_of(f, b + "_rt", 6).string(), "--stop-after", "6"});
+      CHECK(all_tensors(checkpoint_of(f, a + "_rt", 6)) == all_tensors(saved));
+    }
+  }
+
+  TEST_CASE("h5py reads every global tensor of index.h5 as its pieces assemble it and h5dump lists every file") {
+    TrainerRuns f;
+    f.run(Layout{2, 2, 3}, "interop", kEvery4, {"--stop-after", "4"}, 14);
+    const fs::path dir = checkpoint_of(f, "interop", 4);
+    const auto result = keel::test::run_process(
+        {KEEL_SYSTEM_PYTHON, std::string(KEEL_TESTS_DIR) + "/python/check_checkpoint_h5py.py", dir.string()});
+    CAPTURE(result.output);
+    REQUIRE(result.exit_code == 0);
+    const auto summary = keel::test::last_json_line(result.output);
+    CHECK(summary.at("tensors").get<int>() == 3 * 28);  // 28 tensors, each with two AdamW moments
+    CHECK(summary.at("problems").empty());
+    const auto manifest = keel::checkpoint::read_manifest(dir);
+    CHECK(manifest.files.size() == 5);  // four ranks and the index
+    for (const auto& file : manifest.files) {
+      CAPTURE(file.name);
+      const auto dump = keel::test::run_process({"h5dump", "-H", (dir / file.name).string()});
+      CHECK(dump.exit_code == 0);
+      CHECK(dump.output.find("DATASET \"") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("a flipped bit or a truncated or missing file is caught and the previous checkpoint is loaded") {
+    struct Damage {
+      const char* what;
+      std::function<void(const fs::path&)> apply;
+    };
+    const Damage damages[] = {
+        {"flipped bit",
+         [](const fs::path& file) {
+           std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+           io.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
+           char byte = 0;
+           io.read(&byte, 1);
+           byte = static_cast<char>(byte ^ 0x10);
+           io.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+           io.write(&byte, 1);
+         }},
+        {"truncated file", [](const fs::path& file) { fs::resize_file(file, fs::file_size(file) - 4096); }},
+        {"missing file", [](const fs::path& file) { fs::remove(file); }},
+    };
+    for (const Damage& damage : damages) {
+      CAPTURE(damage.what);
+      TrainerRuns f;
+      f.run(Layout{2, 1, 1}, "run", kEvery4, {"--stop-after", "8"}, 14);
+      const fs::path newest = checkpoint_of(f, "run", 8);
+      const fs::path victim = newest / "rank-00001.h5";
+      damage.apply(victim);
+      const auto problems = keel::checkpoint::verify_files(newest, keel::checkpoint::read_manifest(newest));
+      REQUIRE(problems.size() == 1);
+      CHECK(problems[0].find("rank-00001.h5") != std::string::npos);
+      const Run resumed = f.run(Layout{2, 1, 1}, "run", kEvery4);
+      CHECK(keel::test::last_json_line(resumed.outputs[0]).at("first_step") == 4);
+      CHECK(count_events(f.dir() / "run", "checkpoint_skipped") == 1);
+    }
+  }
+
+  TEST_CASE("after kill -9 at random moments during saves the newest committed checkpoint always loads") {
+    TrainerRuns f;
+    std::mt19937 random(20261121);
+    const std::vector<std::string> often = {"train.steps=1000000", "train.val_every=0", "checkpoint.every_steps=1",
+                                            "checkpoint.keep=2"};
+    const fs::path root = f.dir() / "crash" / "checkpoints";
+    int64_t newest_step = -1;
+    for (int trial = 0; trial < 20; ++trial) {
+      CAPTURE(trial);
+      keel::test::ChildProcess trainer(f.argv("crash", [&] {
+        auto sets = Layout{}.sets();
+        sets.insert(sets.end(), often.begin(), often.end());
+        return sets;
+      }()), {{"SPDLOG_LEVEL", "warn"}});
+      std::this_thread::sleep_for(std::chrono::milliseconds(150 + random() % 400));
+      trainer.signal(SIGKILL);
+      trainer.wait(30);
+      const auto newest = keel::checkpoint::newest_loadable(
+          root, true, [](const fs::path& dir, const std::string& why) { FAIL_CHECK(dir.string() << ": " << why); });
+      if (!newest) continue;  // killed before its first commit
+      CHECK(newest->step >= newest_step);  // never lost one
+      newest_step = newest->step;
+      // Every committed checkpoint, not just the newest, verifies.
+      for (const auto& entry : keel::checkpoint::committed(root)) {
+        CHECK(keel::checkpoint::verify_files(entry.dir, keel::checkpoint::read_manifest(entry.dir)).empty());
+      }
+    }
+    CHECK(newest_step > 0);
+    // And training resumes from it.
+    const Run resumed = f.run(Layout{}, "crash", {"train.steps=1000000", "train.val_every=0", "checkpoint.every_steps=1"},
+                              {"--stop-after", std::to_string(newest_step + 1)}, 14);
+    CHECK(keel::test::last_json_line(resumed.outputs[0]).at("first_step") == newest_step);
+  }
+
+  TEST_CASE("a full disk abandons the save and training goes on with older checkpoints intact") {
+    TrainerRuns f;
+    f.run(Layout{}, "full", kEvery4, {"--stop-after", "4"}, 14);
+    const fs::path kept = checkpoint_of(f, "full", 4);
+    // A file-size limit below one rank file: every later save fails with
+    // EFBIG, as on a full disk, while the small metrics still fit.
+    auto args = f.argv("full", [] {
+      auto sets = Layout{}.sets();
+      sets.insert(sets.end(), kEvery4.begin(), kEvery4.end());
+      return sets;
+    }());
+    args.insert(args.begin(), {"prlimit", "--fsize=200000", "--"});
+    const auto result = keel::test::run_process(args, {{"SPDLOG_LEVEL", "warn"}});
+    CAPTURE(result.output);
+    CHECK(result.exit_code == 13);  // the final checkpoint could not be committed either
+    CHECK(keel::test::last_json_line(result.output).at("steps") == 12);
+    CHECK(count_events(f.dir() / "full", "checkpoint_abandoned") == 2);  // step 8, and the final save at 12
+    CHECK(keel::checkpoint::committed(f.dir() / "full" / "checkpoints").size() == 1);
+    CHECK(keel::checkpoint::verify_files(kept, keel::checkpoint::read_manifest(kept)).empty());
+    for (const auto& entry : fs::directory_iterator(f.dir() / "full" / "checkpoints")) {
+      CHECK(entry.path().filename().string().find("partial") == std::string::npos);
+    }
+  }
+}
