@@ -1,0 +1,35 @@
+// keelctl checkpoint list | verify | inspect | prune (DESIGN §8): work
+// directly on a run's checkpoint directory, with or without a daemon.
+// Readable tables by default, one JSON document with --json. Each returns
+// the process exit code: 0 fine, 1 a checkpoint failed verification, 2 bad
+// usage or input (no such directory, step or tensor).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <ostream>
+#include <string>
+
+namespace keel::daemon {
+
+struct CheckpointTarget {
+  std::filesystem::path root;   // the checkpoint directory (run_dir/checkpoints by default)
+  std::optional<int64_t> step;  // one checkpoint; default: the newest committed
+  bool json = false;
+};
+
+int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostream& err);
+// Every file of the checkpoint against its size and checksum; `all`: every
+// committed checkpoint.
+int checkpoint_verify(const CheckpointTarget& target, bool all, std::ostream& out, std::ostream& err);
+// The tensors with shapes and dtypes; with `tensor` ("model/wte"), its
+// values too (the first `limit`, 0 for all).
+int checkpoint_inspect(const CheckpointTarget& target, const std::string& tensor, int64_t limit, std::ostream& out,
+                       std::ostream& err);
+// Removes what retention would (all but the newest `keep`, except steps that
+// are multiples of keep_every); `dry_run` only lists them.
+int checkpoint_prune(const CheckpointTarget& target, int64_t keep, int64_t keep_every, bool dry_run, std::ostream& out,
+                     std::ostream& err);
+
+}  // namespace keel::daemon

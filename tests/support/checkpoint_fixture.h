@@ -1,0 +1,48 @@
+// Small checkpoints written through the real Checkpointer (no trainer):
+// a 2-D and a 1-D tensor, in two pieces each, with values that say where
+// they are, so a reader can check every element.
+#pragma once
+
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/paths.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <vector>
+
+namespace keel::test {
+
+// Element (r, c) of fixture tensor `t` at step `step`.
+inline float fixture_value(int t, int64_t r, int64_t c, int64_t step) {
+  return static_cast<float>(t * 10000 + r * 100 + c) + 0.5f * static_cast<float>(step);
+}
+
+// Saves and commits checkpoints of `steps` under root (one rank, no store).
+inline void write_fixture_checkpoints(const std::filesystem::path& root, const std::vector<int64_t>& steps,
+                                      int64_t keep = 100) {
+  checkpoint::CheckpointerOptions options;
+  options.root = root;
+  options.run_dir = root.parent_path();
+  options.keep = keep;
+  options.layout = {{"world_size", 1}, {"dp", 1}, {"tp", 1}, {"zero", 0}};
+  std::filesystem::create_directories(root);
+  checkpoint::Checkpointer checkpointer(options, nullptr);
+  const std::vector<checkpoint::Piece> pieces = {
+      {"model", "w", {6, 5}, 0, 0, 4, 5}, {"model", "w", {6, 5}, 4, 0, 2, 5},
+      {"model", "b", {7}, 0, 0, 3, 1},    {"model", "b", {7}, 3, 0, 4, 1},
+  };
+  for (int64_t step : steps) {
+    auto staging = checkpointer.stage(pieces);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const auto& p = pieces[i];
+      const int t = p.global_name == "w" ? 0 : 1;
+      for (int64_t r = 0; r < p.rows; ++r) {
+        for (int64_t c = 0; c < p.cols; ++c) staging[i][r * p.cols + c] = fixture_value(t, p.row + r, p.col + c, step);
+      }
+    }
+    checkpointer.save_async(step, step * 100);
+    checkpointer.wait();
+  }
+}
+
+}  // namespace keel::test
