@@ -129,6 +129,34 @@ TEST_SUITE("integration") {
     }
   }
 
+  TEST_CASE("keel-trainer --eval gives one loss in every layout and PyTorch reading the checkpoint agrees") {
+    TrainerRuns f;
+    f.run(Layout{2, 2, 3}, "trained", kEvery4, {"--stop-after", "8"}, 14);
+    const fs::path dir = checkpoint_of(f, "trained", 8);
+    const std::string data = (f.dir() / "train.bin").string();
+    std::vector<double> losses;
+    for (const Layout& layout : {Layout{}, Layout{2, 1, 1}, Layout{1, 2, 0}, Layout{2, 2, 3}}) {
+      CAPTURE(layout.name());
+      const Run eval = f.run(layout, "eval_" + layout.name(), {},
+                             {"--eval", dir.string(), "--eval-data", data, "--eval-sequences", "40"});
+      const auto result = keel::test::last_json_line(eval.outputs[0]);
+      CHECK(result.at("step") == 8);
+      CHECK(result.at("sequences") == 40);
+      CHECK(result.at("tokens") == 40 * 32);
+      losses.push_back(result.at("loss").get<double>());
+    }
+    const auto torch = keel::test::run_process(
+        {KEEL_SYSTEM_PYTHON, std::string(KEEL_TESTS_DIR) + "/python/eval_checkpoint_torch.py", dir.string(), data, "40"});
+    CAPTURE(torch.output);
+    REQUIRE(torch.exit_code == 0);
+    const double reference = keel::test::last_json_line(torch.output).at("loss").get<double>();
+    for (double loss : losses) CHECK(std::fabs(loss - reference) <= 1e-5 * reference);
+    // Asking for more windows than the file holds is a data error.
+    const Run too_many = f.run(Layout{}, "eval_too_many", {},
+                               {"--eval", dir.string(), "--eval-data", data, "--eval-sequences", "100000"}, 3);
+    CHECK(too_many.outputs[0].find("--eval-sequences between 1 and") != std::string::npos);
+  }
+
   TEST_CASE("a flipped bit or a truncated or missing file is caught and the previous checkpoint is loaded") {
     struct Damage {
       const char* what;

@@ -103,8 +103,8 @@ int main(int argc, char** argv) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool json = false;
-  std::string gradient_dump, init_from;
-  int64_t stop_after = -1;
+  std::string gradient_dump, init_from, eval_dir, eval_data;
+  int64_t stop_after = -1, eval_sequences = -1;
   app.add_option("--config", config_path, "TOML run configuration")->required();
   app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
@@ -112,6 +112,13 @@ int main(int argc, char** argv) {
                  "start from this checkpoint directory (any layout) instead of the run's newest checkpoint");
   app.add_option("--stop-after", stop_after,
                  "stop after this many steps as a stop request would: final checkpoint, then exit 14");
+  auto* eval = app.add_option("--eval", eval_dir,
+                               "evaluate this checkpoint (any layout) instead of training and print one JSON "
+                               "object: step, loss, sequences, tokens");
+  app.add_option("--eval-data", eval_data, "token file for --eval (llm.c shard format)")->needs(eval);
+  app.add_option("--eval-sequences", eval_sequences,
+                 "windows of seq_len + 1 tokens from the start of --eval-data (default: all)")
+      ->needs(eval);
   app.add_option("--dump-gradients", gradient_dump,
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
   app.footer(
@@ -199,6 +206,20 @@ int main(int argc, char** argv) {
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
                                                              worker.generation});
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
+    if (!eval_dir.empty()) {
+      if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");
+      loop.restore(eval_dir);
+      const auto result = loop.evaluate(eval_data, eval_sequences);
+      if (worker.rank == 0) {
+        std::cout << nlohmann::json{{"step", loop.first_step()},
+                                    {"loss", result.loss},
+                                    {"sequences", result.sequences},
+                                    {"tokens", result.sequences * config.model.seq_len}}
+                         .dump()
+                  << std::endl;
+      }
+      return 0;
+    }
     // A run resumes from its newest checkpoint by itself; --init-from names
     // another one (of any layout).
     std::optional<std::filesystem::path> resume_dir;

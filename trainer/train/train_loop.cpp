@@ -241,6 +241,42 @@ float TrainLoop::validate() {
   return static_cast<float>(sum / (config_.train.val_batches * micro_batches * dp_size_));
 }
 
+TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int64_t sequences) {
+  const int T = static_cast<int>(config_.model.seq_len);
+  const TokenDataset data = TokenDataset::open(path.string(), config_.model.vocab_size, T + 1);
+  const int64_t available = data.num_tokens() / (T + 1);
+  if (sequences < 0) sequences = available;
+  if (sequences < 1 || sequences > available) {
+    throw common::Error(common::ErrorCode::kDataError,
+                        fmt::format("{} holds {} windows of seq_len + 1 = {} tokens but {} were asked for; pass "
+                                    "--eval-sequences between 1 and {}",
+                                    path.string(), available, T + 1, sequences, available));
+  }
+  // DP rank d takes windows d, d + dp, d + 2dp, ... in microbatches; the TP
+  // ranks of a DP rank take the same ones.
+  std::vector<int32_t> window(static_cast<size_t>(T) + 1);
+  double loss_sum = 0;
+  int batch = 0;
+  auto flush = [&] {
+    if (batch == 0) return;
+    loss_sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch)) * batch;
+    batch = 0;
+  };
+  for (int64_t i = dp_rank_; i < sequences; i += dp_size_) {
+    data.copy(i * (T + 1), T + 1, window.data());
+    std::copy(window.begin(), window.end() - 1, inputs_.begin() + static_cast<ptrdiff_t>(batch) * T);
+    std::copy(window.begin() + 1, window.end(), targets_.begin() + static_cast<ptrdiff_t>(batch) * T);
+    if (++batch == micro_batch_) flush();
+  }
+  flush();
+  if (dp_ != nullptr) {
+    float total = static_cast<float>(loss_sum);
+    dp_->all_reduce(&total, 1);
+    loss_sum = total;
+  }
+  return Evaluation{static_cast<float>(loss_sum / static_cast<double>(sequences)), sequences};
+}
+
 RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
   auto log = common::logger("trainer");
   const auto& train = config_.train;

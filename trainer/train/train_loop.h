@@ -96,12 +96,25 @@ class TrainLoop {
   // Loads the checkpoint in `dir`, whatever layout wrote it, and makes
   // run() continue from its step. Throws Error(kCheckpointFailure).
   void restore(const std::filesystem::path& dir);
+  // The step training starts from: 0, or the step of the restored checkpoint.
+  int64_t first_step() const { return start_step_; }
   // XXH3-64 of the parameters this rank holds (16 hex digits).
   std::string parameter_digest();
 
   // One optimizer step on the batch of global step `step`; loss and
   // gradient norm are the same on every rank.
   StepStats train_step(int64_t step);
+
+  struct Evaluation {
+    float loss = 0;  // mean cross-entropy per token
+    int64_t sequences = 0;
+  };
+  // Mean cross-entropy over the first `sequences` non-overlapping windows of
+  // seq_len + 1 tokens of the token file at `path` (window i: tokens
+  // i*(T+1) .. i*(T+1)+T; inputs its first T, targets its last T); -1: every
+  // whole window. DP ranks split the windows. Throws Error(kDataError) when
+  // the file is bad or holds fewer windows.
+  Evaluation evaluate(const std::filesystem::path& path, int64_t sequences);
 
   // Mean cross-entropy over train.val_batches validation batches; needs
   // data.val (run() validates only when it is set).
