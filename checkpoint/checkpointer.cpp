@@ -107,11 +107,8 @@ bool Checkpointer::run(const Job& job) {
     std::filesystem::create_directories(dir);
     const nlohmann::json state = {
         {"step", job.step}, {"tokens", job.tokens}, {"rank", options_.rank}, {"layout", options_.layout}};
-    writer_.write(dir / file, state);
-    report = {{"ok", true},
-              {"file", file},
-              {"bytes", std::filesystem::file_size(dir / file)},
-              {"xxh3", file_xxh3(dir / file)}};
+    const auto written = writer_.write(dir / file, state);
+    report = {{"ok", true}, {"file", file}, {"bytes", written.bytes}, {"xxh3", written.xxh3}};
   } catch (const std::exception& e) {
     log->error("rank file {} of step {} failed: {}", file, job.step, e.what());
     report = {{"ok", false}, {"file", file}, {"error", e.what()}};

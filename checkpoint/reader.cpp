@@ -4,9 +4,16 @@
 #include "checkpoint/paths.h"
 #include "common/error.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <liburing.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <cmath>
 #include <limits>
 
@@ -53,12 +60,115 @@ herr_t visit_object(hid_t root, const char* name, const H5O_info_t* info, void* 
       fail(fmt::format("dataset {} does not fit its attributes (offset {},{} shape {}x{})", path, p.row, p.col, p.rows,
                        p.cols));
     }
-    visit.pieces.push_back(StoredPiece{visit.file, path, std::move(p)});
+    const haddr_t address = H5Dget_offset(dataset.get());
+    visit.pieces.push_back(StoredPiece{visit.file, path, std::move(p), address == HADDR_UNDEF ? UINT64_MAX : address});
     return 0;
   } catch (const common::Error& e) {
     visit.error = e.what();
     return -1;
   }
+}
+
+struct RawRead {
+  int direct_fd;    // -1 when the file refuses O_DIRECT
+  int buffered_fd;
+  uint64_t offset;
+  std::byte* dst;
+  size_t len;
+};
+
+void pread_all(int fd, std::byte* dst, size_t len, uint64_t offset) {
+  while (len > 0) {
+    const ssize_t n = ::pread(fd, dst, len, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(fmt::format("checkpoint read failed: {}", n < 0 ? std::strerror(errno) : "the file is short"));
+    dst += n;
+    len -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+}
+
+// Reads the aligned body of every job with io_uring and O_DIRECT, 1 MiB
+// reads 16 in flight, straight into the destination where it is 4 KiB
+// aligned and through a bounce buffer where it is not; the unaligned rest
+// buffered. Without io_uring: pread.
+void read_raw(const std::vector<RawRead>& jobs) {
+  constexpr size_t kAlign = 4096, kChunk = size_t{1} << 20;
+  constexpr unsigned kDepth = 16;
+  struct Chunk {
+    int fd;
+    uint64_t offset;
+    std::byte* dst;
+    size_t len;
+  };
+  std::vector<Chunk> chunks;
+  for (const RawRead& job : jobs) {
+    const size_t body = job.direct_fd >= 0 && job.offset % kAlign == 0 ? job.len / kAlign * kAlign : 0;
+    for (size_t at = 0; at < body; at += kChunk) {
+      chunks.push_back(Chunk{job.direct_fd, job.offset + at, job.dst + at, std::min(kChunk, body - at)});
+    }
+    if (job.len > body) pread_all(job.buffered_fd, job.dst + body, job.len - body, job.offset + body);
+  }
+  if (chunks.empty()) return;
+  std::unique_ptr<std::byte, decltype(&std::free)> bounce(
+      static_cast<std::byte*>(std::aligned_alloc(kAlign, kChunk * kDepth)), &std::free);
+  if (!bounce) fail("cannot allocate checkpoint read buffers");
+  io_uring ring{};
+  if (io_uring_queue_init(2 * kDepth, &ring, 0) < 0) {
+    for (const Chunk& c : chunks) {
+      pread_all(c.fd, bounce.get(), c.len, c.offset);
+      std::memcpy(c.dst, bounce.get(), c.len);
+    }
+    return;
+  }
+  std::vector<int> free_slots;
+  for (unsigned i = 0; i < kDepth; ++i) free_slots.push_back(static_cast<int>(i));
+  std::vector<size_t> slot_chunk(kDepth);
+  std::string error;
+  size_t next = 0, in_flight = 0;
+  while ((next < chunks.size() && error.empty()) || in_flight > 0) {
+    while (next < chunks.size() && error.empty() && !free_slots.empty()) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+      if (sqe == nullptr) break;
+      const int slot = free_slots.back();
+      free_slots.pop_back();
+      slot_chunk[slot] = next;
+      const Chunk& c = chunks[next++];
+      std::byte* target = reinterpret_cast<uintptr_t>(c.dst) % kAlign == 0
+                              ? c.dst
+                              : bounce.get() + static_cast<size_t>(slot) * kChunk;
+      io_uring_prep_read(sqe, c.fd, target, static_cast<unsigned>(c.len), c.offset);
+      io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
+      ++in_flight;
+    }
+    const int rc = io_uring_submit_and_wait(&ring, 1);
+    if (rc < 0 && rc != -EINTR && error.empty()) error = std::string("io_uring submit failed: ") + std::strerror(-rc);
+    io_uring_cqe* cqe = nullptr;
+    while (io_uring_peek_cqe(&ring, &cqe) == 0) {
+      const int slot = static_cast<int>(io_uring_cqe_get_data64(cqe));
+      const int res = cqe->res;
+      io_uring_cqe_seen(&ring, cqe);
+      --in_flight;
+      const Chunk& c = chunks[slot_chunk[slot]];
+      const bool bounced = reinterpret_cast<uintptr_t>(c.dst) % kAlign != 0;
+      std::byte* data = bounced ? bounce.get() + static_cast<size_t>(slot) * kChunk : c.dst;
+      if (res < 0 && error.empty()) error = std::string("checkpoint read failed: ") + std::strerror(-res);
+      if (res >= 0 && error.empty()) {
+        // A short read finishes buffered.
+        if (static_cast<size_t>(res) < c.len) {
+          try {
+            pread_all(c.fd, data + res, c.len - static_cast<size_t>(res), c.offset + static_cast<uint64_t>(res));
+          } catch (const common::Error& e) {
+            error = e.what();
+          }
+        }
+        if (bounced) std::memcpy(c.dst, data, c.len);
+      }
+      free_slots.push_back(slot);
+    }
+  }
+  io_uring_queue_exit(&ring);
+  if (!error.empty()) fail(error);
 }
 
 }  // namespace
@@ -118,6 +228,13 @@ void write_index(const std::filesystem::path& dir, const std::vector<StoredPiece
 
 struct CheckpointReader::OpenFiles {
   std::map<std::string, H5Handle> files;
+  std::map<std::string, std::pair<int, int>> raw;  // direct and buffered descriptors per rank file
+  ~OpenFiles() {
+    for (const auto& [_, fds] : raw) {
+      if (fds.first >= 0) ::close(fds.first);
+      if (fds.second >= 0) ::close(fds.second);
+    }
+  }
 };
 
 CheckpointReader::CheckpointReader(std::filesystem::path dir)
@@ -129,6 +246,33 @@ CheckpointReader::CheckpointReader(std::filesystem::path dir)
 }
 
 CheckpointReader::~CheckpointReader() = default;
+
+void CheckpointReader::read_all(const std::vector<Request>& requests) {
+  std::vector<RawRead> raw;
+  for (const Request& r : requests) {
+    const StoredPiece* whole = nullptr;
+    if (auto it = pieces_.find(r.tensor_path); it != pieces_.end()) {
+      for (const StoredPiece& s : it->second) {
+        const Piece& p = s.piece;
+        if (s.offset != UINT64_MAX && p.row == r.row && p.col == r.col && p.rows == r.rows && p.cols == r.cols) whole = &s;
+      }
+    }
+    if (whole == nullptr) {
+      read(r.tensor_path, r.row, r.col, r.rows, r.cols, r.dst);
+      continue;
+    }
+    auto [fds, fresh] = open_->raw.try_emplace(whole->file, -1, -1);
+    if (fresh) {
+      const auto path = dir_ / whole->file;
+      fds->second.first = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+      fds->second.second = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fds->second.second < 0) fail(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
+    }
+    raw.push_back(RawRead{fds->second.first, fds->second.second, whole->offset, reinterpret_cast<std::byte*>(r.dst),
+                          whole->piece.bytes()});
+  }
+  read_raw(raw);
+}
 
 std::vector<std::string> CheckpointReader::tensors() const {
   std::vector<std::string> names;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@ struct StoredPiece {
   std::string file;  // rank file name, relative to the checkpoint directory
   std::string dataset;
   Piece piece;
+  uint64_t offset = UINT64_MAX;  // of its bytes in the file (contiguous datasets), UINT64_MAX when unknown
 };
 
 // Every piece of one rank file, from the attributes of its datasets.
@@ -50,6 +52,16 @@ class CheckpointReader {
   // overlaps it. Throws Error(kCheckpointFailure) when the pieces do not
   // cover the whole block.
   void read(const std::string& tensor_path, int64_t row, int64_t col, int64_t rows, int64_t cols, float* dst);
+
+  struct Request {
+    std::string tensor_path;
+    int64_t row = 0, col = 0, rows = 0, cols = 1;
+    float* dst = nullptr;
+  };
+  // Reads many blocks. A block that is exactly one stored piece (a load in
+  // the layout that saved) is read by its file offset with io_uring and
+  // O_DIRECT, 1 MiB reads 16 deep; any other block goes through read().
+  void read_all(const std::vector<Request>& requests);
 
  private:
   struct OpenFiles;

@@ -7,13 +7,16 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <liburing.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
+#include <xxhash.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <utility>
 
@@ -129,6 +132,9 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
   }
   staging_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlign, total)));
   if (!staging_) fail(fmt::format("cannot allocate a {}-byte checkpoint staging buffer", total));
+  // Huge pages where the kernel has them: the snapshot copy into this
+  // buffer is the whole stall training pays, and it is TLB-bound otherwise.
+  ::madvise(staging_.get(), total, MADV_HUGEPAGE);
   std::memset(staging_.get(), 0, total);
   staging_bytes_ = total;
   if (!ring_) return;
@@ -149,8 +155,52 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
 
 float* ShardWriter::staging(size_t i) { return reinterpret_cast<float*>(staging_.get() + staging_offset_.at(i)); }
 
-void ShardWriter::write(const std::filesystem::path& path, const nlohmann::json& state) {
-  write_bulk(path, write_skeleton(path, state));
+ShardWriter::Written ShardWriter::write(const std::filesystem::path& path, const nlohmann::json& state) {
+  const auto offsets = write_skeleton(path, state);
+  // The checksum reads only the staging buffer and HDF5's metadata, which
+  // is on disk since the skeleton closed, so it runs while the kernel
+  // writes the bulk bytes.
+  auto written = std::async(std::launch::async, [&] { return checksum(path, offsets); });
+  try {
+    write_bulk(path, offsets);
+  } catch (...) {
+    written.wait();
+    throw;
+  }
+  return written.get();
+}
+
+ShardWriter::Written ShardWriter::checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
+  const uint64_t size = std::filesystem::file_size(path);
+  std::vector<size_t> order(pieces_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  XXH3_64bits_reset(state.get());
+  std::vector<char> buffer;
+  // HDF5's bytes between the datasets come from the file.
+  auto hash_file = [&](uint64_t from, uint64_t to) {
+    buffer.resize(static_cast<size_t>(to - from));
+    size_t done = 0;
+    while (done < buffer.size()) {
+      const ssize_t n = ::pread(fd.get(), buffer.data() + done, buffer.size() - done, static_cast<off_t>(from + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail(fmt::format("cannot read back {}: {}", path.string(), n < 0 ? std::strerror(errno) : "short file"));
+      done += static_cast<size_t>(n);
+    }
+    XXH3_64bits_update(state.get(), buffer.data(), buffer.size());
+  };
+  uint64_t at = 0;
+  for (size_t i : order) {
+    if (offsets[i] < at || offsets[i] + pieces_[i].bytes() > size) fail("datasets of " + path.string() + " overlap");
+    if (offsets[i] > at) hash_file(at, offsets[i]);
+    XXH3_64bits_update(state.get(), staging_.get() + staging_offset_[i], pieces_[i].bytes());
+    at = offsets[i] + pieces_[i].bytes();
+  }
+  if (size > at) hash_file(at, size);
+  return Written{size, fmt::format("{:016x}", XXH3_64bits_digest(state.get()))};
 }
 
 std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& path, const nlohmann::json& state) const {

@@ -19,6 +19,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <string>
+
 #include <cstddef>
 #include <filesystem>
 #include <memory>
@@ -42,16 +45,23 @@ class ShardWriter {
   float* staging(size_t i);
   size_t staging_bytes() const { return staging_bytes_; }
 
+  struct Written {
+    uint64_t bytes = 0;
+    std::string xxh3;  // of the whole file, 16 hex digits
+  };
   // Writes the staged pieces, and `state` as attributes of /state, to a new
-  // file at `path`, fsynced. Throws Error(kCheckpointFailure) naming what
-  // failed; a failed file is left for the caller to remove.
-  void write(const std::filesystem::path& path, const nlohmann::json& state);
+  // file at `path`, fsynced. The checksum covers the file as written: the
+  // bulk bytes are hashed from the staging buffer and only HDF5's metadata
+  // is read back. Throws Error(kCheckpointFailure) naming what failed; a
+  // failed file is left for the caller to remove.
+  Written write(const std::filesystem::path& path, const nlohmann::json& state);
 
  private:
   struct Ring;
   // Creates the HDF5 skeleton and returns every piece's file offset.
   std::vector<uint64_t> write_skeleton(const std::filesystem::path& path, const nlohmann::json& state) const;
   void write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets);
+  Written checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const;
 
   bool o_direct_;
   std::vector<Piece> pieces_;

@@ -762,7 +762,11 @@ TEST_SUITE("unit") {
       done.count_down();
     }));
     CHECK_MESSAGE(blocked.code == ErrorCode::kPeerFailure, describe(blocked));
-    CHECK(contains(blocked.message, "rank 7 of group 'told' reported a peer failure"));
+    // Rank 1's watcher sees the record too and aborts, which may close the
+    // connection under rank 0 before rank 0's own watcher fires: either way
+    // a peer failure, within the poll interval.
+    CHECK((contains(blocked.message, "rank 7 of group 'told' reported a peer failure") ||
+           contains(blocked.message, "onnection closed")));
     CHECK(blocked.elapsed < 2s);
   }
 

@@ -28,6 +28,9 @@ class Backend {
   virtual const char* name() const = 0;
 
   // ---- memory ----
+  // Whether this backend's memory is host memory (copies are memcpy), so
+  // that host code may read and write it directly.
+  virtual bool host_memory() const { return false; }
   virtual void* alloc(size_t bytes) = 0;  // zero-filled, 64-byte aligned at least
   virtual void free(void* ptr) = 0;
   virtual void zero(void* ptr, size_t bytes) = 0;

@@ -24,6 +24,7 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  bool host_memory() const override { return true; }
 
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
                          const float* wpe, int B, int T, int C) override;

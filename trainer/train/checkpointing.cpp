@@ -3,6 +3,7 @@
 // checkpoint/ does the files; this maps the model onto them.
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/parallel_copy.h"
 #include "checkpoint/reader.h"
 #include "common/error.h"
 #include "common/events.h"
@@ -70,7 +71,13 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   for (const auto& b : blocks) pieces.push_back(b.piece);
   // Waits for the previous save; the copy below is all training pays.
   const auto staging = checkpointer_->stage(std::move(pieces));
-  for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_to_host(staging[i], blocks[i].local, blocks[i].piece.bytes());
+  if (backend_.host_memory()) {
+    std::vector<checkpoint::CopyJob> copies;
+    for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
+    checkpoint::parallel_copy(copies, static_cast<unsigned>(config_.train.threads));
+  } else {
+    for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_to_host(staging[i], blocks[i].local, blocks[i].piece.bytes());
+  }
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
   last_saved_step_ = steps_done;
 }
@@ -117,11 +124,22 @@ void TrainLoop::restore(const std::filesystem::path& dir) {
                           fmt::format("checkpoint {} does not verify: {}", dir.string(), problems.front()));
     }
   }
-  std::vector<float> host;
-  for (const auto& b : state_blocks(false)) {
-    host.resize(b.piece.numel());
-    reader.read(b.piece.tensor_path(), b.piece.row, b.piece.col, b.piece.rows, b.piece.cols, host.data());
-    backend_.copy_from_host(b.local, host.data(), b.piece.bytes());
+  // Host memory is read into directly; other backends through a host copy.
+  const auto blocks = state_blocks(false);
+  std::vector<std::vector<float>> host(backend_.host_memory() ? 0 : blocks.size());
+  std::vector<checkpoint::CheckpointReader::Request> requests;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const auto& p = blocks[i].piece;
+    float* dst = blocks[i].local;
+    if (!backend_.host_memory()) {
+      host[i].resize(p.numel());
+      dst = host[i].data();
+    }
+    requests.push_back({p.tensor_path(), p.row, p.col, p.rows, p.cols, dst});
+  }
+  reader.read_all(requests);
+  if (!backend_.host_memory()) {
+    for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_from_host(blocks[i].local, host[i].data(), blocks[i].piece.bytes());
   }
   // ZeRO-3's gathered copies predate the load.
   storage_.publish_parameters();

@@ -1,0 +1,33 @@
+#include "checkpoint/parallel_copy.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+namespace keel::checkpoint {
+
+void parallel_copy(const std::vector<CopyJob>& jobs, unsigned threads) {
+  // Chunks big enough that scheduling costs nothing, small enough to
+  // balance tensors of very different sizes.
+  constexpr size_t kChunk = size_t{8} << 20;
+  std::vector<CopyJob> chunks;
+  for (const CopyJob& job : jobs) {
+    for (size_t at = 0; at < job.bytes; at += kChunk) {
+      chunks.push_back(CopyJob{static_cast<std::byte*>(job.dst) + at, static_cast<const std::byte*>(job.src) + at,
+                               std::min(kChunk, job.bytes - at)});
+    }
+  }
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = static_cast<unsigned>(std::min<size_t>(threads, chunks.size()));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < chunks.size(); i = next++) std::memcpy(chunks[i].dst, chunks[i].src, chunks[i].bytes);
+  };
+  std::vector<std::thread> helpers;
+  for (unsigned t = 1; t < threads; ++t) helpers.emplace_back(work);
+  work();
+  for (auto& h : helpers) h.join();
+}
+
+}  // namespace keel::checkpoint
