@@ -16,12 +16,16 @@ namespace {
 
 using checkpoint::CatalogEntry;
 
+// Whether the checkpoint directory exists; says what to pass when not.
+bool root_exists(const CheckpointTarget& target, std::ostream& err) {
+  if (std::filesystem::is_directory(target.root)) return true;
+  err << "keelctl: " << target.root.string() << " is not a directory; pass --run-dir or --checkpoints\n";
+  return false;
+}
+
 // The checkpoint `target` names, or a message saying why there is none.
 std::optional<CatalogEntry> pick(const CheckpointTarget& target, std::ostream& err) {
-  if (!std::filesystem::is_directory(target.root)) {
-    err << "keelctl: " << target.root.string() << " is not a directory; pass --run-dir or --checkpoints\n";
-    return std::nullopt;
-  }
+  if (!root_exists(target, err)) return std::nullopt;
   const auto entries = checkpoint::committed(target.root);
   if (entries.empty()) {
     err << "keelctl: no committed checkpoint in " << target.root.string() << "\n";
@@ -50,10 +54,7 @@ std::string layout_text(const nlohmann::json& layout) {
 }  // namespace
 
 int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostream& err) {
-  if (!std::filesystem::is_directory(target.root)) {
-    err << "keelctl: " << target.root.string() << " is not a directory; pass --run-dir or --checkpoints\n";
-    return 2;
-  }
+  if (!root_exists(target, err)) return 2;
   nlohmann::json rows = nlohmann::json::array();
   std::vector<std::filesystem::path> dirs;
   for (const auto& entry : std::filesystem::directory_iterator(target.root)) {
@@ -92,10 +93,7 @@ int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostr
 int checkpoint_verify(const CheckpointTarget& target, bool all, std::ostream& out, std::ostream& err) {
   std::vector<CatalogEntry> entries;
   if (all) {
-    if (!std::filesystem::is_directory(target.root)) {
-      err << "keelctl: " << target.root.string() << " is not a directory; pass --run-dir or --checkpoints\n";
-      return 2;
-    }
+    if (!root_exists(target, err)) return 2;
     entries = checkpoint::committed(target.root);
   } else if (auto one = pick(target, err)) {
     entries.push_back(*one);
@@ -172,10 +170,7 @@ int checkpoint_inspect(const CheckpointTarget& target, const std::string& tensor
 
 int checkpoint_prune(const CheckpointTarget& target, int64_t keep, int64_t keep_every, bool dry_run, std::ostream& out,
                      std::ostream& err) {
-  if (!std::filesystem::is_directory(target.root)) {
-    err << "keelctl: " << target.root.string() << " is not a directory; pass --run-dir or --checkpoints\n";
-    return 2;
-  }
+  if (!root_exists(target, err)) return 2;
   if (keep < 1 || keep_every < 0) {
     err << "keelctl: --keep must be at least 1 and --keep-every at least 0\n";
     return 2;
