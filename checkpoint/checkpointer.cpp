@@ -125,23 +125,15 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
   const auto dir = partial_dir(options_.root, job.step);
   std::vector<nlohmann::json> reports = {own_report};
   std::string failure;
-  // Polled rather than waited on: a long Store wait would hold up the
-  // communicators' failure watchers, which share the connection.
-  const auto deadline = start + std::chrono::duration<double>(options_.timeout_s);
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(options_.timeout_s));
   for (int r = 1; r < options_.world_size && failure.empty(); ++r) {
-    for (;;) {
-      auto value = store_->get(report_key(job.step, r));
-      if (value) {
-        reports.push_back(nlohmann::json::parse(*value));
-        store_->remove(report_key(job.step, r));
-        break;
-      }
-      if (Clock::now() > deadline) {
-        failure = fmt::format("rank {} did not report its file within checkpoint.timeout_s = {} s", r,
-                              options_.timeout_s);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (auto value = common::poll(*store_, report_key(job.step, r), deadline)) {
+      reports.push_back(nlohmann::json::parse(*value));
+      store_->remove(report_key(job.step, r));
+    } else {
+      failure = fmt::format("rank {} did not report its file within checkpoint.timeout_s = {} s", r,
+                            options_.timeout_s);
     }
   }
   for (const auto& report : reports) {

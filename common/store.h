@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace keel::common {
@@ -37,5 +38,18 @@ class Store {
   // Deletes the key; returns whether it existed.
   virtual bool remove(const std::string& key) = 0;
 };
+
+// The value of `key` once it exists, or nullopt after `deadline`: polled
+// with get() every 20 ms rather than waited on, because a long wait on a
+// connection shared by several threads (TcpStore) holds up the others,
+// such as the communicators' failure watchers.
+inline std::optional<std::string> poll(Store& store, const std::string& key,
+                                       std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    if (auto value = store.get(key)) return value;
+    if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 }  // namespace keel::common

@@ -13,7 +13,6 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
-#include <thread>
 
 namespace keel::trainer {
 namespace {
@@ -96,22 +95,17 @@ std::optional<std::filesystem::path> TrainLoop::newest_checkpoint() {
     if (!newest) return std::nullopt;
     return newest->dir;
   }
-  // Polled, not waited on: a long Store wait would hold up the
-  // communicators' failure watchers, which share the connection.
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(config_.checkpoint.timeout_s);
-  for (;;) {
-    if (auto dir = rank_.store->get(key)) {
-      if (dir->empty()) return std::nullopt;
-      return std::filesystem::path(*dir);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw common::Error(common::ErrorCode::kPeerFailure,
-                          fmt::format("rank 0 did not name the checkpoint to resume from within {} s",
-                                      config_.checkpoint.timeout_s));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(config_.checkpoint.timeout_s));
+  const auto dir = common::poll(*rank_.store, key, deadline);
+  if (!dir) {
+    throw common::Error(common::ErrorCode::kPeerFailure,
+                        fmt::format("rank 0 did not name the checkpoint to resume from within {} s",
+                                    config_.checkpoint.timeout_s));
   }
+  if (dir->empty()) return std::nullopt;
+  return std::filesystem::path(*dir);
 }
 
 void TrainLoop::restore(const std::filesystem::path& dir) {
