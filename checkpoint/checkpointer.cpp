@@ -109,6 +109,7 @@ bool Checkpointer::run(const Job& job) {
         {"step", job.step}, {"tokens", job.tokens}, {"rank", options_.rank}, {"layout", options_.layout}};
     const auto written = writer_.write(dir / file, state);
     report = {{"ok", true}, {"file", file}, {"bytes", written.bytes}, {"xxh3", written.xxh3}};
+    if (options_.on_written) options_.on_written(job.step, written.bytes, seconds_since(start));
   } catch (const std::exception& e) {
     log->error("rank file {} of step {} failed: {}", file, job.step, e.what());
     report = {{"ok", false}, {"file", file}, {"error", e.what()}};

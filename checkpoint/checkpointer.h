@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -42,6 +43,9 @@ struct CheckpointerOptions {
   int rank = 0;
   int world_size = 1;
   int64_t generation = 0;
+  // Called on the writer thread once this rank's file is written: its step,
+  // bytes and write time. keel-trainer shows them on the progress board.
+  std::function<void(int64_t step, uint64_t bytes, double write_s)> on_written;
 };
 
 class Checkpointer {

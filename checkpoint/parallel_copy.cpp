@@ -1,5 +1,7 @@
 #include "checkpoint/parallel_copy.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -18,7 +20,14 @@ void parallel_copy(const std::vector<CopyJob>& jobs, unsigned threads) {
                                std::min(kChunk, job.bytes - at)});
     }
   }
-  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  if (threads == 0) {
+    // The CPUs this process may run on (keeld pins each rank to its share),
+    // not every CPU of the machine.
+    cpu_set_t cpus;
+    threads = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? static_cast<unsigned>(CPU_COUNT(&cpus))
+                                                             : std::thread::hardware_concurrency();
+    threads = std::max(1u, threads);
+  }
   threads = static_cast<unsigned>(std::min<size_t>(threads, chunks.size()));
   std::atomic<size_t> next{0};
   auto work = [&] {

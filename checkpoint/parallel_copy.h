@@ -15,7 +15,8 @@ struct CopyJob {
   size_t bytes;
 };
 
-// Copies every job, split into chunks over `threads` threads (0: every core).
+// Copies every job, split into chunks over `threads` threads (0: every CPU
+// this process may run on).
 void parallel_copy(const std::vector<CopyJob>& jobs, unsigned threads = 0);
 
 }  // namespace keel::checkpoint

@@ -232,6 +232,8 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.data.train, config.origin("data.train"), base_dir);
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
   resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
+  resolve_path(config.daemon.socket, config.origin("daemon.socket"), base_dir);
+  resolve_path(config.daemon.trainer, config.origin("daemon.trainer"), base_dir);
   config.validate();
   return config;
 }
@@ -320,6 +322,33 @@ void Config::validate() const {
   at_least(train.val_batches, 1, "train.val_batches");
   at_least(train.log_every, 1, "train.log_every");
   at_least(train.threads, 0, "train.threads");
+
+  check(!daemon.socket.empty(), "daemon.socket", "must name the control socket, e.g. /run/keel/keeld.sock");
+  // sockaddr_un holds 108 bytes with the terminating NUL.
+  check(daemon.socket.size() < 108, "daemon.socket",
+        fmt::format("is {} bytes long but a Unix socket path must be under 108; pick a shorter path",
+                    daemon.socket.size()));
+  at_least(daemon.max_message_bytes, 64, "daemon.max_message_bytes");
+  check(daemon.client_timeout_s > 0, "daemon.client_timeout_s", "must be positive");
+  check(daemon.metrics_port >= -1 && daemon.metrics_port <= 65535, "daemon.metrics_port",
+        fmt::format("must be a TCP port, 0 for any free port or -1 for none (got {})", daemon.metrics_port));
+  at_least(daemon.ranks, 0, "daemon.ranks");
+  check(daemon.ranks == 0 || daemon.ranks == parallel.dp * parallel.tp * parallel.pp * parallel.cp, "daemon.ranks",
+        fmt::format("ranks={} but one node runs the whole layout dp x tp x pp x cp = {}; set 0 or that number",
+                    daemon.ranks, parallel.dp * parallel.tp * parallel.pp * parallel.cp));
+  for (auto [value, key] : {std::pair{daemon.grace_s, "daemon.grace_s"}, {daemon.stop_timeout_s, "daemon.stop_timeout_s"},
+                            {daemon.stale_after_s, "daemon.stale_after_s"},
+                            {daemon.progress_every_s, "daemon.progress_every_s"}}) {
+    check(value > 0, key, fmt::format("must be positive (got {})", value));
+  }
+  check(daemon.restart_backoff_s >= 0, "daemon.restart_backoff_s", "must be non-negative");
+  check(daemon.restart_backoff_max_s >= daemon.restart_backoff_s, "daemon.restart_backoff_max_s",
+        fmt::format("must be at least restart_backoff_s = {}", daemon.restart_backoff_s));
+  at_least(daemon.crash_loop_generations, 1, "daemon.crash_loop_generations");
+
+  at_least(faults.crash_rank, -1, "faults.crash_rank");
+  at_least(faults.crash_step, 0, "faults.crash_step");
+  at_least(faults.crash_generation, -1, "faults.crash_generation");
 }
 
 std::string Config::to_toml() const {

@@ -146,6 +146,58 @@ struct CheckpointConfig {
   }
 };
 
+// keeld (DESIGN §8). The trainer reads this section too (it is one file)
+// but uses none of it.
+struct DaemonConfig {
+  std::string socket = "/run/keel/keeld.sock";  // control socket; relative to the config file
+  std::string control_group = "";  // members of this group may use the socket (root and keeld's user always may)
+  int64_t max_message_bytes = 65536;  // a longer control request is refused
+  double client_timeout_s = 10;    // a control connection idle this long is closed
+  int64_t metrics_port = 9400;     // Prometheus text on 127.0.0.1:PORT/metrics; 0 = any free port; -1 = off
+  std::string trainer = "";        // keel-trainer to run; empty = the one installed beside keeld
+  int64_t ranks = 0;               // ranks on this node; 0 = dp x tp x pp x cp (one node)
+  bool pin_cpus = true;            // give each rank its own share of keeld's CPUs and set its thread counts
+  double grace_s = 30;             // after SIGTERM, ranks of a failed generation get this long before SIGKILL
+  double stop_timeout_s = 900;     // a stop waits this long for the final checkpoint before SIGKILL
+  double restart_backoff_s = 1;    // first delay before a restart; doubles per failed generation
+  double restart_backoff_max_s = 60;  // the delay never grows past this
+  int64_t crash_loop_generations = 3;  // this many generations in a row without a new checkpoint fail the job
+  double stale_after_s = 60;       // a running rank whose board is older than this shows health "stale"
+  double progress_every_s = 10;    // keeld logs a progress line this often
+
+  template <class V> void visit(V& v) {
+    v("socket", socket);
+    v("control_group", control_group);
+    v("max_message_bytes", max_message_bytes);
+    v("client_timeout_s", client_timeout_s);
+    v("metrics_port", metrics_port);
+    v("trainer", trainer);
+    v("ranks", ranks);
+    v("pin_cpus", pin_cpus);
+    v("grace_s", grace_s);
+    v("stop_timeout_s", stop_timeout_s);
+    v("restart_backoff_s", restart_backoff_s);
+    v("restart_backoff_max_s", restart_backoff_max_s);
+    v("crash_loop_generations", crash_loop_generations);
+    v("stale_after_s", stale_after_s);
+    v("progress_every_s", progress_every_s);
+  }
+};
+
+// Fault injection (DESIGN §7): inert unless configured. A crash kills the
+// rank with SIGKILL, as the kernel's OOM killer or a lost node would.
+struct FaultsConfig {
+  int64_t crash_rank = -1;        // the rank to kill; -1 = none
+  int64_t crash_step = 0;         // killed just before training this step
+  int64_t crash_generation = 0;   // only in this generation; -1 = in every generation (a crash loop)
+
+  template <class V> void visit(V& v) {
+    v("crash_rank", crash_rank);
+    v("crash_step", crash_step);
+    v("crash_generation", crash_generation);
+  }
+};
+
 class Config {
  public:
   JobConfig job;
@@ -154,6 +206,8 @@ class Config {
   ParallelConfig parallel;
   TrainConfig train;
   CheckpointConfig checkpoint;
+  DaemonConfig daemon;
+  FaultsConfig faults;
 
   // checkpoint.dir, or run_dir/checkpoints when it is empty.
   std::filesystem::path checkpoint_dir() const;
@@ -165,6 +219,8 @@ class Config {
     v.section("parallel", parallel);
     v.section("train", train);
     v.section("checkpoint", checkpoint);
+    v.section("daemon", daemon);
+    v.section("faults", faults);
   }
 
   // Parses `path`, applies `overrides` ("section.key=value", the value in

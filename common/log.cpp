@@ -14,12 +14,17 @@ std::atomic<int> g_rank{0};
 std::atomic<int64_t> g_step{-1};
 std::once_flag g_init_once;
 
-// %k: rank, %q: step ("-" before the first step). Letters spdlog itself
+// %k: rank ("-" for keeld, which is no rank), %q: step ("-" before the first step). Letters spdlog itself
 // does not use, so its own time flags keep working.
 class RankFlag : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg&, const std::tm&, spdlog::memory_buf_t& dest) override {
-    fmt::format_to(std::back_inserter(dest), "{}", g_rank.load(std::memory_order_relaxed));
+    const int rank = g_rank.load(std::memory_order_relaxed);
+    if (rank < 0) {
+      dest.push_back('-');
+    } else {
+      fmt::format_to(std::back_inserter(dest), "{}", rank);
+    }
   }
   std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<RankFlag>(); }
 };

@@ -13,7 +13,8 @@
 namespace keel::common {
 
 // Sets up the sinks and pattern once per process; call before logger().
-// Safe to call again (later calls only update the rank).
+// Safe to call again (later calls only update the rank). keeld, which is
+// no rank, passes -1.
 void init_logging(int rank);
 
 // The logger for a module ("trainer", "data", "config", ...), created on

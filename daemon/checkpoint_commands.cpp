@@ -1,5 +1,7 @@
 #include "daemon/checkpoint_commands.h"
 
+#include "common/human_format.h"
+
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/paths.h"
@@ -40,12 +42,6 @@ std::optional<CatalogEntry> pick(const CheckpointTarget& target, std::ostream& e
   return std::nullopt;
 }
 
-std::string human_bytes(uint64_t bytes) {
-  if (bytes >= (uint64_t{1} << 30)) return fmt::format("{:.1f} GiB", bytes / double(uint64_t{1} << 30));
-  if (bytes >= (uint64_t{1} << 20)) return fmt::format("{:.1f} MiB", bytes / double(uint64_t{1} << 20));
-  return fmt::format("{:.1f} KiB", bytes / 1024.0);
-}
-
 std::string layout_text(const nlohmann::json& layout) {
   return fmt::format("dp{} tp{} zero{} ({} ranks)", layout.value("dp", 1), layout.value("tp", 1),
                      layout.value("zero", 0), layout.value("world_size", 1));
@@ -83,7 +79,7 @@ int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostr
   out << fmt::format("{:>10}  {:<24}  {:>10}  {:<24}  {}\n", "STEP", "CREATED", "SIZE", "LAYOUT", "STATUS");
   for (const auto& r : rows) {
     out << fmt::format("{:>10}  {:<24}  {:>10}  {:<24}  {}\n", r.contains("step") ? r["step"].dump() : "-",
-                       r.value("created", "-"), r.contains("bytes") ? human_bytes(r["bytes"]) : "-",
+                       r.value("created", "-"), r.contains("bytes") ? common::format_bytes(r["bytes"]) : "-",
                        r.contains("layout") ? layout_text(r["layout"]) : "-", r.value("status", ""));
   }
   if (rows.empty()) out << "(no checkpoints in " << target.root.string() << ")\n";

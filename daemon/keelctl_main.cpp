@@ -1,21 +1,76 @@
-// keelctl: the operator's command line (DESIGN §8). The checkpoint commands
-// work on a run directory directly; the commands that talk to keeld come
-// with the Daemon issue.
+// keelctl: the operator's command line (DESIGN §8). status, events, stop,
+// restart and `checkpoint now` ask keeld through its control socket; the
+// other checkpoint commands work on a run directory directly, with or
+// without a daemon.
 #include "daemon/checkpoint_commands.h"
+#include "daemon/protocol.h"
+#include "daemon/status_view.h"
 
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 
+namespace {
+
+constexpr int kRefused = 1;
+constexpr int kUnreachable = 3;
+
+// Sends `request` to keeld and prints the reply: `show` for a readable view,
+// the JSON itself with --json.
+int ask_keeld(const std::string& socket, const keel::daemon::Request& request, bool json,
+              const std::function<void(const nlohmann::json&)>& show) {
+  nlohmann::json reply;
+  try {
+    reply = keel::daemon::call_daemon(socket, request);
+  } catch (const keel::daemon::DaemonUnreachable& e) {
+    std::cerr << "keelctl: " << e.what() << "\n";
+    return kUnreachable;
+  } catch (const keel::daemon::ProtocolError& e) {
+    std::cerr << "keelctl: " << e.what() << "\n";
+    return kUnreachable;
+  }
+  const bool ok = reply.value("ok", false);
+  if (json) {
+    std::cout << reply.dump(2) << "\n";
+  } else if (ok) {
+    show(reply);
+  } else {
+    std::cerr << "keelctl: keeld refused: " << reply.value("error", std::string("no reason given")) << "\n";
+  }
+  return ok ? 0 : kRefused;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"keelctl: operate keel training runs"};
   app.require_subcommand(1);
-  auto* checkpoint = app.add_subcommand("checkpoint", "list, verify, inspect or prune a run's checkpoints");
+  std::string socket = keel::daemon::default_socket_path();
+  app.add_option("--socket", socket, "keeld's control socket (default: $KEEL_SOCKET or /run/keel/keeld.sock)");
+  bool json = false;
+  keel::daemon::Request request;
+  auto print_message = [](const nlohmann::json& reply) { std::cout << reply.value("message", "done") << "\n"; };
+
+  auto* status = app.add_subcommand("status", "the job, its generation, step, loss, tokens/s, ETA and every rank");
+  status->add_flag("--json", json, "print keeld's reply as JSON");
+  auto* events = app.add_subcommand("events", "the newest events of the run: restarts, failures, checkpoints");
+  events->add_flag("--json", json, "print keeld's reply as JSON");
+  events->add_option("--limit", request.limit, "how many of the newest events")->check(CLI::Range(1, 100000));
+  auto* stop = app.add_subcommand("stop", "the ranks save a final checkpoint and keeld exits; starting keeld resumes");
+  bool no_checkpoint = false;
+  stop->add_flag("--no-checkpoint", no_checkpoint, "stop at once; the run resumes from its newest checkpoint");
+  stop->add_flag("--json", json, "print keeld's reply as JSON");
+  auto* restart = app.add_subcommand("restart", "save a checkpoint and start a new generation (or run a finished or failed job again)");
+  restart->add_flag("--json", json, "print keeld's reply as JSON");
+
+  auto* checkpoint = app.add_subcommand("checkpoint", "save now, or list, verify, inspect or prune a run's checkpoints");
   checkpoint->require_subcommand(1);
+  auto* now = checkpoint->add_subcommand("now", "ask keeld's ranks to save after the step in progress");
+  now->add_flag("--json", json, "print keeld's reply as JSON");
 
   std::string run_dir, checkpoints, tensor;
   int64_t step = -1, limit = 64, keep = 3, keep_every = 0;
-  bool json = false, all = false, dry_run = false;
+  bool all = false, dry_run = false;
   auto common_options = [&](CLI::App* cmd, bool with_step) {
     cmd->add_option("--run-dir", run_dir, "the run directory (its checkpoints/ is used)");
     cmd->add_option("--checkpoints", checkpoints, "the checkpoint directory itself (when checkpoint.dir is set)");
@@ -36,13 +91,37 @@ int main(int argc, char** argv) {
   prune->add_option("--keep", keep, "newest checkpoints kept");
   prune->add_option("--keep-every", keep_every, "also keep steps that are multiples of this (0: none)");
   prune->add_flag("--dry-run", dry_run, "only list what would be removed");
-  app.footer("Exit codes: 0 fine, 1 a checkpoint failed verification, 2 bad usage or input.");
+  app.footer(
+      "Exit codes: 0 fine, 1 keeld refused the request or a checkpoint failed verification,\n"
+      "2 bad usage or input, 3 keeld is not running (or not at --socket).");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  using keel::daemon::Command;
+  if (status->parsed()) {
+    request.command = Command::kStatus;
+    return ask_keeld(socket, request, json, [](const nlohmann::json& r) { keel::daemon::print_status(r, std::cout); });
+  }
+  if (events->parsed()) {
+    request.command = Command::kEvents;
+    return ask_keeld(socket, request, json, [](const nlohmann::json& r) { keel::daemon::print_events(r, std::cout); });
+  }
+  if (stop->parsed()) {
+    request.command = Command::kStop;
+    request.checkpoint = !no_checkpoint;
+    return ask_keeld(socket, request, json, print_message);
+  }
+  if (restart->parsed()) {
+    request.command = Command::kRestart;
+    return ask_keeld(socket, request, json, print_message);
+  }
+  if (now->parsed()) {
+    request.command = Command::kCheckpointNow;
+    return ask_keeld(socket, request, json, print_message);
   }
   if (run_dir.empty() == checkpoints.empty()) {
     std::cerr << "keelctl: give exactly one of --run-dir and --checkpoints\n";

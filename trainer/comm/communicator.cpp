@@ -48,6 +48,11 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
   stats_.calls[index] += 1;
   stats_.bytes[index] += bytes;
   const uint64_t id = recorder_->begin(name_, seq, collective_op_name(op), bytes, peer);
+  if (board_ != nullptr) board_->begin_collective(name_, seq, collective_op_name(op), bytes);
+  auto failed = [&](const std::string& message) {
+    recorder_->end(id, FlightState::kFailed, message);
+    if (board_ != nullptr) board_->end_collective(name_, seq, false);
+  };
   try {
     body();
   } catch (const Error& e) {
@@ -56,16 +61,17 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
     // failure with the other ranks' records.
     auto message = fmt::format("group '{}' {} seq {} (rank {} of {}): {}", name_, collective_op_name(op), seq, rank_,
                                size_, e.what());
-    recorder_->end(id, FlightState::kFailed, message);
+    failed(message);
     throw Error(e.code(), message);
   } catch (const std::exception& e) {
-    recorder_->end(id, FlightState::kFailed, e.what());
+    failed(e.what());
     throw;
   } catch (...) {
-    recorder_->end(id, FlightState::kFailed, "unknown exception");
+    failed("unknown exception");
     throw;
   }
   recorder_->end(id, FlightState::kDone);
+  if (board_ != nullptr) board_->end_collective(name_, seq, true);
 }
 
 namespace {

@@ -2,8 +2,8 @@
 //
 // Every call goes through one instrumented path in this base class: it takes
 // the group's next sequence number, counts the payload bytes per operation,
-// records the call in the flight recorder (in flight, then done or failed)
-// and only then runs the backend's implementation (Gloo on CPU, NCCL on GPU).
+// records the call in the flight recorder (in flight, then done or failed),
+// shows it on the rank's progress board, and only then runs the backend's implementation (Gloo on CPU, NCCL on GPU).
 // Backends override the protected do_* methods and nothing else.
 //
 // Every call has a timeout (the backend's). A failure raises Error with
@@ -15,6 +15,7 @@
 // Buffers are float32 and element counts are per rank unless said otherwise.
 #pragma once
 
+#include "health/board_publisher.h"
 #include "trainer/comm/flight_recorder.h"
 
 #include <array>
@@ -62,6 +63,9 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const CommStats& stats() const { return stats_; }
+  // Every later call is shown on `board` (nullptr: none); the board must
+  // outlive the communicator's calls.
+  void set_progress_board(health::BoardPublisher* board) { board_ = board; }
   void reset_stats() { stats_ = CommStats{}; }
 
   // data[count] = sum over the group, in place. Payload: count floats.
@@ -125,6 +129,7 @@ class Communicator {
   int rank_;
   int size_;
   std::shared_ptr<FlightRecorder> recorder_;
+  health::BoardPublisher* board_ = nullptr;
   std::mutex handler_mutex_;
   std::function<void(const std::string&)> peer_failure_handler_;
   int64_t next_seq_ = 0;

@@ -65,6 +65,7 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
 }
 
 void TrainLoop::save_checkpoint(int64_t steps_done) {
+  board_.set_phase(health::Phase::kCheckpoint);
   const auto blocks = state_blocks(true);
   std::vector<checkpoint::Piece> pieces;
   for (const auto& b : blocks) pieces.push_back(b.piece);

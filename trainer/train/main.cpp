@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
   app.footer(
       "Environment (set by keeld; without it this is a single rank): KEEL_RANK, KEEL_WORLD_SIZE,\n"
-      "KEEL_RUN_DIR (overrides job.run_dir). Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
+      "KEEL_RUN_DIR (overrides job.run_dir), KEEL_BOARD (progress board), KEEL_GENERATION, KEEL_STORE. Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
       "Exit codes: 0 finished, 2 bad config or usage, 3 data error, 10 collective hang, 11 SDC suspected,\n"
       "12 peer or transport failure, 13 checkpoint failure, 14 stopped on request (SIGTERM/SIGINT),\n"
       "70 internal error.");
@@ -141,6 +141,9 @@ int main(int argc, char** argv) {
   // Declared out here so that a failing rank can tell every group it
   // belongs to before it exits; the Store outlives the communicators.
   std::unique_ptr<keel::common::Store> store;
+  // keeld reads this rank's progress from its board (a rank run by hand has
+  // none); the communicators report to it, so it outlives them.
+  std::optional<keel::health::BoardPublisher> board;
   RankGroups groups;
   auto& dp = groups.dp;
   auto& tp = groups.tp;
@@ -171,6 +174,9 @@ int main(int argc, char** argv) {
     // A full file-size limit is a failed write (EFBIG) to handle, not a
     // reason to die.
     std::signal(SIGXFSZ, SIG_IGN);
+    if (!worker.board.empty()) {
+      board.emplace(keel::health::ProgressBoard::open(worker.board), worker.rank, worker.generation);
+    }
     keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
     log->info("backend {} with {} threads", backend.name(), backend.threads());
     // Ranks rendezvous through the Store; groups are named by generation so
@@ -191,6 +197,9 @@ int main(int argc, char** argv) {
       };
       dp = join(keel::trainer::Axis::kDp);
       tp = join(keel::trainer::Axis::kTp);
+      for (auto* group : {dp.get(), tp.get()}) {
+        if (group != nullptr && board) group->set_progress_board(&*board);
+      }
       // A peer failure seen in one group makes this rank leave the others,
       // which wakes it if it is blocked there and tells their ranks.
       for (auto* group : {dp.get(), tp.get()}) {
@@ -204,7 +213,7 @@ int main(int argc, char** argv) {
     }
     keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get(),
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
-                                                             worker.generation});
+                                                             worker.generation, board ? &*board : nullptr});
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
     if (!eval_dir.empty()) {
       if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");

@@ -1,6 +1,7 @@
 #include "trainer/train/train_loop.h"
 
 #include "common/error.h"
+#include "common/human_format.h"
 #include "common/log.h"
 
 #include <fmt/format.h>
@@ -17,13 +18,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::string format_duration(double seconds) {
-  const auto s = static_cast<int64_t>(std::llround(seconds));
-  if (s >= 3600) return fmt::format("{}h{:02}m", s / 3600, s % 3600 / 60);
-  if (s >= 60) return fmt::format("{}m{:02}s", s / 60, s % 60);
-  return fmt::format("{}s", s);
 }
 
 std::string format_rate(double tokens_per_s) {
@@ -66,7 +60,9 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, tp),
       tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0),
-      rank_(rank) {
+      rank_(rank),
+      board_(rank.board != nullptr ? *rank.board : no_board_),
+      faults_(config.faults, rank.rank, rank.generation) {
   const int tp_size = tp != nullptr ? tp->size() : 1;
   if (dp_size_ != config.parallel.dp || tp_size != config.parallel.tp) {
     throw common::Error(common::ErrorCode::kInternal,
@@ -87,7 +83,8 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
             nlohmann::json{{"world_size", rank_.world_size}, {"dp", config.parallel.dp}, {"tp", config.parallel.tp},
                            {"pp", config.parallel.pp}, {"cp", config.parallel.cp}, {"ep", config.parallel.ep},
                            {"zero", config.parallel.zero}},
-            rank_.rank, rank_.world_size, rank_.generation},
+            rank_.rank, rank_.world_size, rank_.generation,
+            [this](int64_t step, uint64_t bytes, double write_s) { board_.checkpoint_written(step, bytes, write_s); }},
         rank_.store);
   }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
@@ -114,10 +111,13 @@ StepStats TrainLoop::train_step(int64_t step) {
   storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
   for (int64_t m = 0; m < micro_batches; ++m) {
+    board_.set_phase(health::Phase::kData);
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
                      first_sample + m * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
+    board_.set_phase(health::Phase::kForward);
     loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
     aux_sum += model_.aux_loss();
+    board_.set_phase(health::Phase::kBackward);
     model_.backward(loss_scale);
   }
   storage_.reduce_gradients();
@@ -133,6 +133,7 @@ StepStats TrainLoop::train_step(int64_t step) {
   stats.aux_loss = static_cast<float>(aux_sum / (micro_batches * dp_size_));
   stats.lr = learning_rate(config_.train, step);
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
+  board_.set_phase(health::Phase::kOptimizer);
   stats.grad_norm = optimizer_step(static_cast<float>(stats.lr), step);
   stats.step_ms = seconds_since(start) * 1e3;
   return stats;
@@ -225,6 +226,7 @@ float TrainLoop::validate() {
   const int T = static_cast<int>(config_.model.seq_len);
   const int64_t micro_batches = config_.parallel.micro_batches;
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
+  board_.set_phase(health::Phase::kForward);
   double sum = 0;
   for (int64_t i = 0; i < config_.train.val_batches; ++i) {
     for (int64_t m = 0; m < micro_batches; ++m) {
@@ -297,6 +299,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
   summary.tokens = start_step_ * tokens_per_step;
   const auto run_start = Clock::now();
   auto last_save = Clock::now();
+  board_.set_extent(start_step_, train.steps);
   double window_ms = 0, window_loss = 0;
   int64_t window_steps = 0;
   for (int64_t step = start_step_; step < train.steps; ++step) {
@@ -304,6 +307,8 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     // final save below.
     if (stop_after >= 0 && step >= stop_after) break;
     common::set_log_step(step);
+    faults_.before_step(step);
+    board_.begin_step();
     for (Communicator* group : {dp_, tp_}) {
       if (group != nullptr) group->reset_stats();
     }
@@ -325,10 +330,12 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.
-    // A save by time is agreed the same way, since clocks differ.
+    // A save by time or on keeld's request is agreed the same way, since
+    // clocks differ and the request reaches each rank's board on its own.
     const bool stop_requested = stop.load() || (stop_after >= 0 && step + 1 >= stop_after);
-    const bool save_time = config_.checkpoint.every_seconds > 0 &&
-                           seconds_since(last_save) >= config_.checkpoint.every_seconds;
+    const bool save_requested = board_.take_checkpoint_request();
+    const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
+                                              seconds_since(last_save) >= config_.checkpoint.every_seconds);
     float votes[2] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f};
     sum_over_world(votes, 2);
     const bool stop_now = votes[0] > 0.0f;
@@ -353,6 +360,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     }
     if (!comm.empty()) record["comm"] = comm;
     if (metrics) metrics->write(record);
+    board_.finish_step(step + 1, stats.loss, stats.grad_norm, tokens_per_step / (stats.step_ms / 1e3), stats.step_ms);
 
     window_ms += stats.step_ms;
     window_loss += stats.loss;
@@ -363,7 +371,7 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
       log->info("step {}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {} tok/s | {:.0f} ms/step | ETA {}",
                 step + 1, train.steps, window_loss / window_steps, stats.lr, stats.grad_norm,
                 format_rate(tokens_per_step * window_steps / (window_ms / 1e3)), window_ms / window_steps,
-                format_duration(eta));
+                common::format_duration(eta));
       window_ms = window_loss = 0;
       window_steps = 0;
     }
@@ -379,9 +387,11 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     }
   }
   if (metrics) metrics->close();
+  board_.set_phase(health::Phase::kCheckpoint);
   // The end of a run, finished or stopped, is always saved.
   if (checkpointer_ && last_saved_step_ != summary.steps_done) save_checkpoint(summary.steps_done);
   if (checkpointer_) summary.final_checkpoint_failed = !checkpointer_->wait();
+  board_.set_phase(health::Phase::kIdle);
   summary.parameter_digest = parameter_digest();
   summary.wall_s = seconds_since(run_start);
   summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;

@@ -7,6 +7,8 @@
 #include "checkpoint/piece.h"
 #include "common/config.h"
 #include "common/store.h"
+#include "health/board_publisher.h"
+#include "health/fault_injector.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/data/dataset.h"
 #include "trainer/kernels/backend.h"
@@ -57,12 +59,14 @@ struct RunSummary {
 };
 
 // Who this rank is in the run, for checkpoints: its global rank and the
-// Store the ranks report through (nullptr with one rank).
+// Store the ranks report through (nullptr with one rank); and the progress
+// board keeld reads (nullptr: none, a rank run by hand).
 struct RankContext {
   common::Store* store = nullptr;
   int rank = 0;
   int world_size = 1;
   int64_t generation = 0;
+  health::BoardPublisher* board = nullptr;
 };
 
 class TrainLoop {
@@ -123,6 +127,8 @@ class TrainLoop {
   // Trains up to train.steps steps, logging progress and writing
   // metrics.jsonl; returns after the current step once `stop` becomes true
   // or `stop_after` steps are done (-1: never), as a stop request does.
+  // A checkpoint request from keeld (through the board) saves after the
+  // step in progress.
   RunSummary run(const std::atomic<bool>& stop, int64_t stop_after = -1);
 
  private:
@@ -166,6 +172,9 @@ class TrainLoop {
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;
   RankContext rank_;
+  health::BoardPublisher no_board_;
+  health::BoardPublisher& board_;
+  health::FaultInjector faults_;
   std::optional<checkpoint::Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;

@@ -1,0 +1,570 @@
+#include "daemon/job.h"
+
+#include "checkpoint/catalog.h"
+#include "common/error.h"
+#include "common/events.h"
+#include "common/human_format.h"
+#include "common/log.h"
+#include "daemon/prometheus_text.h"
+#include "daemon/protocol.h"
+#include "daemon/rank_spawner.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <fstream>
+
+namespace keel::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::chrono::nanoseconds seconds(double s) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+// "exited 12 (peer_failure)", "killed by SIGKILL".
+std::string describe_exit(int code) {
+  if (code > 128 && code < 128 + 65) return fmt::format("killed by {}", sigabbrev_np(code - 128) != nullptr
+                                                                         ? std::string("SIG") + sigabbrev_np(code - 128)
+                                                                         : fmt::format("signal {}", code - 128));
+  switch (code) {
+    case 2: return "exited 2 (bad_config)";
+    case 3: return "exited 3 (data_error)";
+    case 10: return "exited 10 (collective_hang)";
+    case 11: return "exited 11 (sdc_suspected)";
+    case 12: return "exited 12 (peer_failure)";
+    case 13: return "exited 13 (checkpoint_failure)";
+    case 14: return "exited 14 (stopped_on_request)";
+    case 70: return "exited 70 (internal_error)";
+    case 127: return "exited 127 (could not be started; see its log)";
+    default: return fmt::format("exited {}", code);
+  }
+}
+
+// The newest generation events.jsonl mentions, or -1.
+int64_t last_generation(const std::filesystem::path& run_dir) {
+  std::ifstream in(run_dir / "events.jsonl");
+  int64_t newest = -1;
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto event = nlohmann::json::parse(line, nullptr, false);
+    if (event.is_object() && event.contains("generation") && event["generation"].is_number_integer()) {
+      newest = std::max(newest, event["generation"].get<int64_t>());
+    }
+  }
+  return newest;
+}
+
+}  // namespace
+
+const char* job_state_name(JobState state) {
+  switch (state) {
+    case JobState::kStarting: return "starting";
+    case JobState::kRunning: return "running";
+    case JobState::kRestarting: return "restarting";
+    case JobState::kStopping: return "stopping";
+    case JobState::kFinished: return "finished";
+    case JobState::kFailed: return "failed";
+    case JobState::kStopped: return "stopped";
+  }
+  return "unknown";
+}
+
+Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end)
+    : io_(io),
+      options_(std::move(options)),
+      on_end_(std::move(on_end)),
+      run_dir_(options_.config.job.run_dir),
+      kill_timer_(io),
+      restart_timer_(io),
+      started_at_(Clock::now()) {
+  const auto& p = options_.config.parallel;
+  const int world = static_cast<int>(p.dp * p.tp * p.pp * p.cp);
+  ranks_.resize(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) ranks_[static_cast<size_t>(r)].rank = r;
+  if (options_.config.daemon.pin_cpus) cpus_ = cpu_shares(allowed_cpus(), world);
+}
+
+Job::~Job() {
+  kill_ranks(SIGKILL);
+  remove_boards();
+}
+
+void Job::event(const std::string& kind, nlohmann::json fields) const {
+  common::append_event(run_dir_, kind, generation_, -1, std::move(fields));
+}
+
+void Job::start() {
+  std::filesystem::create_directories(run_dir_ / "logs");
+  generation_ = last_generation(run_dir_) + 1;
+  const auto& c = options_.config.checkpoint;
+  if (c.every_steps == 0 && c.every_seconds == 0) {
+    common::logger("job")->warn(
+        "checkpoint.every_steps and every_seconds are 0: a restart begins again from step 0; set one of them");
+  }
+  start_generation();
+}
+
+void Job::start_generation() {
+  auto log = common::logger("job");
+  state_ = JobState::kStarting;
+  failure_.clear();
+  generation_checkpoint_ = newest_checkpoint_step();
+  generation_started_at_ = Clock::now();
+  last_progress_log_ = Clock::now();
+  const int world = static_cast<int>(ranks_.size());
+  const std::string& store = options_.store_address;
+  for (auto& rank : ranks_) {
+    rank.pid = -1;
+    rank.last.reset();
+    rank.exit_code.reset();
+    const std::string board = health::board_name(getpid(), rank.rank);
+    rank.board.emplace(health::ProgressBoard::create(board));
+    RankLaunch launch;
+    launch.argv = {options_.trainer.string(), "--config", options_.config_path.string()};
+    for (const auto& o : options_.overrides) {
+      launch.argv.push_back("--set");
+      launch.argv.push_back(o);
+    }
+    launch.env = {{"KEEL_RANK", std::to_string(rank.rank)},
+                  {"KEEL_WORLD_SIZE", std::to_string(world)},
+                  {"KEEL_LOCAL_RANK", std::to_string(rank.rank)},
+                  {"KEEL_LOCAL_WORLD_SIZE", std::to_string(world)},
+                  {"KEEL_GENERATION", std::to_string(generation_)},
+                  {"KEEL_STORE", store},
+                  {"KEEL_BOARD", board},
+                  {"KEEL_RUN_DIR", run_dir_.string()}};
+    if (!cpus_.empty()) {
+      launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
+      const std::string threads = std::to_string(launch.cpus.size());
+      for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) launch.env[var] = threads;
+    }
+    launch.log = run_dir_ / "logs" / fmt::format("rank-{:05d}.log", rank.rank);
+    {
+      std::ofstream header(launch.log, std::ios::app);
+      header << fmt::format("===== keeld: generation {} starts rank {} ({}) =====\n", generation_, rank.rank,
+                            common::utc_now());
+    }
+    try {
+      rank.pid = spawn_rank(launch);
+    } catch (const std::exception& e) {
+      log->error("generation {}: {}", generation_, e.what());
+      rank.exit_code = 127;
+      on_rank_exit(rank, 127);
+      return;
+    }
+  }
+  log->info("generation {}: started {} ranks of {} (resuming from {})", generation_, world, options_.config.job.name,
+            generation_checkpoint_ >= 0 ? fmt::format("the checkpoint of step {}", generation_checkpoint_)
+                                        : std::string("the start: no checkpoint yet"));
+  nlohmann::json pids = nlohmann::json::array();
+  for (const auto& rank : ranks_) pids.push_back(rank.pid);
+  event("generation_started", {{"ranks", world}, {"pids", pids}, {"checkpoint_step", generation_checkpoint_}});
+}
+
+bool Job::on_child_exit(pid_t pid, int wait_status) {
+  for (auto& rank : ranks_) {
+    if (rank.pid != pid || rank.exit_code) continue;
+    const int code = WIFEXITED(wait_status) ? WEXITSTATUS(wait_status)
+                                            : 128 + (WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0);
+    rank.exit_code = code;
+    if (rank.board) {
+      if (auto last = rank.board->read()) rank.last = last;
+    }
+    on_rank_exit(rank, code);
+    return true;
+  }
+  return false;
+}
+
+void Job::on_rank_exit(Rank& rank, int code) {
+  auto log = common::logger("job");
+  const bool expected = state_ == JobState::kStopping || state_ == JobState::kRestarting || code == 0;
+  if (expected) {
+    log->info("generation {}: rank {} (pid {}) {}", generation_, rank.rank, rank.pid, describe_exit(code));
+  } else {
+    // The first failure of a generation is its cause; the other ranks'
+    // exits that follow (peer failures) are consequences.
+    failure_ = fmt::format("rank {} {}", rank.rank, describe_exit(code));
+    const int64_t step = rank.last ? rank.last->steps_done : -1;
+    log->error("generation {}: {} at step {}; stopping the generation to restart it", generation_, failure_, step);
+    event("rank_failed", {{"rank", rank.rank}, {"pid", rank.pid}, {"exit_code", code}, {"step", step},
+                          {"cause", failure_}});
+    state_ = JobState::kRestarting;
+    stop_ranks(SIGTERM, options_.config.daemon.grace_s);
+  }
+  if (!ranks_alive()) generation_over();
+}
+
+bool Job::ranks_alive() const {
+  return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.pid > 0 && !r.exit_code; });
+}
+
+void Job::stop_ranks(int signal, double grace_s) {
+  kill_ranks(signal);
+  kill_timer_.expires_after(seconds(grace_s));
+  kill_timer_.async_wait([this, grace_s](const boost::system::error_code& ec) {
+    if (ec || !ranks_alive()) return;
+    common::logger("job")->warn("generation {}: ranks still running {:.0f} s after SIGTERM; sending SIGKILL",
+                                generation_, grace_s);
+    kill_ranks(SIGKILL);
+  });
+}
+
+void Job::kill_ranks(int signal) {
+  for (const auto& rank : ranks_) {
+    if (rank.pid > 0 && !rank.exit_code) ::kill(rank.pid, signal);
+  }
+}
+
+void Job::remove_boards() {
+  for (auto& rank : ranks_) {
+    if (rank.board) health::ProgressBoard::remove(rank.board->name());
+    rank.board.reset();
+  }
+}
+
+int64_t Job::newest_checkpoint_step() const {
+  const auto all = checkpoint::committed(options_.config.checkpoint_dir());
+  return all.empty() ? -1 : all.back().step;
+}
+
+void Job::generation_over() {
+  auto log = common::logger("job");
+  kill_timer_.cancel();
+  poll();  // the boards' last words, for status and the events below
+  remove_boards();
+  nlohmann::json codes = nlohmann::json::array();
+  bool all_zero = true;
+  for (const auto& rank : ranks_) {
+    codes.push_back(rank.exit_code.value_or(-1));
+    all_zero = all_zero && rank.exit_code == 0;
+  }
+  const int64_t checkpoint = newest_checkpoint_step();
+  event("generation_ended", {{"exit_codes", codes}, {"checkpoint_step", checkpoint}});
+
+  if (after_stop_) {
+    const AfterStop after = *after_stop_;
+    after_stop_.reset();
+    if (after == AfterStop::kRestart) {
+      ++generation_;
+      ++restarts_;
+      no_progress_ = 0;
+      start_generation();
+      return;
+    }
+    log->info("stopped; the newest checkpoint is step {}; starting keeld again resumes from it", checkpoint);
+    event("job_stopped", {{"checkpoint_step", checkpoint}});
+    end(JobState::kStopped);
+    return;
+  }
+  if (all_zero) {
+    log->info("job {} finished: {} steps; final checkpoint step {}", options_.config.job.name, steps_done(),
+              checkpoint);
+    event("job_finished", {{"step", steps_done()}, {"checkpoint_step", checkpoint}});
+    end(JobState::kFinished);
+    return;
+  }
+  if (failure_.empty()) failure_ = "the ranks exited without a cause";
+  no_progress_ = checkpoint > generation_checkpoint_ ? 0 : no_progress_ + 1;
+  const int64_t limit = options_.config.daemon.crash_loop_generations;
+  if (no_progress_ >= limit) {
+    failure_ = fmt::format(
+        "crash loop: {} generations in a row ended without a checkpoint newer than step {}; last failure: {}. Fix "
+        "the cause (see run_dir/logs and events), then keelctl restart",
+        no_progress_, checkpoint, failure_);
+    log->error("job {} failed: {}", options_.config.job.name, failure_);
+    event("job_failed", {{"reason", failure_}});
+    end(JobState::kFailed);
+    return;
+  }
+  const auto& d = options_.config.daemon;
+  const double delay =
+      std::min(d.restart_backoff_max_s, d.restart_backoff_s * std::pow(2.0, static_cast<double>(no_progress_)));
+  log->warn("generation {} failed ({}); restarting from checkpoint step {} in {:.1f} s", generation_, failure_,
+            checkpoint, delay);
+  event("restart_scheduled", {{"cause", failure_}, {"delay_s", delay}, {"checkpoint_step", checkpoint}});
+  state_ = JobState::kRestarting;
+  restart_timer_.expires_after(seconds(delay));
+  restart_timer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || state_ != JobState::kRestarting) return;
+    ++generation_;
+    ++restarts_;
+    start_generation();
+  });
+}
+
+void Job::end(JobState state) {
+  state_ = state;
+  if (state == JobState::kFailed || state == JobState::kFinished || state == JobState::kStopped) on_end_(state);
+}
+
+void Job::poll() {
+  for (auto& rank : ranks_) {
+    if (!rank.board) continue;
+    if (auto snapshot = rank.board->read()) rank.last = snapshot;
+  }
+  if (state_ == JobState::kStarting) {
+    const bool all_up = std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
+      return r.last && r.last->phase != static_cast<uint32_t>(health::Phase::kInit);
+    });
+    if (all_up) {
+      state_ = JobState::kRunning;
+      common::logger("job")->info("generation {}: all {} ranks are training", generation_, ranks_.size());
+    }
+  }
+  if (state_ == JobState::kRunning &&
+      seconds_between(last_progress_log_, Clock::now()) >= options_.config.daemon.progress_every_s) {
+    log_progress();
+  }
+}
+
+int64_t Job::steps_done() const {
+  const auto& first = ranks_.front().last;
+  return first ? first->steps_done : std::max<int64_t>(generation_checkpoint_, 0);
+}
+
+std::optional<double> Job::eta_s() const {
+  const auto& s = ranks_.front().last;
+  if (!s || s->steps_done <= s->first_step) return std::nullopt;
+  // The mean of the recent steps this generation ran.
+  const int64_t n = std::min<int64_t>(s->steps_done - s->first_step, static_cast<int64_t>(health::kRecentSteps));
+  double ms = 0;
+  for (int64_t i = 0; i < n; ++i) ms += s->recent_step_ms[(s->steps_done - 1 - i) % health::kRecentSteps];
+  return ms / static_cast<double>(n) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
+}
+
+void Job::log_progress() {
+  last_progress_log_ = Clock::now();
+  const auto& s = ranks_.front().last;
+  if (!s) return;
+  const auto eta = eta_s();
+  common::logger("job")->info("generation {} | step {}/{} | loss {:.4f} | {:.0f} tok/s | ETA {}", generation_,
+                              s->steps_done, s->total_steps, s->loss, s->tokens_per_s,
+                              eta ? common::format_duration(*eta) : std::string("-"));
+}
+
+std::string Job::rank_health(const Rank& rank) const {
+  if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
+  if (rank.pid <= 0) return "down";
+  if (!rank.last) return "starting";
+  const double age = static_cast<double>(health::monotonic_ns() - rank.last->update_ns) / 1e9;
+  return age > options_.config.daemon.stale_after_s ? "stale" : "ok";
+}
+
+nlohmann::json Job::status() const {
+  const int64_t now_ns = health::monotonic_ns();
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& rank : ranks_) {
+    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank)}};
+    r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
+    if (rank.last) {
+      const auto& s = *rank.last;
+      r["step"] = s.steps_done;
+      r["phase"] = health::phase_name(s.phase);
+      r["step_ms"] = s.step_ms;
+      r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
+      if (s.collective.seq >= 0) {
+        const int64_t end = s.collective.end_ns != 0 ? s.collective.end_ns : now_ns;
+        r["collective"] = {{"group", std::string(s.collective.group, strnlen(s.collective.group, 16))},
+                           {"op", std::string(s.collective.op, strnlen(s.collective.op, 16))},
+                           {"seq", s.collective.seq},
+                           {"bytes", s.collective.bytes},
+                           {"state", health::collective_state_name(s.collective.state)},
+                           {"duration_s", static_cast<double>(end - s.collective.start_ns) / 1e9}};
+      }
+    }
+    ranks.push_back(r);
+  }
+  const auto& head = ranks_.front().last;
+  const auto eta = eta_s();
+  nlohmann::json out = {{"ok", true},
+                        {"job", options_.config.job.name},
+                        {"state", job_state_name(state_)},
+                        {"generation", generation_},
+                        {"restarts", restarts_},
+                        {"step", steps_done()},
+                        {"total_steps", options_.config.train.steps},
+                        {"checkpoint_step", newest_checkpoint_step()},
+                        {"run_dir", run_dir_.string()},
+                        {"keeld_pid", getpid()},
+                        {"uptime_s", seconds_between(started_at_, Clock::now())},
+                        {"ranks", ranks}};
+  out["reason"] = failure_;
+  out["loss"] = head ? nlohmann::json(head->loss) : nlohmann::json(nullptr);
+  out["tokens_per_s"] = head ? nlohmann::json(head->tokens_per_s) : nlohmann::json(nullptr);
+  out["eta_s"] = eta ? nlohmann::json(*eta) : nlohmann::json(nullptr);
+  return out;
+}
+
+nlohmann::json Job::events(int64_t limit) const {
+  std::ifstream in(run_dir_ / "events.jsonl");
+  std::deque<nlohmann::json> newest;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto event = nlohmann::json::parse(line, nullptr, false);
+    if (event.is_discarded()) continue;
+    newest.push_back(std::move(event));
+    if (static_cast<int64_t>(newest.size()) > limit) newest.pop_front();
+  }
+  return {{"ok", true}, {"events", nlohmann::json(std::vector<nlohmann::json>(newest.begin(), newest.end()))}};
+}
+
+nlohmann::json Job::checkpoint_now() {
+  const auto& c = options_.config.checkpoint;
+  if (c.every_steps == 0 && c.every_seconds == 0) {
+    return error_reply("checkpoints are off for this job: set checkpoint.every_steps or every_seconds");
+  }
+  if (state_ != JobState::kRunning && state_ != JobState::kStarting) {
+    return error_reply(fmt::format("no generation is training (the job is {})", job_state_name(state_)));
+  }
+  for (auto& rank : ranks_) {
+    if (rank.board) rank.board->request_checkpoint();
+  }
+  event("checkpoint_requested", {{"step", steps_done()}});
+  return {{"ok", true},
+          {"message", fmt::format("the ranks will save after the step in progress (step {} is done); watch "
+                                  "keelctl events for checkpoint_committed",
+                                  steps_done())}};
+}
+
+nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
+  auto log = common::logger("job");
+  switch (state_) {
+    case JobState::kStopping:
+      if (!checkpoint && stop_checkpoint_) {
+        stop_checkpoint_ = false;
+        kill_ranks(SIGKILL);
+        return {{"ok", true}, {"message", "stopping now without waiting for the final checkpoint"}};
+      }
+      return error_reply("the job is already stopping");
+    case JobState::kFinished:
+    case JobState::kFailed:
+    case JobState::kStopped:
+      event("stop_requested", {{"by", by}, {"checkpoint", false}});
+      end(JobState::kStopped);
+      return {{"ok", true}, {"message", fmt::format("the job had {}; keeld exits", job_state_name(state_))}};
+    case JobState::kRestarting:
+      if (!ranks_alive()) {
+        restart_timer_.cancel();
+        event("stop_requested", {{"by", by}, {"checkpoint", false}});
+        event("job_stopped", {{"checkpoint_step", newest_checkpoint_step()}});
+        end(JobState::kStopped);
+        return {{"ok", true}, {"message", "the restart is cancelled; keeld exits"}};
+      }
+      break;  // the failed generation is being stopped: end instead of restarting
+    case JobState::kStarting:
+    case JobState::kRunning:
+      break;
+  }
+  log->warn("stop requested by {}: {}", by,
+            checkpoint ? "the ranks save a final checkpoint, then exit" : "killing the ranks without a checkpoint");
+  event("stop_requested", {{"by", by}, {"checkpoint", checkpoint}});
+  const bool tearing_down = state_ == JobState::kRestarting;
+  state_ = JobState::kStopping;
+  after_stop_ = AfterStop::kEnd;
+  stop_checkpoint_ = checkpoint && !tearing_down;
+  if (!tearing_down) {
+    if (checkpoint) {
+      stop_ranks(SIGTERM, options_.config.daemon.stop_timeout_s);
+    } else {
+      kill_ranks(SIGKILL);
+    }
+  }
+  return {{"ok", true},
+          {"message", checkpoint ? "stopping: the ranks save a final checkpoint, then keeld exits"
+                                 : "stopping without a final checkpoint"}};
+}
+
+nlohmann::json Job::restart(const std::string& by) {
+  event("restart_requested", {{"by", by}});
+  switch (state_) {
+    case JobState::kStarting:
+    case JobState::kRunning:
+      common::logger("job")->warn("restart requested by {}: the ranks save a checkpoint, then a new generation starts",
+                                  by);
+      state_ = JobState::kStopping;
+      after_stop_ = AfterStop::kRestart;
+      stop_checkpoint_ = true;
+      stop_ranks(SIGTERM, options_.config.daemon.stop_timeout_s);
+      return {{"ok", true}, {"message", "restarting: the ranks save a checkpoint, then a new generation starts"}};
+    case JobState::kRestarting:
+      if (ranks_alive()) return error_reply("a restart is already under way");
+      restart_timer_.cancel();
+      break;
+    case JobState::kFinished:
+    case JobState::kFailed:
+      break;
+    case JobState::kStopping:
+    case JobState::kStopped:
+      return error_reply("the job is stopping; start keeld again to resume it");
+  }
+  ++generation_;
+  ++restarts_;
+  no_progress_ = 0;
+  start_generation();
+  return {{"ok", true}, {"message", fmt::format("generation {} is starting", generation_)}};
+}
+
+std::string Job::status_line() const {
+  std::string health = "ok";
+  for (const auto& rank : ranks_) {
+    const std::string h = rank_health(rank);
+    if (h == "stale" || h == "exited") health = h;
+  }
+  const auto& head = ranks_.front().last;
+  std::string line = fmt::format("{}: {} (generation {}) step {}/{}", options_.config.job.name,
+                                 job_state_name(state_), generation_, steps_done(), options_.config.train.steps);
+  if (head) line += fmt::format(" loss {:.4f}", head->loss);
+  line += " health " + (state_ == JobState::kFailed ? failure_ : health);
+  return line;
+}
+
+std::string Job::metrics_text() const {
+  PrometheusText out;
+  const auto& head = ranks_.front().last;
+  const std::vector<std::pair<std::string, std::string>> job = {{"job", options_.config.job.name}};
+  out.gauge("keel_step", "Optimizer steps completed", static_cast<double>(steps_done()), job);
+  out.gauge("keel_total_steps", "Steps the job trains", static_cast<double>(options_.config.train.steps), job);
+  out.gauge("keel_loss", "Training loss of the last step", head ? head->loss : std::nan(""), job);
+  out.gauge("keel_tokens_per_second", "Tokens per second of the last step, whole job",
+            head ? head->tokens_per_s : 0.0, job);
+  out.gauge("keel_generation", "Current generation (bumped by every restart)", static_cast<double>(generation_), job);
+  out.counter("keel_restarts_total", "Generations restarted since keeld started", static_cast<double>(restarts_),
+              job);
+  for (auto s : {JobState::kStarting, JobState::kRunning, JobState::kRestarting, JobState::kStopping,
+                 JobState::kFinished, JobState::kFailed, JobState::kStopped}) {
+    out.gauge("keel_job_state", "1 for the job's current state", s == state_ ? 1.0 : 0.0,
+              {{"job", options_.config.job.name}, {"state", job_state_name(s)}});
+  }
+  out.gauge("keel_checkpoint_step", "Step of the newest committed checkpoint",
+            static_cast<double>(newest_checkpoint_step()), job);
+  for (const auto& rank : ranks_) {
+    if (!rank.last) continue;
+    const auto& s = *rank.last;
+    const std::vector<std::pair<std::string, std::string>> labels = {{"job", options_.config.job.name},
+                                                                     {"rank", std::to_string(rank.rank)}};
+    out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
+    out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
+    out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
+              static_cast<double>(health::monotonic_ns() - s.update_ns) / 1e9, labels);
+    out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
+              static_cast<double>(s.checkpoint_bytes), labels);
+    out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
+              s.checkpoint_write_s, labels);
+  }
+  return out.str();
+}
+
+}  // namespace keel::daemon

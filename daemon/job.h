@@ -1,0 +1,134 @@
+// The job keeld runs (DESIGN §1, §8): one generation of local ranks at a
+// time, supervised from keeld's event loop.
+//
+//   starting ──▶ running ──▶ finished          every rank exited 0
+//       │           │
+//       │           ├──▶ restarting ──▶ starting (generation + 1, after back-off)
+//       │           │        └────────▶ failed (crash-loop guard)
+//       └───────────┴──▶ stopping ──▶ (stopped: keeld exits 0)
+//                              └────▶ starting (keelctl restart)
+//
+// A rank that exits non-zero (or is killed) fails its generation: keeld
+// records the cause, stops the other ranks (SIGTERM, grace, SIGKILL) and
+// starts the next generation from the newest committed checkpoint (the
+// ranks pick it themselves), after an exponential back-off. A generation
+// that ends without committing a checkpoint newer than the one it started
+// from made no progress; crash_loop_generations of those in a row fail the
+// job instead of retrying forever: retrying cannot get past a failure that
+// recurs before the next checkpoint.
+//
+// Every transition is an event in run_dir/events.jsonl. Nothing here
+// blocks: ranks are seen through their exit statuses (fed in by keeld's
+// SIGCHLD handler) and their progress boards (read on poll()).
+#pragma once
+
+#include "common/config.h"
+#include "health/progress_board.h"
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <nlohmann/json.hpp>
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace keel::daemon {
+
+enum class JobState { kStarting, kRunning, kRestarting, kStopping, kFinished, kFailed, kStopped };
+const char* job_state_name(JobState state);
+
+struct JobOptions {
+  common::Config config;
+  std::filesystem::path config_path;       // passed to the ranks, with the overrides
+  std::vector<std::string> overrides;
+  std::filesystem::path trainer;           // keel-trainer
+  std::string store_address;               // KEEL_STORE for the ranks
+};
+
+class Job {
+ public:
+  // `on_end` is called once the job has ended for good (finished, failed or
+  // stopped), with the state it ended in. A job that finished or failed can
+  // still be restarted by restart().
+  Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end);
+  ~Job();
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  // Starts the first generation: one past the newest generation in
+  // events.jsonl, so a restarted keeld continues the run's history.
+  void start();
+
+  // A child of keeld exited (raw waitpid status). False when it was not a rank.
+  bool on_child_exit(pid_t pid, int wait_status);
+  // Reads the boards; called from keeld's timer a few times a second.
+  void poll();
+
+  // Control requests; each returns the reply for keelctl.
+  nlohmann::json status() const;
+  nlohmann::json events(int64_t limit) const;
+  nlohmann::json checkpoint_now();
+  nlohmann::json stop(bool checkpoint, const std::string& by);
+  nlohmann::json restart(const std::string& by);
+
+  JobState state() const { return state_; }
+  // One line for systemd's STATUS=: job, state, step, loss, health.
+  std::string status_line() const;
+  // Prometheus text exposition of the job's figures.
+  std::string metrics_text() const;
+
+ private:
+  struct Rank {
+    int rank = 0;
+    pid_t pid = -1;
+    std::optional<health::ProgressBoard> board;
+    std::optional<health::BoardSnapshot> last;  // the newest board read
+    std::optional<int> exit_code;               // 128 + signal when killed
+  };
+  enum class AfterStop { kEnd, kRestart };
+
+  void start_generation();
+  void on_rank_exit(Rank& rank, int code);
+  void generation_over();
+  void stop_ranks(int signal, double grace_s);
+  void kill_ranks(int signal);
+  bool ranks_alive() const;
+  void end(JobState state);
+  void remove_boards();
+  int64_t newest_checkpoint_step() const;
+  void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
+  void log_progress();
+  // The figures of the job as a whole, from rank 0's board.
+  int64_t steps_done() const;
+  std::optional<double> eta_s() const;
+  std::string rank_health(const Rank& rank) const;
+
+  boost::asio::io_context& io_;
+  JobOptions options_;
+  std::function<void(JobState)> on_end_;
+  std::filesystem::path run_dir_;
+  JobState state_ = JobState::kStarting;
+  int64_t generation_ = 0;
+  int64_t restarts_ = 0;
+  int64_t no_progress_ = 0;               // generations in a row without a new checkpoint
+  int64_t generation_checkpoint_ = -1;    // newest committed step when the generation started
+  std::vector<Rank> ranks_;
+  std::vector<std::vector<int>> cpus_;
+  std::string failure_;                   // why the generation (or the job) failed
+  std::optional<AfterStop> after_stop_;
+  bool stop_checkpoint_ = true;
+  boost::asio::steady_timer kill_timer_;
+  boost::asio::steady_timer restart_timer_;
+  std::chrono::steady_clock::time_point started_at_;
+  std::chrono::steady_clock::time_point generation_started_at_;
+  std::chrono::steady_clock::time_point last_progress_log_;
+};
+
+}  // namespace keel::daemon

@@ -1,0 +1,217 @@
+// keeld: the per-node daemon (DESIGN §1, §8). It runs one job: starts its
+// ranks, watches them through their progress boards and exit statuses,
+// restarts the generation after a failure, and answers keelctl on the
+// control socket. systemd runs it (systemd/keeld.service); --foreground
+// runs it in a terminal until the job ends.
+#include "common/config.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/tcp_store.h"
+#include "daemon/control_server.h"
+#include "daemon/job.h"
+#include "daemon/metrics_server.h"
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <systemd/sd-daemon.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+
+namespace {
+
+namespace asio = boost::asio;
+using keel::common::Error;
+using keel::common::ErrorCode;
+using keel::daemon::JobState;
+
+// The keel-trainer installed beside this keeld.
+std::filesystem::path default_trainer() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (ec ? std::filesystem::path("keel-trainer") : self.parent_path() / "keel-trainer");
+}
+
+// Runs `tick` every `period`, from the event loop.
+class Ticker {
+ public:
+  Ticker(asio::io_context& io, std::chrono::milliseconds period, std::function<void()> tick)
+      : timer_(io), period_(period), tick_(std::move(tick)) {
+    arm();
+  }
+
+ private:
+  void arm() {
+    timer_.expires_after(period_);
+    timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      tick_();
+      arm();
+    });
+  }
+  asio::steady_timer timer_;
+  std::chrono::milliseconds period_;
+  std::function<void()> tick_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"keeld: the keel training daemon; runs one job's ranks and keeps them running"};
+  std::string config_path, socket;
+  std::vector<std::string> overrides;
+  bool foreground = false;
+  app.add_option("--config", config_path, "the job's TOML configuration")->required();
+  app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
+  app.add_flag("--foreground", foreground,
+               "exit when the job ends (0 finished, 1 failed) instead of staying up for keelctl");
+  app.add_option("--socket", socket, "control socket (default: daemon.socket, /run/keel/keeld.sock)");
+  app.footer(
+      "SIGTERM or SIGINT: the ranks save a final checkpoint, then keeld exits 0 (a second one stops at once).\n"
+      "Starting keeld again resumes the job from its newest checkpoint.\n"
+      "Exit codes: 0 finished or stopped, 1 the job failed (--foreground), 2 bad config or usage,\n"
+      "70 internal error. Operate it with keelctl (keelctl --help).");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : keel::common::exit_code(ErrorCode::kBadConfig);
+  }
+
+  keel::common::init_logging(-1);
+  auto log = keel::common::logger("keeld");
+  // A client that hangs up mid-reply must not kill the daemon.
+  std::signal(SIGPIPE, SIG_IGN);
+  try {
+    auto config = keel::common::Config::load(config_path, overrides);
+    if (!socket.empty()) config.daemon.socket = std::filesystem::absolute(socket).string();
+    keel::daemon::JobOptions options;
+    options.trainer = config.daemon.trainer.empty() ? default_trainer() : std::filesystem::path(config.daemon.trainer);
+    if (access(options.trainer.c_str(), X_OK) != 0) {
+      throw Error(ErrorCode::kBadConfig, fmt::format("the trainer {} is not an executable file; install keel-trainer "
+                                                     "beside keeld or set daemon.trainer",
+                                                     options.trainer.string()));
+    }
+    options.config_path = std::filesystem::absolute(config_path);
+    options.overrides = overrides;
+    log->info("job {}: config {}\n{}", config.job.name, options.config_path.string(), config.to_toml());
+
+    asio::io_context io;
+    keel::common::StoreServer store;
+    options.store_address = store.address();
+    options.config = config;
+
+    int exit_code = 0;
+    auto finish = [&](int code) {
+      exit_code = code;
+      sd_notify(0, "STOPPING=1");
+      io.stop();
+    };
+    keel::daemon::Job job(io, options, [&](JobState state) {
+      if (state == JobState::kStopped) return finish(0);
+      if (foreground) return finish(state == JobState::kFailed ? 1 : 0);
+      log->info("the job has {}; keeld stays up for keelctl (keelctl restart runs it again, keelctl stop exits)",
+                keel::daemon::job_state_name(state));
+    });
+    auto stop = [&](bool checkpoint, const std::string& by) {
+      auto reply = job.stop(checkpoint, by);
+      if (job.state() == JobState::kStopping) sd_notify(0, "STOPPING=1");
+      return reply;
+    };
+
+    std::optional<keel::daemon::MetricsServer> metrics;
+    if (config.daemon.metrics_port >= 0) {
+      metrics.emplace(io, "127.0.0.1", static_cast<uint16_t>(config.daemon.metrics_port),
+                      [&job] { return job.metrics_text(); });
+      log->info("metrics on http://127.0.0.1:{}/metrics", metrics->port());
+    }
+    keel::daemon::ControlServer control(
+        io,
+        keel::daemon::ControlServerOptions{config.daemon.socket, config.daemon.control_group,
+                                           static_cast<size_t>(config.daemon.max_message_bytes),
+                                           std::chrono::milliseconds(
+                                               static_cast<int64_t>(config.daemon.client_timeout_s * 1000))},
+        [&](const keel::daemon::Request& request) -> nlohmann::json {
+          using keel::daemon::Command;
+          switch (request.command) {
+            case Command::kStatus: {
+              auto out = job.status();
+              out["socket"] = config.daemon.socket;
+              out["metrics_port"] = metrics ? nlohmann::json(metrics->port()) : nlohmann::json(nullptr);
+              return out;
+            }
+            case Command::kEvents: return job.events(request.limit);
+            case Command::kCheckpointNow: return job.checkpoint_now();
+            case Command::kStop: return stop(request.checkpoint, "keelctl stop");
+            case Command::kRestart: return job.restart("keelctl restart");
+          }
+          return keel::daemon::error_reply("unknown command");
+        });
+    log->info("control socket {}", config.daemon.socket);
+
+    asio::signal_set children(io, SIGCHLD);
+    std::function<void()> reap = [&] {
+      children.async_wait([&](const boost::system::error_code& ec, int) {
+        if (ec) return;
+        int status = 0;
+        pid_t pid;
+        while ((pid = waitpid(-1, &status, WNOHANG)) > 0) job.on_child_exit(pid, status);
+        reap();
+      });
+    };
+    reap();
+    asio::signal_set stops(io, SIGTERM, SIGINT);
+    std::function<void()> on_stop = [&] {
+      stops.async_wait([&](const boost::system::error_code& ec, int signo) {
+        if (ec) return;
+        const bool again = job.state() == JobState::kStopping;
+        log->warn("{}: {}", signo == SIGTERM ? "SIGTERM" : "SIGINT",
+                  again ? "stopping now without waiting for the final checkpoint"
+                        : "the ranks save a final checkpoint, then keeld exits (send it again to stop at once)");
+        stop(!again, signo == SIGTERM ? "SIGTERM" : "SIGINT");
+        on_stop();
+      });
+    };
+    on_stop();
+
+    std::string last_status;
+    Ticker poll(io, std::chrono::milliseconds(200), [&] {
+      job.poll();
+      const std::string line = job.status_line();
+      if (line != last_status) {
+        sd_notify(0, ("STATUS=" + line).c_str());
+        last_status = line;
+      }
+    });
+    // systemd's watchdog is fed from the event loop itself, so a wedged
+    // loop (not a slow rank) is what makes systemd restart keeld.
+    uint64_t watchdog_usec = 0;
+    std::optional<Ticker> watchdog;
+    if (sd_watchdog_enabled(0, &watchdog_usec) > 0) {
+      watchdog.emplace(io, std::chrono::milliseconds(std::max<uint64_t>(watchdog_usec / 2000, 1)),
+                       [] { sd_notify(0, "WATCHDOG=1"); });
+    }
+
+    job.start();
+    sd_notify(0, ("READY=1\nSTATUS=" + job.status_line()).c_str());
+    io.run();
+    log->info("keeld exits {}", exit_code);
+    return exit_code;
+  } catch (const Error& e) {
+    log->error("{}: {}", keel::common::error_code_name(e.code()), e.what());
+    std::cerr << "keeld: " << e.what() << std::endl;
+    return keel::common::exit_code(e.code());
+  } catch (const std::exception& e) {
+    log->error("internal error: {}", e.what());
+    std::cerr << "keeld: internal error: " << e.what() << std::endl;
+    return keel::common::exit_code(ErrorCode::kInternal);
+  }
+}

@@ -1,0 +1,78 @@
+#include "daemon/status_view.h"
+
+#include "common/human_format.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <string>
+
+namespace keel::daemon {
+namespace {
+
+std::string text(const nlohmann::json& j, const char* key, const std::string& otherwise = "-") {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return otherwise;
+  return it->is_string() ? it->get<std::string>() : it->dump();
+}
+
+std::string collective(const nlohmann::json& rank) {
+  const auto it = rank.find("collective");
+  if (it == rank.end()) return "-";
+  const auto& c = *it;
+  return fmt::format("{} {} #{} {} {} ({:.3f} s)", c.value("group", "?"), c.value("op", "?"), c.value("seq", 0),
+                     common::format_bytes(c.value("bytes", uint64_t{0})), c.value("state", "?"), c.value("duration_s", 0.0));
+}
+
+}  // namespace
+
+void print_status(const nlohmann::json& s, std::ostream& out) {
+  const int64_t restarts = s.value("restarts", 0);
+  out << fmt::format("job {}: {}, generation {} ({} restart{})\n", text(s, "job"), text(s, "state"),
+                     text(s, "generation"), restarts, restarts == 1 ? "" : "s");
+  if (!text(s, "reason", "").empty()) out << "reason: " << text(s, "reason") << "\n";
+  const int64_t step = s.value("step", int64_t{0}), total = s.value("total_steps", int64_t{0});
+  std::string line = fmt::format("step {}/{} ({:.0f}%)", step, total, total > 0 ? 100.0 * step / total : 0.0);
+  if (s.contains("loss") && s["loss"].is_number()) line += fmt::format(" | loss {:.4f}", s["loss"].get<double>());
+  if (s.contains("tokens_per_s") && s["tokens_per_s"].is_number()) {
+    line += fmt::format(" | {:.0f} tok/s", s["tokens_per_s"].get<double>());
+  }
+  if (s.contains("eta_s") && s["eta_s"].is_number()) line += " | ETA " + common::format_duration(s["eta_s"].get<double>());
+  const int64_t checkpoint = s.value("checkpoint_step", int64_t{-1});
+  line += checkpoint >= 0 ? fmt::format(" | checkpoint step {}", checkpoint) : std::string(" | no checkpoint yet");
+  out << line << "\n";
+  out << "run_dir " << text(s, "run_dir");
+  if (s.contains("metrics_port") && s["metrics_port"].is_number()) {
+    out << " | metrics http://127.0.0.1:" << s["metrics_port"].get<int>() << "/metrics";
+  }
+  out << " | keeld pid " << text(s, "keeld_pid") << ", up " << common::format_duration(s.value("uptime_s", 0.0)) << "\n\n";
+  out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {}\n", "rank", "pid", "step", "phase", "step_ms", "health",
+                     "last collective");
+  for (const auto& r : s.value("ranks", nlohmann::json::array())) {
+    std::string health = text(r, "health");
+    if (r.contains("exit_code") && r["exit_code"].is_number()) health += " " + r["exit_code"].dump();
+    const std::string step_ms =
+        r.contains("step_ms") && r["step_ms"].is_number() ? fmt::format("{:.1f}", r["step_ms"].get<double>()) : "-";
+    out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {}\n", text(r, "rank"), text(r, "pid"), text(r, "step"),
+                       text(r, "phase"), step_ms, health, collective(r));
+  }
+}
+
+void print_events(const nlohmann::json& reply, std::ostream& out) {
+  const auto events = reply.value("events", nlohmann::json::array());
+  if (events.empty()) {
+    out << "no events yet\n";
+    return;
+  }
+  out << fmt::format("{:<24} {:>4} {:>5}  {:<22} {}\n", "time", "gen", "rank", "kind", "details");
+  for (const auto& e : events) {
+    nlohmann::json details = e;
+    for (const char* key : {"time", "generation", "rank", "kind"}) details.erase(key);
+    const int rank = e.value("rank", -1);
+    out << fmt::format("{:<24} {:>4} {:>5}  {:<22} {}\n", text(e, "time"), text(e, "generation"),
+                       rank < 0 ? std::string("keeld") : std::to_string(rank), text(e, "kind"),
+                       details.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
+}
+
+}  // namespace keel::daemon

@@ -1,0 +1,156 @@
+#include "health/progress_board.h"
+
+#include "common/error.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace keel::health {
+namespace {
+
+constexpr size_t kSnapshotWords = (sizeof(BoardSnapshot) + 7) / 8;
+static_assert(std::is_trivially_copyable_v<BoardSnapshot>);
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "the board needs lock-free 64-bit atomics across processes");
+
+// A reader gives up after this many torn copies and reports nothing; the
+// writer publishes a few hundred bytes, so collisions in a row are rare.
+constexpr int kReadAttempts = 64;
+
+}  // namespace
+
+struct ProgressBoard::Layout {
+  std::atomic<uint64_t> sequence;             // odd while a write is in progress; 0: never published
+  std::atomic<uint64_t> checkpoint_requests;  // written by keeld
+  std::array<std::atomic<uint64_t>, kSnapshotWords> words;
+};
+
+const char* phase_name(uint32_t phase) {
+  static constexpr const char* kNames[kPhaseCount] = {"init",      "data",       "forward", "backward",
+                                                      "optimizer", "checkpoint", "idle"};
+  return phase < kPhaseCount ? kNames[phase] : "unknown";
+}
+
+const char* collective_state_name(uint32_t state) {
+  static constexpr const char* kNames[] = {"none", "in_flight", "done", "failed"};
+  return state < 4 ? kNames[state] : "unknown";
+}
+
+std::string board_name(int pid, int local_rank) { return fmt::format("/keel.{}.{}", pid, local_rank); }
+
+int64_t monotonic_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+ProgressBoard::ProgressBoard(std::string name, Layout* layout) : name_(std::move(name)), layout_(layout) {}
+
+ProgressBoard::ProgressBoard(ProgressBoard&& other) noexcept
+    : name_(std::move(other.name_)), layout_(std::exchange(other.layout_, nullptr)) {}
+
+ProgressBoard& ProgressBoard::operator=(ProgressBoard&& other) noexcept {
+  if (this != &other) {
+    if (layout_ != nullptr) munmap(layout_, sizeof(Layout));
+    name_ = std::move(other.name_);
+    layout_ = std::exchange(other.layout_, nullptr);
+  }
+  return *this;
+}
+
+ProgressBoard::~ProgressBoard() {
+  if (layout_ != nullptr) munmap(layout_, sizeof(Layout));
+}
+
+namespace {
+
+void* map_segment(int fd, size_t bytes, const std::string& name, common::ErrorCode code) {
+  void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (at == MAP_FAILED) {
+    throw common::Error(code, fmt::format("cannot map progress board {}: {}", name, std::strerror(err)));
+  }
+  return at;
+}
+
+}  // namespace
+
+ProgressBoard ProgressBoard::create(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0 || ftruncate(fd, sizeof(Layout)) != 0) {
+    const int err = errno;
+    if (fd >= 0) close(fd);
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("cannot create progress board {} in /dev/shm: {}", name, std::strerror(err)));
+  }
+  // ftruncate of a new or truncated segment gives zeroes: sequence 0, no requests.
+  return ProgressBoard(name,
+                       static_cast<Layout*>(map_segment(fd, sizeof(Layout), name, common::ErrorCode::kInternal)));
+}
+
+ProgressBoard ProgressBoard::open(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        fmt::format("KEEL_BOARD={}: no such progress board ({}); keeld creates it before it starts "
+                                    "the rank, so unset KEEL_BOARD to run by hand",
+                                    name, std::strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != sizeof(Layout)) {
+    close(fd);
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        fmt::format("KEEL_BOARD={} is {} bytes, not a progress board of this build ({} bytes)", name,
+                                    st.st_size, sizeof(Layout)));
+  }
+  return ProgressBoard(name,
+                       static_cast<Layout*>(map_segment(fd, sizeof(Layout), name, common::ErrorCode::kBadConfig)));
+}
+
+void ProgressBoard::remove(const std::string& name) { shm_unlink(name.c_str()); }
+
+void ProgressBoard::publish(const BoardSnapshot& snapshot) {
+  std::array<uint64_t, kSnapshotWords> words{};
+  std::memcpy(words.data(), &snapshot, sizeof(snapshot));
+  const uint64_t seq = layout_->sequence.load(std::memory_order_relaxed);
+  layout_->sequence.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  for (size_t i = 0; i < kSnapshotWords; ++i) layout_->words[i].store(words[i], std::memory_order_relaxed);
+  layout_->sequence.store(seq + 2, std::memory_order_release);
+}
+
+std::optional<BoardSnapshot> ProgressBoard::read() const {
+  std::array<uint64_t, kSnapshotWords> words{};
+  for (int attempt = 0; attempt < kReadAttempts; ++attempt) {
+    const uint64_t before = layout_->sequence.load(std::memory_order_acquire);
+    if (before == 0) return std::nullopt;
+    if (before % 2 == 1) continue;
+    for (size_t i = 0; i < kSnapshotWords; ++i) words[i] = layout_->words[i].load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (layout_->sequence.load(std::memory_order_relaxed) != before) continue;
+    BoardSnapshot snapshot;
+    std::memcpy(static_cast<void*>(&snapshot), words.data(), sizeof(snapshot));
+    if (snapshot.version != kBoardVersion) return std::nullopt;
+    return snapshot;
+  }
+  return std::nullopt;
+}
+
+void ProgressBoard::request_checkpoint() { layout_->checkpoint_requests.fetch_add(1, std::memory_order_relaxed); }
+
+uint64_t ProgressBoard::checkpoint_requests() const {
+  return layout_->checkpoint_requests.load(std::memory_order_relaxed);
+}
+
+}  // namespace keel::health
