@@ -1,0 +1,171 @@
+// A keeld job in a temporary directory, for tests that run the real daemon:
+// a small DP2 x TP2 model on a pattern shard, checkpoints every 5 steps,
+// the control socket beside the config. Every test drives keeld as an
+// operator would: a process, its control socket, its run directory.
+#pragma once
+
+#include "checkpoint/paths.h"
+#include "checkpoint/reader.h"
+#include "daemon/protocol.h"
+#include "tests/support/process.h"
+#include "tests/support/temp_dir.h"
+#include "tests/trainer/token_fixture.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace keel::test {
+
+inline const char* kKeeldJobConfig = R"(
+[job]
+name = "keeld-test"
+run_dir = "run"
+[model]
+seq_len = 32
+n_layer = 2
+n_head = 4
+n_embd = 32
+[data]
+train = "train.bin"
+[parallel]
+dp = 2
+tp = 2
+zero = 1
+timeout_s = 30
+[train]
+steps = 40
+batch_size = 8
+lr = 3e-3
+warmup_steps = 2
+val_every = 0
+log_every = 10
+[checkpoint]
+every_steps = 5
+keep = 2
+[daemon]
+socket = "keeld.sock"
+metrics_port = 0
+restart_backoff_s = 0.05
+grace_s = 10
+progress_every_s = 1
+)";
+
+class KeeldJob {
+ public:
+  KeeldJob() {
+    write_pattern_shard(dir_ / "train.bin", 30000);
+    config_ = dir_.write("job.toml", kKeeldJobConfig);
+  }
+
+  const std::filesystem::path& dir() const { return dir_.path(); }
+  std::filesystem::path run_dir() const { return dir_ / "run"; }
+  std::string socket() const { return (dir_ / "keeld.sock").string(); }
+
+  // keeld on this job; --foreground unless `service`.
+  std::unique_ptr<ChildProcess> start(const std::vector<std::string>& sets = {}, bool service = false,
+                                      const std::map<std::string, std::string>& env = {}) const {
+    std::vector<std::string> argv = {keel_binary("keeld").string(), "--config", config_.string()};
+    if (!service) argv.push_back("--foreground");
+    for (const auto& s : sets) {
+      argv.push_back("--set");
+      argv.push_back(s);
+    }
+    return std::make_unique<ChildProcess>(argv, env);
+  }
+
+  // Runs keeld to its end and requires exit `expected`.
+  ProcessResult run(const std::vector<std::string>& sets = {}, int expected = 0) const {
+    auto result = start(sets)->wait(300);
+    INFO(result.output);
+    REQUIRE(result.exit_code == expected);
+    return result;
+  }
+
+  nlohmann::json ask(daemon::Command command) const {
+    daemon::Request request;
+    request.command = command;
+    request.limit = 1000;
+    return daemon::call_daemon(socket(), request, std::chrono::seconds(10));
+  }
+
+  // Polls keeld's status until `done(status)`; fails after `timeout_s`.
+  nlohmann::json wait_for(const std::function<bool(const nlohmann::json&)>& done, double timeout_s = 120) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    nlohmann::json last;
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        last = ask(daemon::Command::kStatus);
+        if (done(last)) return last;
+      } catch (const daemon::DaemonUnreachable&) {
+        // not up yet
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    FAIL("keeld's status did not get there in time; last: " << last.dump());
+    return last;
+  }
+
+  std::vector<nlohmann::json> events() const {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(run_dir() / "events.jsonl");
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  }
+  std::vector<nlohmann::json> events_of(const std::string& kind) const {
+    std::vector<nlohmann::json> out;
+    for (auto& e : events()) {
+      if (e.at("kind") == kind) out.push_back(e);
+    }
+    return out;
+  }
+
+  // The loss of every step in metrics.jsonl, as printed (for bit-identity).
+  std::vector<std::string> losses() const {
+    std::vector<std::string> out;
+    std::ifstream in(run_dir() / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").dump());
+    return out;
+  }
+
+  // Every tensor of the checkpoint of `step` (model and optimizer state).
+  std::map<std::string, std::vector<float>> checkpoint_tensors(int64_t step) const {
+    checkpoint::CheckpointReader reader(checkpoint::step_dir(run_dir() / "checkpoints", step));
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& name : reader.tensors()) {
+      const auto shape = reader.global_shape(name);
+      const int64_t rows = shape.at(0);
+      const int64_t cols = shape.size() > 1 ? shape.at(1) : 1;
+      auto& values = out[name];
+      values.resize(static_cast<size_t>(rows * cols));
+      reader.read(name, 0, 0, rows, cols, values.data());
+    }
+    return out;
+  }
+
+ private:
+  TempDir dir_;
+  std::filesystem::path config_;
+};
+
+// Bit-identity of two checkpoints' tensors, naming the first that differs.
+inline void require_identical(const std::map<std::string, std::vector<float>>& a,
+                              const std::map<std::string, std::vector<float>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, values] : a) {
+    INFO("tensor " << name);
+    REQUIRE(b.count(name) == 1);
+    REQUIRE(values.size() == b.at(name).size());
+    CHECK(std::memcmp(values.data(), b.at(name).data(), values.size() * sizeof(float)) == 0);
+  }
+}
+
+}  // namespace keel::test

@@ -1,0 +1,258 @@
+// keeld end to end, with real processes: it resumes a run by itself after a
+// rank is killed, stops with a final checkpoint on SIGTERM and resumes when
+// started again, gives up on a crash loop, and shrugs off garbage on its
+// control socket. "Bit-identical" compares every tensor of the final
+// checkpoint, model and optimizer state, with an uninterrupted run.
+#include "tests/daemon/keeld_job.h"
+
+#include <doctest/doctest.h>
+#include <grp.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+namespace keel::test {
+namespace {
+
+int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE("keeld resumes by itself after kill -9 of a random rank and ends bit-identical to an uninterrupted run") {
+    KeeldJob reference;
+    reference.run();
+    const auto expected = reference.checkpoint_tensors(40);
+
+    std::random_device seed_source;
+    const unsigned seed = seed_source();
+    std::mt19937 rng(seed);
+    INFO("random seed " << seed);
+    for (int trial = 0; trial < 10; ++trial) {
+      KeeldJob job;
+      const int victim = std::uniform_int_distribution<int>(0, 3)(rng);
+      const int64_t at_step = std::uniform_int_distribution<int64_t>(1, 34)(rng);
+      INFO("trial " << trial << ": kill -9 rank " << victim << " at step " << at_step);
+      auto keeld = job.start();
+      const auto status = job.wait_for([&](const nlohmann::json& s) {
+        return s.at("state") == "running" && step_of(s) >= at_step && s.at("ranks").at(victim).at("pid") > 0;
+      });
+      REQUIRE(step_of(status) < 40);
+      ::kill(status.at("ranks").at(victim).at("pid").get<pid_t>(), SIGKILL);
+      const auto result = keeld->wait(300);
+      INFO(result.output);
+      REQUIRE(result.exit_code == 0);
+
+      const auto failures = job.events_of("rank_failed");
+      REQUIRE(failures.size() == 1);
+      CHECK(failures[0].at("rank") == victim);
+      CHECK(failures[0].at("cause").get<std::string>().find("SIGKILL") != std::string::npos);
+      CHECK(job.events_of("generation_started").size() == 2);
+      CHECK(job.events_of("job_finished").size() == 1);
+      require_identical(job.checkpoint_tensors(40), expected);
+    }
+  }
+
+  TEST_CASE("SIGTERM to keeld commits a final checkpoint and keeld started again finishes bit-identical") {
+    KeeldJob reference;
+    reference.run();
+
+    KeeldJob job;
+    auto keeld = job.start();
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 12; });
+    keeld->signal(SIGTERM);
+    const auto stopped = keeld->wait(300);
+    INFO(stopped.output);
+    REQUIRE(stopped.exit_code == 0);
+    const auto stops = job.events_of("job_stopped");
+    REQUIRE(stops.size() == 1);
+    const int64_t stop_step = stops[0].at("checkpoint_step");
+    CHECK(stop_step >= 12);
+    CHECK(stop_step < 40);
+    // The ranks stopped on request after their final checkpoint.
+    for (const auto& code : job.events_of("generation_ended").at(0).at("exit_codes")) CHECK(code == 14);
+    CHECK(std::filesystem::exists(checkpoint::step_dir(job.run_dir() / "checkpoints", stop_step) / "manifest.json"));
+
+    job.run();
+    const auto starts = job.events_of("generation_started");
+    REQUIRE(starts.size() == 2);
+    CHECK(starts[1].at("generation") == 1);
+    CHECK(starts[1].at("checkpoint_step") == stop_step);
+    require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+    CHECK(job.losses() == reference.losses());
+  }
+
+  TEST_CASE("a rank that always dies at start fails the job after K generations with the reason in status and events") {
+    KeeldJob job;
+    const std::vector<std::string> crash_loop = {"faults.crash_rank=1", "faults.crash_step=0",
+                                                 "faults.crash_generation=-1", "daemon.crash_loop_generations=3"};
+    // As a service keeld stays up after the failure, for keelctl.
+    auto keeld = job.start(crash_loop, /*service=*/true);
+    const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "failed"; });
+    const std::string reason = status.at("reason");
+    CHECK(reason.find("crash loop") != std::string::npos);
+    CHECK(reason.find("3 generations") != std::string::npos);
+    CHECK(reason.find("rank 1 killed by SIGKILL") != std::string::npos);
+    CHECK(status.at("generation") == 2);
+    CHECK(job.events_of("generation_started").size() == 3);
+    CHECK(job.events_of("restart_scheduled").size() == 2);
+    const auto failed = job.events_of("job_failed");
+    REQUIRE(failed.size() == 1);
+    CHECK(failed[0].at("reason") == reason);
+
+    const auto keelctl = run_process({keel_binary("keelctl").string(), "--socket", job.socket(), "status"});
+    CHECK(keelctl.exit_code == 0);
+    CHECK(keelctl.output.find("failed") != std::string::npos);
+    CHECK(keelctl.output.find("crash loop") != std::string::npos);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(60).exit_code == 0);
+
+    // In the foreground a failed job is keeld's exit 1.
+    KeeldJob again;
+    again.run(crash_loop, 1);
+  }
+
+  TEST_CASE("garbage on the control socket gets error replies and leaves the loss sequence unchanged") {
+    // Long enough that every message arrives while the ranks train.
+    const std::vector<std::string> longer = {"train.steps=100"};
+    KeeldJob reference;
+    reference.run(longer);
+
+    KeeldJob job;
+    auto keeld = job.start(longer);
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
+
+    const std::string oversized(70000, 'x');
+    std::string deep(30000, '[');
+    const std::vector<std::string> malformed = {
+        "",
+        "garbage",
+        "{",
+        "[]",
+        "42",
+        "null",
+        "\"status\"",
+        "{}",
+        "{\"command\": 5}",
+        "{\"command\": \"explode\"}",
+        "{\"command\": \"status\", \"extra\": 1}",
+        "{\"command\": \"events\", \"limit\": -1}",
+        "{\"command\": \"events\", \"limit\": \"ten\"}",
+        "{\"command\": \"events\", \"limit\": 1e300}",
+        "{\"command\": \"stop\", \"checkpoint\": \"yes\"}",
+        "{\"command\": \"restart\", \"now\": true}",
+        std::string("{\"command\": \"\xff\xfe\"}"),
+        std::string("\x00\x01\x02\xff", 4),
+        deep,
+        "{\"command\": \"status\"} trailing",
+    };
+    int replies = 0;
+    auto send_line = [&](const std::string& payload, bool expect_close) {
+      const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+      REQUIRE(fd >= 0);
+      sockaddr_un address{};
+      address.sun_family = AF_UNIX;
+      std::strcpy(address.sun_path, job.socket().c_str());
+      REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+      const std::string line = payload + "\n";
+      size_t sent = 0;
+      while (sent < line.size()) {
+        const ssize_t n = send(fd, line.data() + sent, line.size() - sent, MSG_NOSIGNAL);
+        if (n <= 0) break;  // keeld may close an oversized request early
+        sent += static_cast<size_t>(n);
+      }
+      std::string reply;
+      char chunk[4096];
+      ssize_t n;
+      while (reply.find('\n') == std::string::npos && (n = recv(fd, chunk, sizeof(chunk), 0)) > 0) {
+        reply.append(chunk, static_cast<size_t>(n));
+      }
+      INFO("request: " << payload.substr(0, 80) << " reply: " << reply);
+      REQUIRE(reply.find('\n') != std::string::npos);
+      const auto parsed = nlohmann::json::parse(reply.substr(0, reply.find('\n')));
+      CHECK(parsed.at("ok") == false);
+      CHECK(!parsed.at("error").get<std::string>().empty());
+      if (expect_close) CHECK(recv(fd, chunk, sizeof(chunk), 0) <= 0);  // EOF, or ECONNRESET for the unread rest
+      close(fd);
+      ++replies;
+    };
+    for (int round = 0; round < 9; ++round) {
+      for (const auto& m : malformed) send_line(m, false);
+    }
+    for (int i = 0; i < 10; ++i) send_line(oversized, true);
+    // A client that sends half a request and vanishes gets nothing and harms nothing.
+    for (int i = 0; i < 10; ++i) {
+      const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un address{};
+      address.sun_family = AF_UNIX;
+      std::strcpy(address.sun_path, job.socket().c_str());
+      REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+      (void)!send(fd, "{\"command\": \"sta", 16, MSG_NOSIGNAL);
+      close(fd);
+    }
+    CHECK(replies == 9 * 20 + 10);
+
+    const auto result = keeld->wait(300);
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    CHECK(job.losses() == reference.losses());
+    CHECK(job.events_of("rank_failed").empty());
+  }
+
+  TEST_CASE("a connection from a user who is not allowed gets an error reply and training goes on") {
+    if (geteuid() != 0) {
+      MESSAGE("skipped: switching to another uid needs root");
+      return;
+    }
+    KeeldJob job;
+    // nobody must reach the socket to be refused by keeld rather than by the filesystem.
+    std::filesystem::permissions(job.dir(), std::filesystem::perms::owner_all | std::filesystem::perms::group_exec |
+                                                std::filesystem::perms::others_exec);
+    auto keeld = job.start({"train.steps=400"}, /*service=*/true);
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
+
+    int pipe_fds[2];
+    REQUIRE(pipe(pipe_fds) == 0);
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      close(pipe_fds[0]);
+      std::string reply;
+      if (setgroups(0, nullptr) == 0 && setgid(65534) == 0 && setuid(65534) == 0) {
+        try {
+          reply = daemon::call_daemon(job.socket(), daemon::Request{}, std::chrono::seconds(10)).dump();
+        } catch (const std::exception& e) {
+          reply = std::string("exception: ") + e.what();
+        }
+      } else {
+        reply = "could not become nobody";
+      }
+      (void)!write(pipe_fds[1], reply.data(), reply.size());
+      _exit(0);
+    }
+    close(pipe_fds[1]);
+    std::string reply;
+    char chunk[4096];
+    ssize_t n;
+    while ((n = read(pipe_fds[0], chunk, sizeof(chunk))) > 0) reply.append(chunk, static_cast<size_t>(n));
+    close(pipe_fds[0]);
+    waitpid(child, nullptr, 0);
+    INFO(reply);
+    const auto parsed = nlohmann::json::parse(reply);
+    CHECK(parsed.at("ok") == false);
+    CHECK(parsed.at("error").get<std::string>().find("permission denied: uid 65534") != std::string::npos);
+
+    const auto status = job.ask(daemon::Command::kStatus);
+    CHECK(status.at("state") == "running");
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(120).exit_code == 0);
+    CHECK(job.events_of("rank_failed").empty());
+  }
+}
+
+}  // namespace keel::test
