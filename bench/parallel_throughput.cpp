@@ -7,6 +7,7 @@
 // tests/trainer/comm_formulas.h. Ranks are real keel-trainer processes
 // rendezvousing through an embedded Store, started by the test launcher
 // (keeld does this in production).
+#include "bench/metrics_rows.h"
 #include "common/config.h"
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
@@ -46,16 +47,8 @@ struct Measured {
 };
 
 Measured read_metrics(const std::filesystem::path& path, int warmup) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
-  if (static_cast<int>(rows.size()) <= warmup) throw std::runtime_error("too few steps in " + path.string());
-  double tokens = 0, seconds = 0;
-  for (size_t i = static_cast<size_t>(warmup); i < rows.size(); ++i) {
-    tokens += 8.0 * 256;
-    seconds += rows[i].at("step_ms").get<double>() / 1e3;
-  }
-  Measured m{tokens / seconds};
+  const auto rows = keel::bench::timed_rows(path, warmup);
+  Measured m{keel::bench::tokens_per_s(rows, 8.0 * 256)};
   if (rows.back().contains("comm")) m.comm_per_step = rows.back().at("comm");
   return m;
 }

@@ -33,23 +33,21 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
-// "exited 12 (peer_failure)", "killed by SIGKILL".
+// "exited 12 (peer_failure)", "killed by SIGKILL": the worker contract's
+// exit codes (DESIGN §4) by name.
 std::string describe_exit(int code) {
-  if (code > 128 && code < 128 + 65) return fmt::format("killed by {}", sigabbrev_np(code - 128) != nullptr
-                                                                         ? std::string("SIG") + sigabbrev_np(code - 128)
-                                                                         : fmt::format("signal {}", code - 128));
-  switch (code) {
-    case 2: return "exited 2 (bad_config)";
-    case 3: return "exited 3 (data_error)";
-    case 10: return "exited 10 (collective_hang)";
-    case 11: return "exited 11 (sdc_suspected)";
-    case 12: return "exited 12 (peer_failure)";
-    case 13: return "exited 13 (checkpoint_failure)";
-    case 14: return "exited 14 (stopped_on_request)";
-    case 70: return "exited 70 (internal_error)";
-    case 127: return "exited 127 (could not be started; see its log)";
-    default: return fmt::format("exited {}", code);
+  if (code > 128 && code < 128 + 65) {
+    const char* name = sigabbrev_np(code - 128);
+    return name != nullptr ? fmt::format("killed by SIG{}", name) : fmt::format("killed by signal {}", code - 128);
   }
+  if (code == 127) return "exited 127 (could not be started; see its log)";
+  for (auto known : {common::ErrorCode::kBadConfig, common::ErrorCode::kDataError, common::ErrorCode::kCollectiveHang,
+                     common::ErrorCode::kSdcSuspected, common::ErrorCode::kPeerFailure,
+                     common::ErrorCode::kCheckpointFailure, common::ErrorCode::kStoppedOnRequest,
+                     common::ErrorCode::kInternal}) {
+    if (code == common::exit_code(known)) return fmt::format("exited {} ({})", code, common::error_code_name(known));
+  }
+  return fmt::format("exited {}", code);
 }
 
 // The newest generation events.jsonl mentions, or -1.

@@ -51,7 +51,11 @@ pid_t spawn_rank(const RankLaunch& launch) {
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
     const auto eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+    if (eq == std::string::npos) continue;
+    const std::string key = entry.substr(0, eq);
+    // systemd's notify and watchdog settings address keeld, not its ranks.
+    if (key == "NOTIFY_SOCKET" || key == "WATCHDOG_USEC" || key == "WATCHDOG_PID") continue;
+    env[key] = entry.substr(eq + 1);
   }
   for (const auto& [key, value] : launch.env) env[key] = value;
   std::vector<std::string> env_strings;

@@ -255,4 +255,36 @@ TEST_SUITE("integration") {
   }
 }
 
+TEST_SUITE("chaos") {
+  TEST_CASE("one long run survives twenty kills of random ranks and ends bit-identical") {
+    const std::vector<std::string> longer = {"train.steps=200"};
+    KeeldJob reference;
+    reference.run(longer);
+
+    std::random_device seed_source;
+    const unsigned seed = seed_source();
+    std::mt19937 rng(seed);
+    INFO("random seed " << seed);
+    KeeldJob job;
+    auto keeld = job.start(longer);
+    int64_t at_step = 0;
+    for (int kill = 0; kill < 20; ++kill) {
+      // Past the next checkpoint each time, so every generation makes progress.
+      at_step += std::uniform_int_distribution<int64_t>(6, 9)(rng);
+      const int victim = std::uniform_int_distribution<int>(0, 3)(rng);
+      INFO("kill " << kill << ": rank " << victim << " at step " << at_step);
+      const auto status = job.wait_for([&](const nlohmann::json& s) {
+        return s.at("state") == "running" && s.at("generation") == kill && step_of(s) >= at_step;
+      });
+      REQUIRE(step_of(status) < 200);
+      ::kill(status.at("ranks").at(victim).at("pid").get<pid_t>(), SIGKILL);
+    }
+    const auto result = keeld->wait(600);
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    CHECK(job.events_of("rank_failed").size() == 20);
+    require_identical(job.checkpoint_tensors(200), reference.checkpoint_tensors(200));
+  }
+}
+
 }  // namespace keel::test
