@@ -79,6 +79,11 @@ Usage usage_of(pid_t pid) {
   return u;
 }
 
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 std::vector<std::string> with_sets(std::vector<std::string> argv, const std::vector<std::string>& sets) {
   for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
   return argv;
@@ -93,10 +98,11 @@ nlohmann::json status(const std::string& socket) {
 
 int main(int argc, char** argv) {
   CLI::App app{"keel-bench-keeld: keeld's overhead against the test launcher, and its restart time"};
-  int steps = 12, warmup = 2, kills = 3;
+  int steps = 20, warmup = 2, kills = 3, rounds = 3;
   app.add_option("--steps", steps, "steps per throughput run");
   app.add_option("--warmup", warmup, "first steps left out of the timing");
   app.add_option("--kills", kills, "restarts to time");
+  app.add_option("--rounds", rounds, "launcher and keeld runs, alternating; medians are reported")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (steps <= warmup) {
     std::cerr << "keel-bench-keeld: --steps must exceed --warmup\n";
@@ -111,56 +117,75 @@ int main(int argc, char** argv) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const std::string threads = std::to_string(std::max(1u, cores / 4));
 
-  // (1) The same job, started by the test launcher and by keeld.
-  {
-    keel::test::RankLauncher ranks(
-        4, with_sets({trainer, "--config", config.string()},
-                     {"job.run_dir=" + (dir / "launcher").string(), "train.steps=" + std::to_string(steps),
-                      "train.threads=" + threads}),
-        quiet);
-    for (const auto& r : ranks.wait_all()) {
-      if (r.exit_code != 0) {
-        std::cerr << "keel-bench-keeld: a launcher rank exited " << r.exit_code << ":\n" << r.output;
-        return 1;
-      }
-    }
-  }
-  keel::test::ChildProcess daemon(
-      with_sets({keeld, "--config", config.string(), "--foreground"},
-                {"job.run_dir=" + (dir / "keeld").string(), "train.steps=" + std::to_string(steps)}),
-      quiet);
-  std::atomic<bool> running{true};
+  // (1) The same job, started by the test launcher and by keeld, in
+  // alternating rounds so that drift of the machine hits both alike.
+  std::vector<double> launcher_runs, keeld_runs;
   Usage usage;
-  std::thread sampler([&] {
-    while (running.load()) {
-      const Usage now = usage_of(daemon.pid());
-      if (now.peak_rss_kib > 0) usage = now;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  });
-  const auto start = Clock::now();
-  const auto result = daemon.wait(1800);
-  const double wall_s = std::chrono::duration<double>(Clock::now() - start).count();
-  running = false;
-  sampler.join();
-  if (result.exit_code != 0) {
-    std::cerr << "keel-bench-keeld: keeld exited " << result.exit_code << ":\n" << result.output;
-    return 1;
+  double keeld_wall_s = 0;
+  for (int round = 0; round < rounds; ++round) {
+    const std::string suffix = std::to_string(round);
+    auto run_launcher = [&]() -> bool {
+      keel::test::RankLauncher ranks(
+          4, with_sets({trainer, "--config", config.string()},
+                       {"job.run_dir=" + (dir / ("launcher" + suffix)).string(),
+                        "train.steps=" + std::to_string(steps), "train.threads=" + threads}),
+          quiet);
+      for (const auto& r : ranks.wait_all()) {
+        if (r.exit_code != 0) {
+          std::cerr << "keel-bench-keeld: a launcher rank exited " << r.exit_code << ":\n" << r.output;
+          return false;
+        }
+      }
+      return true;
+    };
+    auto run_keeld = [&]() -> bool {
+      keel::test::ChildProcess daemon(
+          with_sets({keeld, "--config", config.string(), "--foreground"},
+                    {"job.run_dir=" + (dir / ("keeld" + suffix)).string(), "train.steps=" + std::to_string(steps)}),
+          quiet);
+      std::atomic<bool> running{true};
+      std::thread sampler([&] {
+        while (running.load()) {
+          const Usage now = usage_of(daemon.pid());
+          if (now.peak_rss_kib > 0) usage = now;
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      });
+      const auto start = Clock::now();
+      const auto result = daemon.wait(1800);
+      keeld_wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+      running = false;
+      sampler.join();
+      if (result.exit_code != 0) {
+        std::cerr << "keel-bench-keeld: keeld exited " << result.exit_code << ":\n" << result.output;
+        return false;
+      }
+      return true;
+    };
+    // Odd rounds run keeld first, so neither side always follows the other.
+    const bool ok = round % 2 == 0 ? run_launcher() && run_keeld() : run_keeld() && run_launcher();
+    if (!ok) return 1;
+    launcher_runs.push_back(
+        keel::bench::tokens_per_s(keel::bench::timed_rows(dir / ("launcher" + suffix) / "metrics.jsonl", warmup), 8.0 * 256));
+    keeld_runs.push_back(
+        keel::bench::tokens_per_s(keel::bench::timed_rows(dir / ("keeld" + suffix) / "metrics.jsonl", warmup), 8.0 * 256));
   }
-  const double launcher = keel::bench::tokens_per_s(keel::bench::timed_rows(dir / "launcher" / "metrics.jsonl", warmup), 8.0 * 256);
-  const double under_keeld = keel::bench::tokens_per_s(keel::bench::timed_rows(dir / "keeld" / "metrics.jsonl", warmup), 8.0 * 256);
+  const double launcher = median(launcher_runs), under_keeld = median(keeld_runs);
   const nlohmann::json machine = {{"cores", cores}};
   std::cout << nlohmann::json{{"bench", "keeld_overhead"},
                               {"layout", "dp2_tp2_zero1"},
                               {"steps_timed", steps - warmup},
-                              {"launcher_tokens_per_s", launcher},
-                              {"keeld_tokens_per_s", under_keeld},
+                              {"rounds", rounds},
+                              {"launcher_tokens_per_s", launcher_runs},
+                              {"keeld_tokens_per_s", keeld_runs},
+                              {"median_launcher_tokens_per_s", launcher},
+                              {"median_keeld_tokens_per_s", under_keeld},
                               {"ratio_keeld_over_launcher", under_keeld / launcher},
                               {"target_ratio", 0.99},
                               {"keeld_peak_rss_mib", static_cast<double>(usage.peak_rss_kib) / 1024.0},
                               {"keeld_cpu_s", usage.cpu_s},
-                              {"keeld_cpu_percent_of_one_core", 100.0 * usage.cpu_s / wall_s},
-                              {"keeld_wall_s", wall_s},
+                              {"keeld_cpu_percent_of_one_core", 100.0 * usage.cpu_s / keeld_wall_s},
+                              {"keeld_wall_s", keeld_wall_s},
                               {"machine", machine}}
                    .dump()
             << std::endl;
@@ -203,13 +228,11 @@ int main(int argc, char** argv) {
   }
   service.signal(SIGTERM);
   service.wait(600);
-  std::vector<double> sorted = restart_s;
-  std::sort(sorted.begin(), sorted.end());
   std::cout << nlohmann::json{{"bench", "keeld_restart"},
                               {"layout", "dp2_tp2_zero1"},
                               {"restart_backoff_s", 0},
                               {"restart_s", restart_s},
-                              {"median_restart_s", sorted[sorted.size() / 2]},
+                              {"median_restart_s", median(restart_s)},
                               {"measures", "kill -9 of rank 1 to the first step completed by the next generation"},
                               {"machine", machine}}
                    .dump()

@@ -104,7 +104,7 @@ struct TrainConfig {
   int64_t val_every = 100;       // validate every N steps and after the last; 0 = never
   int64_t val_batches = 8;       // batches of batch_size sequences per validation pass
   int64_t log_every = 10;        // progress line every N steps
-  int64_t threads = 0;           // CPU threads for kernels; 0 = all cores
+  int64_t threads = 0;           // CPU threads for kernels; 0 = OMP_NUM_THREADS, else every CPU the rank may use
 
   template <class V> void visit(V& v) {
     v("steps", steps);

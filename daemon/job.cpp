@@ -145,8 +145,12 @@ void Job::start_generation() {
                   {"KEEL_RUN_DIR", run_dir_.string()}};
     if (!cpus_.empty()) {
       launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
-      const std::string threads = std::to_string(launch.cpus.size());
-      for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) launch.env[var] = threads;
+      // One thread per CPU of the share; unpinned ranks share keeld's CPUs.
+      const size_t share = launch.cpus.empty() ? std::max<size_t>(1, allowed_cpus().size() / ranks_.size())
+                                               : launch.cpus.size();
+      for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
+        launch.env[var] = std::to_string(share);
+      }
     }
     launch.log = run_dir_ / "logs" / fmt::format("rank-{:05d}.log", rank.rank);
     {

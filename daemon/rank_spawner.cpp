@@ -22,10 +22,7 @@ std::vector<std::vector<int>> cpu_shares(const std::vector<int>& available, int 
   if (available.empty() || ranks <= 0) return shares;
   const size_t n = available.size();
   const size_t r = static_cast<size_t>(ranks);
-  if (n < r) {
-    for (size_t i = 0; i < r; ++i) shares[i] = {available[i % n]};
-    return shares;
-  }
+  if (n < r) return shares;
   const size_t each = n / r;
   for (size_t i = 0; i < r; ++i) {
     shares[i].assign(available.begin() + static_cast<ptrdiff_t>(i * each),

@@ -28,8 +28,10 @@ struct RankLaunch {
 pid_t spawn_rank(const RankLaunch& launch);
 
 // How keeld shares its CPUs among `ranks` local ranks: contiguous, equal
-// shares of the CPUs it may use, in order; with fewer CPUs than ranks, ranks
-// take turns on them one CPU each.
+// shares of the CPUs it may use, in order. With fewer CPUs than ranks every
+// share is empty (no pinning): two ranks pinned to one CPU could only take
+// turns there even while another CPU idles, whereas the scheduler moves a
+// runnable rank to whichever CPU is free.
 std::vector<std::vector<int>> cpu_shares(const std::vector<int>& available, int ranks);
 
 // The CPUs this process may run on, ascending.

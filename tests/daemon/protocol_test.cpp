@@ -92,11 +92,11 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("ranks get equal contiguous shares of the cpus or take turns when there are fewer cpus") {
+  TEST_CASE("ranks get equal contiguous shares of the cpus and are not pinned when there are fewer cpus") {
     using Shares = std::vector<std::vector<int>>;
     CHECK(cpu_shares({0, 1, 2, 3, 4, 5, 6, 7}, 4) == Shares{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
     CHECK(cpu_shares({0, 1, 2, 3, 4}, 2) == Shares{{0, 1}, {2, 3}});
-    CHECK(cpu_shares({0, 1}, 4) == Shares{{0}, {1}, {0}, {1}});
+    CHECK(cpu_shares({0, 1}, 4) == Shares{{}, {}, {}, {}});
     CHECK(cpu_shares({2, 5, 9}, 3) == Shares{{2}, {5}, {9}});
     CHECK(cpu_shares({}, 2) == Shares{{}, {}});
     CHECK_FALSE(allowed_cpus().empty());

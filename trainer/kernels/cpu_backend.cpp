@@ -203,7 +203,9 @@ double chunked_sum(size_t n, Load load) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_num_procs()) {
+// Unset, omp_get_max_threads() is the CPUs this process may run on;
+// OMP_NUM_THREADS (keeld sets it per rank) overrides that.
+CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_max_threads()) {
   // OpenBLAS itself runs single-threaded: the parallelism is ours (GEMM
   // tiles, attention heads). The OpenMP build would stay single-threaded
   // inside our parallel regions anyway, but a binary that resolves
