@@ -166,7 +166,11 @@ class ControlServer::Session : public std::enable_shared_from_this<Session> {
 };
 
 ControlServer::ControlServer(asio::io_context& io, ControlServerOptions options, Handler handler)
-    : options_(std::move(options)), handler_(std::move(handler)), group_(group_id(options_.group)), acceptor_(io) {
+    : options_(std::move(options)),
+      handler_(std::move(handler)),
+      group_(group_id(options_.group)),
+      acceptor_(io),
+      retry_timer_(io) {
   const std::filesystem::path path(options_.path);
   std::error_code fs_error;
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), fs_error);
@@ -196,6 +200,7 @@ ControlServer::ControlServer(asio::io_context& io, ControlServerOptions options,
 
 ControlServer::~ControlServer() {
   boost::system::error_code ignored;
+  retry_timer_.cancel();
   acceptor_.close(ignored);
   std::error_code fs_error;
   std::filesystem::remove(options_.path, fs_error);
@@ -204,8 +209,17 @@ ControlServer::~ControlServer() {
 void ControlServer::accept() {
   acceptor_.async_accept([this](const boost::system::error_code& ec, local::socket socket) {
     if (ec == asio::error::operation_aborted) return;
-    if (!ec) std::make_shared<Session>(std::move(socket), *this)->start();
-    accept();
+    if (!ec) {
+      std::make_shared<Session>(std::move(socket), *this)->start();
+      accept();
+      return;
+    }
+    // Out of descriptors, say: retrying at once would spin the event loop.
+    common::logger("control")->warn("accepting a control connection failed: {}; retrying in 0.5 s", ec.message());
+    retry_timer_.expires_after(std::chrono::milliseconds(500));
+    retry_timer_.async_wait([this](const boost::system::error_code& wait_ec) {
+      if (!wait_ec) accept();
+    });
   });
 }
 

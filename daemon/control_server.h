@@ -18,6 +18,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/steady_timer.hpp>
 
 #include <sys/types.h>
 
@@ -68,6 +69,7 @@ class ControlServer {
   Handler handler_;
   std::optional<gid_t> group_;
   boost::asio::local::stream_protocol::acceptor acceptor_;
+  boost::asio::steady_timer retry_timer_;
 };
 
 }  // namespace keel::daemon

@@ -16,6 +16,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cmath>
 #include <deque>
 #include <fstream>
@@ -105,6 +107,7 @@ void Job::event(const std::string& kind, nlohmann::json fields) const {
 
 void Job::start() {
   std::filesystem::create_directories(run_dir_ / "logs");
+  remove_orphaned_boards();
   generation_ = last_generation(run_dir_) + 1;
   const auto& c = options_.config.checkpoint;
   if (c.every_steps == 0 && c.every_seconds == 0) {
@@ -227,6 +230,19 @@ void Job::stop_ranks(int signal, double grace_s) {
 void Job::kill_ranks(int signal) {
   for (const auto& rank : ranks_) {
     if (rank.pid > 0 && !rank.exit_code) ::kill(rank.pid, signal);
+  }
+}
+
+void Job::remove_orphaned_boards() {
+  // A keeld that was killed left its ranks' boards behind (its ranks died
+  // with it); they are named after its pid.
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0, local_rank = 0;
+    if (std::sscanf(name.c_str(), "keel.%d.%d", &pid, &local_rank) != 2 || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    health::ProgressBoard::remove("/" + name);
   }
 }
 

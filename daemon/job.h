@@ -102,6 +102,7 @@ class Job {
   bool ranks_alive() const;
   void end(JobState state);
   void remove_boards();
+  void remove_orphaned_boards();
   int64_t newest_checkpoint_step() const;
   void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
   void log_progress();
