@@ -114,17 +114,25 @@ nlohmann::json call_daemon(const std::string& socket_path, const Request& reques
     throw unreachable(std::strerror(errno));
   }
   const std::string line = request_line(request);
+  // keeld may refuse a peer and close before reading the request: the send
+  // then fails, but the refusal is waiting to be read and says why.
+  int send_error = 0;
   for (size_t sent = 0; sent < line.size();) {
     const ssize_t n = send(fd, line.data() + sent, line.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) throw unreachable(std::strerror(errno));
+    if (n <= 0) {
+      send_error = errno;
+      break;
+    }
     sent += static_cast<size_t>(n);
   }
   std::string reply;
   char chunk[4096];
   while (reply.find('\n') == std::string::npos) {
     const ssize_t n = recv(fd, chunk, sizeof(chunk), 0);
-    if (n == 0) throw unreachable("it closed the connection without a reply");
-    if (n < 0) throw unreachable(errno == EAGAIN ? "no reply in time" : std::strerror(errno));
+    if (n == 0) {
+      throw unreachable(send_error != 0 ? std::strerror(send_error) : "it closed the connection without a reply");
+    }
+    if (n < 0) throw unreachable(errno == EAGAIN ? "no reply in time" : std::strerror(send_error != 0 ? send_error : errno));
     reply.append(chunk, static_cast<size_t>(n));
   }
   reply.resize(reply.find('\n'));
