@@ -93,7 +93,13 @@ Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(Job
   const int world = static_cast<int>(p.dp * p.tp * p.pp * p.cp);
   ranks_.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) ranks_[static_cast<size_t>(r)].rank = r;
-  if (options_.config.daemon.pin_cpus) cpus_ = cpu_shares(allowed_cpus(), world);
+  if (options_.config.daemon.pin_cpus) {
+    const auto available = allowed_cpus();
+    cpus_ = cpu_shares(available, world);
+    // One thread per CPU of a share; unpinned ranks divide keeld's CPUs.
+    threads_per_rank_ = cpus_.front().empty() ? std::max<size_t>(1, available.size() / static_cast<size_t>(world))
+                                              : cpus_.front().size();
+  }
 }
 
 Job::~Job() {
@@ -148,11 +154,8 @@ void Job::start_generation() {
                   {"KEEL_RUN_DIR", run_dir_.string()}};
     if (!cpus_.empty()) {
       launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
-      // One thread per CPU of the share; unpinned ranks share keeld's CPUs.
-      const size_t share = launch.cpus.empty() ? std::max<size_t>(1, allowed_cpus().size() / ranks_.size())
-                                               : launch.cpus.size();
       for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
-        launch.env[var] = std::to_string(share);
+        launch.env[var] = std::to_string(threads_per_rank_);
       }
     }
     launch.log = run_dir_ / "logs" / fmt::format("rank-{:05d}.log", rank.rank);

@@ -121,7 +121,8 @@ class Job {
   int64_t no_progress_ = 0;               // generations in a row without a new checkpoint
   int64_t generation_checkpoint_ = -1;    // newest committed step when the generation started
   std::vector<Rank> ranks_;
-  std::vector<std::vector<int>> cpus_;
+  std::vector<std::vector<int>> cpus_;   // per rank; empty: pin_cpus is off
+  size_t threads_per_rank_ = 1;
   std::string failure_;                   // why the generation (or the job) failed
   std::optional<AfterStop> after_stop_;
   bool stop_checkpoint_ = true;

@@ -21,6 +21,17 @@ namespace {
 
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
 
+// A raw connection to keeld's control socket, for sending what keelctl never would.
+int connect_raw(const std::string& socket_path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strcpy(address.sun_path, socket_path.c_str());
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  return fd;
+}
+
 }  // namespace
 
 TEST_SUITE("integration") {
@@ -153,12 +164,7 @@ TEST_SUITE("integration") {
     };
     int replies = 0;
     auto send_line = [&](const std::string& payload, bool expect_close) {
-      const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-      REQUIRE(fd >= 0);
-      sockaddr_un address{};
-      address.sun_family = AF_UNIX;
-      std::strcpy(address.sun_path, job.socket().c_str());
-      REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+      const int fd = connect_raw(job.socket());
       const std::string line = payload + "\n";
       size_t sent = 0;
       while (sent < line.size()) {
@@ -187,11 +193,7 @@ TEST_SUITE("integration") {
     for (int i = 0; i < 10; ++i) send_line(oversized, true);
     // A client that sends half a request and vanishes gets nothing and harms nothing.
     for (int i = 0; i < 10; ++i) {
-      const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-      sockaddr_un address{};
-      address.sun_family = AF_UNIX;
-      std::strcpy(address.sun_path, job.socket().c_str());
-      REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+      const int fd = connect_raw(job.socket());
       (void)!send(fd, "{\"command\": \"sta", 16, MSG_NOSIGNAL);
       close(fd);
     }
