@@ -1,6 +1,6 @@
 // keel-bench-checkpoint: checkpoint save and load throughput against fio on
 // the same disk, and the training stall per checkpoint against a plain
-// memcpy of the same bytes (DESIGN §5). One JSON object per figure, then a
+// memcpy of the same bytes (docs/architecture.md "Checkpoints"). One JSON object per figure, then a
 // summary with the three ratios and their targets.
 //
 // The state is `--gib` GiB of float32 in 32 MiB tensors, saved by one rank
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   std::string dir = "bench-checkpoint";
   bool keep = false;
   int rounds = 5;
-  app.add_option("--gib", gib, "state size in GiB (at least 2 for the DESIGN figures)");
+  app.add_option("--gib", gib, "state size in GiB (at least 2 for the design figures)");
   app.add_option("--dir", dir, "a directory on the disk to measure (created, then removed)");
   app.add_flag("--keep", keep, "leave the files behind");
   app.add_option("--rounds", rounds, "alternating keel / fio rounds; figures are medians")->check(CLI::PositiveNumber);

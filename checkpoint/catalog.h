@@ -17,7 +17,7 @@ struct CatalogEntry {
 };
 
 // Every step_%08d directory under root that has a manifest.json, oldest
-// first. A directory without a manifest is not a checkpoint (DESIGN §5).
+// first. A directory without a manifest is not a checkpoint (docs/architecture.md "Checkpoints").
 std::vector<CatalogEntry> committed(const std::filesystem::path& root);
 
 // The newest committed checkpoint whose manifest parses and, with `verify`,

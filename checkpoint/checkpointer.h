@@ -1,4 +1,4 @@
-// One rank's asynchronous checkpoint saves, and their commit (DESIGN §5).
+// One rank's asynchronous checkpoint saves, and their commit (docs/architecture.md "Checkpoints").
 //
 // The training thread pays only for the snapshot: stage() waits for the
 // previous save (back-pressure, so a save in flight is never overwritten)

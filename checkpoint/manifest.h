@@ -1,4 +1,4 @@
-// manifest.json (DESIGN §5): written last, it is what makes a directory a
+// manifest.json (docs/architecture.md "Checkpoints"): written last, it is what makes a directory a
 // checkpoint. It names every file with its size and XXH3-64 checksum, so a
 // truncated, corrupted or missing file is caught before anything trusts it
 // (a virtual dataset would silently read fill values for a missing piece).

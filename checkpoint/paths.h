@@ -1,4 +1,4 @@
-// Where a checkpoint's files live (DESIGN §5, fixed):
+// Where a checkpoint's files live (docs/architecture.md "Checkpoints", fixed):
 // <root>/step_%08d/{rank-%05d.h5, index.h5, manifest.json}, written under
 // <root>/step_%08d.partial/ until committed.
 #pragma once

@@ -1,5 +1,5 @@
 // A piece: the rectangular block of one global tensor that one rank file
-// holds as one contiguous dataset (DESIGN §5).
+// holds as one contiguous dataset (docs/architecture.md "Checkpoints").
 #pragma once
 
 #include <cstdint>

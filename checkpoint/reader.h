@@ -1,7 +1,7 @@
 // Reading checkpoints back: the pieces a rank file holds, the index.h5 that
 // stitches them into global tensors, and any block of any global tensor
 // assembled from the pieces that overlap it, whatever layout wrote them
-// (DESIGN §5: any layout loads any checkpoint).
+// (docs/architecture.md "Checkpoints": any layout loads any checkpoint).
 #pragma once
 
 #include "checkpoint/manifest.h"

@@ -1,4 +1,4 @@
-// Writes one rank's pieces as a rank file, the write path of DESIGN §5:
+// Writes one rank's pieces as a rank file, the write path of docs/architecture.md "Checkpoints":
 //
 // 1. HDF5 builds the skeleton: one contiguous dataset per piece, space
 //    allocated at creation, never filled, every dataset of 4 KiB or more

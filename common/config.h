@@ -1,4 +1,4 @@
-// The run configuration: one TOML file (DESIGN §9) plus `--set
+// The run configuration: one TOML file (docs/architecture.md "Errors, logging, config") plus `--set
 // section.key=value` overrides. Every section is a struct with in-class
 // defaults; each struct lists its fields once, in visit(), and that one list
 // drives parsing, overrides, printing and JSON export.
@@ -146,7 +146,7 @@ struct CheckpointConfig {
   }
 };
 
-// keeld (DESIGN §8). The trainer reads this section too (it is one file)
+// keeld (docs/architecture.md "Daemon"). The trainer reads this section too (it is one file)
 // but uses none of it.
 struct DaemonConfig {
   std::string socket = "/run/keel/keeld.sock";  // control socket; relative to the config file
@@ -184,7 +184,7 @@ struct DaemonConfig {
   }
 };
 
-// Fault injection (DESIGN §7): inert unless configured. A crash kills the
+// Fault injection (docs/architecture.md "Health"): inert unless configured. A crash kills the
 // rank with SIGKILL, as the kernel's OOM killer or a lost node would.
 struct FaultsConfig {
   int64_t crash_rank = -1;        // the rank to kill; -1 = none

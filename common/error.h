@@ -1,5 +1,5 @@
 // Errors inside a process are exceptions carrying a typed code; across
-// processes the code becomes the exit status (DESIGN §4), so a supervisor can
+// processes the code becomes the exit status (docs/architecture.md "Worker contract"), so a supervisor can
 // tell a bad config from a hung collective without parsing logs.
 #pragma once
 

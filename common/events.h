@@ -1,4 +1,4 @@
-// run_dir/events.jsonl (DESIGN §6): what happened to a run that an operator
+// run_dir/events.jsonl (docs/architecture.md "Run directory"): what happened to a run that an operator
 // (or keeld) must be able to find afterwards — checkpoints committed or
 // abandoned, restarts, detections. One JSON object per line with at least
 // time, kind, generation and rank; each line is appended with O_APPEND in

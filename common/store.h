@@ -1,4 +1,4 @@
-// The Store (DESIGN §3.5): a small key-value service that ranks and keeld
+// The Store (docs/architecture.md "Parallel layout and communication"): a small key-value service that ranks and keeld
 // rendezvous through. Gloo's rendezvous and NCCL's unique id travel through
 // it; generations and membership live in it. Implementations: the embedded
 // TCP store (tcp_store.h, one node, served by keeld or a test launcher) and

@@ -1,8 +1,8 @@
-// The embedded Store (DESIGN §3.5): one node's ranks and keeld rendezvous
+// The embedded Store (docs/architecture.md "Parallel layout and communication"): one node's ranks and keeld rendezvous
 // through a small TCP key-value server, as PyTorch's TCPStore does.
 // StoreServer lives inside keeld (or a test launcher) and serves on its own
 // thread; every rank reaches it through a TcpStore named by KEEL_STORE
-// ("tcp://127.0.0.1:PORT", DESIGN §4).
+// ("tcp://127.0.0.1:PORT", docs/architecture.md "Worker contract").
 //
 // The server handles every request on one thread, so add and compare_set
 // are atomic without locks, and a wait is parked on the server (per key,

@@ -1,4 +1,4 @@
-// keelctl checkpoint list | verify | inspect | prune (DESIGN §8): work
+// keelctl checkpoint list | verify | inspect | prune (docs/architecture.md "Daemon"): work
 // directly on a run's checkpoint directory, with or without a daemon.
 // Readable tables by default, one JSON document with --json. Each returns
 // the process exit code: 0 fine, 1 a checkpoint failed verification, 2 bad

@@ -1,4 +1,4 @@
-// keeld's control server (DESIGN §8): the Unix socket keelctl talks to.
+// keeld's control server (docs/architecture.md "Daemon"): the Unix socket keelctl talks to.
 // It runs on keeld's event loop and never blocks it: every connection is
 // read asynchronously, bounded in size (max_message_bytes per request) and
 // in time (a connection idle past client_timeout is closed).

@@ -36,7 +36,7 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
 }
 
 // "exited 12 (peer_failure)", "killed by SIGKILL": the worker contract's
-// exit codes (DESIGN §4) by name.
+// exit codes (docs/architecture.md "Worker contract") by name.
 std::string describe_exit(int code) {
   if (code > 128 && code < 128 + 65) {
     const char* name = sigabbrev_np(code - 128);

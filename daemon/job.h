@@ -1,4 +1,4 @@
-// The job keeld runs (DESIGN §1, §8): one generation of local ranks at a
+// The job keeld runs (docs/architecture.md "Daemon"): one generation of local ranks at a
 // time, supervised from keeld's event loop.
 //
 //   starting ──▶ running ──▶ finished          every rank exited 0

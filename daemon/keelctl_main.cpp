@@ -1,4 +1,4 @@
-// keelctl: the operator's command line (DESIGN §8). status, events, stop,
+// keelctl: the operator's command line (docs/architecture.md "Daemon"). status, events, stop,
 // restart and `checkpoint now` ask keeld through its control socket; the
 // other checkpoint commands work on a run directory directly, with or
 // without a daemon.

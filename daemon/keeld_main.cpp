@@ -1,4 +1,4 @@
-// keeld: the per-node daemon (DESIGN §1, §8). It runs one job: starts its
+// keeld: the per-node daemon (docs/architecture.md "Daemon"). It runs one job: starts its
 // ranks, watches them through their progress boards and exit statuses,
 // restarts the generation after a failure, and answers keelctl on the
 // control socket. systemd runs it (systemd/keeld.service); --foreground

@@ -1,4 +1,4 @@
-// keeld's control protocol (DESIGN §8): JSON lines over a Unix socket.
+// keeld's control protocol (docs/architecture.md "Daemon"): JSON lines over a Unix socket.
 // keelctl and keeld share this file and nothing else of each other.
 //
 // A request is one JSON object on one line:

@@ -1,4 +1,4 @@
-// Starting one rank as a real process (DESIGN §4): keeld's half of the
+// Starting one rank as a real process (docs/architecture.md "Worker contract"): keeld's half of the
 // worker contract, plus what keeps ranks from hurting each other and
 // outliving keeld.
 #pragma once

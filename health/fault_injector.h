@@ -1,4 +1,4 @@
-// Fault injection (DESIGN §7), shipped in every build and inert unless the
+// Fault injection (docs/architecture.md "Health"), shipped in every build and inert unless the
 // [faults] section configures it, so that recovery can be shown and tested
 // end to end on a real run. Each fault logs what it does before it acts.
 #pragma once

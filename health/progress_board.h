@@ -1,4 +1,4 @@
-// The progress board (DESIGN §1, §7): a fixed-layout POSIX shared-memory
+// The progress board (docs/architecture.md "Health"): a fixed-layout POSIX shared-memory
 // segment per rank. The rank publishes where it is (step, phase, the
 // collective it is in, recent step times); keeld reads it from its event
 // loop without ever blocking on the rank. A rank that is stuck simply stops
@@ -27,7 +27,7 @@
 
 namespace keel::health {
 
-// What a rank is doing (DESIGN §7).
+// What a rank is doing (docs/architecture.md "Health").
 enum class Phase : uint32_t { kInit, kData, kForward, kBackward, kOptimizer, kCheckpoint, kIdle };
 inline constexpr uint32_t kPhaseCount = 7;
 // "init", "data", "forward", ...; "unknown" for a value out of range (a

@@ -1,4 +1,4 @@
-// The checkpoint library on its own (DESIGN §5): files and commit, reading
+// The checkpoint library on its own (docs/architecture.md "Checkpoints"): files and commit, reading
 // blocks across pieces, verification, retention, malformed checkpoints,
 // the O_DIRECT fallback and a staging buffer that does not grow.
 #include "checkpoint/catalog.h"

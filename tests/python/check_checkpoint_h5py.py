@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reads a keel checkpoint with h5py alone (DESIGN §5 interoperability).
+"""Reads a keel checkpoint with h5py alone (docs/architecture.md "Checkpoints" interoperability).
 
 Every global tensor of index.h5 (a virtual dataset) must equal the tensor
 assembled from the rank files' pieces by their attributes (global_name,

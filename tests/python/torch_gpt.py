@@ -1,4 +1,4 @@
-"""PyTorch mirror of keel's GPT (DESIGN §3.1), dense and MoE.
+"""PyTorch mirror of keel's GPT (docs/architecture.md "Model"), dense and MoE.
 
 Written the way a PyTorch user would write it: nn.Module, nn.Linear, layer
 norm, tanh GELU, masked causal attention and F.cross_entropy, with autograd
@@ -170,7 +170,7 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self, seed: Optional[int] = None) -> None:
-        """DESIGN §3.1's distributions (not keel's generator: the oracle loads
+        """docs/architecture.md "Model"'s distributions (not keel's generator: the oracle loads
         keel's own initial weights instead)."""
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         proj_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
@@ -282,7 +282,7 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, inputs: torch.Tenso
 
 
 def lr_schedule(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """DESIGN §3.1's schedule as the benchmark uses it: linear warmup from
+    """docs/architecture.md "Model"'s schedule as the benchmark uses it: linear warmup from
     lr/warmup_steps to lr, then cosine decay to lr*min_lr_ratio at the last
     step. (The oracle uses the lr keel reports for each step instead.)"""
     if warmup_steps > 0 and step < warmup_steps:

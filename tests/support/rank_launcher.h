@@ -12,7 +12,7 @@ namespace keel::test {
 
 // What keeld does for one node, for tests: serves an embedded Store and
 // starts `world_size` ranks of a program as real processes, each with the
-// worker environment of DESIGN §4 (KEEL_RANK, KEEL_WORLD_SIZE,
+// worker environment of docs/architecture.md "Worker contract" (KEEL_RANK, KEEL_WORLD_SIZE,
 // KEEL_LOCAL_RANK, KEEL_LOCAL_WORLD_SIZE, KEEL_GENERATION, KEEL_STORE).
 class RankLauncher {
  public:

@@ -1,6 +1,6 @@
 // Bad input end to end: each row is a real keel-trainer process given a
 // malformed config or data file; it must exit with the documented code
-// (DESIGN §4: 2 config, 3 data) and say what is wrong, never crash or hang.
+// (docs/architecture.md "Worker contract": 2 config, 3 data) and say what is wrong, never crash or hang.
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "trainer/data/token_shard.h"

@@ -1,4 +1,4 @@
-// Checkpoints end to end with real keel-trainer processes (DESIGN §5):
+// Checkpoints end to end with real keel-trainer processes (docs/architecture.md "Checkpoints"):
 // bit-exact resume, resharding across DP, TP and ZeRO, interoperability
 // with h5py and h5dump, corruption, crashes in the middle of saves and a
 // full disk.

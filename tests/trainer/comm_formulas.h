@@ -1,7 +1,7 @@
 // The closed-form payload bytes and calls one rank hands to each collective
 // in one training step (a dense model, one microbatch, no validation), per
 // group and operation, in the shape of the "comm" field of metrics.jsonl. Written from
-// the algorithms of DESIGN §3.4, not from the code that runs them: the
+// the algorithms of docs/architecture.md "Parallel layout and communication", not from the code that runs them: the
 // layout parity test and keel-bench-parallel hold the measured counters
 // against it.
 #pragma once

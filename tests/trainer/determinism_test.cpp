@@ -1,5 +1,5 @@
 // The same config, seed and build give bit-identical losses run after run
-// (DESIGN §3.3): two real keel-trainer processes are compared line by line.
+// (docs/architecture.md "Kernels"): two real keel-trainer processes are compared line by line.
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "tests/trainer/token_fixture.h"

@@ -1,7 +1,7 @@
 // Data and tensor parallelism end to end with real processes: N
 // keel-trainer ranks rendezvous through an embedded Store and run their
 // collectives over Gloo, and every layout must reproduce the single-rank
-// run (DESIGN §3.4: the single-rank run of the same config is the oracle
+// run (docs/architecture.md "Parallel layout and communication": the single-rank run of the same config is the oracle
 // for every layout). The same runs are held against the closed-form byte
 // counts and memory of each ZeRO stage and of TP.
 #include "tests/support/process.h"

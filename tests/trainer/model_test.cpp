@@ -101,7 +101,7 @@ void check_model_gradients(const ModelConfig& config, float eps, double toleranc
 }  // namespace
 
 TEST_SUITE("unit") {
-  TEST_CASE("the parameter table has the nanoGPT names and PyTorch shapes of DESIGN 3.1") {
+  TEST_CASE("the parameter table has the nanoGPT names and PyTorch shapes") {
     ModelConfig m = tiny_model(4);
     ParameterTable table(m);
     CHECK(table.find("wte").shape == std::vector<int64_t>{128, 16});

@@ -303,7 +303,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("nccl refuses two ranks on one gpu with an internal error") {
-    // DESIGN §3.5: the reason NCCL runs at world size 1 on this machine.
+    // docs/architecture.md "Parallel layout and communication": the reason NCCL runs at world size 1 on this machine.
     if (!device_or_skip()) return;
     MemoryStore store;
     std::vector<Failure> failures(2);

@@ -1,5 +1,5 @@
 // SIGTERM and SIGINT mean "stop": the trainer finishes the step in flight,
-// keeps every metrics line it wrote, and exits 14 (DESIGN §4).
+// keeps every metrics line it wrote, and exits 14 (docs/architecture.md "Worker contract").
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "tests/trainer/token_fixture.h"

@@ -1,4 +1,4 @@
-// Collective communication within one process group (DESIGN §3.5).
+// Collective communication within one process group (docs/architecture.md "Parallel layout and communication").
 //
 // Every call goes through one instrumented path in this base class: it takes
 // the group's next sequence number, counts the payload bytes per operation,

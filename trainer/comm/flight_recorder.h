@@ -1,4 +1,4 @@
-// The flight recorder (DESIGN §3.5, §7): a ring buffer of the last N
+// The flight recorder (docs/architecture.md "Parallel layout and communication"): a ring buffer of the last N
 // collectives a rank started, shared by all of the rank's process groups.
 // When a collective hangs, keeld reads every rank's dump and names the ranks
 // that never reached the sequence number the others are stuck in, so the

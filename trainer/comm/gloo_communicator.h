@@ -1,4 +1,4 @@
-// GlooCommunicator: the CPU communicator (DESIGN §3.5), Debian's Gloo
+// GlooCommunicator: the CPU communicator (docs/architecture.md "Parallel layout and communication"), Debian's Gloo
 // (2022-05 snapshot) over its TCP transport on the loopback interface.
 //
 // Construction connects a full mesh of TCP pairs through the Store. Gloo's

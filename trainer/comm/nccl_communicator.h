@@ -1,4 +1,4 @@
-// NcclCommunicator: the GPU communicator (DESIGN §3.5), NCCL from the CUDA
+// NcclCommunicator: the GPU communicator (docs/architecture.md "Parallel layout and communication"), NCCL from the CUDA
 // toolkit (2.28). Buffers are float32 device pointers on `device`.
 //
 // One rank per GPU: NCCL refuses two ranks of a group on one device

@@ -1,4 +1,4 @@
-// Token datasets and the batches drawn from them (DESIGN §3.2).
+// Token datasets and the batches drawn from them (docs/architecture.md "Data").
 //
 // The batch of global step s is a pure function of (seed, s, global batch
 // size, sequence length): sample i of step s starts at a position drawn by

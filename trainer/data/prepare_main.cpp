@@ -1,5 +1,5 @@
 // keel-prepare-data: turns text files into byte-level llm.c token shards
-// (DESIGN §3.2) that keel-trainer, and llm.c itself, read unchanged.
+// (docs/architecture.md "Data") that keel-trainer, and llm.c itself, read unchanged.
 //
 // Split rule: the inputs are read as one byte stream, cut into chunks of
 // 4096 bytes, and every round(1 / val_fraction)-th chunk (chunk indices
@@ -334,7 +334,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help exits 0; every other parse error is a usage error (DESIGN §4).
+    // --help exits 0; every other parse error is a usage error (docs/architecture.md "Worker contract").
     return app.exit(e) == 0 ? 0 : exit_code(ErrorCode::kBadConfig);
   }
 

@@ -1,4 +1,4 @@
-// llm.c's token shard format (DESIGN §3.2): a header of 256 int32 (magic
+// llm.c's token shard format (docs/architecture.md "Data"): a header of 256 int32 (magic
 // 20240520, version 1, token count, the rest zero), then the tokens as
 // uint16. Shards made for llm.c (GPT-2 tokenized or byte-level) load
 // unchanged.

@@ -1,4 +1,4 @@
-// The kernel interface the model is built from (DESIGN §3.3). The CPU
+// The kernel interface the model is built from (docs/architecture.md "Kernels"). The CPU
 // backend (OpenBLAS for GEMM, plain C++ elsewhere) is the reference; a CUDA
 // backend implements the same interface and tests hold the two against each
 // other.
@@ -38,7 +38,7 @@ class Backend {
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
 
-  // ---- embedding, vocabulary split over TP ranks (DESIGN §3.4) ----
+  // ---- embedding, vocabulary split over TP ranks (docs/architecture.md "Parallel layout and communication") ----
   // wte holds rows [v_begin, v_begin + Vl) of the token table (a single
   // rank: v_begin = 0, Vl = the padded vocabulary).
   // out[b,t,:] = wte[tokens[b,t] - v_begin,:] when the token lies in that

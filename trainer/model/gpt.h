@@ -1,8 +1,8 @@
-// GPT-2 (DESIGN §3.1) with optional dropless top-k MoE blocks, written out
+// GPT-2 (docs/architecture.md "Model") with optional dropless top-k MoE blocks, written out
 // layer by layer: forward() keeps every activation backward() needs, and
 // backward() walks the same layers in reverse. There is no autograd.
 //
-// With a tensor-parallel group (DESIGN §3.4, Megatron-style) every rank of
+// With a tensor-parallel group (docs/architecture.md "Parallel layout and communication", Megatron-style) every rank of
 // it runs the same sequences on its slice of the weights: attention heads
 // and MLP columns are split, the token embedding and the cross-entropy are
 // split by vocabulary, and between the blocks the residual stream is split

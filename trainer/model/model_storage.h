@@ -1,5 +1,5 @@
 // Where the model's parameters and gradients live while it runs
-// (DESIGN §3.4). Gpt asks for a unit's parameters right before it uses them
+// (docs/architecture.md "Parallel layout and communication"). Gpt asks for a unit's parameters right before it uses them
 // and hands back a unit's gradients as soon as its backward is complete, in
 // the units of ParameterTable. That is all ZeRO needs: ZeRO-3 gathers a
 // unit's parameters just in time, ZeRO-2 reduce-scatters its gradients

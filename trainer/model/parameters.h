@@ -1,8 +1,8 @@
-// The model's tensors (DESIGN §3.1): names, PyTorch [out, in] shapes, how
+// The model's tensors (docs/architecture.md "Model"): names, PyTorch [out, in] shapes, how
 // each is initialised, how tensor parallelism splits it, and where this
 // rank's part of it sits in the flat parameter buffer.
 //
-// With tp > 1 a rank holds a local tensor per global one (DESIGN §3.4):
+// With tp > 1 a rank holds a local tensor per global one (docs/architecture.md "Parallel layout and communication"):
 // column-parallel weights and biases keep a slice of the output rows,
 // row-parallel weights a slice of the input columns, the token embedding a
 // slice of the vocabulary rows, and everything else is replicated. The local

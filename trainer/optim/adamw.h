@@ -1,4 +1,4 @@
-// AdamW with global-norm gradient clipping (DESIGN §3.1), and the learning
+// AdamW with global-norm gradient clipping (docs/architecture.md "Model"), and the learning
 // rate schedule: linear warmup, then cosine decay to lr * min_lr_ratio.
 #pragma once
 

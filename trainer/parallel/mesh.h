@@ -1,4 +1,4 @@
-// The process mesh (DESIGN §3.4): which rank sits where on the PP x DP x CP
+// The process mesh (docs/architecture.md "Parallel layout and communication"): which rank sits where on the PP x DP x CP
 // x TP grid, every process group it belongs to, and the up-front check that
 // a parallel layout fits the model, the batch and the world.
 //

@@ -1,4 +1,4 @@
-// How every tensor is split over a data-parallel group (DESIGN §3.4, FSDP2
+// How every tensor is split over a data-parallel group (docs/architecture.md "Parallel layout and communication", FSDP2
 // style): along dim 0, rank q owning rows [q·R, min((q+1)·R, rows)) with
 // R = ceil(rows / size), so each shard is a rectangular block of the global
 // tensor (a rank may own no rows of a small tensor).

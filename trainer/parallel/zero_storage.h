@@ -1,5 +1,5 @@
 // One rank's model state under ZeRO stage 0-3 over its data-parallel group
-// (DESIGN §3.4), behind the ModelStorage interface the model runs on.
+// (docs/architecture.md "Parallel layout and communication"), behind the ModelStorage interface the model runs on.
 //
 //   stage 0  parameters and gradients whole; gradients all-reduced after
 //            the last microbatch in 16 MiB buckets.

@@ -1,4 +1,4 @@
-// TrainLoop's side of checkpoints (DESIGN §5): which blocks of which global
+// TrainLoop's side of checkpoints (docs/architecture.md "Checkpoints"): which blocks of which global
 // tensors this rank saves and loads, and where they live in its memory.
 // checkpoint/ does the files; this maps the model onto them.
 #include "checkpoint/catalog.h"

@@ -1,4 +1,4 @@
-// keel-trainer: one rank of a training run (DESIGN §4). keeld starts it with
+// keel-trainer: one rank of a training run (docs/architecture.md "Worker contract"). keeld starts it with
 // the worker environment; without that environment it runs as a single rank,
 // which is how developers and tests run it by hand.
 #include "common/config.h"

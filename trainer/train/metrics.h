@@ -1,4 +1,4 @@
-// run_dir/metrics.jsonl (DESIGN §6): one JSON object per optimizer step,
+// run_dir/metrics.jsonl (docs/architecture.md "Run directory"): one JSON object per optimizer step,
 // written by rank 0. Each line is flushed as it is written so a crash loses
 // at most the line in flight; close() fsyncs.
 #pragma once

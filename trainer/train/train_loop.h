@@ -35,7 +35,7 @@ struct StepStats {
   double step_ms = 0;
 };
 
-// Bytes this rank holds for the model's state: DESIGN §3.4's ZeRO formulas
+// Bytes this rank holds for the model's state: docs/architecture.md "Parallel layout and communication"'s ZeRO formulas
 // count the first three; `working` carries units to and from collectives.
 struct MemoryUse {
   size_t params = 0;
@@ -89,7 +89,7 @@ class TrainLoop {
   // part it owns (rank-NNNNN.json), for layout parity checks.
   void dump_first_gradients(std::filesystem::path dir, int rank);
 
-  // Checkpoints (DESIGN §5): with checkpoint.every_steps or every_seconds
+  // Checkpoints (docs/architecture.md "Checkpoints"): with checkpoint.every_steps or every_seconds
   // set, run() saves into config.checkpoint_dir() on that schedule and once
   // more when it ends or stops.
   bool checkpoints_enabled() const;

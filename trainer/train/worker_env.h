@@ -1,4 +1,4 @@
-// The worker contract (DESIGN §4): the environment keeld starts every rank
+// The worker contract (docs/architecture.md "Worker contract"): the environment keeld starts every rank
 // with. Without it keel-trainer is a single rank, which is how tests and
 // developers run it by hand.
 #pragma once

@@ -1,4 +1,4 @@
-// The first CUDA kernels of the kernel interface (DESIGN §3.3): GELU, the
+// The first CUDA kernels of the kernel interface (docs/architecture.md "Kernels"): GELU, the
 // residual accumulate and AdamW, with the CPU backend's math so the two can
 // be held against each other. Free functions on device pointers and a stream;
 // the CUDA backend class wraps them when it arrives. A failed launch throws
