@@ -22,24 +22,52 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 }  // namespace
 
 Checkpointer::Checkpointer(CheckpointerOptions options, common::Store* store)
-    : options_(std::move(options)), store_(store), writer_(options_.o_direct) {
+    : options_(std::move(options)), store_(store), writer_(options_.o_direct, *options_.fs) {
   if (options_.world_size > 1 && store_ == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "a multi-rank checkpointer needs a store");
   }
-  if (options_.rank == 0) {
-    // Leftovers of saves or removals a crash interrupted are never
-    // checkpoints; nothing else writes here before this rank's first save.
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(options_.root, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.starts_with("step_") && (name.ends_with(".partial") || name.ends_with(".deleting"))) {
-        std::filesystem::remove_all(entry.path(), ec);
-      }
-    }
-  }
+  // Nothing else writes here before this rank's first save.
+  if (options_.rank == 0) recover_interrupted_saves();
   thread_ = std::thread([this] { writer_loop(); });
 }
 
+void Checkpointer::recover_interrupted_saves() {
+  auto log = common::logger("checkpoint");
+  FileSystem& fs = *options_.fs;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(options_.root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("step_")) continue;
+    if (name.ends_with(".deleting")) {
+      fs.remove_all(entry.path());
+      continue;
+    }
+    if (!name.ends_with(".partial")) continue;
+    const auto final_dir = entry.path().parent_path() / name.substr(0, name.size() - std::string(".partial").size());
+    const auto step = step_of(final_dir);
+    if (step && std::filesystem::exists(entry.path() / kManifestFile) && !std::filesystem::exists(final_dir)) {
+      // Every rank's file was in and the manifest written: only the rename
+      // was missing. Commit it if every byte is as the manifest says.
+      const Inspection found = inspect(CatalogEntry{*step, entry.path()}, Depth::kChecksums, fs);
+      if (found.state == Inspection::State::kGood) {
+        publish(entry.path(), final_dir);
+        log->warn("recovered checkpoint {}: its save was interrupted after the manifest was written",
+                  final_dir.string());
+        common::append_event(options_.run_dir, "checkpoint_recovered", options_.generation, options_.rank,
+                             {{"step", *step}, {"dir", final_dir.string()}});
+        continue;
+      }
+      if (found.state == Inspection::State::kUnreadable) {
+        // Nothing is deleted on a read error; the directory stays for an operator.
+        log->error("leaving {} in place: {}", entry.path().string(), found.why);
+        continue;
+      }
+      log->warn("removing {}: an interrupted save whose files do not match its manifest ({})", entry.path().string(),
+                found.why);
+    }
+    fs.remove_all(entry.path());
+  }
+}
 Checkpointer::~Checkpointer() {
   wait();
   {
@@ -70,6 +98,16 @@ bool Checkpointer::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
   wakeup_.wait(lock, [this] { return !job_; });
   return last_ok_;
+}
+
+void Checkpointer::cancel(const std::string& cause) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (cancelled_.empty()) cancelled_ = cause.empty() ? std::string("cancelled") : cause;
+}
+
+void Checkpointer::protect(int64_t step) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  protect_step_ = step;
 }
 
 void Checkpointer::writer_loop() {
@@ -105,6 +143,12 @@ bool Checkpointer::run(const Job& job) {
   nlohmann::json report;
   try {
     std::filesystem::create_directories(dir);
+    if (const auto bad = writer_.first_non_finite()) {
+      throw common::Error(common::ErrorCode::kCheckpointFailure,
+                          fmt::format("the state to save holds a non-finite value ({} of {}); a checkpoint is never "
+                                      "written from non-finite state",
+                                      bad->second, bad->first));
+    }
     const nlohmann::json state = {
         {"step", job.step}, {"tokens", job.tokens}, {"rank", options_.rank}, {"layout", options_.layout}};
     const auto written = writer_.write(dir / file, state);
@@ -122,19 +166,35 @@ bool Checkpointer::run(const Job& job) {
 
 bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, double write_s) {
   auto log = common::logger("checkpoint");
+  FileSystem& fs = *options_.fs;
   const auto start = Clock::now();
   const auto dir = partial_dir(options_.root, job.step);
   std::vector<nlohmann::json> reports = {own_report};
   std::string failure;
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(options_.timeout_s));
+  auto cancelled = [this] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cancelled_;
+  };
   for (int r = 1; r < options_.world_size && failure.empty(); ++r) {
-    if (auto value = common::poll(*store_, report_key(job.step, r), deadline)) {
+    // In short polls so that a cancellation (a peer died: its report will
+    // never come) abandons the save at once, not after the timeout.
+    std::optional<std::string> value;
+    while (!value && failure.empty()) {
+      if (const auto why = cancelled(); !why.empty()) {
+        failure = "the commit was cancelled: " + why;
+      } else if (Clock::now() > deadline) {
+        failure = fmt::format("rank {} did not report its file within checkpoint.timeout_s = {} s", r,
+                              options_.timeout_s);
+      } else {
+        value = common::poll(*store_, report_key(job.step, r),
+                             std::min(deadline, Clock::now() + std::chrono::milliseconds(200)));
+      }
+    }
+    if (value) {
       reports.push_back(nlohmann::json::parse(*value));
       store_->remove(report_key(job.step, r));
-    } else {
-      failure = fmt::format("rank {} did not report its file within checkpoint.timeout_s = {} s", r,
-                            options_.timeout_s);
     }
   }
   for (const auto& report : reports) {
@@ -144,6 +204,8 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
   }
   if (options_.world_size > 1) store_->remove(report_key(job.step, 0));
 
+  const auto final_dir = step_dir(options_.root, job.step);
+  uint64_t bytes = 0;
   try {
     if (!failure.empty()) throw common::Error(common::ErrorCode::kCheckpointFailure, failure);
     Manifest manifest;
@@ -153,7 +215,6 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
     manifest.config = options_.config;
     manifest.layout = options_.layout;
     std::vector<StoredPiece> pieces;
-    uint64_t bytes = 0;
     for (const auto& report : reports) {
       const std::string file = report.at("file");
       manifest.files.push_back(ManifestFile{file, report.at("bytes"), report.at("xxh3")});
@@ -162,21 +223,11 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
       pieces.insert(pieces.end(), listed.begin(), listed.end());
     }
     write_index(dir, pieces, job.step);
-    fsync_path(dir / kIndexFile);
+    fs.sync(dir / kIndexFile);
     manifest.files.push_back(
-        ManifestFile{kIndexFile, std::filesystem::file_size(dir / kIndexFile), file_xxh3(dir / kIndexFile)});
+        ManifestFile{kIndexFile, std::filesystem::file_size(dir / kIndexFile), fs.checksum(dir / kIndexFile)});
     write_manifest(dir, manifest);
-    fsync_path(dir);
-    const auto final_dir = step_dir(options_.root, job.step);
-    if (std::filesystem::exists(final_dir)) remove_checkpoint(final_dir);
-    std::filesystem::rename(dir, final_dir);
-    fsync_path(options_.root);
-    const double commit_s = seconds_since(start);
-    log->info("checkpoint of step {} committed: {} ({:.1f} MB, write {:.2f} s, commit {:.2f} s)", job.step,
-              final_dir.string(), bytes / 1e6, write_s, commit_s);
-    common::append_event(options_.run_dir, "checkpoint_committed", options_.generation, options_.rank,
-                         {{"step", job.step}, {"dir", final_dir.string()}, {"bytes", bytes}, {"write_s", write_s},
-                          {"commit_s", commit_s}});
+    fs.sync(dir);
   } catch (const std::exception& e) {
     std::error_code ec;
     std::filesystem::remove_all(dir, ec);
@@ -185,14 +236,81 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
                          {{"step", job.step}, {"cause", e.what()}});
     return false;
   }
-  for (const auto& doomed : prune_candidates(committed(options_.root), options_.keep, options_.keep_every)) {
+  // From the rename on, the checkpoint is committed: nothing below may
+  // remove it or report it abandoned.
+  bool durable = false;
+  try {
+    durable = publish(dir, final_dir);
+  } catch (const std::exception& e) {
+    log->error("checkpoint of step {} was not committed: {}; {} is left for inspection", job.step, e.what(),
+               dir.string());
+    common::append_event(options_.run_dir, "checkpoint_abandoned", options_.generation, options_.rank,
+                         {{"step", job.step}, {"cause", e.what()}});
+    return false;
+  }
+  const double commit_s = seconds_since(start);
+  log->info("checkpoint of step {} committed: {} ({:.1f} MB, write {:.2f} s, commit {:.2f} s)", job.step,
+            final_dir.string(), bytes / 1e6, write_s, commit_s);
+  common::append_event(options_.run_dir, "checkpoint_committed", options_.generation, options_.rank,
+                       {{"step", job.step}, {"dir", final_dir.string()}, {"bytes", bytes}, {"write_s", write_s},
+                        {"commit_s", commit_s}, {"durable", durable}});
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (job.step > protect_step_) protect_step_ = -1;
+  }
+  // The older checkpoints are the durable ones while this one may not be.
+  if (durable) apply_retention();
+  return true;
+}
+
+bool Checkpointer::publish(const std::filesystem::path& partial, const std::filesystem::path& final_dir) {
+  auto log = common::logger("checkpoint");
+  FileSystem& fs = *options_.fs;
+  // An earlier save of the same step (a run resumed from an older
+  // checkpoint reaches it again) is swapped out atomically, never removed
+  // first: at every instant step_N is one complete checkpoint.
+  const bool replacing = std::filesystem::exists(final_dir);
+  if (replacing) {
+    fs.exchange(partial, final_dir);
+  } else {
+    fs.rename(partial, final_dir);
+  }
+  bool durable = true;
+  try {
+    fs.sync(options_.root);
+  } catch (const common::Error& e) {
+    durable = false;
+    log->error("{} is in place but may not survive a crash of the machine: {}; retention is skipped so that the "
+               "older checkpoints stay",
+               final_dir.string(), e.what());
+  }
+  if (replacing) {
     try {
-      remove_checkpoint(doomed.dir);
+      fs.remove_all(partial);  // the old copy, now under the .partial name
+    } catch (const common::Error& e) {
+      log->warn("could not remove the replaced copy {}: {}", partial.string(), e.what());
+    }
+  }
+  return durable;
+}
+
+void Checkpointer::apply_retention() {
+  auto log = common::logger("checkpoint");
+  RetentionPolicy policy{options_.keep, options_.keep_every};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    policy.protect_step = protect_step_;
+  }
+  auto good = [&](const CatalogEntry& e) {
+    return inspect(e, options_.retention_depth, *options_.fs).state == Inspection::State::kGood;
+  };
+  for (const auto& doomed : prune_candidates(committed(options_.root), policy, good)) {
+    try {
+      remove_checkpoint(doomed.dir, *options_.fs);
     } catch (const std::exception& e) {
       log->warn("retention could not remove {}: {}", doomed.dir.string(), e.what());
     }
   }
-  return true;
 }
 
 }  // namespace keel::checkpoint

@@ -8,12 +8,19 @@
 //
 // Global rank 0 commits: once every rank's file is in, it writes index.h5
 // and the manifest, fsyncs them and the directory, renames it to
-// step_%08d, fsyncs the parent and applies retention. If any rank failed or
-// did not report within the timeout, it abandons the save (the .partial
-// directory is removed) and training goes on. Both outcomes are events in
-// run_dir/events.jsonl.
+// step_%08d (exchanging it atomically with an older save of the same step),
+// fsyncs the parent and applies retention. If any rank failed, did not
+// report within the timeout, or the commit was cancelled, it abandons the
+// save (the .partial directory is removed) and training goes on. Every
+// outcome is an event in run_dir/events.jsonl (docs/architecture.md
+// "Commit protocol").
+//
+// No checkpoint is written from non-finite state: a staged value that is
+// NaN or infinite fails this rank's file.
 #pragma once
 
+#include "checkpoint/catalog.h"
+#include "checkpoint/file_system.h"
 #include "checkpoint/piece.h"
 #include "checkpoint/shard_writer.h"
 #include "common/store.h"
@@ -46,12 +53,19 @@ struct CheckpointerOptions {
   // Called on the writer thread once this rank's file is written: its step,
   // bytes and write time. keel-trainer shows them on the progress board.
   std::function<void(int64_t step, uint64_t bytes, double write_s)> on_written;
+  // How retention checks the checkpoints it counts as good.
+  Depth retention_depth = Depth::kSizes;
+  FileSystem* fs = &FileSystem::real();
 };
 
 class Checkpointer {
  public:
   // `store` carries the ranks' reports to rank 0; nullptr with one rank.
-  // Rank 0 removes leftovers of interrupted saves (.partial, .deleting).
+  // Rank 0 cleans up after interrupted saves: a .deleting directory and a
+  // .partial one without a manifest go; a .partial one with a manifest
+  // (a save that crashed between its manifest and its rename, or the old
+  // side of an exchange) is checked in full and committed when no
+  // step_%08d of its step exists, removed otherwise.
   Checkpointer(CheckpointerOptions options, common::Store* store);
   // Finishes the save in flight.
   ~Checkpointer();
@@ -67,6 +81,12 @@ class Checkpointer {
   // Waits for the save in flight, if any. False when it failed: this
   // rank's file, or on rank 0 the commit.
   bool wait();
+  // Abandons the commit in flight at once, and any later one, with `cause`
+  // (a peer failed: its report will never come). Safe from any thread.
+  void cancel(const std::string& cause);
+  // Retention keeps the checkpoint of `step` (the one the run resumed
+  // from) until a newer one has committed.
+  void protect(int64_t step);
 
   const CheckpointerOptions& options() const { return options_; }
 
@@ -80,6 +100,11 @@ class Checkpointer {
   // Rank 0: gathers every rank's report and commits or abandons.
   bool commit(const Job& job, const nlohmann::json& own_report, double write_s);
   std::string report_key(int64_t step, int rank) const;
+  void recover_interrupted_saves();
+  // Renames the finished .partial directory into place; returns whether
+  // the parent directory's fsync succeeded (the rename is durable).
+  bool publish(const std::filesystem::path& partial, const std::filesystem::path& final_dir);
+  void apply_retention();
 
   CheckpointerOptions options_;
   common::Store* store_;
@@ -89,6 +114,8 @@ class Checkpointer {
   std::optional<Job> job_;  // set while a save is pending or running
   bool last_ok_ = true;
   bool stopping_ = false;
+  std::string cancelled_;     // why commits are cancelled; empty: they are not
+  int64_t protect_step_ = -1;
   std::thread thread_;
 };
 

@@ -1,17 +1,14 @@
 #include "checkpoint/manifest.h"
 
+#include "checkpoint/file_system.h"
 #include "checkpoint/paths.h"
 #include "common/error.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
-#include <xxhash.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <memory>
 
 namespace keel::checkpoint {
 namespace {
@@ -72,28 +69,10 @@ Manifest read_manifest(const std::filesystem::path& dir) {
   }
 }
 
-std::string file_xxh3(const std::filesystem::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(fmt::format("cannot open {}: {}", path.string(), errno_text()));
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
-  XXH3_64bits_reset(state.get());
-  std::vector<char> buffer(size_t{4} << 20);
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const std::string why = errno_text();
-      ::close(fd);
-      fail(fmt::format("cannot read {}: {}", path.string(), why));
-    }
-    if (n == 0) break;
-    XXH3_64bits_update(state.get(), buffer.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return fmt::format("{:016x}", XXH3_64bits_digest(state.get()));
-}
+std::string file_xxh3(const std::filesystem::path& path) { return FileSystem::real().checksum(path); }
 
-std::vector<std::string> verify_files(const std::filesystem::path& dir, const Manifest& manifest) {
+std::vector<std::string> verify_files(const std::filesystem::path& dir, const Manifest& manifest, bool checksums,
+                                      FileSystem& fs) {
   std::vector<std::string> problems;
   for (const auto& f : manifest.files) {
     const auto path = dir / f.name;
@@ -103,20 +82,15 @@ std::vector<std::string> verify_files(const std::filesystem::path& dir, const Ma
       problems.push_back(fmt::format("{} is missing", path.string()));
     } else if (size != f.bytes) {
       problems.push_back(fmt::format("{} has {} bytes, the manifest says {}", path.string(), size, f.bytes));
-    } else if (const auto sum = file_xxh3(path); sum != f.xxh3) {
+    } else if (!checksums) {
+      continue;
+    } else if (const auto sum = fs.checksum(path); sum != f.xxh3) {
       problems.push_back(fmt::format("{} has checksum {}, the manifest says {}", path.string(), sum, f.xxh3));
     }
   }
   return problems;
 }
 
-void fsync_path(const std::filesystem::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(fmt::format("cannot open {} to fsync it: {}", path.string(), errno_text()));
-  const int rc = ::fsync(fd);
-  const std::string why = rc != 0 ? errno_text() : "";
-  ::close(fd);
-  if (rc != 0) fail(fmt::format("fsync of {} failed: {}", path.string(), why));
-}
+void fsync_path(const std::filesystem::path& path) { FileSystem::real().sync(path); }
 
 }  // namespace keel::checkpoint

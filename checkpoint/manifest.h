@@ -4,6 +4,8 @@
 // (a virtual dataset would silently read fill values for a missing piece).
 #pragma once
 
+#include "checkpoint/file_system.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -40,8 +42,11 @@ Manifest read_manifest(const std::filesystem::path& dir);
 // XXH3-64 of a whole file as 16 hex digits; throws Error(kCheckpointFailure).
 std::string file_xxh3(const std::filesystem::path& path);
 // One sentence per file of the manifest that is missing, has another size
-// or another checksum; empty when every file matches.
-std::vector<std::string> verify_files(const std::filesystem::path& dir, const Manifest& manifest);
+// or (with `checksums`) another checksum; empty when every file matches.
+// A file that cannot be read throws Error(kCheckpointFailure): a read error
+// is not evidence of damage.
+std::vector<std::string> verify_files(const std::filesystem::path& dir, const Manifest& manifest,
+                                      bool checksums = true, FileSystem& fs = FileSystem::real());
 
 // fsync of a file or a directory; throws Error(kCheckpointFailure).
 void fsync_path(const std::filesystem::path& path);

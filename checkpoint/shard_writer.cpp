@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -37,20 +38,6 @@ void warn_once(std::once_flag& flag, const std::string& message) {
 }
 
 std::once_flag g_no_o_direct, g_no_uring, g_no_registration;
-
-// Fails cleanly, before HDF5 touches the disk, when the file cannot grow to
-// `bytes` (a full disk, a quota, a file-size limit): a write failure inside
-// HDF5's close leaves the library in a state that crashes it at exit.
-void reserve(const std::filesystem::path& path, size_t bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(fmt::format("cannot create {}: {}", path.string(), std::strerror(errno)));
-  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  ::close(fd);
-  if (rc != 0) {
-    ::unlink(path.c_str());
-    fail(fmt::format("no room for the {} bytes of {}: {}", bytes, path.string(), std::strerror(rc)));
-  }
-}
 
 // One write: `len` bytes from `data` at `offset` of `fd`; buf_index names
 // the registered buffer holding data, -1 when there is none.
@@ -103,7 +90,7 @@ struct ShardWriter::Ring {
   }
 };
 
-ShardWriter::ShardWriter(bool o_direct) : o_direct_(o_direct), staging_(nullptr, &std::free) {
+ShardWriter::ShardWriter(bool o_direct, FileSystem& fs) : o_direct_(o_direct), fs_(fs), staging_(nullptr, &std::free) {
   auto ring = std::make_unique<Ring>();
   const int rc = io_uring_queue_init(2 * kQueueDepth, &ring->ring, 0);
   if (rc < 0) {
@@ -151,6 +138,22 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
   } else {
     ring_->registered = true;
   }
+}
+
+std::optional<std::pair<std::string, float>> ShardWriter::first_non_finite() const {
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const float* values = reinterpret_cast<const float*>(staging_.get() + staging_offset_[i]);
+    const size_t n = pieces_[i].bytes() / sizeof(float);
+    // Branch-free over a whole piece, so the common all-finite case runs at
+    // memory speed; the element is looked for only when there is one.
+    bool finite = true;
+    for (size_t k = 0; k < n; ++k) finite &= std::isfinite(values[k]);
+    if (finite) continue;
+    for (size_t k = 0; k < n; ++k) {
+      if (!std::isfinite(values[k])) return std::make_pair(pieces_[i].tensor_path(), values[k]);
+    }
+  }
+  return std::nullopt;
 }
 
 float* ShardWriter::staging(size_t i) { return reinterpret_cast<float*>(staging_.get() + staging_offset_.at(i)); }
@@ -209,7 +212,21 @@ std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& p
   // metadata (a few KiB per dataset with its attributes).
   size_t bound = size_t{1} << 20;
   for (const Piece& p : pieces_) bound += align_up(p.bytes()) + 8 * kAlign;
-  reserve(path, bound);
+  // The bound is reserved first so that a save which cannot fit (a full
+  // disk, a quota, a file-size limit) fails before HDF5 writes anything: a
+  // write failure inside HDF5's close leaves the library in a state that
+  // crashes it at exit. H5Fcreate truncates, which frees that reservation,
+  // so the file is reserved again, whole, once the skeleton is closed.
+  {
+    Fd created(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (created.get() < 0) fail(fmt::format("cannot create {}: {}", path.string(), std::strerror(errno)));
+  }
+  try {
+    fs_.reserve(path, bound);
+  } catch (...) {
+    ::unlink(path.c_str());
+    throw;
+  }
   const std::string where = path.string();
   H5Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, "H5Pcreate");
   h5_check(H5Pset_alignment(fapl.get(), kAlign, kAlign), "H5Pset_alignment");
@@ -245,6 +262,7 @@ std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& p
   write_string_attribute(group.get(), "json", state.dump());
   group.close("H5Gclose");
   file.close(fmt::format("cannot close {}", where));
+  fs_.reserve(path, std::filesystem::file_size(path));
   return offsets;
 }
 

@@ -1,5 +1,8 @@
 // Writes one rank's pieces as a rank file, the write path of docs/architecture.md "Checkpoints":
 //
+// 0. The file's upper bound is reserved, so a save that cannot fit fails
+//    before HDF5 writes anything; the whole file is reserved again once
+//    the skeleton is closed (HDF5 creates it truncated).
 // 1. HDF5 builds the skeleton: one contiguous dataset per piece, space
 //    allocated at creation, never filled, every dataset of 4 KiB or more
 //    4 KiB-aligned; H5Dget_offset gives each dataset's file offset; the file
@@ -15,6 +18,7 @@
 // io_uring writes.
 #pragma once
 
+#include "checkpoint/file_system.h"
 #include "checkpoint/piece.h"
 
 #include <nlohmann/json.hpp>
@@ -25,13 +29,16 @@
 #include <cstddef>
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <vector>
 
 namespace keel::checkpoint {
 
 class ShardWriter {
  public:
-  explicit ShardWriter(bool o_direct);
+  // Space is reserved through `fs`, which must outlive the writer.
+  ShardWriter(bool o_direct, FileSystem& fs);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -44,6 +51,8 @@ class ShardWriter {
   // Where piece i's floats go before write().
   float* staging(size_t i);
   size_t staging_bytes() const { return staging_bytes_; }
+  // The first staged value that is NaN or infinite, with its tensor path.
+  std::optional<std::pair<std::string, float>> first_non_finite() const;
 
   struct Written {
     uint64_t bytes = 0;
@@ -64,6 +73,7 @@ class ShardWriter {
   Written checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const;
 
   bool o_direct_;
+  FileSystem& fs_;
   std::vector<Piece> pieces_;
   std::vector<size_t> staging_offset_;
   size_t staging_bytes_ = 0;

@@ -232,6 +232,9 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.data.train, config.origin("data.train"), base_dir);
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
   resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
+  if (config.checkpoint.init_from != "none") {
+    resolve_path(config.checkpoint.init_from, config.origin("checkpoint.init_from"), base_dir);
+  }
   resolve_path(config.daemon.socket, config.origin("daemon.socket"), base_dir);
   resolve_path(config.daemon.trainer, config.origin("daemon.trainer"), base_dir);
   config.validate();
@@ -301,6 +304,12 @@ void Config::validate() const {
   at_least(checkpoint.keep_every, 0, "checkpoint.keep_every");
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
         fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
+  check(faults.crash_in == "step" || faults.crash_in == "save", "faults.crash_in",
+        fmt::format("must be \"step\" or \"save\" (got \"{}\")", faults.crash_in));
+  check(faults.nan_target == "gradient" || faults.nan_target == "loss", "faults.nan_target",
+        fmt::format("must be \"gradient\" or \"loss\" (got \"{}\")", faults.nan_target));
+  check(checkpoint.retention_verify == "sizes" || checkpoint.retention_verify == "full", "checkpoint.retention_verify",
+        fmt::format("must be \"sizes\" or \"full\" (got \"{}\")", checkpoint.retention_verify));
   check(checkpoint.timeout_s > 0, "checkpoint.timeout_s", fmt::format("must be positive (got {})", checkpoint.timeout_s));
 
   at_least(train.steps, 1, "train.steps");

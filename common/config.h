@@ -130,7 +130,9 @@ struct CheckpointConfig {
   double every_seconds = 0;    // save when N seconds have passed since the last save; 0 = not by time
   int64_t keep = 3;            // newest committed checkpoints kept
   int64_t keep_every = 0;      // also keep every checkpoint whose step is a multiple of N; 0 = none
-  std::string verify = "full"; // checksums checked before a checkpoint is loaded: full | off
+  std::string verify = "full"; // before a load: "full" checks every file's checksum, "off" its size only
+  std::string retention_verify = "sizes";  // what retention counts as a good checkpoint: "sizes" | "full" (checksums)
+  std::string init_from = "";  // when the run has no checkpoint that loads: "" fails if any exists, "none" starts at step 0, or a checkpoint directory
   bool o_direct = true;        // bulk writes bypass the page cache where the filesystem allows it
   double timeout_s = 600;      // how long rank 0 waits for every rank's file before abandoning a save
 
@@ -141,6 +143,8 @@ struct CheckpointConfig {
     v("keep", keep);
     v("keep_every", keep_every);
     v("verify", verify);
+    v("retention_verify", retention_verify);
+    v("init_from", init_from);
     v("o_direct", o_direct);
     v("timeout_s", timeout_s);
   }
@@ -190,11 +194,19 @@ struct FaultsConfig {
   int64_t crash_rank = -1;        // the rank to kill; -1 = none
   int64_t crash_step = 0;         // killed just before training this step
   int64_t crash_generation = 0;   // only in this generation; -1 = in every generation (a crash loop)
+  std::string crash_in = "step";  // "step": before training crash_step; "save": writing the checkpoint of step crash_step, before reporting it
+  int64_t nan_rank = -1;          // the rank whose step turns non-finite; -1 = none
+  int64_t nan_step = 0;           // at this step, in generation 0 only
+  std::string nan_target = "gradient";  // what turns NaN: "gradient" (one element) | "loss"
 
   template <class V> void visit(V& v) {
     v("crash_rank", crash_rank);
     v("crash_step", crash_step);
     v("crash_generation", crash_generation);
+    v("crash_in", crash_in);
+    v("nan_rank", nan_rank);
+    v("nan_step", nan_step);
+    v("nan_target", nan_target);
   }
 };
 

@@ -171,7 +171,13 @@ int checkpoint_prune(const CheckpointTarget& target, int64_t keep, int64_t keep_
     err << "keelctl: --keep must be at least 1 and --keep-every at least 0\n";
     return 2;
   }
-  const auto doomed = checkpoint::prune_candidates(checkpoint::committed(target.root), keep, keep_every);
+  // The same rule as a run's retention: only checkpoints older than the
+  // newest `keep` whose files are all there at their sizes.
+  const auto doomed = checkpoint::prune_candidates(
+      checkpoint::committed(target.root), checkpoint::RetentionPolicy{keep, keep_every},
+      [](const checkpoint::CatalogEntry& e) {
+        return checkpoint::inspect(e, checkpoint::Depth::kSizes).state == checkpoint::Inspection::State::kGood;
+      });
   nlohmann::json removed = nlohmann::json::array();
   for (const auto& e : doomed) {
     if (!dry_run) {

@@ -6,6 +6,7 @@
 #include "common/config.h"
 
 #include <cstdint>
+#include <string>
 
 namespace keel::health {
 
@@ -15,10 +16,20 @@ class FaultInjector {
 
   // Called by the training loop before it trains `step`: kills this rank
   // with SIGKILL when [faults] crash_rank / crash_step / crash_generation
-  // say so.
+  // say so (crash_in = "step").
   void before_step(int64_t step) const;
+  // Called on the checkpoint writer thread once this rank's file of step
+  // `step` is written, before it is reported: kills this rank when
+  // crash_in = "save" and crash_step = step.
+  void during_save(int64_t step) const;
+  // Whether this rank's `target` ("gradient" or "loss") is to be made NaN at
+  // `step` ([faults] nan_rank / nan_step / nan_target; generation 0 only, so
+  // the restarted run is clean). Logs it when it says yes.
+  bool poisons(int64_t step, const std::string& target) const;
 
  private:
+  void crash(const char* where, int64_t step) const;
+
   common::FaultsConfig faults_;
   int rank_;
   int64_t generation_;

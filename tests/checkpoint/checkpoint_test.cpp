@@ -96,8 +96,8 @@ TEST_SUITE("unit") {
         CHECK(problems[0].find(file) != std::string::npos);
         CHECK(problems[0].find(d.expected) != std::string::npos);
         std::vector<std::string> skipped;
-        const auto loadable = keel::checkpoint::newest_loadable(
-            dir / "ckpt", true, [&](const fs::path& p, const std::string&) { skipped.push_back(p.string()); });
+        const auto loadable = keel::checkpoint::choose_resume(
+            dir / "ckpt", {}, [&](const fs::path& p, const std::string&) { skipped.push_back(p.string()); });
         REQUIRE(loadable);
         CHECK(loadable->step == 1);
         CHECK(skipped.size() == 1);
@@ -132,20 +132,23 @@ TEST_SUITE("unit") {
       keel::test::TempDir dir;
       write_fixture_checkpoints(dir / "ckpt", {1, 2});
       bad.apply(keel::checkpoint::step_dir(dir / "ckpt", 2));
-      const auto loadable = keel::checkpoint::newest_loadable(dir / "ckpt", false, [](const fs::path&, const std::string&) {});
+      const auto loadable = keel::checkpoint::choose_resume(
+          dir / "ckpt", {keel::checkpoint::Depth::kSizes}, [](const fs::path&, const std::string&) {});
       REQUIRE(loadable);
       CHECK(loadable->step == 1);
     }
   }
 
-  TEST_CASE("retention keeps the newest checkpoints and every keep_every-th") {
+  TEST_CASE("retention keeps the newest good checkpoints and every keep_every-th") {
     keel::test::TempDir dir;
     write_fixture_checkpoints(dir / "ckpt", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 2);
     // keep = 2 and no keep_every while saving: the newest two remain.
     CHECK(steps_of(dir / "ckpt") == std::vector<int64_t>{9, 10});
     keel::test::TempDir other;
     write_fixture_checkpoints(other / "ckpt", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
-    const auto doomed = keel::checkpoint::prune_candidates(keel::checkpoint::committed(other / "ckpt"), 2, 4);
+    const auto doomed = keel::checkpoint::prune_candidates(keel::checkpoint::committed(other / "ckpt"),
+                                                           keel::checkpoint::RetentionPolicy{2, 4},
+                                                           [](const keel::checkpoint::CatalogEntry&) { return true; });
     std::vector<int64_t> doomed_steps;
     for (const auto& e : doomed) doomed_steps.push_back(e.step);
     CHECK(doomed_steps == std::vector<int64_t>{1, 2, 3, 5, 6, 7});

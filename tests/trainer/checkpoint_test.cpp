@@ -209,8 +209,8 @@ TEST_SUITE("integration") {
       std::this_thread::sleep_for(std::chrono::milliseconds(150 + random() % 400));
       trainer.signal(SIGKILL);
       trainer.wait(30);
-      const auto newest = keel::checkpoint::newest_loadable(
-          root, true, [](const fs::path& dir, const std::string& why) { FAIL_CHECK(dir.string() << ": " << why); });
+      const auto newest = keel::checkpoint::choose_resume(
+          root, {}, [](const fs::path& dir, const std::string& why) { FAIL_CHECK(dir.string() << ": " << why); });
       if (!newest) continue;  // killed before its first commit
       CHECK(newest->step >= newest_step);  // never lost one
       newest_step = newest->step;

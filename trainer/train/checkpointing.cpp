@@ -11,7 +11,11 @@
 #include "trainer/train/train_loop.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <xxhash.h>
+
+#include <algorithm>
+#include <set>
 
 
 namespace keel::trainer {
@@ -82,37 +86,109 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   last_saved_step_ = steps_done;
 }
 
-std::optional<std::filesystem::path> TrainLoop::newest_checkpoint() {
-  const auto root = config_.checkpoint_dir();
+void TrainLoop::resume() {
+  const auto& c = config_.checkpoint;
   const std::string key = fmt::format("ckpt/g{}/resume", rank_.generation);
+  // Rank 0 chooses and the others follow, so every rank loads the same
+  // checkpoint: {"dir": path or null, "verified": bool} or {"error": why}.
+  nlohmann::json choice;
   if (rank_.rank == 0) {
-    auto skipped = [&](const std::filesystem::path& dir, const std::string& why) {
-      common::logger("checkpoint")->warn("skipping checkpoint {}: {}", dir.string(), why);
-      common::append_event(config_.job.run_dir, "checkpoint_skipped", rank_.generation, rank_.rank,
-                           {{"dir", dir.string()}, {"cause", why}});
-    };
-    const auto newest = checkpoint::newest_loadable(root, config_.checkpoint.verify == "full", skipped);
-    if (rank_.store != nullptr) rank_.store->set(key, newest ? newest->dir.string() : "");
-    if (!newest) return std::nullopt;
-    return newest->dir;
+    choice = choose_start();
+    if (rank_.store != nullptr) rank_.store->set(key, choice.dump());
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(c.timeout_s));
+    const auto value = common::poll(*rank_.store, key, deadline);
+    if (!value) {
+      throw common::Error(common::ErrorCode::kPeerFailure,
+                          fmt::format("rank 0 did not name the checkpoint to resume from within {} s", c.timeout_s));
+    }
+    choice = nlohmann::json::parse(*value);
   }
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(config_.checkpoint.timeout_s));
-  const auto dir = common::poll(*rank_.store, key, deadline);
-  if (!dir) {
-    throw common::Error(common::ErrorCode::kPeerFailure,
-                        fmt::format("rank 0 did not name the checkpoint to resume from within {} s",
-                                    config_.checkpoint.timeout_s));
+  if (choice.contains("error")) {
+    throw common::Error(common::ErrorCode::kCheckpointFailure, choice["error"].get<std::string>());
   }
-  if (dir->empty()) return std::nullopt;
-  return std::filesystem::path(*dir);
+  if (choice["dir"].is_null()) return;
+  restore(choice["dir"].get<std::string>(), choice["verified"].get<bool>());
 }
 
-void TrainLoop::restore(const std::filesystem::path& dir) {
+nlohmann::json TrainLoop::choose_start() {
+  auto log = common::logger("checkpoint");
+  const auto& c = config_.checkpoint;
+  auto skipped = [&](const std::filesystem::path& dir, const std::string& why) {
+    log->warn("skipping checkpoint {}: {}", dir.string(), why);
+    common::append_event(config_.job.run_dir, "checkpoint_skipped", rank_.generation, rank_.rank,
+                         {{"dir", dir.string()}, {"cause", why}});
+  };
+  const bool checksums = c.verify == "full";
+  auto fallback = [&]() -> nlohmann::json {
+    if (c.init_from.empty() || c.init_from == "none") return {{"dir", nullptr}};
+    return {{"dir", c.init_from}, {"verified", false}};
+  };
+  try {
+    const auto newest = checkpoint::choose_resume(
+        config_.checkpoint_dir(),
+        checkpoint::ResumeOptions{checksums ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes}, skipped);
+    if (newest) return {{"dir", newest->dir.string()}, {"verified", checksums}};
+    return fallback();
+  } catch (const common::Error& e) {
+    // The run's own checkpoints exist but none can be used: only an
+    // explicit checkpoint.init_from may start it elsewhere.
+    if (c.init_from.empty()) return {{"error", e.what()}};
+    log->error("{}; starting from {} as checkpoint.init_from says", e.what(),
+               c.init_from == "none" ? std::string("step 0") : c.init_from);
+    common::append_event(config_.job.run_dir, "resume_overridden", rank_.generation, rank_.rank,
+                         {{"init_from", c.init_from}, {"cause", e.what()}});
+    return fallback();
+  }
+}
+
+void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
+  std::vector<std::string> problems;
+  std::set<std::string> expected;
+  for (const ParamSpec& spec : table_.specs()) {
+    for (const char* group : kGroups) {
+      const std::string path = fmt::format("/{}/{}", group, spec.name);
+      expected.insert(path);
+      const auto stored = reader.tensors();
+      if (!std::binary_search(stored.begin(), stored.end(), path)) {
+        problems.push_back(fmt::format("{} is missing from the checkpoint", path));
+        continue;
+      }
+      const auto shape = reader.global_shape(path);
+      if (shape != spec.global_shape) {
+        problems.push_back(fmt::format("{} has shape [{}] in the checkpoint and [{}] in this model", path,
+                                       fmt::join(shape, ", "), fmt::join(spec.global_shape, ", ")));
+      }
+    }
+  }
+  for (const auto& path : reader.tensors()) {
+    if (!expected.contains(path)) problems.push_back(fmt::format("{} is in the checkpoint but not in this model", path));
+  }
+  if (problems.empty()) return;
+  // Name the model settings that differ, which is what the operator changes.
+  std::vector<std::string> keys;
+  const auto saved = reader.manifest().config.value("model", nlohmann::json::object());
+  const auto ours = config_.to_json().at("model");
+  for (const auto& [key, value] : ours.items()) {
+    if (saved.contains(key) && saved[key] != value) {
+      keys.push_back(fmt::format("model.{} is {} in the checkpoint and {} here", key, saved[key].dump(), value.dump()));
+    }
+  }
+  throw common::Error(
+      common::ErrorCode::kBadConfig,
+      fmt::format("checkpoint {} does not fit this model: {}{}. Set the model as the checkpoint was saved, or start "
+                  "from another checkpoint",
+                  reader.dir().string(), fmt::join(problems.begin(), problems.begin() + std::min<size_t>(problems.size(), 4), "; "),
+                  keys.empty() ? std::string() : fmt::format(" ({})", fmt::join(keys, "; "))));
+}
+
+void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
   auto log = common::logger("checkpoint");
   checkpoint::CheckpointReader reader(dir);
-  if (rank_.rank == 0 && config_.checkpoint.verify == "full") {
+  check_shapes(reader);
+  if (rank_.rank == 0 && !verified && config_.checkpoint.verify == "full") {
     const auto problems = checkpoint::verify_files(dir, reader.manifest());
     if (!problems.empty()) {
       throw common::Error(common::ErrorCode::kCheckpointFailure,
@@ -141,10 +217,18 @@ void TrainLoop::restore(const std::filesystem::path& dir) {
   start_step_ = reader.manifest().step;
   std::error_code ec;
   // A checkpoint of this run's own directory need not be saved again at
-  // the same step; one loaded from elsewhere is.
-  if (std::filesystem::equivalent(dir.parent_path(), config_.checkpoint_dir(), ec)) last_saved_step_ = start_step_;
+  // the same step, and retention keeps it until a newer one commits; one
+  // loaded from elsewhere is saved again.
+  if (std::filesystem::equivalent(dir.parent_path(), config_.checkpoint_dir(), ec)) {
+    last_saved_step_ = start_step_;
+    if (checkpointer_) checkpointer_->protect(start_step_);
+  }
   log->info("resuming from {} at step {} (saved as {})", dir.string(), start_step_,
             reader.manifest().layout.dump());
+}
+
+void TrainLoop::cancel_checkpoint(const std::string& cause) {
+  if (checkpointer_) checkpointer_->cancel(cause);
 }
 
 std::string TrainLoop::parameter_digest() {

@@ -65,6 +65,20 @@ struct RankGroups {
       if (group != nullptr) group->set_peer_failure_handler(nullptr);
     }
   }
+  // A peer failure seen in one group makes this rank leave the others,
+  // which wakes it if it is blocked there and tells their ranks, and
+  // cancels `loop`'s checkpoint commit (nullptr: no loop).
+  void on_peer_failure(keel::trainer::TrainLoop* loop) {
+    for (auto* group : {dp.get(), tp.get()}) {
+      if (group == nullptr) continue;
+      group->set_peer_failure_handler([this, group, loop](const std::string& cause) {
+        if (loop != nullptr) loop->cancel_checkpoint("a peer failed: " + cause);
+        for (auto* other : {dp.get(), tp.get()}) {
+          if (other != nullptr && other != group) leave_groups({other}, cause);
+        }
+      });
+    }
+  }
 };
 
 void print_summary(const keel::trainer::RunSummary& s, bool json) {
@@ -109,7 +123,8 @@ int main(int argc, char** argv) {
   app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
   app.add_option("--init-from", init_from,
-                 "start from this checkpoint directory (any layout) instead of the run's newest checkpoint");
+                 "when the run has no checkpoint that loads, start from this checkpoint directory (any layout), or "
+                 "from step 0 with 'none' (the same as --set checkpoint.init_from=...)");
   app.add_option("--stop-after", stop_after,
                  "stop after this many steps as a stop request would: final checkpoint, then exit 14");
   auto* eval = app.add_option("--eval", eval_dir,
@@ -152,6 +167,7 @@ int main(int argc, char** argv) {
     keel::common::init_logging(worker.rank);
     auto log = keel::common::logger("trainer");
 
+    if (!init_from.empty()) overrides.push_back("checkpoint.init_from=" + init_from);
     auto config = keel::common::Config::load(config_path, overrides);
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     keel::trainer::validate_layout(config, worker.world_size);
@@ -200,20 +216,18 @@ int main(int argc, char** argv) {
       for (auto* group : {dp.get(), tp.get()}) {
         if (group != nullptr && board) group->set_progress_board(&*board);
       }
-      // A peer failure seen in one group makes this rank leave the others,
-      // which wakes it if it is blocked there and tells their ranks.
-      for (auto* group : {dp.get(), tp.get()}) {
-        if (group == nullptr) continue;
-        group->set_peer_failure_handler([&groups, group](const std::string& cause) {
-          for (auto* other : {groups.dp.get(), groups.tp.get()}) {
-            if (other != nullptr && other != group) leave_groups({other}, cause);
-          }
-        });
-      }
+      groups.on_peer_failure(nullptr);
     }
     keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get(),
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
                                                              worker.generation, board ? &*board : nullptr});
+    // While the loop lives, a peer's failure also cancels its checkpoint
+    // commit: the dead rank's report will never come.
+    struct CancelsCheckpoints {
+      RankGroups& groups;
+      ~CancelsCheckpoints() { groups.on_peer_failure(nullptr); }
+    } cancels{groups};
+    groups.on_peer_failure(&loop);
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
     if (!eval_dir.empty()) {
       if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");
@@ -229,15 +243,7 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    // A run resumes from its newest checkpoint by itself; --init-from names
-    // another one (of any layout).
-    std::optional<std::filesystem::path> resume_dir;
-    if (!init_from.empty()) {
-      resume_dir = init_from;
-    } else {
-      resume_dir = loop.newest_checkpoint();
-    }
-    if (resume_dir) loop.restore(*resume_dir);
+    loop.resume();
     auto summary = loop.run(g_stop, stop_after);
     if (summary.final_checkpoint_failed) {
       std::cerr << "keel-trainer: checkpoint_failure: the final checkpoint was not committed; see events.jsonl"

@@ -3,6 +3,7 @@
 #include "common/error.h"
 
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,24 +17,37 @@ MetricsWriter::MetricsWriter(const std::filesystem::path& run_dir, int64_t first
     : path_(run_dir / "metrics.jsonl") {
   std::error_code ec;
   std::filesystem::create_directories(run_dir, ec);
-  std::string kept;
-  if (first_step > 0) {
-    std::ifstream in(path_);
-    for (std::string line; std::getline(in, line);) {
-      const auto record = nlohmann::json::parse(line, nullptr, false);
-      if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
-          record["step"].get<int64_t>() < first_step) {
-        kept += line + "\n";
-      }
+  auto fail = [&](const std::filesystem::path& path) {
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        fmt::format("cannot write {}: {}; set job.run_dir to a writable directory", path.string(),
+                                    std::strerror(errno)));
+  };
+  // The records kept go to a new file that replaces the old one by rename,
+  // so a crash at any moment leaves the whole old history or the new file,
+  // never a half-rewritten one.
+  auto fresh = path_;
+  fresh += ".new";
+  std::FILE* out = std::fopen(fresh.c_str(), "w");
+  if (out == nullptr) fail(fresh);
+  std::ifstream in(path_);
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line, nullptr, false);
+    if (record.is_object() && record.contains("step") && record["step"].is_number_integer() &&
+        record["step"].get<int64_t>() < first_step) {
+      line += "\n";
+      if (std::fwrite(line.data(), 1, line.size(), out) != line.size()) fail(fresh);
     }
   }
-  file_ = std::fopen(path_.c_str(), "w");
-  if (file_ != nullptr && !kept.empty()) std::fwrite(kept.data(), 1, kept.size(), file_);
-  if (file_ == nullptr) {
-    throw common::Error(common::ErrorCode::kBadConfig,
-                        fmt::format("cannot write {}: {}; set job.run_dir to a writable directory", path_.string(),
-                                    std::strerror(errno)));
+  if (std::fflush(out) != 0 || ::fsync(fileno(out)) != 0) fail(fresh);
+  std::fclose(out);
+  if (std::rename(fresh.c_str(), path_.c_str()) != 0) fail(path_);
+  const int dir = ::open(run_dir.c_str(), O_RDONLY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
   }
+  file_ = std::fopen(path_.c_str(), "a");
+  if (file_ == nullptr) fail(path_);
 }
 
 MetricsWriter::~MetricsWriter() { close(); }

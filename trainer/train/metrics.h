@@ -15,7 +15,8 @@ class MetricsWriter {
  public:
   // Creates run_dir if needed and opens metrics.jsonl for the steps from
   // `first_step` on: the records of earlier steps are kept (a resumed run
-  // continues the file), later ones dropped (they are trained again).
+  // continues the file), later ones dropped (they are trained again). The
+  // file is replaced by rename, never rewritten in place.
   // Throws Error(kBadConfig) when the run directory cannot be written.
   explicit MetricsWriter(const std::filesystem::path& run_dir, int64_t first_step = 0);
   ~MetricsWriter();

@@ -84,7 +84,11 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
                            {"pp", config.parallel.pp}, {"cp", config.parallel.cp}, {"ep", config.parallel.ep},
                            {"zero", config.parallel.zero}},
             rank_.rank, rank_.world_size, rank_.generation,
-            [this](int64_t step, uint64_t bytes, double write_s) { board_.checkpoint_written(step, bytes, write_s); }},
+            [this](int64_t step, uint64_t bytes, double write_s) {
+              faults_.during_save(step);
+              board_.checkpoint_written(step, bytes, write_s);
+            },
+            c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes},
         rank_.store);
   }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
@@ -120,6 +124,11 @@ StepStats TrainLoop::train_step(int64_t step) {
     board_.set_phase(health::Phase::kBackward);
     model_.backward(loss_scale);
   }
+  if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
+  if (faults_.poisons(step, "gradient")) {
+    const float nan = std::nanf("");
+    backend_.copy_from_host(storage_.owned_gradients(0), &nan, sizeof(float));
+  }
   storage_.reduce_gradients();
   sum_norm_gradients_over_tp();
   if (dp_ != nullptr) {
@@ -134,7 +143,20 @@ StepStats TrainLoop::train_step(int64_t step) {
   stats.lr = learning_rate(config_.train, step);
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   board_.set_phase(health::Phase::kOptimizer);
-  stats.grad_norm = optimizer_step(static_cast<float>(stats.lr), step);
+  const double norm = gradient_norm();
+  stats.grad_norm = static_cast<float>(norm);
+  // Every rank holds the same loss and norm (both are summed over the
+  // world), so every rank refuses the same step and none waits for another.
+  if (!std::isfinite(stats.loss) || !std::isfinite(norm)) {
+    throw common::Error(
+        common::ErrorCode::kSdcSuspected,
+        fmt::format("step {}: the loss is {} and the gradient norm {}; the update was not applied and no checkpoint "
+                    "is written from this state, so the newest checkpoint is the last good state. A restart resumes "
+                    "from it; if the same step fails again, the data or the settings (train.lr, "
+                    "train.warmup_steps) are the likely cause, otherwise the hardware",
+                    step, stats.loss, norm));
+  }
+  apply_update(static_cast<float>(stats.lr), norm, step);
   stats.step_ms = seconds_since(start) * 1e3;
   return stats;
 }
@@ -162,10 +184,9 @@ void TrainLoop::sum_norm_gradients_over_tp() {
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
 }
 
-float TrainLoop::optimizer_step(float lr, int64_t step) {
+double TrainLoop::gradient_norm() {
   const auto& specs = table_.specs();
-  // The global norm: every owned part once, a tensor replicated over TP
-  // counted on TP rank 0 only.
+  // Every owned part once, a tensor replicated over TP counted on TP rank 0 only.
   double squares = 0;
   for (size_t t = 0; t < specs.size(); ++t) {
     if (tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) continue;
@@ -181,13 +202,15 @@ float TrainLoop::optimizer_step(float lr, int64_t step) {
     dp_->all_reduce(&partial, 1);
     squares = partial;
   }
-  const double norm = std::sqrt(squares);
+  return std::sqrt(squares);
+}
+
+void TrainLoop::apply_update(float lr, double norm, int64_t step) {
   const float scale = optimizer_.clip_scale(norm);
-  for (size_t t = 0; t < specs.size(); ++t) {
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
     optimizer_.update(t, storage_.owned_parameters(t), storage_.owned_gradients(t), lr, scale, step);
   }
   storage_.publish_parameters();
-  return static_cast<float>(norm);
 }
 
 void TrainLoop::write_gradients(int64_t step) {
@@ -280,6 +303,20 @@ TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int
 }
 
 RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
+  try {
+    return train_until(stop, stop_after);
+  } catch (const common::Error& e) {
+    // A peer that died or hangs will never report its file: the commit in
+    // flight is abandoned now rather than after checkpoint.timeout_s, so
+    // this rank exits (and leaves its flight dump) at once.
+    if (e.code() == common::ErrorCode::kPeerFailure || e.code() == common::ErrorCode::kCollectiveHang) {
+      cancel_checkpoint(e.what());
+    }
+    throw;
+  }
+}
+
+RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_after) {
   auto log = common::logger("trainer");
   const auto& train = config_.train;
   const int64_t tokens_per_step = train.batch_size * config_.model.seq_len;
@@ -316,9 +353,6 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     summary.steps_done = step + 1;
     summary.final_train_loss = stats.loss;
     summary.tokens += tokens_per_step;
-    if (!std::isfinite(stats.loss)) {
-      log->error("loss is {} at step {}; lower train.lr or raise train.warmup_steps", stats.loss, step);
-    }
 
     nlohmann::json record = {{"step", step},
                              {"loss", stats.loss},
@@ -390,7 +424,14 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
   board_.set_phase(health::Phase::kCheckpoint);
   // The end of a run, finished or stopped, is always saved.
   if (checkpointer_ && last_saved_step_ != summary.steps_done) save_checkpoint(summary.steps_done);
-  if (checkpointer_) summary.final_checkpoint_failed = !checkpointer_->wait();
+  if (checkpointer_) {
+    // Rank 0 knows whether the commit happened, the others only whether
+    // their file was written: they agree on the outcome, so that a failed
+    // final save is every rank's exit 13, never a clean stop.
+    float failed = checkpointer_->wait() ? 0.0f : 1.0f;
+    sum_over_world(&failed, 1);
+    summary.final_checkpoint_failed = failed > 0.0f;
+  }
   board_.set_phase(health::Phase::kIdle);
   summary.parameter_digest = parameter_digest();
   summary.wall_s = seconds_since(run_start);

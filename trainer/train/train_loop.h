@@ -5,6 +5,7 @@
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/piece.h"
+#include "checkpoint/reader.h"
 #include "common/config.h"
 #include "common/store.h"
 #include "health/board_publisher.h"
@@ -93,13 +94,24 @@ class TrainLoop {
   // set, run() saves into config.checkpoint_dir() on that schedule and once
   // more when it ends or stops.
   bool checkpoints_enabled() const;
-  // The newest committed checkpoint that verifies (checkpoint.verify), or
-  // nothing: rank 0 decides, records skipped ones as events, and the
-  // others follow through the Store.
-  std::optional<std::filesystem::path> newest_checkpoint();
+  // Chooses where training starts and loads it (docs/architecture.md
+  // "Resume and retention"): the run's newest committed checkpoint that
+  // verifies (checkpoint.verify); when there is none, checkpoint.init_from
+  // ("" or "none": step 0, or a checkpoint directory of any layout). When the
+  // run's checkpoints exist but none loads, only an explicit init_from
+  // starts it elsewhere; otherwise Error(kCheckpointFailure) names each one
+  // and why. Rank 0 decides and records skipped ones as events; the others
+  // follow through the Store.
+  void resume();
   // Loads the checkpoint in `dir`, whatever layout wrote it, and makes
-  // run() continue from its step. Throws Error(kCheckpointFailure).
-  void restore(const std::filesystem::path& dir);
+  // run() continue from its step; `verified`: its checksums were checked
+  // already. Throws Error(kBadConfig) naming the tensors and model keys when
+  // its shapes differ from this model's, Error(kCheckpointFailure) when it
+  // does not load.
+  void restore(const std::filesystem::path& dir, bool verified = false);
+  // Abandons the checkpoint commit in flight and any later one: a peer
+  // failed, so its file will never be reported. Safe from any thread.
+  void cancel_checkpoint(const std::string& cause);
   // The step training starts from: 0, or the step of the restored checkpoint.
   int64_t first_step() const { return start_step_; }
   // XXH3-64 of the parameters this rank holds (16 hex digits).
@@ -132,6 +144,7 @@ class TrainLoop {
   RunSummary run(const std::atomic<bool>& stop, int64_t stop_after = -1);
 
  private:
+  RunSummary train_until(const std::atomic<bool>& stop, int64_t stop_after);
   // Sums `values` over the world in place: over the TP group, then the DP group.
   void sum_over_world(float* values, size_t count);
   // A block of a global tensor this rank saves or loads, and where its rows
@@ -145,11 +158,17 @@ class TrainLoop {
   // once. Held: everything this rank keeps (all it needs on a load).
   std::vector<StateBlock> state_blocks(bool saved);
   void save_checkpoint(int64_t steps_done);
+  // Rank 0's choice for resume(): {"dir", "verified"} or {"error"}.
+  nlohmann::json choose_start();
+  // Error(kBadConfig) unless the checkpoint holds exactly this model's
+  // tensors at this model's global shapes.
+  void check_shapes(const checkpoint::CheckpointReader& reader) const;
   // Sums the gradients that sequence parallelism leaves partial over TP.
   void sum_norm_gradients_over_tp();
-  // Clips by the global gradient norm and applies AdamW to the owned
-  // parts; returns the norm before clipping.
-  float optimizer_step(float lr, int64_t step);
+  // The global gradient norm, the same on every rank.
+  double gradient_norm();
+  // Clips by `norm` and applies AdamW to the owned parts.
+  void apply_update(float lr, double norm, int64_t step);
   void write_gradients(int64_t step);
 
   common::Config config_;

@@ -1,0 +1,92 @@
+#include "checkpoint/file_system.h"
+
+#include "common/error.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <stdio.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace keel::checkpoint {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw common::Error(common::ErrorCode::kCheckpointFailure, what); }
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+class RealFileSystem final : public FileSystem {
+ public:
+  void reserve(const std::filesystem::path& file, uint64_t bytes) override {
+    Fd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+    if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
+    const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
+    if (rc != 0) fail(fmt::format("no room for the {} bytes of {}: {}", bytes, file.string(), std::strerror(rc)));
+  }
+
+  void sync(const std::filesystem::path& path) override {
+    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) fail(fmt::format("cannot open {} to fsync it: {}", path.string(), std::strerror(errno)));
+    if (::fsync(fd.get()) != 0) fail(fmt::format("fsync of {} failed: {}", path.string(), std::strerror(errno)));
+  }
+
+  void rename(const std::filesystem::path& from, const std::filesystem::path& to) override {
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) != 0) {
+      fail(fmt::format("cannot rename {} to {}: {}", from.string(), to.string(), std::strerror(errno)));
+    }
+  }
+
+  void exchange(const std::filesystem::path& a, const std::filesystem::path& b) override {
+    if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) != 0) {
+      fail(fmt::format("cannot exchange {} and {}: {}", a.string(), b.string(), std::strerror(errno)));
+    }
+  }
+
+  void remove_all(const std::filesystem::path& path) override {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+    if (ec) fail(fmt::format("cannot remove {}: {}", path.string(), ec.message()));
+  }
+
+  std::string checksum(const std::filesystem::path& file) override {
+    Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
+    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+    XXH3_64bits_reset(state.get());
+    std::vector<char> buffer(size_t{4} << 20);
+    for (;;) {
+      const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail(fmt::format("cannot read {}: {}", file.string(), std::strerror(errno)));
+      if (n == 0) break;
+      XXH3_64bits_update(state.get(), buffer.data(), static_cast<size_t>(n));
+    }
+    return fmt::format("{:016x}", XXH3_64bits_digest(state.get()));
+  }
+};
+
+}  // namespace
+
+FileSystem& FileSystem::real() {
+  static RealFileSystem real;
+  return real;
+}
+
+}  // namespace keel::checkpoint
