@@ -3,14 +3,13 @@
 // started again, gives up on a crash loop, and shrugs off garbage on its
 // control socket. "Bit-identical" compares every tensor of the final
 // checkpoint, model and optimizer state, with an uninterrupted run.
+#include "tests/daemon/control_client.h"
 #include "tests/daemon/keeld_job.h"
 
 #include <doctest/doctest.h>
-#include <grp.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -218,32 +217,7 @@ TEST_SUITE("integration") {
     auto keeld = job.start({"train.steps=400"}, /*service=*/true);
     job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
 
-    int pipe_fds[2];
-    REQUIRE(pipe(pipe_fds) == 0);
-    const pid_t child = fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      close(pipe_fds[0]);
-      std::string reply;
-      if (setgroups(0, nullptr) == 0 && setgid(65534) == 0 && setuid(65534) == 0) {
-        try {
-          reply = daemon::call_daemon(job.socket(), daemon::Request{}, std::chrono::seconds(10)).dump();
-        } catch (const std::exception& e) {
-          reply = std::string("exception: ") + e.what();
-        }
-      } else {
-        reply = "could not become nobody";
-      }
-      (void)!write(pipe_fds[1], reply.data(), reply.size());
-      _exit(0);
-    }
-    close(pipe_fds[1]);
-    std::string reply;
-    char chunk[4096];
-    ssize_t n;
-    while ((n = read(pipe_fds[0], chunk, sizeof(chunk))) > 0) reply.append(chunk, static_cast<size_t>(n));
-    close(pipe_fds[0]);
-    waitpid(child, nullptr, 0);
+    const std::string reply = status_reply_as({65534, 65534, {}}, job.socket());
     INFO(reply);
     const auto parsed = nlohmann::json::parse(reply);
     CHECK(parsed.at("ok") == false);
