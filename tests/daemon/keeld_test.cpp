@@ -20,6 +20,25 @@ namespace {
 
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
 
+// The secret of the store of the keeld that ran `job` last, checked to be
+// readable by its owner only and absent from the ranks' logs.
+std::string store_secret(const KeeldJob& job) {
+  const auto path = job.run_dir() / "store.secret";
+  const auto permissions = std::filesystem::status(path).permissions();
+  CHECK((permissions & std::filesystem::perms::all) ==
+        (std::filesystem::perms::owner_read | std::filesystem::perms::owner_write));
+  std::ifstream in(path);
+  std::string secret;
+  std::getline(in, secret);
+  CHECK(secret.size() == 64);
+  for (const auto& log : std::filesystem::directory_iterator(job.run_dir() / "logs")) {
+    std::ifstream text(log.path());
+    const std::string content((std::istreambuf_iterator<char>(text)), std::istreambuf_iterator<char>());
+    CHECK(content.find(secret) == std::string::npos);
+  }
+  return secret;
+}
+
 // A raw connection to keeld's control socket, for sending what keelctl never would.
 int connect_raw(const std::string& socket_path) {
   const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -87,6 +106,8 @@ TEST_SUITE("integration") {
     // The ranks stopped on request after their final checkpoint.
     for (const auto& code : job.events_of("generation_ended").at(0).at("exit_codes")) CHECK(code == 14);
     CHECK(std::filesystem::exists(checkpoint::step_dir(job.run_dir() / "checkpoints", stop_step) / "manifest.json"));
+    const std::string first_secret = store_secret(job);
+    CHECK(stopped.output.find(first_secret) == std::string::npos);
 
     job.run();
     const auto starts = job.events_of("generation_started");
@@ -95,6 +116,8 @@ TEST_SUITE("integration") {
     CHECK(starts[1].at("checkpoint_step") == stop_step);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
     CHECK(job.losses() == reference.losses());
+    // Each keeld start makes its own store secret (docs/architecture.md "Run directory").
+    CHECK(store_secret(job) != first_secret);
   }
 
   TEST_CASE("a rank that always dies at start fails the job after K generations with the reason in status and events") {
