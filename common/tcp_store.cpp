@@ -6,9 +6,13 @@
 #include <boost/asio.hpp>
 #include <fmt/format.h>
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string_view>
@@ -64,6 +68,7 @@ std::string quoted(const std::vector<std::string>& keys) {
 // the string, a list its count (4 bytes) and its strings; all little-endian.
 //
 //   op            arguments                          result (kOk)
+//   kHello        secret                             -
 //   kSet          key, value                         -
 //   kGet          key                                optional value
 //   kWait         keys, timeout ms                   keys still missing (empty: all there)
@@ -74,13 +79,21 @@ std::string quoted(const std::vector<std::string>& keys) {
 // kRejected carries a message instead. The server then closes the
 // connection when the request itself was malformed, and keeps it when only
 // the operation failed (add on a value that is not an integer).
+//
+// The first request of a connection must be kHello with the server's
+// secret; any other request first, or a wrong secret, is kRejected and the
+// connection closed. Until the hello, a frame may be at most kMaxHelloBytes,
+// so that a stranger cannot make the server allocate the full message limit.
 // ---------------------------------------------------------------------------
 
-enum class Op : uint8_t { kSet = 1, kGet, kWait, kAdd, kCompareSet, kRemove };
+enum class Op : uint8_t { kSet = 1, kGet, kWait, kAdd, kCompareSet, kRemove, kHello };
 enum class Status : uint8_t { kOk = 0, kRejected = 1 };
 
 constexpr size_t kLengthBytes = 4;
 using LengthPrefix = std::array<unsigned char, kLengthBytes>;
+
+// Room for a hello (op, length, secret) and a wrong secret a little longer.
+constexpr size_t kMaxHelloBytes = 1024;
 
 // Timeouts are capped here so that now + timeout never overflows the clock.
 constexpr milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
@@ -208,6 +221,17 @@ class Rejected : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Compared without stopping at the first difference, so that the time a
+// refusal takes does not tell how much of a guess was right.
+bool same_secret(std::string_view presented, std::string_view secret) {
+  if (presented.size() != secret.size()) return false;
+  volatile unsigned char difference = 0;
+  for (size_t i = 0; i < secret.size(); ++i) {
+    difference = difference | static_cast<unsigned char>(presented[i] ^ secret[i]);
+  }
+  return difference == 0;
+}
+
 class Session;
 
 // The key-value map and the waits parked on it. Only the server thread
@@ -253,8 +277,8 @@ class ServerState {
 // reply, unless the request is a wait that must be parked first.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, ServerState& state)
-      : socket_(std::move(socket)), state_(state), wait_timer_(socket_.get_executor()) {
+  Session(tcp::socket socket, ServerState& state, const std::string& secret)
+      : socket_(std::move(socket)), state_(state), secret_(secret), wait_timer_(socket_.get_executor()) {
     error_code ec;
     socket_.set_option(tcp::no_delay(true), ec);
     tcp::endpoint remote = socket_.remote_endpoint(ec);
@@ -289,6 +313,11 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void on_header() {
     uint32_t length = frame_length(header_);
+    if (!authenticated_ && length > kMaxHelloBytes) {
+      reject_and_close(fmt::format("refused: a first message of {} bytes cannot be the hello with the store secret",
+                                   length));
+      return;
+    }
     if (length > kMaxStoreMessageBytes) {
       reject_and_close(fmt::format("a message of {} bytes exceeds the store's limit of {} bytes", length,
                                    kMaxStoreMessageBytes));
@@ -312,7 +341,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void on_body() {
     try {
       Decoder request(std::move(body_));
-      handle(request);
+      if (authenticated_) {
+        handle(request);
+      } else {
+        authenticate(request);
+      }
     } catch (const ProtocolError& e) {
       reject_and_close(fmt::format("malformed request: {}", e.what()));
     } catch (const Rejected& e) {
@@ -323,9 +356,28 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
+  // Nothing but the hello is read or answered before the secret is known
+  // to be right.
+  void authenticate(Decoder& request) {
+    if (static_cast<Op>(request.u8()) != Op::kHello) {
+      reject_and_close("refused: the first message must be the hello with the store secret");
+      return;
+    }
+    std::string presented = request.bytes();
+    request.finish();
+    if (!same_secret(presented, secret_)) {
+      reject_and_close("refused: wrong store secret; a client must present the secret of the keeld (or launcher) "
+                       "serving this store");
+      return;
+    }
+    authenticated_ = true;
+    send(Encoder(Status::kOk));
+  }
+
   void handle(Decoder& request) {
     auto op = static_cast<Op>(request.u8());
     switch (op) {
+      case Op::kHello: throw ProtocolError("a second hello");
       case Op::kSet: {
         std::string key = request.bytes();
         std::string value = request.bytes();
@@ -446,6 +498,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   tcp::socket socket_;
   ServerState& state_;
+  const std::string& secret_;
+  bool authenticated_ = false;
   std::string peer_;
   LengthPrefix header_{};
   std::string body_;
@@ -508,9 +562,42 @@ void ServerState::unpark(const std::string& key, const Session* session) {
 
 }  // namespace
 
+std::string new_store_secret() {
+  std::array<unsigned char, kStoreSecretBytes> random{};
+  size_t filled = 0;
+  while (filled < random.size()) {
+    ssize_t n = getrandom(random.data() + filled, random.size() - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      throw Error(ErrorCode::kInternal, fmt::format("cannot draw a store secret from getrandom: {}",
+                                                    std::strerror(errno)));
+    }
+    filled += static_cast<size_t>(n);
+  }
+  std::string secret;
+  for (unsigned char byte : random) secret += fmt::format("{:02x}", byte);
+  return secret;
+}
+
+std::string store_secret_problem(std::string_view secret) {
+  if (secret.size() != 2 * kStoreSecretBytes) {
+    return fmt::format("it has {} characters where a store secret has {} hex digits", secret.size(),
+                       2 * kStoreSecretBytes);
+  }
+  if (secret.find_first_not_of("0123456789abcdef") != std::string_view::npos) {
+    return "it has characters other than lowercase hex digits";
+  }
+  return {};
+}
+
 class StoreServer::Impl {
  public:
-  explicit Impl(uint16_t port) {
+  Impl(std::string secret, uint16_t port) : secret_(std::move(secret)) {
+    if (std::string problem = store_secret_problem(secret_); !problem.empty()) {
+      throw Error(ErrorCode::kInternal, fmt::format("the store was given a bad secret ({}): make one with "
+                                                    "new_store_secret()",
+                                                    problem));
+    }
     tcp::endpoint endpoint(asio::ip::address_v4::loopback(), port);
     error_code ec;
     acceptor_.open(endpoint.protocol(), ec);
@@ -560,7 +647,7 @@ class StoreServer::Impl {
         });
         return;
       }
-      std::make_shared<Session>(std::move(socket), state_)->start();
+      std::make_shared<Session>(std::move(socket), state_, secret_)->start();
       accept();
     });
   }
@@ -571,11 +658,13 @@ class StoreServer::Impl {
   tcp::acceptor acceptor_{io_};
   asio::steady_timer accept_retry_{io_};
   ServerState state_;
+  std::string secret_;
   uint16_t port_ = 0;
   std::thread thread_;
 };
 
-StoreServer::StoreServer(uint16_t port) : impl_(std::make_unique<Impl>(port)), port_(impl_->port()) {
+StoreServer::StoreServer(std::string secret, uint16_t port)
+    : impl_(std::make_unique<Impl>(std::move(secret), port)), port_(impl_->port()) {
   store_log().info("store serving on {}", address());
 }
 
@@ -592,16 +681,24 @@ std::string StoreServer::address() const { return fmt::format("tcp://127.0.0.1:{
 // deadline passes, and close the socket if it did not.
 class TcpStore::Impl {
  public:
-  Impl(const std::string& host, uint16_t port, milliseconds timeout)
+  Impl(const std::string& host, uint16_t port, const std::string& secret, milliseconds timeout)
       : where_(fmt::format("{}:{}", host, port)), timeout_(std::clamp(timeout, milliseconds(0), kMaxTimeout)) {
+    if (std::string problem = store_secret_problem(secret); !problem.empty()) {
+      throw Error(ErrorCode::kBadConfig, fmt::format("bad store secret: {}; KEEL_STORE_SECRET must be the secret "
+                                                     "keeld (or the launcher serving the store) passed on",
+                                                     problem));
+    }
     connect(host, port);
+    hello(secret);
   }
 
   milliseconds timeout() const { return timeout_; }
 
-  // One request and its reply. `decode` reads the result from a kOk reply.
+  // One request and its reply. `decode` reads the result from a kOk reply;
+  // a rejection is Error(`rejected`).
   template <typename Decode>
-  auto call(Encoder&& request, milliseconds budget, const std::string& what, Decode decode) {
+  auto call(Encoder&& request, milliseconds budget, const std::string& what, Decode decode,
+            ErrorCode rejected = ErrorCode::kInternal) {
     if (request.body_size() > kMaxStoreMessageBytes) {
       throw Error(ErrorCode::kInternal,
                   fmt::format("store {} needs a message of {} bytes, above the store's limit of {} bytes: the store "
@@ -618,7 +715,7 @@ class TcpStore::Impl {
     Decoder reply(exchange(std::move(request).take(), Clock::now() + budget, what));
     try {
       if (static_cast<Status>(reply.u8()) != Status::kOk) {
-        throw Error(ErrorCode::kInternal, fmt::format("the store rejected {}: {}", what, reply.bytes()));
+        throw Error(rejected, fmt::format("the store rejected {}: {}", what, reply.bytes()));
       }
       if constexpr (std::is_void_v<std::invoke_result_t<Decode, Decoder&>>) {
         decode(reply);
@@ -635,6 +732,12 @@ class TcpStore::Impl {
   }
 
  private:
+  // The server answers nothing else until the secret is presented.
+  void hello(const std::string& secret) {
+    call(std::move(Encoder(Op::kHello).bytes(secret)), timeout_,
+         "the hello with this process's secret (KEEL_STORE_SECRET)", [](Decoder&) {}, ErrorCode::kBadConfig);
+  }
+
   void connect(const std::string& host, uint16_t port) {
     Clock::time_point deadline = Clock::now() + timeout_;
     tcp::resolver resolver(io_);
@@ -744,8 +847,8 @@ class TcpStore::Impl {
   std::string broken_;  // why the connection failed; empty while it works
 };
 
-TcpStore::TcpStore(const std::string& host, uint16_t port, milliseconds timeout)
-    : impl_(std::make_unique<Impl>(host, port, timeout)) {}
+TcpStore::TcpStore(const std::string& host, uint16_t port, const std::string& secret, milliseconds timeout)
+    : impl_(std::make_unique<Impl>(host, port, secret, timeout)) {}
 
 TcpStore::~TcpStore() = default;
 
@@ -792,7 +895,7 @@ bool TcpStore::remove(const std::string& key) {
                      [](Decoder& reply) { return reply.u8() != 0; });
 }
 
-std::unique_ptr<Store> connect_store(const std::string& address, milliseconds timeout) {
+std::unique_ptr<Store> connect_store(const std::string& address, const std::string& secret, milliseconds timeout) {
   auto malformed = [&address](const std::string& why) {
     return Error(ErrorCode::kBadConfig, fmt::format("bad store address '{}': {}; expected tcp://HOST:PORT, e.g. "
                                                     "tcp://127.0.0.1:29500 (check KEEL_STORE)",
@@ -812,7 +915,7 @@ std::unique_ptr<Store> connect_store(const std::string& address, milliseconds ti
       port > 65535) {
     throw malformed("the port must be a number from 1 to 65535");
   }
-  return std::make_unique<TcpStore>(std::string(host), static_cast<uint16_t>(port), timeout);
+  return std::make_unique<TcpStore>(std::string(host), static_cast<uint16_t>(port), secret, timeout);
 }
 
 }  // namespace keel::common

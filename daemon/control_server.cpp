@@ -9,13 +9,15 @@
 #include <boost/asio/write.hpp>
 
 #include <grp.h>
-#include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -48,23 +50,29 @@ bool socket_is_live(asio::io_context& io, const std::string& path) {
 
 }  // namespace
 
+std::optional<PeerCredentials> peer_credentials(int fd) {
+  ucred cred{};
+  socklen_t cred_size = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_size) != 0) return std::nullopt;
+  PeerCredentials peer{cred.pid, cred.uid, cred.gid, std::vector<gid_t>(64)};
+  // ERANGE says how large the list is; it cannot change (it was recorded at
+  // connect()), so the second call fits.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto size = static_cast<socklen_t>(peer.groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, peer.groups.data(), &size) == 0) {
+      peer.groups.resize(size / sizeof(gid_t));
+      return peer;
+    }
+    if (errno != ERANGE) return std::nullopt;
+    peer.groups.resize(size / sizeof(gid_t));
+  }
+  return std::nullopt;
+}
+
 bool peer_allowed(const PeerCredentials& peer, uid_t daemon_uid, std::optional<gid_t> group) {
   if (peer.uid == 0 || peer.uid == daemon_uid) return true;
   if (!group) return false;
-  if (peer.gid == *group) return true;
-  const passwd* user = getpwuid(peer.uid);
-  if (user == nullptr) return false;
-  int count = 64;
-  std::vector<gid_t> groups(static_cast<size_t>(count));
-  if (getgrouplist(user->pw_name, peer.gid, groups.data(), &count) < 0) {
-    groups.resize(static_cast<size_t>(count));
-    if (getgrouplist(user->pw_name, peer.gid, groups.data(), &count) < 0) return false;
-  }
-  groups.resize(static_cast<size_t>(count));
-  for (gid_t g : groups) {
-    if (g == *group) return true;
-  }
-  return false;
+  return peer.gid == *group || std::find(peer.groups.begin(), peer.groups.end(), *group) != peer.groups.end();
 }
 
 class ControlServer::Session : public std::enable_shared_from_this<Session> {
@@ -76,20 +84,20 @@ class ControlServer::Session : public std::enable_shared_from_this<Session> {
         buffer_(server.options_.max_message_bytes + 1) {}
 
   void start() {
-    PeerCredentials peer;
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    if (getsockopt(socket_.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    const std::optional<PeerCredentials> peer = peer_credentials(socket_.native_handle());
+    if (!peer) {
+      common::logger("control")->warn("refused a control connection: cannot read its credentials: {}",
+                                      std::strerror(errno));
       refuse("cannot read the peer's credentials");
       return;
     }
-    peer = PeerCredentials{cred.pid, cred.uid, cred.gid};
-    if (!peer_allowed(peer, geteuid(), server_.group_)) {
-      common::logger("control")->warn("refused a control connection from uid {} (pid {})", peer.uid, peer.pid);
-      refuse(fmt::format("permission denied: uid {} is not root, keeld's user{}", peer.uid,
+    if (!peer_allowed(*peer, geteuid(), server_.group_)) {
+      common::logger("control")->warn("refused a control connection from uid {} (pid {})", peer->uid, peer->pid);
+      refuse(fmt::format("permission denied: uid {} is not root, keeld's user{}", peer->uid,
                          server_.options_.group.empty()
                              ? std::string(" (set daemon.control_group to let a group in)")
-                             : fmt::format(" or a member of group {}", server_.options_.group)));
+                             : fmt::format(" or in group {} (a member added since login must log in again)",
+                                           server_.options_.group)));
       return;
     }
     read();

@@ -4,10 +4,11 @@
 // in time (a connection idle past client_timeout is closed).
 //
 // The socket file is world-connectable on purpose: who may control the job
-// is decided per connection from the peer's kernel-verified credentials
-// (SO_PEERCRED): root, keeld's own user and members of control_group. Any
-// other peer gets one error reply and is disconnected, so an operator sees
-// why instead of a bare "permission denied" from connect().
+// is decided per connection from the peer's credentials as the kernel
+// recorded them at connect() (SO_PEERCRED, SO_PEERGROUPS): root, keeld's own
+// user and processes in control_group. Any other peer gets one error reply
+// and is disconnected, so an operator sees why instead of a bare
+// "permission denied" from connect().
 //
 // Malformed requests get an error reply and the connection stays usable; a
 // request over the size cap gets an error reply and the connection is closed
@@ -26,17 +27,26 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace keel::daemon {
 
 struct PeerCredentials {
   pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
+  uid_t uid = 0;                // effective
+  gid_t gid = 0;                // effective
+  std::vector<gid_t> groups;    // supplementary, as the process has them
 };
 
+// The credentials of the process at the other end of a connected Unix
+// socket; nullopt (errno set) when the kernel does not give them.
+std::optional<PeerCredentials> peer_credentials(int fd);
+
 // Whether a peer may use the control socket: root, `daemon_uid`, or a
-// member of `group` (primary or supplementary).
+// process whose primary or supplementary groups hold `group`. The groups are
+// the process's own, not the user database's: those are what the kernel
+// grants file access by, a process that dropped its groups stays out, and
+// no lookup (NSS may mean LDAP) blocks keeld's event loop.
 bool peer_allowed(const PeerCredentials& peer, uid_t daemon_uid, std::optional<gid_t> group);
 
 struct ControlServerOptions {

@@ -150,6 +150,7 @@ void Job::start_generation() {
                   {"KEEL_LOCAL_WORLD_SIZE", std::to_string(world)},
                   {"KEEL_GENERATION", std::to_string(generation_)},
                   {"KEEL_STORE", store},
+                  {"KEEL_STORE_SECRET", options_.store_secret},
                   {"KEEL_BOARD", board},
                   {"KEEL_RUN_DIR", run_dir_.string()}};
     if (!cpus_.empty()) {

@@ -50,6 +50,7 @@ struct JobOptions {
   std::vector<std::string> overrides;
   std::filesystem::path trainer;           // keel-trainer
   std::string store_address;               // KEEL_STORE for the ranks
+  std::string store_secret;                // KEEL_STORE_SECRET for the ranks
 };
 
 class Job {

@@ -3,6 +3,7 @@
 // restarts the generation after a failure, and answers keelctl on the
 // control socket. systemd runs it (systemd/keeld.service); --foreground
 // runs it in a terminal until the job ends.
+#include "common/atomic_file.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -105,7 +106,13 @@ int main(int argc, char** argv) {
     log->info("job {}: config {}\n{}", config.job.name, options.config_path.string(), config.to_toml());
 
     asio::io_context io;
-    keel::common::StoreServer store;
+    // A new store secret at every start, why in docs/architecture.md "Run directory".
+    options.store_secret = keel::common::new_store_secret();
+    std::error_code ignored;  // a run directory that cannot be made fails the write below, which says so
+    std::filesystem::create_directories(config.job.run_dir, ignored);
+    keel::common::write_file_atomically(std::filesystem::path(config.job.run_dir) / "store.secret",
+                                        options.store_secret + "\n", 0600, ErrorCode::kBadConfig);
+    keel::common::StoreServer store(options.store_secret);
     options.store_address = store.address();
     options.config = config;
 

@@ -25,6 +25,7 @@ using keel::common::connect_store;
 using keel::common::Error;
 using keel::common::ErrorCode;
 using keel::common::kMaxStoreMessageBytes;
+using keel::common::new_store_secret;
 using keel::common::Store;
 using keel::common::StoreServer;
 using keel::common::TcpStore;
@@ -32,6 +33,9 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 namespace {
+
+// Made before main, so that forked children share it with their parent.
+const std::string kSecret = new_store_secret();
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -126,18 +130,38 @@ Received read_until_closed(int fd, std::chrono::milliseconds timeout) {
   return out;
 }
 
-// A frame as the protocol lays it out: little-endian body length, body.
-std::string frame(const std::string& body) {
-  auto length = static_cast<uint32_t>(body.size());
+// The protocol's little-endian integers.
+std::string le(uint64_t v, int size) {
   std::string out;
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((length >> (8 * i)) & 0xff));
-  return out + body;
+  for (int i = 0; i < size; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return out;
+}
+std::string le32(uint32_t v) { return le(v, 4); }
+std::string i64(int64_t v) { return le(static_cast<uint64_t>(v), 8); }
+
+// A string inside a body: its length, then its bytes.
+std::string bytes(const std::string& s) { return le32(static_cast<uint32_t>(s.size())) + s; }
+
+// A frame as the protocol lays it out: little-endian body length, body.
+std::string frame(const std::string& body) { return bytes(body); }
+
+std::string hello(const std::string& secret) {
+  // Built by append: GCC 12 warns falsely (-Wrestrict) on "\x07" + bytes(secret).
+  std::string body(1, '\x07');
+  body += bytes(secret);
+  return frame(body);
 }
 
-std::string le32(uint32_t v) {
-  std::string out;
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  return out;
+// A raw connection that has presented the secret, for breaking the
+// protocol past the hello.
+int hello_connect(uint16_t port) {
+  int fd = raw_connect(port);
+  send_all(fd, hello(kSecret));
+  const std::string ok = frame(std::string(1, '\0'));
+  std::string reply(ok.size(), 'x');
+  REQUIRE(recv(fd, reply.data(), reply.size(), MSG_WAITALL) == static_cast<ssize_t>(ok.size()));
+  REQUIRE(reply == ok);
+  return fd;
 }
 
 // Runs `body` in a forked child that exits with its result (99 when it
@@ -213,8 +237,8 @@ class PortPipe {
 
 TEST_SUITE("unit") {
   TEST_CASE("set get and remove round trip binary values") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
 
     std::string every_byte;
     for (int b = 0; b < 256; ++b) every_byte.push_back(static_cast<char>(b));
@@ -243,15 +267,15 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("get of a missing key is nullopt") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     CHECK_FALSE(store.get("never-set").has_value());
     CHECK_FALSE(store.remove("never-set"));
   }
 
   TEST_CASE("a value above the message limit is refused before it is sent") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     std::string huge(kMaxStoreMessageBytes + 1, 'x');
     auto error = error_from([&] { store.set("huge", huge); });
     REQUIRE(error.has_value());
@@ -263,9 +287,9 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("wait returns as soon as the keys appear") {
-    StoreServer server;
-    TcpStore waiter("127.0.0.1", server.port(), 5s);
-    TcpStore setter("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore waiter("127.0.0.1", server.port(), kSecret, 5s);
+    TcpStore setter("127.0.0.1", server.port(), kSecret, 5s);
     auto start = Clock::now();
     std::thread late_setter([&] {
       std::this_thread::sleep_for(150ms);
@@ -281,8 +305,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("wait on keys that exist returns at once") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     store.set("a", "1");
     auto start = Clock::now();
     store.wait({"a"}, 10s);
@@ -291,8 +315,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("wait throws a peer failure naming the missing key after its timeout") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     store.set("present", "1");
     auto start = Clock::now();
     auto error = error_from([&] { store.wait({"present", "absent"}, 300ms); });
@@ -313,9 +337,9 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a wait needs every key present at once") {
-    StoreServer server;
-    TcpStore waiter("127.0.0.1", server.port(), 5s);
-    TcpStore other("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore waiter("127.0.0.1", server.port(), kSecret, 5s);
+    TcpStore other("127.0.0.1", server.port(), kSecret, 5s);
     std::atomic<bool> returned{false};
     std::thread waiting([&] {
       if (!error_from([&] { waiter.wait({"x", "y"}, 10s); })) returned = true;
@@ -333,7 +357,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("add from 8 concurrent clients gives exactly 8000") {
-    StoreServer server;
+    StoreServer server(kSecret);
     constexpr int kClients = 8;
     constexpr int kAdds = 1000;
     std::vector<std::vector<int64_t>> seen(kClients);
@@ -342,7 +366,7 @@ TEST_SUITE("unit") {
     for (int c = 0; c < kClients; ++c) {
       threads.emplace_back([&, c] {
         try {
-          TcpStore store("127.0.0.1", server.port(), 10s);
+          TcpStore store("127.0.0.1", server.port(), kSecret, 10s);
           for (int i = 0; i < kAdds; ++i) seen[c].push_back(store.add("counter", 1));
         } catch (const std::exception& e) {
           failures[c] = e.what();
@@ -360,13 +384,13 @@ TEST_SUITE("unit") {
     std::iota(expected.begin(), expected.end(), 1);
     CHECK(all == expected);
 
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     CHECK(store.get("counter") == "8000");
   }
 
   TEST_CASE("add starts from zero and takes negative deltas") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     CHECK(store.add("n", 5) == 5);
     CHECK(store.add("n", -7) == -2);
     CHECK(store.add("n", 0) == -2);
@@ -374,8 +398,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("add on a value that is not an integer is rejected and the client carries on") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     store.set("text", "twelve");
     auto error = error_from([&] { store.add("text", 1); });
     REQUIRE(error.has_value());
@@ -390,8 +414,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("compare_set swaps only on a match and reports the value after") {
-    StoreServer server;
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    StoreServer server(kSecret);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     // Expected absent: creates the key.
     CHECK(store.compare_set("k", std::nullopt, "one") == "one");
     // Expected absent but present: unchanged, reports the current value.
@@ -412,11 +436,11 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("compare_set elects exactly one winner among concurrent contenders") {
-    StoreServer server;
+    StoreServer server(kSecret);
     constexpr int kContenders = 8;
     constexpr int kRounds = 20;
     std::vector<std::unique_ptr<TcpStore>> stores;
-    for (int c = 0; c < kContenders; ++c) stores.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), 10s));
+    for (int c = 0; c < kContenders; ++c) stores.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), kSecret, 10s));
     for (int round = 0; round < kRounds; ++round) {
       std::string key = "leader/" + std::to_string(round);
       std::vector<std::optional<std::string>> results(kContenders);
@@ -439,8 +463,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("one client shared by many threads stays consistent") {
-    StoreServer server;
-    TcpStore shared("127.0.0.1", server.port(), 10s);
+    StoreServer server(kSecret);
+    TcpStore shared("127.0.0.1", server.port(), kSecret, 10s);
     std::vector<std::thread> threads;
     for (int t = 0; t < 4; ++t) {
       threads.emplace_back([&, t] {
@@ -460,8 +484,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a client whose server is gone gets a peer failure without hanging") {
-    auto server = std::make_unique<StoreServer>();
-    TcpStore store("127.0.0.1", server->port(), 2s);
+    auto server = std::make_unique<StoreServer>(kSecret);
+    TcpStore store("127.0.0.1", server->port(), kSecret, 2s);
     store.set("k", "v");
     server.reset();
     auto start = Clock::now();
@@ -479,8 +503,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a wait in flight when the server stops ends with a peer failure") {
-    auto server = std::make_unique<StoreServer>();
-    TcpStore store("127.0.0.1", server->port(), 2s);
+    auto server = std::make_unique<StoreServer>(kSecret);
+    TcpStore store("127.0.0.1", server->port(), kSecret, 2s);
     std::thread stopper([&] {
       std::this_thread::sleep_for(200ms);
       server.reset();
@@ -501,9 +525,9 @@ TEST_SUITE("unit") {
     sockaddr_in addr = loopback(0);
     REQUIRE(bind(silent.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
     REQUIRE(listen(silent.get(), 4) == 0);
-    TcpStore store("127.0.0.1", bound_port(silent.get()), 300ms);
     auto start = Clock::now();
-    auto error = error_from([&] { store.get("k"); });
+    // The hello on connecting is the first call left unanswered.
+    auto error = error_from([&] { TcpStore store("127.0.0.1", bound_port(silent.get()), kSecret, 300ms); });
     double elapsed = seconds_since(start);
     REQUIRE(error.has_value());
     CHECK(error->code() == ErrorCode::kPeerFailure);
@@ -515,7 +539,7 @@ TEST_SUITE("unit") {
   TEST_CASE("a client that finds no server gives up within its timeout") {
     uint16_t port = free_port();
     auto start = Clock::now();
-    auto error = error_from([&] { TcpStore store("127.0.0.1", port, 400ms); });
+    auto error = error_from([&] { TcpStore store("127.0.0.1", port, kSecret, 400ms); });
     double elapsed = seconds_since(start);
     REQUIRE(error.has_value());
     CHECK(error->code() == ErrorCode::kPeerFailure);
@@ -525,53 +549,60 @@ TEST_SUITE("unit") {
     CHECK(elapsed < 1.4);
   }
 
-  TEST_CASE("the server survives garbage and oversized frames and keeps serving") {
-    StoreServer server;
-    TcpStore good("127.0.0.1", server.port(), 5s);
+  TEST_CASE("the server survives garbage and oversized frames after the hello and keeps serving") {
+    StoreServer server(kSecret);
+    TcpStore good("127.0.0.1", server.port(), kSecret, 5s);
     good.set("before", "1");
 
     SUBCASE("text that is not the protocol") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), "GET / HTTP/1.1\r\nHost: store\r\n\r\n");
       CHECK(read_until_closed(raw.get(), 5s).closed);
     }
     SUBCASE("a frame above the size limit") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), le32(static_cast<uint32_t>(kMaxStoreMessageBytes + 1)));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
       CHECK(contains(reply.bytes, "exceeds the store's limit"));
     }
     SUBCASE("an unknown operation") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), frame("\x63"));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
       CHECK(contains(reply.bytes, "unknown operation 99"));
     }
     SUBCASE("an empty frame") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), frame(""));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
       CHECK(contains(reply.bytes, "truncated"));
     }
     SUBCASE("a string longer than its frame") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), frame(std::string("\x02", 1) + le32(1000) + "abc"));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
       CHECK(contains(reply.bytes, "truncated"));
     }
     SUBCASE("a wait listing more keys than its frame holds") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), frame(std::string("\x03", 1) + le32(0xffffffffu)));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
       CHECK(contains(reply.bytes, "list count"));
     }
+    SUBCASE("a second hello") {
+      Fd raw(hello_connect(server.port()));
+      send_all(raw.get(), hello(kSecret));
+      Received reply = read_until_closed(raw.get(), 5s);
+      CHECK(reply.closed);
+      CHECK(contains(reply.bytes, "a second hello"));
+    }
     SUBCASE("a request with trailing bytes") {
-      Fd raw(raw_connect(server.port()));
+      Fd raw(hello_connect(server.port()));
       send_all(raw.get(), frame(std::string("\x02", 1) + le32(1) + "k" + "junk"));
       Received reply = read_until_closed(raw.get(), 5s);
       CHECK(reply.closed);
@@ -579,14 +610,14 @@ TEST_SUITE("unit") {
     }
     SUBCASE("a client that disconnects in the middle of a request") {
       {
-        Fd raw(raw_connect(server.port()));
+        Fd raw(hello_connect(server.port()));
         send_all(raw.get(), le32(100) + "only ten..");
       }
       std::this_thread::sleep_for(50ms);
     }
     SUBCASE("a client that disconnects while its wait is parked") {
       {
-        Fd raw(raw_connect(server.port()));
+        Fd raw(hello_connect(server.port()));
         std::string timeout_ms = std::string("\x60\xea\0\0\0\0\0\0", 8);  // 60000
         send_all(raw.get(), frame(std::string("\x03", 1) + le32(1) + le32(6) + "parked" + timeout_ms));
         std::this_thread::sleep_for(50ms);
@@ -599,8 +630,88 @@ TEST_SUITE("unit") {
     CHECK(good.get("before") == "1");
     good.set("after", "2");
     CHECK(good.get("after") == "2");
-    TcpStore fresh("127.0.0.1", server.port(), 5s);
+    TcpStore fresh("127.0.0.1", server.port(), kSecret, 5s);
     CHECK(fresh.get("before") == "1");
+  }
+
+  TEST_CASE("a connection without the right secret can neither read nor write") {
+    StoreServer server(kSecret);
+    TcpStore owner("127.0.0.1", server.port(), kSecret, 5s);
+    owner.set("resume/choice", "step_00000100");
+    owner.add("failures", 1);
+    const std::string key = bytes("resume/choice");
+    const std::string forged = bytes("step_00000000");
+    const std::string set = frame("\x01" + key + forged);
+    const std::string last_digit_changed = kSecret.substr(0, kSecret.size() - 1) + (kSecret.back() == '0' ? "1" : "0");
+    struct Row {
+      const char* what;
+      std::string sent;  // the first bytes of a fresh connection
+      const char* says;
+    };
+    const Row rows[] = {
+        {"set", set, "must be the hello"},
+        {"get", frame("\x02" + key), "must be the hello"},
+        {"wait", frame("\x03" + le32(1) + key + i64(0)), "must be the hello"},
+        {"add", frame("\x04" + bytes("failures") + i64(1)), "must be the hello"},
+        {"compare_set", frame(std::string("\x05", 1) + key + std::string("\0", 1) + forged), "must be the hello"},
+        {"remove", frame("\x06" + key), "must be the hello"},
+        {"a wrong secret then a set", hello(new_store_secret()) + set, "wrong store secret"},
+        {"the secret with its last digit changed", hello(last_digit_changed) + set, "wrong store secret"},
+        {"an empty secret then a set", hello("") + set, "wrong store secret"},
+        {"the secret twice", hello(kSecret + kSecret) + set, "wrong store secret"},
+        {"a hello cut short", frame("\x07" + le32(64) + "abc") + set, "truncated"},
+        {"a first frame above the hello's size", le32(2048), "cannot be the hello"},
+        {"text that is not the protocol", "GET / HTTP/1.1\r\nHost: store\r\n\r\n", "cannot be the hello"},
+    };
+    for (const Row& row : rows) {
+      INFO(row.what);
+      Fd raw(raw_connect(server.port()));
+      send_all(raw.get(), row.sent);
+      Received reply = read_until_closed(raw.get(), 5s);
+      CHECK(reply.closed);
+      CHECK(contains(reply.bytes, row.says));
+      CHECK_FALSE(contains(reply.bytes, "step_00000100"));
+    }
+    CHECK(owner.get("resume/choice") == "step_00000100");
+    CHECK(owner.get("failures") == "1");
+  }
+
+  TEST_CASE("a client with a wrong secret gets a config error and the store is unchanged") {
+    StoreServer server(kSecret);
+    TcpStore owner("127.0.0.1", server.port(), kSecret, 5s);
+    owner.set("k", "v");
+    auto error = error_from([&] { connect_store(server.address(), new_store_secret(), 5s); });
+    REQUIRE(error.has_value());
+    CHECK(error->code() == ErrorCode::kBadConfig);
+    CHECK(contains(error->what(), "wrong store secret"));
+    CHECK(contains(error->what(), "KEEL_STORE_SECRET"));
+    CHECK(owner.get("k") == "v");
+  }
+
+  TEST_CASE("a malformed secret is a config error that never quotes it") {
+    StoreServer server(kSecret);
+    for (const std::string& secret : {std::string(), kSecret.substr(1), kSecret + "0", std::string(64, 'A'),
+                                      std::string(63, '0') + "g", std::string(63, '0') + "\n"}) {
+      CAPTURE(secret);
+      auto error = error_from([&] { connect_store(server.address(), secret, 5s); });
+      REQUIRE(error.has_value());
+      CHECK(error->code() == ErrorCode::kBadConfig);
+      CHECK(contains(error->what(), "KEEL_STORE_SECRET"));
+      if (!secret.empty()) CHECK_FALSE(contains(error->what(), secret));
+    }
+    auto server_error = error_from([] { StoreServer weak("password"); });
+    REQUIRE(server_error.has_value());
+    CHECK(server_error->code() == ErrorCode::kInternal);
+  }
+
+  TEST_CASE("every new secret is 64 hex digits and differs from the others") {
+    std::vector<std::string> secrets;
+    for (int i = 0; i < 100; ++i) {
+      secrets.push_back(new_store_secret());
+      CHECK(keel::common::store_secret_problem(secrets.back()).empty());
+    }
+    std::sort(secrets.begin(), secrets.end());
+    CHECK(std::unique(secrets.begin(), secrets.end()) == secrets.end());
   }
 
   TEST_CASE("connect_store rejects malformed addresses with a config error") {
@@ -609,7 +720,7 @@ TEST_SUITE("unit") {
           "tcp://127.0.0.1:", "tcp://127.0.0.1:port", "tcp://127.0.0.1:0", "tcp://127.0.0.1:65536",
           "tcp://127.0.0.1:-1", "tcp://127.0.0.1:29500/x", "tcp://127.0.0.1: 29500"}) {
       CAPTURE(address);
-      auto error = error_from([&] { connect_store(address, 100ms); });
+      auto error = error_from([&] { connect_store(address, kSecret, 100ms); });
       REQUIRE(error.has_value());
       CHECK(error->code() == ErrorCode::kBadConfig);
       CHECK(contains(error->what(), "'" + address + "'"));
@@ -618,17 +729,17 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("connect_store reaches a server by its address") {
-    StoreServer server;
+    StoreServer server(kSecret);
     CHECK(server.address() == store_address(server.port()));
-    std::unique_ptr<Store> store = connect_store(server.address(), 5s);
+    std::unique_ptr<Store> store = connect_store(server.address(), kSecret, 5s);
     store->set("k", "v");
-    std::unique_ptr<Store> by_name = connect_store("tcp://localhost:" + std::to_string(server.port()), 5s);
+    std::unique_ptr<Store> by_name = connect_store("tcp://localhost:" + std::to_string(server.port()), kSecret, 5s);
     CHECK(by_name->get("k") == "v");
   }
 
   TEST_CASE("a server cannot take a port that is already served") {
-    StoreServer first;
-    auto error = error_from([&] { StoreServer second(first.port()); });
+    StoreServer first(kSecret);
+    auto error = error_from([&] { StoreServer second(kSecret, first.port()); });
     REQUIRE(error.has_value());
     CHECK(error->code() == ErrorCode::kBadConfig);
     CHECK(contains(error->what(), std::to_string(first.port())));
@@ -639,10 +750,10 @@ TEST_SUITE("unit") {
     std::unique_ptr<StoreServer> server;
     std::thread late_start([&] {
       std::this_thread::sleep_for(300ms);
-      server = std::make_unique<StoreServer>(port);
+      server = std::make_unique<StoreServer>(kSecret, port);
     });
     auto start = Clock::now();
-    std::unique_ptr<Store> store = connect_store(store_address(port), 10s);
+    std::unique_ptr<Store> store = connect_store(store_address(port), kSecret, 10s);
     double elapsed = seconds_since(start);
     late_start.join();
     CHECK(elapsed >= 0.25);
@@ -665,7 +776,7 @@ TEST_SUITE("integration") {
       pids.push_back(fork_child([&pipe, rank] {
         uint16_t port = pipe.receive_port();
         if (port == 0) return 90;
-        std::unique_ptr<Store> store = connect_store(store_address(port), 10s);
+        std::unique_ptr<Store> store = connect_store(store_address(port), kSecret, 10s);
         for (int i = 0; i < kAdds; ++i) store->add("count", 1);
         std::string me = "rank-" + std::to_string(rank);
         bool leader = store->compare_set("leader", std::nullopt, me) == me;
@@ -678,7 +789,7 @@ TEST_SUITE("integration") {
         return leader ? 1 : 0;
       }));
     }
-    StoreServer server;
+    StoreServer server(kSecret);
     for (auto& pipe : pipes) pipe->send_port(server.port());
 
     int leaders = 0;
@@ -693,7 +804,7 @@ TEST_SUITE("integration") {
       }
     }
     CHECK(leaders == 1);
-    TcpStore store("127.0.0.1", server.port(), 5s);
+    TcpStore store("127.0.0.1", server.port(), kSecret, 5s);
     CHECK(store.get("count") == std::to_string(kRanks * kAdds));
     CHECK(store.get("leader") == "rank-" + std::to_string(leader_rank));
   }
@@ -701,14 +812,14 @@ TEST_SUITE("integration") {
   TEST_CASE("a rank waiting on a store process that is killed gets a peer failure at once") {
     PortPipe pipe;
     pid_t server_pid = fork_child([&pipe] {
-      StoreServer server;
+      StoreServer server(kSecret);
       pipe.send_port(server.port());
       for (;;) pause();
       return 0;
     });
     uint16_t port = pipe.receive_port();
     REQUIRE(port != 0);
-    TcpStore store("127.0.0.1", port, 5s);
+    TcpStore store("127.0.0.1", port, kSecret, 5s);
     store.set("k", "v");
     CHECK(store.get("k") == "v");
 
@@ -730,14 +841,14 @@ TEST_SUITE("integration") {
   TEST_CASE("a rank started before the store process connects once it appears") {
     uint16_t port = free_port();
     pid_t rank_pid = fork_child([port] {
-      std::unique_ptr<Store> store = connect_store(store_address(port), 10s);
+      std::unique_ptr<Store> store = connect_store(store_address(port), kSecret, 10s);
       store->set("hello", "from the rank");
       store->wait({"ack"}, 10s);
       return store->get("ack") == "seen" ? 0 : 1;
     });
     std::this_thread::sleep_for(300ms);
-    StoreServer server(port);
-    TcpStore store("127.0.0.1", port, 5s);
+    StoreServer server(kSecret, port);
+    TcpStore store("127.0.0.1", port, kSecret, 5s);
     store.wait({"hello"}, 10s);
     CHECK(store.get("hello") == "from the rank");
     store.set("ack", "seen");

@@ -3,14 +3,13 @@
 // started again, gives up on a crash loop, and shrugs off garbage on its
 // control socket. "Bit-identical" compares every tensor of the final
 // checkpoint, model and optimizer state, with an uninterrupted run.
+#include "tests/daemon/control_client.h"
 #include "tests/daemon/keeld_job.h"
 
 #include <doctest/doctest.h>
-#include <grp.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -20,6 +19,25 @@ namespace keel::test {
 namespace {
 
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
+
+// The secret of the store of the keeld that ran `job` last, checked to be
+// readable by its owner only and absent from the ranks' logs.
+std::string store_secret(const KeeldJob& job) {
+  const auto path = job.run_dir() / "store.secret";
+  const auto permissions = std::filesystem::status(path).permissions();
+  CHECK((permissions & std::filesystem::perms::all) ==
+        (std::filesystem::perms::owner_read | std::filesystem::perms::owner_write));
+  std::ifstream in(path);
+  std::string secret;
+  std::getline(in, secret);
+  CHECK(secret.size() == 64);
+  for (const auto& log : std::filesystem::directory_iterator(job.run_dir() / "logs")) {
+    std::ifstream text(log.path());
+    const std::string content((std::istreambuf_iterator<char>(text)), std::istreambuf_iterator<char>());
+    CHECK(content.find(secret) == std::string::npos);
+  }
+  return secret;
+}
 
 // A raw connection to keeld's control socket, for sending what keelctl never would.
 int connect_raw(const std::string& socket_path) {
@@ -88,6 +106,8 @@ TEST_SUITE("integration") {
     // The ranks stopped on request after their final checkpoint.
     for (const auto& code : job.events_of("generation_ended").at(0).at("exit_codes")) CHECK(code == 14);
     CHECK(std::filesystem::exists(checkpoint::step_dir(job.run_dir() / "checkpoints", stop_step) / "manifest.json"));
+    const std::string first_secret = store_secret(job);
+    CHECK(stopped.output.find(first_secret) == std::string::npos);
 
     job.run();
     const auto starts = job.events_of("generation_started");
@@ -96,6 +116,8 @@ TEST_SUITE("integration") {
     CHECK(starts[1].at("checkpoint_step") == stop_step);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
     CHECK(job.losses() == reference.losses());
+    // Each keeld start makes its own store secret (docs/architecture.md "Run directory").
+    CHECK(store_secret(job) != first_secret);
   }
 
   TEST_CASE("a rank that always dies at start fails the job after K generations with the reason in status and events") {
@@ -218,32 +240,7 @@ TEST_SUITE("integration") {
     auto keeld = job.start({"train.steps=400"}, /*service=*/true);
     job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
 
-    int pipe_fds[2];
-    REQUIRE(pipe(pipe_fds) == 0);
-    const pid_t child = fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      close(pipe_fds[0]);
-      std::string reply;
-      if (setgroups(0, nullptr) == 0 && setgid(65534) == 0 && setuid(65534) == 0) {
-        try {
-          reply = daemon::call_daemon(job.socket(), daemon::Request{}, std::chrono::seconds(10)).dump();
-        } catch (const std::exception& e) {
-          reply = std::string("exception: ") + e.what();
-        }
-      } else {
-        reply = "could not become nobody";
-      }
-      (void)!write(pipe_fds[1], reply.data(), reply.size());
-      _exit(0);
-    }
-    close(pipe_fds[1]);
-    std::string reply;
-    char chunk[4096];
-    ssize_t n;
-    while ((n = read(pipe_fds[0], chunk, sizeof(chunk))) > 0) reply.append(chunk, static_cast<size_t>(n));
-    close(pipe_fds[0]);
-    waitpid(child, nullptr, 0);
+    const std::string reply = status_reply_as({65534, 65534, {}}, job.socket());
     INFO(reply);
     const auto parsed = nlohmann::json::parse(reply);
     CHECK(parsed.at("ok") == false);

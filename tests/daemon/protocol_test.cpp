@@ -80,11 +80,14 @@ TEST_SUITE("unit") {
       bool allowed;
     };
     const std::vector<Case> cases = {
-        {{1, 0, 0}, std::nullopt, true},          // root
-        {{1, me, 1000}, std::nullopt, true},      // keeld's own user
-        {{1, 4242, 4242}, std::nullopt, false},   // anyone else
-        {{1, 4242, 777}, gid_t{777}, true},       // primary group is the control group
-        {{1, 4242, 4242}, gid_t{777}, false},     // not a member
+        {{1, 0, 0, {}}, std::nullopt, true},              // root
+        {{1, me, 1000, {}}, std::nullopt, true},          // keeld's own user
+        {{1, 4242, 4242, {}}, std::nullopt, false},       // anyone else
+        {{1, 4242, 777, {}}, gid_t{777}, true},           // primary group is the control group
+        {{1, 4242, 4242, {}}, gid_t{777}, false},         // not a member
+        {{1, 4242, 4242, {5, 777}}, gid_t{777}, true},    // a supplementary group of the process
+        {{1, 4242, 4242, {5, 6}}, gid_t{777}, false},     // other supplementary groups only
+        {{1, 4242, 4242, {777}}, std::nullopt, false},    // groups count only with a control group
     };
     for (const auto& c : cases) {
       INFO("uid " << c.peer.uid << " gid " << c.peer.gid);

@@ -12,6 +12,7 @@ RankLauncher::RankLauncher(int world_size, const std::vector<std::string>& argv,
     env["KEEL_LOCAL_WORLD_SIZE"] = std::to_string(world_size);
     env["KEEL_GENERATION"] = std::to_string(generation);
     env["KEEL_STORE"] = store_.address();
+    env["KEEL_STORE_SECRET"] = store_secret_;
     ranks_.push_back(std::make_unique<ChildProcess>(argv, env));
   }
 }

@@ -13,7 +13,8 @@ namespace keel::test {
 // What keeld does for one node, for tests: serves an embedded Store and
 // starts `world_size` ranks of a program as real processes, each with the
 // worker environment of docs/architecture.md "Worker contract" (KEEL_RANK, KEEL_WORLD_SIZE,
-// KEEL_LOCAL_RANK, KEEL_LOCAL_WORLD_SIZE, KEEL_GENERATION, KEEL_STORE).
+// KEEL_LOCAL_RANK, KEEL_LOCAL_WORLD_SIZE, KEEL_GENERATION, KEEL_STORE,
+// KEEL_STORE_SECRET).
 class RankLauncher {
  public:
   RankLauncher(int world_size, const std::vector<std::string>& argv,
@@ -25,7 +26,8 @@ class RankLauncher {
   std::vector<ProcessResult> wait_all(double timeout_s = 300);
 
  private:
-  common::StoreServer store_;
+  std::string store_secret_ = common::new_store_secret();
+  common::StoreServer store_{store_secret_};
   std::vector<std::unique_ptr<ChildProcess>> ranks_;
 };
 

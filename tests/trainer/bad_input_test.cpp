@@ -1,6 +1,7 @@
 // Bad input end to end: each row is a real keel-trainer process given a
 // malformed config or data file; it must exit with the documented code
 // (docs/architecture.md "Worker contract": 2 config, 3 data) and say what is wrong, never crash or hang.
+#include "common/tcp_store.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "trainer/data/token_shard.h"
@@ -131,11 +132,14 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
     }
   }
 
-  TEST_CASE("a malformed worker environment or an unreachable store exits with its code and says why") {
+  TEST_CASE("a malformed worker environment or an unreachable or refusing store exits with its code and says why") {
     keel::test::TempDir dir;
     auto config = dir.write("run.toml", kGoodConfig);
     write_bytes(dir / "train.bin", shard_bytes(20240520, 1, 4000, tokens(4000)));
     const std::string trainer = keel::test::keel_binary("keel-trainer").string();
+    // A live store whose secret the ranks below do not have.
+    keel::common::StoreServer store(keel::common::new_store_secret());
+    const std::string secret = keel::common::new_store_secret();
     struct Row {
       std::map<std::string, std::string> env;
       std::vector<std::string> args;
@@ -145,12 +149,18 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
     const Row rows[] = {
         {{{"KEEL_RANK", "x"}}, {}, 2, "KEEL_RANK=x is not an integer"},
         {{{"KEEL_WORLD_SIZE", "2"}}, {}, 2, "needs KEEL_STORE"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "127.0.0.1:1"}}, {"--set", "parallel.dp=2"}, 2, "KEEL_STORE"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {}, 2, "needs KEEL_STORE_SECRET"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}, {"KEEL_STORE_SECRET", "x"}}, {}, 2,
+         "KEEL_STORE_SECRET is not a store secret"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "127.0.0.1:1"}, {"KEEL_STORE_SECRET", secret}},
+         {"--set", "parallel.dp=2"}, 2, "KEEL_STORE"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}, {"KEEL_STORE_SECRET", secret}},
          {"--set", "parallel.dp=2", "--set", "parallel.timeout_s=1"}, 12, "127.0.0.1:1"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}}, {"--set", "parallel.cp=2"}, 2,
-         "DP x TP layouts only"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", store.address()}, {"KEEL_STORE_SECRET", secret}},
+         {"--set", "parallel.dp=2"}, 2, "wrong store secret"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}, {"KEEL_STORE_SECRET", secret}},
+         {"--set", "parallel.cp=2"}, 2, "DP x TP layouts only"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}, {"KEEL_STORE_SECRET", secret}},
          {"--set", "parallel.tp=2", "--set", "model.n_expert=2"}, 2, "use tp=1 for MoE models"},
     };
     for (const Row& row : rows) {

@@ -10,6 +10,8 @@ using keel::trainer::WorkerEnv;
 
 namespace {
 
+const std::string kSecret(64, 'a');
+
 WorkerEnv read_env(const std::map<std::string, std::string>& vars) {
   return WorkerEnv::read([&vars](const char* name) -> const char* {
     auto it = vars.find(name);
@@ -36,6 +38,7 @@ TEST_SUITE("unit") {
                               {"KEEL_LOCAL_WORLD_SIZE", "4"},
                               {"KEEL_GENERATION", "3"},
                               {"KEEL_STORE", "tcp://127.0.0.1:29500"},
+                              {"KEEL_STORE_SECRET", kSecret},
                               {"KEEL_BOARD", "/keel-board-5"},
                               {"KEEL_RUN_DIR", "/runs/a"}});
     CHECK(env.rank == 5);
@@ -44,6 +47,7 @@ TEST_SUITE("unit") {
     CHECK(env.local_world_size == 4);
     CHECK(env.generation == 3);
     CHECK(env.store == "tcp://127.0.0.1:29500");
+    CHECK(env.store_secret == kSecret);
     CHECK(env.board == "/keel-board-5");
     CHECK(env.run_dir == "/runs/a");
   }
@@ -59,9 +63,16 @@ TEST_SUITE("unit") {
         {{{"KEEL_WORLD_SIZE", "0"}}, "KEEL_WORLD_SIZE=0 is outside"},
         {{{"KEEL_RANK", "-1"}}, "KEEL_RANK=-1 is outside"},
         {{{"KEEL_RANK", "99999999999999999999"}}, "KEEL_RANK=99999999999999999999 is not an integer"},
-        {{{"KEEL_RANK", "2"}, {"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}}, "must be below KEEL_WORLD_SIZE=2"},
-        {{{"KEEL_WORLD_SIZE", "2"}}, "needs KEEL_STORE"},
-        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_LOCAL_WORLD_SIZE", "4"}, {"KEEL_STORE", "tcp://h:1"}},
+        {{{"KEEL_RANK", "2"}, {"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}, {"KEEL_STORE_SECRET", kSecret}},
+         "must be below KEEL_WORLD_SIZE=2"},
+        {{{"KEEL_WORLD_SIZE", "2"}}, "needs KEEL_STORE,"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}}, "needs KEEL_STORE_SECRET"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}, {"KEEL_STORE_SECRET", ""}}, "needs KEEL_STORE_SECRET"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://h:1"}, {"KEEL_STORE_SECRET", "hunter2"}},
+         "KEEL_STORE_SECRET is not a store secret: it has 7 characters"},
+        {{{"KEEL_STORE_SECRET", std::string(64, 'G')}}, "KEEL_STORE_SECRET is not a store secret: it has characters"},
+        {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_LOCAL_WORLD_SIZE", "4"}, {"KEEL_STORE", "tcp://h:1"},
+          {"KEEL_STORE_SECRET", kSecret}},
          "KEEL_LOCAL_WORLD_SIZE=4 exceeds"},
         {{{"KEEL_LOCAL_RANK", "1"}, {"KEEL_LOCAL_WORLD_SIZE", "1"}}, "KEEL_LOCAL_RANK=1 must be below"},
         {{{"KEEL_GENERATION", "-4"}}, "KEEL_GENERATION=-4 is outside"},
@@ -74,6 +85,7 @@ TEST_SUITE("unit") {
       } catch (const keel::common::Error& e) {
         CHECK(e.code() == keel::common::ErrorCode::kBadConfig);
         CHECK(std::string(e.what()).find(row.expected) != std::string::npos);
+        CHECK(std::string(e.what()).find("hunter2") == std::string::npos);
       }
     }
   }

@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
   app.footer(
       "Environment (set by keeld; without it this is a single rank): KEEL_RANK, KEEL_WORLD_SIZE,\n"
-      "KEEL_RUN_DIR (overrides job.run_dir), KEEL_BOARD (progress board), KEEL_GENERATION, KEEL_STORE. Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
+      "KEEL_RUN_DIR (overrides job.run_dir), KEEL_BOARD (progress board), KEEL_GENERATION, KEEL_STORE,\n"
+      "KEEL_STORE_SECRET. Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
       "Exit codes: 0 finished, 2 bad config or usage, 3 data error, 10 collective hang, 11 SDC suspected,\n"
       "12 peer or transport failure, 13 checkpoint failure, 14 stopped on request (SIGTERM/SIGINT),\n"
       "70 internal error.");
@@ -199,7 +200,7 @@ int main(int argc, char** argv) {
     // a restarted generation never reads the addresses of the one before.
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
-      store = keel::common::connect_store(worker.store, timeout);
+      store = keel::common::connect_store(worker.store, worker.store_secret, timeout);
       keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
       // Every rank joins its groups in the same axis order, so no two ranks
       // wait for each other in different rendezvous.

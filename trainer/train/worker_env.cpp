@@ -1,6 +1,7 @@
 #include "trainer/train/worker_env.h"
 
 #include "common/error.h"
+#include "common/tcp_store.h"
 
 #include <fmt/format.h>
 
@@ -38,6 +39,7 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
   env.local_rank = static_cast<int>(read_int(getenv, "KEEL_LOCAL_RANK", env.rank, 0, kMaxRanks));
   env.generation = read_int(getenv, "KEEL_GENERATION", 0, 0, std::numeric_limits<int64_t>::max());
   if (const char* store = getenv("KEEL_STORE")) env.store = store;
+  if (const char* secret = getenv("KEEL_STORE_SECRET")) env.store_secret = secret;
   if (const char* board = getenv("KEEL_BOARD")) env.board = board;
   if (const char* run_dir = getenv("KEEL_RUN_DIR"); run_dir != nullptr && *run_dir != '\0') env.run_dir = run_dir;
 
@@ -53,6 +55,15 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
   }
   if (env.world_size > 1 && env.store.empty()) {
     fail(fmt::format("KEEL_WORLD_SIZE={} needs KEEL_STORE, the address of the rendezvous store", env.world_size));
+  }
+  if (env.world_size > 1 && env.store_secret.empty()) {
+    fail(fmt::format("KEEL_WORLD_SIZE={} needs KEEL_STORE_SECRET, the secret of the rendezvous store",
+                     env.world_size));
+  }
+  if (!env.store_secret.empty()) {
+    if (std::string problem = common::store_secret_problem(env.store_secret); !problem.empty()) {
+      fail("KEEL_STORE_SECRET is not a store secret: " + problem);
+    }
   }
   return env;
 }

@@ -17,13 +17,15 @@ struct WorkerEnv {
   int local_world_size = 1;      // KEEL_LOCAL_WORLD_SIZE: ranks on this node
   int64_t generation = 0;        // KEEL_GENERATION: bumped by every restart
   std::string store;             // KEEL_STORE: Store address, e.g. tcp://127.0.0.1:29500
+  std::string store_secret;      // KEEL_STORE_SECRET: what the Store asks of every connection
   std::string board;             // KEEL_BOARD: this rank's progress-board segment
   std::optional<std::string> run_dir;  // KEEL_RUN_DIR: overrides job.run_dir
 
   // Reads the contract through `getenv` (std::getenv by default, a map in
   // tests). Throws Error(kBadConfig) naming the variable when a value is
   // not a number, out of range or inconsistent (rank >= world size, a world
-  // above one without KEEL_STORE, ...).
+  // above one without KEEL_STORE or KEEL_STORE_SECRET, a secret that is not
+  // one, ...). Messages never quote the secret.
   static WorkerEnv read(const std::function<const char*(const char*)>& getenv);
   static WorkerEnv from_process();
 };
