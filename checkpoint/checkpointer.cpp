@@ -174,6 +174,9 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(options_.timeout_s));
   auto cancelled = [this] {
+    if (!options_.cancel_key.empty()) {
+      if (auto why = store_->get(options_.cancel_key)) cancel(*why);
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     return cancelled_;
   };

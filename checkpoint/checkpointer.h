@@ -56,6 +56,10 @@ struct CheckpointerOptions {
   // How retention checks the checkpoints it counts as good.
   Depth retention_depth = Depth::kSizes;
   FileSystem* fs = &FileSystem::real();
+  // A Store key whose appearance cancels the commit in flight, as cancel()
+  // does: keeld sets it when a rank of the generation dies (a rank killed
+  // between two collectives tells nobody). Empty: none.
+  std::string cancel_key;
 };
 
 class Checkpointer {

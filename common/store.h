@@ -39,6 +39,13 @@ class Store {
   virtual bool remove(const std::string& key) = 0;
 };
 
+// The key keeld sets, to the failure's cause, when a rank of generation
+// `generation` dies: the surviving ranks stop waiting for anything from it
+// (a rank killed between two collectives tells nobody itself).
+inline std::string rank_failed_key(int64_t generation) {
+  return "job/g" + std::to_string(generation) + "/rank_failed";
+}
+
 // The value of `key` once it exists, or nullopt after `deadline`: polled
 // with get() every 20 ms rather than waited on, because a long wait on a
 // connection shared by several threads (TcpStore) holds up the others,

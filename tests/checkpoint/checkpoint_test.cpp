@@ -20,12 +20,6 @@ using keel::test::write_fixture_checkpoints;
 
 namespace {
 
-std::vector<int64_t> steps_of(const fs::path& root) {
-  std::vector<int64_t> steps;
-  for (const auto& e : keel::checkpoint::committed(root)) steps.push_back(e.step);
-  return steps;
-}
-
 size_t resident_kib() {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
@@ -143,7 +137,7 @@ TEST_SUITE("unit") {
     keel::test::TempDir dir;
     write_fixture_checkpoints(dir / "ckpt", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 2);
     // keep = 2 and no keep_every while saving: the newest two remain.
-    CHECK(steps_of(dir / "ckpt") == std::vector<int64_t>{9, 10});
+    CHECK(keel::test::committed_steps(dir / "ckpt") == std::vector<int64_t>{9, 10});
     keel::test::TempDir other;
     write_fixture_checkpoints(other / "ckpt", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
     const auto doomed = keel::checkpoint::prune_candidates(keel::checkpoint::committed(other / "ckpt"),
@@ -153,7 +147,7 @@ TEST_SUITE("unit") {
     for (const auto& e : doomed) doomed_steps.push_back(e.step);
     CHECK(doomed_steps == std::vector<int64_t>{1, 2, 3, 5, 6, 7});
     for (const auto& e : doomed) keel::checkpoint::remove_checkpoint(e.dir);
-    CHECK(steps_of(other / "ckpt") == std::vector<int64_t>{4, 8, 9, 10});
+    CHECK(keel::test::committed_steps(other / "ckpt") == std::vector<int64_t>{4, 8, 9, 10});
   }
 
   TEST_CASE("a filesystem that refuses O_DIRECT still gets a checkpoint that verifies") {
@@ -184,6 +178,6 @@ TEST_SUITE("unit") {
     CAPTURE(before);
     CAPTURE(after);
     CHECK(after < before + 2048);  // KiB
-    CHECK(steps_of(dir / "ckpt") == std::vector<int64_t>{999, 1000});
+    CHECK(keel::test::committed_steps(dir / "ckpt") == std::vector<int64_t>{999, 1000});
   }
 }

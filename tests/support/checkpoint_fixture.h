@@ -3,6 +3,7 @@
 // they are, so a reader can check every element.
 #pragma once
 
+#include "checkpoint/catalog.h"
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/paths.h"
 
@@ -43,6 +44,13 @@ inline void write_fixture_checkpoints(const std::filesystem::path& root, const s
     checkpointer.save_async(step, step * 100);
     checkpointer.wait();
   }
+}
+
+// The steps of the committed checkpoints under root, oldest first.
+inline std::vector<int64_t> committed_steps(const std::filesystem::path& root) {
+  std::vector<int64_t> steps;
+  for (const auto& e : checkpoint::committed(root)) steps.push_back(e.step);
+  return steps;
 }
 
 }  // namespace keel::test

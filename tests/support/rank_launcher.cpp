@@ -17,6 +17,10 @@ RankLauncher::RankLauncher(int world_size, const std::vector<std::string>& argv,
   }
 }
 
+std::unique_ptr<common::Store> RankLauncher::connect_store() const {
+  return common::connect_store(store_.address(), store_secret_, std::chrono::seconds(30));
+}
+
 std::vector<ProcessResult> RankLauncher::wait_all(double timeout_s) {
   std::vector<ProcessResult> results;
   for (auto& rank : ranks_) results.push_back(rank->wait(timeout_s));

@@ -22,6 +22,8 @@ class RankLauncher {
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
   ChildProcess& rank(int r) { return *ranks_.at(static_cast<size_t>(r)); }
+  // A client of the ranks' Store, as keeld would use it.
+  std::unique_ptr<common::Store> connect_store() const;
   // Waits for every rank, in rank order.
   std::vector<ProcessResult> wait_all(double timeout_s = 300);
 

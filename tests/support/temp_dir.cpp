@@ -1,5 +1,11 @@
 #include "tests/support/temp_dir.h"
 
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <cstdlib>
 #include <fstream>
 #include <stdexcept>
@@ -24,6 +30,19 @@ std::filesystem::path TempDir::write(const std::string& name, const std::string&
   out << text;
   if (!out) throw std::runtime_error("cannot write " + file.string());
   return file;
+}
+
+SmallTmpfs::SmallTmpfs(std::filesystem::path dir, const std::string& size) : dir_(std::move(dir)) {
+  std::filesystem::create_directories(dir_);
+  if (::geteuid() != 0) {
+    why_ = "mounting a tmpfs needs root";
+  } else if (::mount("tmpfs", dir_.c_str(), "tmpfs", 0, ("size=" + size).c_str()) != 0) {
+    why_ = std::string("cannot mount a tmpfs here: ") + std::strerror(errno);
+  }
+}
+
+SmallTmpfs::~SmallTmpfs() {
+  if (mounted()) ::umount(dir_.c_str());
 }
 
 }  // namespace keel::test

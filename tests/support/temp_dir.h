@@ -24,4 +24,22 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// A tmpfs of `size` (mount's syntax: "128k") mounted on `dir` (created),
+// unmounted when the object goes away: a small filesystem that really
+// fills up. Mounting needs root; why() says why it is not mounted.
+class SmallTmpfs {
+ public:
+  SmallTmpfs(std::filesystem::path dir, const std::string& size);
+  ~SmallTmpfs();
+  SmallTmpfs(const SmallTmpfs&) = delete;
+  SmallTmpfs& operator=(const SmallTmpfs&) = delete;
+
+  bool mounted() const { return why_.empty(); }
+  const std::string& why() const { return why_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::string why_;
+};
+
 }  // namespace keel::test

@@ -21,6 +21,8 @@ namespace fs = std::filesystem;
 using keel::test::Layout;
 using keel::test::Run;
 using keel::test::TrainerRuns;
+using keel::test::all_tensors;
+using keel::test::count_events;
 
 namespace {
 
@@ -34,33 +36,6 @@ std::vector<std::string> digests(const Run& run) {
   std::vector<std::string> out;
   for (const auto& output : run.outputs) out.push_back(keel::test::last_json_line(output).at("parameter_digest"));
   return out;
-}
-
-// Every tensor of a checkpoint, read whole through keel's reader.
-std::map<std::string, std::vector<float>> all_tensors(const fs::path& dir) {
-  keel::checkpoint::CheckpointReader reader(dir);
-  std::map<std::string, std::vector<float>> tensors;
-  for (const auto& name : reader.tensors()) {
-    const auto shape = reader.global_shape(name);
-    const int64_t cols = shape.size() == 2 ? shape[1] : 1;
-    auto& data = tensors[name];
-    data.resize(static_cast<size_t>(shape[0] * cols));
-    reader.read(name, 0, 0, shape[0], cols, data.data());
-  }
-  return tensors;
-}
-
-std::vector<nlohmann::json> events(const fs::path& run_dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(run_dir / "events.jsonl");
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-int count_events(const fs::path& run_dir, const std::string& kind) {
-  int n = 0;
-  for (const auto& e : events(run_dir)) n += e.at("kind") == kind ? 1 : 0;
-  return n;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // the layout parity and checkpoint tests.
 #pragma once
 
+#include "checkpoint/reader.h"
 #include "common/config.h"
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -126,5 +128,32 @@ class TrainerRuns {
   TempDir dir_;
   std::filesystem::path config_;
 };
+
+// Every tensor of a checkpoint, read whole through keel's reader.
+inline std::map<std::string, std::vector<float>> all_tensors(const std::filesystem::path& dir) {
+  checkpoint::CheckpointReader reader(dir);
+  std::map<std::string, std::vector<float>> tensors;
+  for (const auto& name : reader.tensors()) {
+    const auto shape = reader.global_shape(name);
+    const int64_t cols = shape.size() == 2 ? shape[1] : 1;
+    auto& data = tensors[name];
+    data.resize(static_cast<size_t>(shape[0] * cols));
+    reader.read(name, 0, 0, shape[0], cols, data.data());
+  }
+  return tensors;
+}
+
+inline std::vector<nlohmann::json> events(const std::filesystem::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir / "events.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+inline int count_events(const std::filesystem::path& run_dir, const std::string& kind) {
+  int n = 0;
+  for (const auto& e : events(run_dir)) n += e.at("kind") == kind ? 1 : 0;
+  return n;
+}
 
 }  // namespace keel::test

@@ -88,7 +88,9 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
               faults_.during_save(step);
               board_.checkpoint_written(step, bytes, write_s);
             },
-            c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes},
+            c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
+            &checkpoint::FileSystem::real(),
+            rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string()},
         rank_.store);
   }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
