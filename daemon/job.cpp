@@ -3,9 +3,7 @@
 #include "checkpoint/catalog.h"
 #include "common/error.h"
 #include "common/events.h"
-#include "common/human_format.h"
 #include "common/log.h"
-#include "daemon/prometheus_text.h"
 #include "daemon/protocol.h"
 #include "daemon/rank_spawner.h"
 
@@ -18,8 +16,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <cmath>
-#include <deque>
 #include <fstream>
 
 namespace keel::daemon {
@@ -68,24 +64,12 @@ int64_t last_generation(const std::filesystem::path& run_dir) {
 
 }  // namespace
 
-const char* job_state_name(JobState state) {
-  switch (state) {
-    case JobState::kStarting: return "starting";
-    case JobState::kRunning: return "running";
-    case JobState::kRestarting: return "restarting";
-    case JobState::kStopping: return "stopping";
-    case JobState::kFinished: return "finished";
-    case JobState::kFailed: return "failed";
-    case JobState::kStopped: return "stopped";
-  }
-  return "unknown";
-}
-
 Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end)
     : io_(io),
       options_(std::move(options)),
       on_end_(std::move(on_end)),
       run_dir_(options_.config.job.run_dir),
+      restart_policy_(options_.config.daemon),
       kill_timer_(io),
       restart_timer_(io),
       started_at_(Clock::now()) {
@@ -281,7 +265,7 @@ void Job::generation_over() {
     if (after == AfterStop::kRestart) {
       ++generation_;
       ++restarts_;
-      no_progress_ = 0;
+      restart_policy_.forgive();
       start_generation();
       return;
     }
@@ -298,21 +282,15 @@ void Job::generation_over() {
     return;
   }
   if (failure_.empty()) failure_ = "the ranks exited without a cause";
-  no_progress_ = checkpoint > generation_checkpoint_ ? 0 : no_progress_ + 1;
-  const int64_t limit = options_.config.daemon.crash_loop_generations;
-  if (no_progress_ >= limit) {
-    failure_ = fmt::format(
-        "crash loop: {} generations in a row ended without a checkpoint newer than step {}; last failure: {}. Fix "
-        "the cause (see run_dir/logs and events), then keelctl restart",
-        no_progress_, checkpoint, failure_);
+  const auto decision = restart_policy_.after({failure_, checkpoint > generation_checkpoint_, checkpoint});
+  if (decision.give_up) {
+    failure_ = decision.reason;
     log->error("job {} failed: {}", options_.config.job.name, failure_);
     event("job_failed", {{"reason", failure_}});
     end(JobState::kFailed);
     return;
   }
-  const auto& d = options_.config.daemon;
-  const double delay =
-      std::min(d.restart_backoff_max_s, d.restart_backoff_s * std::pow(2.0, static_cast<double>(no_progress_)));
+  const double delay = decision.delay_s;
   log->warn("generation {} failed ({}); restarting from checkpoint step {} in {:.1f} s", generation_, failure_,
             checkpoint, delay);
   event("restart_scheduled", {{"cause", failure_}, {"delay_s", delay}, {"checkpoint_step", checkpoint}});
@@ -347,99 +325,15 @@ void Job::poll() {
   }
   if (state_ == JobState::kRunning &&
       seconds_between(last_progress_log_, Clock::now()) >= options_.config.daemon.progress_every_s) {
-    log_progress();
+    last_progress_log_ = Clock::now();
+    const std::string line = progress_line(report());
+    if (!line.empty()) common::logger("job")->info("{}", line);
   }
 }
 
 int64_t Job::steps_done() const {
   const auto& first = ranks_.front().last;
   return first ? first->steps_done : std::max<int64_t>(generation_checkpoint_, 0);
-}
-
-std::optional<double> Job::eta_s() const {
-  const auto& s = ranks_.front().last;
-  if (!s || s->steps_done <= s->first_step) return std::nullopt;
-  // The mean of the recent steps this generation ran.
-  const int64_t n = std::min<int64_t>(s->steps_done - s->first_step, static_cast<int64_t>(health::kRecentSteps));
-  double ms = 0;
-  for (int64_t i = 0; i < n; ++i) ms += s->recent_step_ms[(s->steps_done - 1 - i) % health::kRecentSteps];
-  return ms / static_cast<double>(n) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
-}
-
-void Job::log_progress() {
-  last_progress_log_ = Clock::now();
-  const auto& s = ranks_.front().last;
-  if (!s) return;
-  const auto eta = eta_s();
-  common::logger("job")->info("generation {} | step {}/{} | loss {:.4f} | {:.0f} tok/s | ETA {}", generation_,
-                              s->steps_done, s->total_steps, s->loss, s->tokens_per_s,
-                              eta ? common::format_duration(*eta) : std::string("-"));
-}
-
-std::string Job::rank_health(const Rank& rank) const {
-  if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
-  if (rank.pid <= 0) return "down";
-  if (!rank.last) return "starting";
-  const double age = static_cast<double>(health::monotonic_ns() - rank.last->update_ns) / 1e9;
-  return age > options_.config.daemon.stale_after_s ? "stale" : "ok";
-}
-
-nlohmann::json Job::status() const {
-  const int64_t now_ns = health::monotonic_ns();
-  nlohmann::json ranks = nlohmann::json::array();
-  for (const auto& rank : ranks_) {
-    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank)}};
-    r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
-    if (rank.last) {
-      const auto& s = *rank.last;
-      r["step"] = s.steps_done;
-      r["phase"] = health::phase_name(s.phase);
-      r["step_ms"] = s.step_ms;
-      r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
-      if (s.collective.seq >= 0) {
-        const int64_t end = s.collective.end_ns != 0 ? s.collective.end_ns : now_ns;
-        r["collective"] = {{"group", std::string(s.collective.group, strnlen(s.collective.group, 16))},
-                           {"op", std::string(s.collective.op, strnlen(s.collective.op, 16))},
-                           {"seq", s.collective.seq},
-                           {"bytes", s.collective.bytes},
-                           {"state", health::collective_state_name(s.collective.state)},
-                           {"duration_s", static_cast<double>(end - s.collective.start_ns) / 1e9}};
-      }
-    }
-    ranks.push_back(r);
-  }
-  const auto& head = ranks_.front().last;
-  const auto eta = eta_s();
-  nlohmann::json out = {{"ok", true},
-                        {"job", options_.config.job.name},
-                        {"state", job_state_name(state_)},
-                        {"generation", generation_},
-                        {"restarts", restarts_},
-                        {"step", steps_done()},
-                        {"total_steps", options_.config.train.steps},
-                        {"checkpoint_step", newest_checkpoint_step()},
-                        {"run_dir", run_dir_.string()},
-                        {"keeld_pid", getpid()},
-                        {"uptime_s", seconds_between(started_at_, Clock::now())},
-                        {"ranks", ranks}};
-  out["reason"] = failure_;
-  out["loss"] = head ? nlohmann::json(head->loss) : nlohmann::json(nullptr);
-  out["tokens_per_s"] = head ? nlohmann::json(head->tokens_per_s) : nlohmann::json(nullptr);
-  out["eta_s"] = eta ? nlohmann::json(*eta) : nlohmann::json(nullptr);
-  return out;
-}
-
-nlohmann::json Job::events(int64_t limit) const {
-  std::ifstream in(run_dir_ / "events.jsonl");
-  std::deque<nlohmann::json> newest;
-  std::string line;
-  while (std::getline(in, line)) {
-    auto event = nlohmann::json::parse(line, nullptr, false);
-    if (event.is_discarded()) continue;
-    newest.push_back(std::move(event));
-    if (static_cast<int64_t>(newest.size()) > limit) newest.pop_front();
-  }
-  return {{"ok", true}, {"events", nlohmann::json(std::vector<nlohmann::json>(newest.begin(), newest.end()))}};
 }
 
 nlohmann::json Job::checkpoint_now() {
@@ -533,59 +427,26 @@ nlohmann::json Job::restart(const std::string& by) {
   }
   ++generation_;
   ++restarts_;
-  no_progress_ = 0;
+  restart_policy_.forgive();
   start_generation();
   return {{"ok", true}, {"message", fmt::format("generation {} is starting", generation_)}};
 }
 
-std::string Job::status_line() const {
-  std::string health = "ok";
-  for (const auto& rank : ranks_) {
-    const std::string h = rank_health(rank);
-    if (h == "stale" || h == "exited") health = h;
-  }
-  const auto& head = ranks_.front().last;
-  std::string line = fmt::format("{}: {} (generation {}) step {}/{}", options_.config.job.name,
-                                 job_state_name(state_), generation_, steps_done(), options_.config.train.steps);
-  if (head) line += fmt::format(" loss {:.4f}", head->loss);
-  line += " health " + (state_ == JobState::kFailed ? failure_ : health);
-  return line;
-}
-
-std::string Job::metrics_text() const {
-  PrometheusText out;
-  const auto& head = ranks_.front().last;
-  const std::vector<std::pair<std::string, std::string>> job = {{"job", options_.config.job.name}};
-  out.gauge("keel_step", "Optimizer steps completed", static_cast<double>(steps_done()), job);
-  out.gauge("keel_total_steps", "Steps the job trains", static_cast<double>(options_.config.train.steps), job);
-  out.gauge("keel_loss", "Training loss of the last step", head ? head->loss : std::nan(""), job);
-  out.gauge("keel_tokens_per_second", "Tokens per second of the last step, whole job",
-            head ? head->tokens_per_s : 0.0, job);
-  out.gauge("keel_generation", "Current generation (bumped by every restart)", static_cast<double>(generation_), job);
-  out.counter("keel_restarts_total", "Generations restarted since keeld started", static_cast<double>(restarts_),
-              job);
-  for (auto s : {JobState::kStarting, JobState::kRunning, JobState::kRestarting, JobState::kStopping,
-                 JobState::kFinished, JobState::kFailed, JobState::kStopped}) {
-    out.gauge("keel_job_state", "1 for the job's current state", s == state_ ? 1.0 : 0.0,
-              {{"job", options_.config.job.name}, {"state", job_state_name(s)}});
-  }
-  out.gauge("keel_checkpoint_step", "Step of the newest committed checkpoint",
-            static_cast<double>(newest_checkpoint_step()), job);
-  for (const auto& rank : ranks_) {
-    if (!rank.last) continue;
-    const auto& s = *rank.last;
-    const std::vector<std::pair<std::string, std::string>> labels = {{"job", options_.config.job.name},
-                                                                     {"rank", std::to_string(rank.rank)}};
-    out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
-    out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
-    out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
-              static_cast<double>(health::monotonic_ns() - s.update_ns) / 1e9, labels);
-    out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
-              static_cast<double>(s.checkpoint_bytes), labels);
-    out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
-              s.checkpoint_write_s, labels);
-  }
-  return out.str();
+JobReport Job::report() const {
+  JobReport r;
+  r.job = options_.config.job.name;
+  r.state = state_;
+  r.generation = generation_;
+  r.restarts = restarts_;
+  r.step = steps_done();
+  r.total_steps = options_.config.train.steps;
+  r.checkpoint_step = newest_checkpoint_step();
+  r.reason = failure_;
+  r.run_dir = run_dir_;
+  r.uptime_s = seconds_between(started_at_, Clock::now());
+  r.stale_after_s = options_.config.daemon.stale_after_s;
+  for (const auto& rank : ranks_) r.ranks.push_back(rank);
+  return r;
 }
 
 }  // namespace keel::daemon

@@ -11,11 +11,8 @@
 // A rank that exits non-zero (or is killed) fails its generation: keeld
 // records the cause, stops the other ranks (SIGTERM, grace, SIGKILL) and
 // starts the next generation from the newest committed checkpoint (the
-// ranks pick it themselves), after an exponential back-off. A generation
-// that ends without committing a checkpoint newer than the one it started
-// from made no progress; crash_loop_generations of those in a row fail the
-// job instead of retrying forever: retrying cannot get past a failure that
-// recurs before the next checkpoint.
+// ranks pick it themselves). RestartPolicy (daemon/restart_policy.h)
+// decides the back-off, and when retrying cannot help and the job fails.
 //
 // Every transition is an event in run_dir/events.jsonl. Nothing here
 // blocks: ranks are seen through their exit statuses (fed in by keeld's
@@ -23,6 +20,8 @@
 #pragma once
 
 #include "common/config.h"
+#include "daemon/job_views.h"
+#include "daemon/restart_policy.h"
 #include "health/progress_board.h"
 
 #include <boost/asio/io_context.hpp>
@@ -40,9 +39,6 @@
 #include <vector>
 
 namespace keel::daemon {
-
-enum class JobState { kStarting, kRunning, kRestarting, kStopping, kFinished, kFailed, kStopped };
-const char* job_state_name(JobState state);
 
 struct JobOptions {
   common::Config config;
@@ -72,25 +68,17 @@ class Job {
   void poll();
 
   // Control requests; each returns the reply for keelctl.
-  nlohmann::json status() const;
-  nlohmann::json events(int64_t limit) const;
   nlohmann::json checkpoint_now();
   nlohmann::json stop(bool checkpoint, const std::string& by);
   nlohmann::json restart(const std::string& by);
 
   JobState state() const { return state_; }
-  // One line for systemd's STATUS=: job, state, step, loss, health.
-  std::string status_line() const;
-  // Prometheus text exposition of the job's figures.
-  std::string metrics_text() const;
+  // The job's figures, for the views (daemon/job_views.h).
+  JobReport report() const;
 
  private:
-  struct Rank {
-    int rank = 0;
-    pid_t pid = -1;
+  struct Rank : RankReport {
     std::optional<health::ProgressBoard> board;
-    std::optional<health::BoardSnapshot> last;  // the newest board read
-    std::optional<int> exit_code;               // 128 + signal when killed
   };
   enum class AfterStop { kEnd, kRestart };
 
@@ -105,11 +93,8 @@ class Job {
   void remove_orphaned_boards();
   int64_t newest_checkpoint_step() const;
   void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
-  void log_progress();
-  // The figures of the job as a whole, from rank 0's board.
+  // Steps done by the job as a whole, from rank 0's board.
   int64_t steps_done() const;
-  std::optional<double> eta_s() const;
-  std::string rank_health(const Rank& rank) const;
 
   boost::asio::io_context& io_;
   JobOptions options_;
@@ -118,7 +103,7 @@ class Job {
   JobState state_ = JobState::kStarting;
   int64_t generation_ = 0;
   int64_t restarts_ = 0;
-  int64_t no_progress_ = 0;               // generations in a row without a new checkpoint
+  RestartPolicy restart_policy_;
   int64_t generation_checkpoint_ = -1;    // newest committed step when the generation started
   std::vector<Rank> ranks_;
   std::vector<std::vector<int>> cpus_;   // per rank; empty: pin_cpus is off

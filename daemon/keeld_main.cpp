@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     std::optional<keel::daemon::MetricsServer> metrics;
     if (config.daemon.metrics_port >= 0) {
       metrics.emplace(io, "127.0.0.1", static_cast<uint16_t>(config.daemon.metrics_port),
-                      [&job] { return job.metrics_text(); });
+                      [&job] { return keel::daemon::metrics_text(job.report()); });
       log->info("metrics on http://127.0.0.1:{}/metrics", metrics->port());
     }
     keel::daemon::ControlServer control(
@@ -143,12 +143,12 @@ int main(int argc, char** argv) {
           using keel::daemon::Command;
           switch (request.command) {
             case Command::kStatus: {
-              auto out = job.status();
+              auto out = keel::daemon::status_json(job.report());
               out["socket"] = config.daemon.socket;
               out["metrics_port"] = metrics ? nlohmann::json(metrics->port()) : nlohmann::json(nullptr);
               return out;
             }
-            case Command::kEvents: return job.events(request.limit);
+            case Command::kEvents: return keel::daemon::newest_events(config.job.run_dir, request.limit);
             case Command::kCheckpointNow: return job.checkpoint_now();
             case Command::kStop: return stop(request.checkpoint, "keelctl stop");
             case Command::kRestart: return job.restart("keelctl restart");
@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
     std::string last_status;
     Ticker poll(io, std::chrono::milliseconds(200), [&] {
       job.poll();
-      const std::string line = job.status_line();
+      const std::string line = keel::daemon::status_line(job.report());
       if (line != last_status) {
         sd_notify(0, ("STATUS=" + line).c_str());
         last_status = line;
@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
     }
 
     job.start();
-    sd_notify(0, ("READY=1\nSTATUS=" + job.status_line()).c_str());
+    sd_notify(0, ("READY=1\nSTATUS=" + keel::daemon::status_line(job.report())).c_str());
     io.run();
     log->info("keeld exits {}", exit_code);
     return exit_code;
