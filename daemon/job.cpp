@@ -5,6 +5,7 @@
 #include "common/events.h"
 #include "common/log.h"
 #include "daemon/protocol.h"
+#include "daemon/rank_log.h"
 #include "daemon/rank_spawner.h"
 
 #include <signal.h>
@@ -39,10 +40,7 @@ std::string describe_exit(int code) {
     return name != nullptr ? fmt::format("killed by SIG{}", name) : fmt::format("killed by signal {}", code - 128);
   }
   if (code == 127) return "exited 127 (could not be started; see its log)";
-  for (auto known : {common::ErrorCode::kBadConfig, common::ErrorCode::kDataError, common::ErrorCode::kCollectiveHang,
-                     common::ErrorCode::kSdcSuspected, common::ErrorCode::kPeerFailure,
-                     common::ErrorCode::kCheckpointFailure, common::ErrorCode::kStoppedOnRequest,
-                     common::ErrorCode::kInternal}) {
+  for (auto known : common::kErrorCodes) {
     if (code == common::exit_code(known)) return fmt::format("exited {} ({})", code, common::error_code_name(known));
   }
   return fmt::format("exited {}", code);
@@ -73,8 +71,7 @@ Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(Job
       kill_timer_(io),
       restart_timer_(io),
       started_at_(Clock::now()) {
-  const auto& p = options_.config.parallel;
-  const int world = static_cast<int>(p.dp * p.tp * p.pp * p.cp);
+  const int world = static_cast<int>(options_.config.parallel.world_size());
   ranks_.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) ranks_[static_cast<size_t>(r)].rank = r;
   if (options_.config.daemon.pin_cpus) {
@@ -111,6 +108,7 @@ void Job::start_generation() {
   auto log = common::logger("job");
   state_ = JobState::kStarting;
   failure_.clear();
+  failure_code_ = -1;
   generation_checkpoint_ = newest_checkpoint_step();
   generation_started_at_ = Clock::now();
   last_progress_log_ = Clock::now();
@@ -142,12 +140,8 @@ void Job::start_generation() {
         launch.env[var] = std::to_string(threads_per_rank_);
       }
     }
-    launch.log = run_dir_ / "logs" / fmt::format("rank-{:05d}.log", rank.rank);
-    {
-      std::ofstream header(launch.log, std::ios::app);
-      header << fmt::format("===== keeld: generation {} starts rank {} ({}) =====\n", generation_, rank.rank,
-                            common::utc_now());
-    }
+    launch.log = rank_log_path(run_dir_, rank.rank);
+    std::ofstream(launch.log, std::ios::app) << rank_log_header(generation_, rank.rank);
     try {
       rank.pid = spawn_rank(launch);
     } catch (const std::exception& e) {
@@ -188,15 +182,23 @@ void Job::on_rank_exit(Rank& rank, int code) {
   } else {
     // The first failure of a generation is its cause; the other ranks'
     // exits that follow (peer failures) are consequences.
-    failure_ = fmt::format("rank {} {}", rank.rank, describe_exit(code));
+    failure_ = rank_failure(rank, code);
+    failure_code_ = code;
     const int64_t step = rank.last ? rank.last->steps_done : -1;
-    log->error("generation {}: {} at step {}; stopping the generation to restart it", generation_, failure_, step);
+    log->error("generation {}: {} at step {}; stopping the generation", generation_, failure_, step);
     event("rank_failed", {{"rank", rank.rank}, {"pid", rank.pid}, {"exit_code", code}, {"step", step},
                           {"cause", failure_}});
     state_ = JobState::kRestarting;
     stop_ranks(SIGTERM, options_.config.daemon.grace_s);
   }
   if (!ranks_alive()) generation_over();
+}
+
+std::string Job::rank_failure(const Rank& rank, int code) const {
+  std::string cause = fmt::format("rank {} {}", rank.rank, describe_exit(code));
+  // Only a rank that exited by itself had its say.
+  const std::string said = code < 128 ? last_error_sentence(rank_log_path(run_dir_, rank.rank)) : "";
+  return said.empty() ? cause : cause + ": " + said;
 }
 
 bool Job::ranks_alive() const {
@@ -282,7 +284,7 @@ void Job::generation_over() {
     return;
   }
   if (failure_.empty()) failure_ = "the ranks exited without a cause";
-  const auto decision = restart_policy_.after({failure_, checkpoint > generation_checkpoint_, checkpoint});
+  const auto decision = restart_policy_.after({failure_, failure_code_, checkpoint > generation_checkpoint_, checkpoint});
   if (decision.give_up) {
     failure_ = decision.reason;
     log->error("job {} failed: {}", options_.config.job.name, failure_);

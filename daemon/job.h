@@ -84,6 +84,8 @@ class Job {
 
   void start_generation();
   void on_rank_exit(Rank& rank, int code);
+  // "rank 1 exited 3 (data_error): <the rank's own sentence, from its log>".
+  std::string rank_failure(const Rank& rank, int code) const;
   void generation_over();
   void stop_ranks(int signal, double grace_s);
   void kill_ranks(int signal);
@@ -109,6 +111,7 @@ class Job {
   std::vector<std::vector<int>> cpus_;   // per rank; empty: pin_cpus is off
   size_t threads_per_rank_ = 1;
   std::string failure_;                   // why the generation (or the job) failed
+  int failure_code_ = -1;                 // the exit code of the failure's rank
   std::optional<AfterStop> after_stop_;
   bool stop_checkpoint_ = true;
   boost::asio::steady_timer kill_timer_;

@@ -5,6 +5,7 @@
 // runs it in a terminal until the job ends.
 #include "common/config.h"
 #include "common/error.h"
+#include "common/layout_check.h"
 #include "common/log.h"
 #include "common/tcp_store.h"
 #include "daemon/control_server.h"
@@ -92,6 +93,8 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   try {
     auto config = keel::common::Config::load(config_path, overrides);
+    // The ranks' own check: a layout they would refuse starts none of them.
+    keel::common::validate_layout(config, config.parallel.world_size());
     if (!socket.empty()) config.daemon.socket = std::filesystem::absolute(socket).string();
     keel::daemon::JobOptions options;
     options.trainer = config.daemon.trainer.empty() ? default_trainer() : std::filesystem::path(config.daemon.trainer);

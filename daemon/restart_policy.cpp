@@ -1,5 +1,7 @@
 #include "daemon/restart_policy.h"
 
+#include "common/error.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -15,7 +17,12 @@ RestartPolicy::RestartPolicy(const common::DaemonConfig& daemon)
 RestartPolicy::Decision RestartPolicy::after(const Failure& failure) {
   no_progress_ = failure.progressed ? 0 : no_progress_ + 1;
   Decision decision;
-  if (no_progress_ >= crash_loop_generations_) {
+  if (failure.exit_code == common::exit_code(common::ErrorCode::kBadConfig) ||
+      failure.exit_code == common::exit_code(common::ErrorCode::kDataError)) {
+    decision.give_up = true;
+    decision.reason = fmt::format("{}; restarting cannot help: fix the config or the data, then keelctl restart",
+                                  failure.cause);
+  } else if (no_progress_ >= crash_loop_generations_) {
     decision.give_up = true;
     decision.reason = fmt::format(
         "crash loop: {} generations in a row ended without a checkpoint newer than step {}; last failure: {}. Fix the "

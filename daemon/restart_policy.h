@@ -9,6 +9,9 @@
 // progress fail the job. The back-off before a restart is
 // restart_backoff_s x 2^k, k the generations in a row without progress,
 // capped at restart_backoff_max_s.
+//
+// A rank that exits 2 (bad config) or 3 (bad data) fails the job at once:
+// the next generation would read the same config and data.
 #pragma once
 
 #include "common/config.h"
@@ -24,6 +27,7 @@ class RestartPolicy {
 
   struct Failure {
     std::string cause;             // the generation's first failure: "rank 1 killed by SIGKILL"
+    int exit_code = -1;            // that rank's exit code (128 + signal when killed)
     bool progressed = false;       // the generation committed a checkpoint
     int64_t checkpoint_step = -1;  // the newest good checkpoint, for the reason; -1: none
   };

@@ -84,9 +84,13 @@ TEST_SUITE("integration") {
         {{"daemon.control_group=no-such-group-keel"}, "not a group"},
         {{"daemon.no_such_key=1"}, "unknown key"},
         {{"faults.crash_rank=-2"}, "faults.crash_rank"},
+        // Layouts the ranks refuse: keeld runs their check and starts none.
+        {{"parallel.pp=2", "parallel.micro_batches=2"}, "this build trains DP x TP layouts only (pp=2 cp=1 ep=1)"},
+        {{"model.n_expert=4"}, "tp=2 with a MoE model (n_expert=4) is not built yet"},
+        {{"parallel.tp=3"}, "tp=3 does not divide n_head=4"},
     };
     for (const auto& c : cases) {
-      INFO("--set " << c.sets.at(0));
+      INFO("--set " << c.sets.at(0) << (c.sets.size() > 1 ? " ..." : ""));
       std::vector<std::string> argv = {keel_binary("keeld").string(), "--config", (job.dir() / "job.toml").string(),
                                        "--foreground"};
       for (const auto& s : c.sets) {
@@ -97,6 +101,7 @@ TEST_SUITE("integration") {
       INFO(result.output);
       CHECK(result.exit_code == 2);
       CHECK(result.output.find(c.says) != std::string::npos);
+      CHECK_FALSE(std::filesystem::exists(job.run_dir() / "logs"));  // no rank was started
     }
     const auto missing = run_process({keel_binary("keeld").string(), "--config", (job.dir() / "nope.toml").string()});
     CHECK(missing.exit_code == 2);

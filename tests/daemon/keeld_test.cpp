@@ -21,6 +21,8 @@ namespace {
 
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
 
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 // A raw connection to keeld's control socket, for sending what keelctl never would.
 int connect_raw(const std::string& socket_path) {
   const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -126,6 +128,26 @@ TEST_SUITE("integration") {
     // In the foreground a failed job is keeld's exit 1.
     KeeldJob again;
     again.run(crash_loop, 1);
+  }
+
+  TEST_CASE("a data error only the ranks can see fails the job at once with the rank's own sentence") {
+    KeeldJob job;
+    // keeld never reads the data; the ranks refuse a file that is not a token shard (exit 3).
+    const auto bad = job.dir() / "bad.bin";
+    std::ofstream(bad, std::ios::binary) << std::string(4096, 'x');
+    auto keeld = job.start({"data.train=" + bad.string()}, /*service=*/true);
+    const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "failed"; });
+    const std::string reason = status.at("reason");
+    CHECK(contains(reason, "exited 3 (data_error)"));
+    CHECK(contains(reason, "wrong magic"));  // the rank's own sentence, from its log
+    CHECK(status.at("generation") == 0);
+    CHECK(job.events_of("generation_started").size() == 1);
+    CHECK(job.events_of("restart_scheduled").empty());
+    const auto failed = job.events_of("job_failed");
+    REQUIRE(failed.size() == 1);
+    CHECK(failed[0].at("reason") == reason);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(60).exit_code == 0);
   }
 
   TEST_CASE("garbage on the control socket gets error replies and leaves the loss sequence unchanged") {

@@ -45,6 +45,29 @@ TEST_SUITE("unit") {
     CHECK(decision.reason.find("rank 1 killed by SIGKILL") != std::string::npos);
   }
 
+  TEST_CASE("a rank that refused the config or the data fails the job at once with its sentence") {
+    for (const int code : {2, 3}) {
+      CAPTURE(code);
+      RestartPolicy policy(daemon_config(3));
+      auto refused = stuck();
+      refused.cause = "rank 0 exited 3 (data_error): train.bin: wrong magic";
+      refused.exit_code = code;
+      refused.progressed = true;
+      const auto decision = policy.after(refused);
+      CHECK(decision.give_up);
+      CHECK(decision.reason.find(refused.cause) == 0);
+      CHECK(decision.reason.find("restarting cannot help") != std::string::npos);
+    }
+    // Every other failure is worth a retry.
+    for (const int code : {10, 11, 12, 13, 70, 128 + 9}) {
+      CAPTURE(code);
+      RestartPolicy policy(daemon_config(3));
+      auto failure = stuck();
+      failure.exit_code = code;
+      CHECK_FALSE(policy.after(failure).give_up);
+    }
+  }
+
   TEST_CASE("a generation that committed a checkpoint or an operator restart starts the count afresh") {
     RestartPolicy policy(daemon_config(2));
     CHECK_FALSE(policy.after(stuck()).give_up);
