@@ -1,6 +1,5 @@
 #include "daemon/job.h"
 
-#include "checkpoint/catalog.h"
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
@@ -46,20 +45,6 @@ std::string describe_exit(int code) {
   return fmt::format("exited {}", code);
 }
 
-// The newest generation events.jsonl mentions, or -1.
-int64_t last_generation(const std::filesystem::path& run_dir) {
-  std::ifstream in(run_dir / "events.jsonl");
-  int64_t newest = -1;
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto event = nlohmann::json::parse(line, nullptr, false);
-    if (event.is_object() && event.contains("generation") && event["generation"].is_number_integer()) {
-      newest = std::max(newest, event["generation"].get<int64_t>());
-    }
-  }
-  return newest;
-}
-
 }  // namespace
 
 Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end)
@@ -68,6 +53,7 @@ Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(Job
       on_end_(std::move(on_end)),
       run_dir_(options_.config.job.run_dir),
       restart_policy_(options_.config.daemon),
+      history_(run_dir_),
       kill_timer_(io),
       restart_timer_(io),
       started_at_(Clock::now()) {
@@ -95,7 +81,11 @@ void Job::event(const std::string& kind, nlohmann::json fields) const {
 void Job::start() {
   std::filesystem::create_directories(run_dir_ / "logs");
   remove_orphaned_boards();
-  generation_ = last_generation(run_dir_) + 1;
+  history_.refresh();
+  generation_ = history_.last_generation() + 1;
+  // Until the ranks say which checkpoint they resumed from, the newest one
+  // committed is the best guess.
+  base_checkpoint_ = history_.newest_committed();
   const auto& c = options_.config.checkpoint;
   if (c.every_steps == 0 && c.every_seconds == 0) {
     common::logger("job")->warn(
@@ -109,7 +99,7 @@ void Job::start_generation() {
   state_ = JobState::kStarting;
   failure_.clear();
   failure_code_ = -1;
-  generation_checkpoint_ = newest_checkpoint_step();
+  resumed_ = false;
   generation_started_at_ = Clock::now();
   last_progress_log_ = Clock::now();
   const int world = static_cast<int>(ranks_.size());
@@ -151,12 +141,12 @@ void Job::start_generation() {
       return;
     }
   }
-  log->info("generation {}: started {} ranks of {} (resuming from {})", generation_, world, options_.config.job.name,
-            generation_checkpoint_ >= 0 ? fmt::format("the checkpoint of step {}", generation_checkpoint_)
-                                        : std::string("the start: no checkpoint yet"));
+  log->info("generation {}: started {} ranks of {}, resuming from the checkpoint the ranks choose (the newest that "
+            "loads)",
+            generation_, world, options_.config.job.name);
   nlohmann::json pids = nlohmann::json::array();
   for (const auto& rank : ranks_) pids.push_back(rank.pid);
-  event("generation_started", {{"ranks", world}, {"pids", pids}, {"checkpoint_step", generation_checkpoint_}});
+  event("generation_started", {{"ranks", world}, {"pids", pids}});
 }
 
 bool Job::on_child_exit(pid_t pid, int wait_status) {
@@ -242,23 +232,40 @@ void Job::remove_boards() {
   }
 }
 
-int64_t Job::newest_checkpoint_step() const {
-  const auto all = checkpoint::committed(options_.config.checkpoint_dir());
-  return all.empty() ? -1 : all.back().step;
+void Job::note_resume() {
+  const auto& head = ranks_.front().last;
+  // The extent is the first thing TrainLoop::run publishes; before it,
+  // first_step means nothing.
+  if (resumed_ || !head || head->total_steps == 0) return;
+  resumed_ = true;
+  const int64_t step = head->first_step;
+  base_checkpoint_ = step > 0 ? step : -1;
+  common::logger("job")->info("generation {}: the ranks resumed from {}", generation_,
+                              step > 0 ? fmt::format("the checkpoint of step {}", step)
+                                       : std::string("the start: no checkpoint loads"));
+  event("generation_resumed", {{"step", step}});
+}
+
+int64_t Job::checkpoint_step() const {
+  return std::max(base_checkpoint_, history_.committed_in(generation_));
 }
 
 void Job::generation_over() {
   auto log = common::logger("job");
   kill_timer_.cancel();
-  poll();  // the boards' last words, for status and the events below
+  poll();  // the boards' last words and the ranks' last events, for status and the events below
   remove_boards();
+  // A generation made progress when it committed a checkpoint of its own:
+  // the newest directory's name says nothing when that one is corrupt.
+  const bool progressed = history_.committed_in(generation_) >= 0;
+  base_checkpoint_ = checkpoint_step();
   nlohmann::json codes = nlohmann::json::array();
   bool all_zero = true;
   for (const auto& rank : ranks_) {
     codes.push_back(rank.exit_code.value_or(-1));
     all_zero = all_zero && rank.exit_code == 0;
   }
-  const int64_t checkpoint = newest_checkpoint_step();
+  const int64_t checkpoint = base_checkpoint_;
   event("generation_ended", {{"exit_codes", codes}, {"checkpoint_step", checkpoint}});
 
   if (after_stop_) {
@@ -284,7 +291,7 @@ void Job::generation_over() {
     return;
   }
   if (failure_.empty()) failure_ = "the ranks exited without a cause";
-  const auto decision = restart_policy_.after({failure_, failure_code_, checkpoint > generation_checkpoint_, checkpoint});
+  const auto decision = restart_policy_.after({failure_, failure_code_, progressed, checkpoint});
   if (decision.give_up) {
     failure_ = decision.reason;
     log->error("job {} failed: {}", options_.config.job.name, failure_);
@@ -293,8 +300,9 @@ void Job::generation_over() {
     return;
   }
   const double delay = decision.delay_s;
-  log->warn("generation {} failed ({}); restarting from checkpoint step {} in {:.1f} s", generation_, failure_,
-            checkpoint, delay);
+  log->warn("generation {} failed ({}); restarting in {:.1f} s from the newest checkpoint that loads (step {} as far "
+            "as keeld knows)",
+            generation_, failure_, delay, checkpoint);
   event("restart_scheduled", {{"cause", failure_}, {"delay_s", delay}, {"checkpoint_step", checkpoint}});
   state_ = JobState::kRestarting;
   restart_timer_.expires_after(seconds(delay));
@@ -316,6 +324,8 @@ void Job::poll() {
     if (!rank.board) continue;
     if (auto snapshot = rank.board->read()) rank.last = snapshot;
   }
+  history_.refresh();
+  note_resume();
   if (state_ == JobState::kStarting) {
     const bool all_up = std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
       return r.last && r.last->phase != static_cast<uint32_t>(health::Phase::kInit);
@@ -335,7 +345,7 @@ void Job::poll() {
 
 int64_t Job::steps_done() const {
   const auto& first = ranks_.front().last;
-  return first ? first->steps_done : std::max<int64_t>(generation_checkpoint_, 0);
+  return first ? first->steps_done : std::max<int64_t>(checkpoint_step(), 0);
 }
 
 nlohmann::json Job::checkpoint_now() {
@@ -376,7 +386,7 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
       if (!ranks_alive()) {
         restart_timer_.cancel();
         event("stop_requested", {{"by", by}, {"checkpoint", false}});
-        event("job_stopped", {{"checkpoint_step", newest_checkpoint_step()}});
+        event("job_stopped", {{"checkpoint_step", checkpoint_step()}});
         end(JobState::kStopped);
         return {{"ok", true}, {"message", "the restart is cancelled; keeld exits"}};
       }
@@ -442,7 +452,7 @@ JobReport Job::report() const {
   r.restarts = restarts_;
   r.step = steps_done();
   r.total_steps = options_.config.train.steps;
-  r.checkpoint_step = newest_checkpoint_step();
+  r.checkpoint_step = checkpoint_step();
   r.reason = failure_;
   r.run_dir = run_dir_;
   r.uptime_s = seconds_between(started_at_, Clock::now());

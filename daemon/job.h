@@ -10,8 +10,10 @@
 //
 // A rank that exits non-zero (or is killed) fails its generation: keeld
 // records the cause, stops the other ranks (SIGTERM, grace, SIGKILL) and
-// starts the next generation from the newest committed checkpoint (the
-// ranks pick it themselves). RestartPolicy (daemon/restart_policy.h)
+// starts the next generation from the newest checkpoint that loads: the
+// ranks pick it themselves, and keeld reports their choice (rank 0's board
+// names the step they resumed from) rather than guessing from directory
+// names, which a corrupt checkpoint would make wrong. RestartPolicy (daemon/restart_policy.h)
 // decides the back-off, and when retrying cannot help and the job fails.
 //
 // Every transition is an event in run_dir/events.jsonl. Nothing here
@@ -22,6 +24,7 @@
 #include "common/config.h"
 #include "daemon/job_views.h"
 #include "daemon/restart_policy.h"
+#include "daemon/run_history.h"
 #include "health/progress_board.h"
 
 #include <boost/asio/io_context.hpp>
@@ -93,7 +96,12 @@ class Job {
   void end(JobState state);
   void remove_boards();
   void remove_orphaned_boards();
-  int64_t newest_checkpoint_step() const;
+  // Once rank 0's board names the step this generation resumed from:
+  // records it (generation_resumed), once per generation.
+  void note_resume();
+  // The newest checkpoint known good: the one the ranks resumed from, or a
+  // newer one they committed since (events.jsonl); -1 when there is none.
+  int64_t checkpoint_step() const;
   void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
   // Steps done by the job as a whole, from rank 0's board.
   int64_t steps_done() const;
@@ -106,7 +114,11 @@ class Job {
   int64_t generation_ = 0;
   int64_t restarts_ = 0;
   RestartPolicy restart_policy_;
-  int64_t generation_checkpoint_ = -1;    // newest committed step when the generation started
+  RunHistory history_;
+  // The newest checkpoint known good before this generation's own commits:
+  // the history's newest at start, then each generation's resume step.
+  int64_t base_checkpoint_ = -1;
+  bool resumed_ = false;                  // this generation's resume step is known
   std::vector<Rank> ranks_;
   std::vector<std::vector<int>> cpus_;   // per rank; empty: pin_cpus is off
   size_t threads_per_rank_ = 1;

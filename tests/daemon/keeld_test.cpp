@@ -6,6 +6,7 @@
 #include "tests/daemon/keeld_job.h"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <grp.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -22,6 +23,13 @@ namespace {
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The steps of the checkpoint_committed events rank 0 recorded, oldest first.
+std::vector<int64_t> committed_steps(const KeeldJob& job) {
+  std::vector<int64_t> steps;
+  for (const auto& e : job.events_of("checkpoint_committed")) steps.push_back(e.at("step"));
+  return steps;
+}
 
 // A raw connection to keeld's control socket, for sending what keelctl never would.
 int connect_raw(const std::string& socket_path) {
@@ -92,10 +100,10 @@ TEST_SUITE("integration") {
     CHECK(std::filesystem::exists(checkpoint::step_dir(job.run_dir() / "checkpoints", stop_step) / "manifest.json"));
 
     job.run();
-    const auto starts = job.events_of("generation_started");
-    REQUIRE(starts.size() == 2);
-    CHECK(starts[1].at("generation") == 1);
-    CHECK(starts[1].at("checkpoint_step") == stop_step);
+    const auto resumed = job.events_of("generation_resumed");
+    REQUIRE(resumed.size() == 2);
+    CHECK(resumed[1].at("generation") == 1);
+    CHECK(resumed[1].at("step") == stop_step);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
     CHECK(job.losses() == reference.losses());
   }
@@ -128,6 +136,44 @@ TEST_SUITE("integration") {
     // In the foreground a failed job is keeld's exit 1.
     KeeldJob again;
     again.run(crash_loop, 1);
+  }
+
+  TEST_CASE("keeld reports the checkpoint the ranks resumed from when the newest one does not verify") {
+    KeeldJob job;
+    auto first = job.start();
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 12; });
+    first->signal(SIGTERM);
+    REQUIRE(first->wait(300).exit_code == 0);
+    const auto committed = committed_steps(job);
+    REQUIRE(committed.size() >= 2);
+    const int64_t corrupt = committed.back(), older = committed[committed.size() - 2];
+    // One flipped byte: the manifest still lists the file, its checksum no longer matches.
+    {
+      const auto file = checkpoint::step_dir(job.run_dir() / "checkpoints", corrupt) / checkpoint::rank_file_name(1);
+      std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(static_cast<std::streamoff>(std::filesystem::file_size(file) / 2));
+      char byte = 0;
+      io.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x10);
+      io.seekp(static_cast<std::streamoff>(std::filesystem::file_size(file) / 2));
+      io.write(&byte, 1);
+    }
+
+    // No scheduled saves: the newest good checkpoint stays the one resumed from.
+    auto second = job.start({"checkpoint.verify=full", "checkpoint.every_steps=1000", "train.steps=400"},
+                            /*service=*/true);
+    const auto status =
+        job.wait_for([](const nlohmann::json& s) { return s.at("generation") == 1 && s.at("state") == "running"; });
+    CHECK(status.at("checkpoint_step") == older);
+    const auto skipped = job.events_of("checkpoint_skipped");
+    REQUIRE(skipped.size() == 1);
+    CHECK(contains(skipped[0].at("dir"), fmt::format("{:08d}", corrupt)));
+    const auto resumed = job.events_of("generation_resumed");
+    REQUIRE(resumed.size() == 2);
+    CHECK(resumed[1].at("generation") == 1);
+    CHECK(resumed[1].at("step") == older);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(second->wait(120).exit_code == 0);
   }
 
   TEST_CASE("a data error only the ranks can see fails the job at once with the rank's own sentence") {
