@@ -47,7 +47,7 @@ std::string describe_exit(int code) {
 
 }  // namespace
 
-Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end)
+Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState, bool)> on_end)
     : io_(io),
       options_(std::move(options)),
       on_end_(std::move(on_end)),
@@ -99,6 +99,7 @@ void Job::start_generation() {
   state_ = JobState::kStarting;
   failure_.clear();
   failure_code_ = -1;
+  final_save_failure_.clear();
   resumed_ = false;
   generation_started_at_ = Clock::now();
   last_progress_log_ = Clock::now();
@@ -169,6 +170,12 @@ void Job::on_rank_exit(Rank& rank, int code) {
   const bool expected = state_ == JobState::kStopping || state_ == JobState::kRestarting || code == 0;
   if (expected) {
     log->info("generation {}: rank {} (pid {}) {}", generation_, rank.rank, rank.pid, describe_exit(code));
+    // Whatever the other ranks say (today some exit 14), one rank's 13
+    // during a stop means the final checkpoint was not committed.
+    if (state_ == JobState::kStopping && code == common::exit_code(common::ErrorCode::kCheckpointFailure) &&
+        final_save_failure_.empty()) {
+      final_save_failure_ = rank_failure(rank, code);
+    }
   } else {
     // The first failure of a generation is its cause; the other ranks'
     // exits that follow (peer failures) are consequences.
@@ -271,11 +278,30 @@ void Job::generation_over() {
   if (after_stop_) {
     const AfterStop after = *after_stop_;
     after_stop_.reset();
+    const bool final_save_failed = !final_save_failure_.empty();
+    if (final_save_failed) {
+      // Rank 0's reason for abandoning the save is the most precise one.
+      const std::string abandoned = history_.abandoned_in(generation_);
+      const std::string cause = abandoned.empty() ? final_save_failure_ : abandoned;
+      event("final_checkpoint_failed", {{"cause", cause}, {"checkpoint_step", checkpoint}});
+      failure_ = fmt::format("the final checkpoint was not saved: {}. {}", cause,
+                             checkpoint >= 0 ? fmt::format("The newest good checkpoint is step {}; starting keeld "
+                                                           "again resumes from it",
+                                                           checkpoint)
+                                             : std::string("There is no good checkpoint; starting keeld again "
+                                                           "begins at step 0"));
+      log->error("generation {}: {}", generation_, failure_);
+    }
     if (after == AfterStop::kRestart) {
       ++generation_;
       ++restarts_;
       restart_policy_.forgive();
       start_generation();
+      return;
+    }
+    if (final_save_failed) {
+      event("job_failed", {{"reason", failure_}});
+      end(JobState::kFailed);
       return;
     }
     log->info("stopped; the newest checkpoint is step {}; starting keeld again resumes from it", checkpoint);
@@ -316,7 +342,9 @@ void Job::generation_over() {
 
 void Job::end(JobState state) {
   state_ = state;
-  if (state == JobState::kFailed || state == JobState::kFinished || state == JobState::kStopped) on_end_(state);
+  if (state == JobState::kFailed || state == JobState::kFinished || state == JobState::kStopped) {
+    on_end_(state, stop_requested_);
+  }
 }
 
 void Job::poll() {
@@ -380,6 +408,7 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
     case JobState::kFailed:
     case JobState::kStopped:
       event("stop_requested", {{"by", by}, {"checkpoint", false}});
+      stop_requested_ = true;
       end(JobState::kStopped);
       return {{"ok", true}, {"message", fmt::format("the job had {}; keeld exits", job_state_name(state_))}};
     case JobState::kRestarting:
@@ -387,6 +416,7 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
         restart_timer_.cancel();
         event("stop_requested", {{"by", by}, {"checkpoint", false}});
         event("job_stopped", {{"checkpoint_step", checkpoint_step()}});
+        stop_requested_ = true;
         end(JobState::kStopped);
         return {{"ok", true}, {"message", "the restart is cancelled; keeld exits"}};
       }
@@ -398,6 +428,7 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
   log->warn("stop requested by {}: {}", by,
             checkpoint ? "the ranks save a final checkpoint, then exit" : "killing the ranks without a checkpoint");
   event("stop_requested", {{"by", by}, {"checkpoint", checkpoint}});
+  stop_requested_ = true;
   const bool tearing_down = state_ == JobState::kRestarting;
   state_ = JobState::kStopping;
   after_stop_ = AfterStop::kEnd;

@@ -4,8 +4,9 @@
 //   starting ──▶ running ──▶ finished          every rank exited 0
 //       │           │
 //       │           ├──▶ restarting ──▶ starting (generation + 1, after back-off)
-//       │           │        └────────▶ failed (crash-loop guard)
+//       │           │        └────────▶ failed (crash loop, or a rank refused the config or data)
 //       └───────────┴──▶ stopping ──▶ (stopped: keeld exits 0)
+//                              ├────▶ failed (a rank exited 13: the final checkpoint was not saved)
 //                              └────▶ starting (keelctl restart)
 //
 // A rank that exits non-zero (or is killed) fails its generation: keeld
@@ -13,8 +14,9 @@
 // starts the next generation from the newest checkpoint that loads: the
 // ranks pick it themselves, and keeld reports their choice (rank 0's board
 // names the step they resumed from) rather than guessing from directory
-// names, which a corrupt checkpoint would make wrong. RestartPolicy (daemon/restart_policy.h)
-// decides the back-off, and when retrying cannot help and the job fails.
+// names, which a corrupt checkpoint would make wrong. RestartPolicy
+// (daemon/restart_policy.h) decides the back-off, and when retrying cannot
+// help and the job fails.
 //
 // Every transition is an event in run_dir/events.jsonl. Nothing here
 // blocks: ranks are seen through their exit statuses (fed in by keeld's
@@ -54,9 +56,10 @@ struct JobOptions {
 class Job {
  public:
   // `on_end` is called once the job has ended for good (finished, failed or
-  // stopped), with the state it ended in. A job that finished or failed can
-  // still be restarted by restart().
-  Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end);
+  // stopped), with the state it ended in and whether a stop was asked for
+  // (a stop whose final checkpoint was not saved ends failed). A job that
+  // finished or failed can still be restarted by restart().
+  Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState, bool stop_requested)> on_end);
   ~Job();
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
@@ -108,7 +111,7 @@ class Job {
 
   boost::asio::io_context& io_;
   JobOptions options_;
-  std::function<void(JobState)> on_end_;
+  std::function<void(JobState, bool)> on_end_;
   std::filesystem::path run_dir_;
   JobState state_ = JobState::kStarting;
   int64_t generation_ = 0;
@@ -124,6 +127,8 @@ class Job {
   size_t threads_per_rank_ = 1;
   std::string failure_;                   // why the generation (or the job) failed
   int failure_code_ = -1;                 // the exit code of the failure's rank
+  std::string final_save_failure_;        // the first rank that exited 13 during a stop; empty: none did
+  bool stop_requested_ = false;
   std::optional<AfterStop> after_stop_;
   bool stop_checkpoint_ = true;
   boost::asio::steady_timer kill_timer_;

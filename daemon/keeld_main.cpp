@@ -76,10 +76,11 @@ int main(int argc, char** argv) {
                "exit when the job ends (0 finished, 1 failed) instead of staying up for keelctl");
   app.add_option("--socket", socket, "control socket (default: daemon.socket, /run/keel/keeld.sock)");
   app.footer(
-      "SIGTERM or SIGINT: the ranks save a final checkpoint, then keeld exits 0 (a second one stops at once).\n"
-      "Starting keeld again resumes the job from its newest checkpoint.\n"
-      "Exit codes: 0 finished or stopped, 1 the job failed (--foreground), 2 bad config or usage,\n"
-      "70 internal error. Operate it with keelctl (keelctl --help).");
+      "SIGTERM or SIGINT: the ranks save a final checkpoint, then keeld exits 0, or 1 when that checkpoint\n"
+      "could not be saved (a second signal stops at once). Starting keeld again resumes the job from its\n"
+      "newest good checkpoint.\n"
+      "Exit codes: 0 finished or stopped, 1 the job failed (--foreground) or its final checkpoint was not\n"
+      "saved, 2 bad config or usage, 70 internal error. Operate it with keelctl (keelctl --help).");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -118,9 +119,10 @@ int main(int argc, char** argv) {
       sd_notify(0, "STOPPING=1");
       io.stop();
     };
-    keel::daemon::Job job(io, options, [&](JobState state) {
-      if (state == JobState::kStopped) return finish(0);
-      if (foreground) return finish(state == JobState::kFailed ? 1 : 0);
+    keel::daemon::Job job(io, options, [&](JobState state, bool stop_requested) {
+      // What systemd shows once keeld is gone: how the job ended, and why.
+      sd_notify(0, ("STATUS=" + keel::daemon::status_line(job.report())).c_str());
+      if (stop_requested || foreground) return finish(state == JobState::kFailed ? 1 : 0);
       log->info("the job has {}; keeld stays up for keelctl (keelctl restart runs it again, keelctl stop exits)",
                 keel::daemon::job_state_name(state));
     });

@@ -4,11 +4,13 @@
 // control socket. "Bit-identical" compares every tensor of the final
 // checkpoint, model and optimizer state, with an uninterrupted run.
 #include "tests/daemon/keeld_job.h"
+#include "tests/daemon/notify_socket.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <grp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -136,6 +138,42 @@ TEST_SUITE("integration") {
     // In the foreground a failed job is keeld's exit 1.
     KeeldJob again;
     again.run(crash_loop, 1);
+  }
+
+  TEST_CASE("a final checkpoint that cannot be written fails the stop with the newest good checkpoint named") {
+    KeeldJob job;
+    NotifySocket notify(job.dir() / "notify.sock");
+    auto keeld = job.start({"train.steps=400"}, false, {{"NOTIFY_SOCKET", notify.path()}});
+    const auto status = job.wait_for([&](const nlohmann::json& s) {
+      return s.at("state") == "running" && !job.events_of("checkpoint_committed").empty();
+    });
+    // A file-size limit below a rank file on every rank, as on a full disk:
+    // every later save fails (EFBIG) while logs, metrics and events still fit.
+    const rlimit limit{100000, 100000};
+    for (const auto& rank : status.at("ranks")) {
+      REQUIRE(prlimit(rank.at("pid").get<pid_t>(), RLIMIT_FSIZE, &limit, nullptr) == 0);
+    }
+    keeld->signal(SIGTERM);
+    const auto result = keeld->wait(300);
+    notify.stop();
+    INFO(result.output);
+    CHECK(result.exit_code == 1);
+    const int64_t newest = committed_steps(job).back();
+    const auto failed = job.events_of("final_checkpoint_failed");
+    REQUIRE(failed.size() == 1);
+    CHECK(failed[0].at("checkpoint_step") == newest);
+    CHECK_FALSE(failed[0].at("cause").get<std::string>().empty());
+    CHECK(job.events_of("job_stopped").empty());
+    const auto job_failed = job.events_of("job_failed");
+    REQUIRE(job_failed.size() == 1);
+    const std::string reason = job_failed[0].at("reason");
+    CHECK(contains(reason, "final checkpoint"));
+    CHECK(contains(reason, fmt::format("step {}", newest)));
+    // What systemd shows of keeld last: the job failed, and why.
+    const auto statuses = notify.statuses();
+    REQUIRE_FALSE(statuses.empty());
+    CHECK(contains(statuses.back(), "failed"));
+    CHECK(contains(statuses.back(), reason));
   }
 
   TEST_CASE("keeld reports the checkpoint the ranks resumed from when the newest one does not verify") {
