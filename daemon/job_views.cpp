@@ -139,7 +139,7 @@ std::string metrics_text(const JobReport& report) {
     out.gauge("keel_job_state", "1 for the job's current state", s == report.state ? 1.0 : 0.0,
               {{"job", report.job}, {"state", job_state_name(s)}});
   }
-  out.gauge("keel_checkpoint_step", "Step of the newest committed checkpoint",
+  out.gauge("keel_checkpoint_step", "Step of the newest good checkpoint: the one the ranks resumed from, or newer",
             static_cast<double>(report.checkpoint_step), job);
   for (const auto& rank : report.ranks) {
     if (!rank.last) continue;

@@ -36,7 +36,7 @@ struct JobReport {
   int64_t restarts = 0;
   int64_t step = 0;              // steps done, counted from the run's start
   int64_t total_steps = 0;
-  int64_t checkpoint_step = -1;  // -1: none yet
+  int64_t checkpoint_step = -1;  // the newest good checkpoint (daemon/job.h); -1: none
   std::string reason;            // why the generation or the job failed; empty otherwise
   std::filesystem::path run_dir;
   double uptime_s = 0;
