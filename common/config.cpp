@@ -342,9 +342,9 @@ void Config::validate() const {
   check(daemon.metrics_port >= -1 && daemon.metrics_port <= 65535, "daemon.metrics_port",
         fmt::format("must be a TCP port, 0 for any free port or -1 for none (got {})", daemon.metrics_port));
   at_least(daemon.ranks, 0, "daemon.ranks");
-  check(daemon.ranks == 0 || daemon.ranks == parallel.dp * parallel.tp * parallel.pp * parallel.cp, "daemon.ranks",
+  check(daemon.ranks == 0 || daemon.ranks == parallel.world_size(), "daemon.ranks",
         fmt::format("ranks={} but one node runs the whole layout dp x tp x pp x cp = {}; set 0 or that number",
-                    daemon.ranks, parallel.dp * parallel.tp * parallel.pp * parallel.cp));
+                    daemon.ranks, parallel.world_size()));
   for (auto [value, key] : {std::pair{daemon.grace_s, "daemon.grace_s"}, {daemon.stop_timeout_s, "daemon.stop_timeout_s"},
                             {daemon.stale_after_s, "daemon.stale_after_s"},
                             {daemon.progress_every_s, "daemon.progress_every_s"}}) {

@@ -78,6 +78,9 @@ struct ParallelConfig {
   int64_t micro_batches = 1;   // gradient-accumulation microbatches per step and DP rank
   double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
 
+  // The ranks the layout needs: dp x tp x pp x cp.
+  int64_t world_size() const { return dp * tp * pp * cp; }
+
   template <class V> void visit(V& v) {
     v("dp", dp);
     v("tp", tp);

@@ -19,6 +19,12 @@ enum class ErrorCode : int {
   kInternal = 70,          // a bug in keel: anything not covered above
 };
 
+// Every code, in the order above, for whatever goes through them all.
+inline constexpr ErrorCode kErrorCodes[] = {ErrorCode::kBadConfig,         ErrorCode::kDataError,
+                                            ErrorCode::kCollectiveHang,    ErrorCode::kSdcSuspected,
+                                            ErrorCode::kPeerFailure,       ErrorCode::kCheckpointFailure,
+                                            ErrorCode::kStoppedOnRequest, ErrorCode::kInternal};
+
 // The process exit status for a code.
 inline int exit_code(ErrorCode code) { return static_cast<int>(code); }
 

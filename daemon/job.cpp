@@ -1,12 +1,10 @@
 #include "daemon/job.h"
 
-#include "checkpoint/catalog.h"
 #include "common/error.h"
 #include "common/events.h"
-#include "common/human_format.h"
 #include "common/log.h"
-#include "daemon/prometheus_text.h"
 #include "daemon/protocol.h"
+#include "daemon/rank_log.h"
 #include "daemon/rank_spawner.h"
 
 #include <signal.h>
@@ -18,8 +16,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <cmath>
-#include <deque>
 #include <fstream>
 
 namespace keel::daemon {
@@ -43,54 +39,25 @@ std::string describe_exit(int code) {
     return name != nullptr ? fmt::format("killed by SIG{}", name) : fmt::format("killed by signal {}", code - 128);
   }
   if (code == 127) return "exited 127 (could not be started; see its log)";
-  for (auto known : {common::ErrorCode::kBadConfig, common::ErrorCode::kDataError, common::ErrorCode::kCollectiveHang,
-                     common::ErrorCode::kSdcSuspected, common::ErrorCode::kPeerFailure,
-                     common::ErrorCode::kCheckpointFailure, common::ErrorCode::kStoppedOnRequest,
-                     common::ErrorCode::kInternal}) {
+  for (auto known : common::kErrorCodes) {
     if (code == common::exit_code(known)) return fmt::format("exited {} ({})", code, common::error_code_name(known));
   }
   return fmt::format("exited {}", code);
 }
 
-// The newest generation events.jsonl mentions, or -1.
-int64_t last_generation(const std::filesystem::path& run_dir) {
-  std::ifstream in(run_dir / "events.jsonl");
-  int64_t newest = -1;
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto event = nlohmann::json::parse(line, nullptr, false);
-    if (event.is_object() && event.contains("generation") && event["generation"].is_number_integer()) {
-      newest = std::max(newest, event["generation"].get<int64_t>());
-    }
-  }
-  return newest;
-}
-
 }  // namespace
 
-const char* job_state_name(JobState state) {
-  switch (state) {
-    case JobState::kStarting: return "starting";
-    case JobState::kRunning: return "running";
-    case JobState::kRestarting: return "restarting";
-    case JobState::kStopping: return "stopping";
-    case JobState::kFinished: return "finished";
-    case JobState::kFailed: return "failed";
-    case JobState::kStopped: return "stopped";
-  }
-  return "unknown";
-}
-
-Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end)
+Job::Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState, bool)> on_end)
     : io_(io),
       options_(std::move(options)),
       on_end_(std::move(on_end)),
       run_dir_(options_.config.job.run_dir),
+      restart_policy_(options_.config.daemon),
+      history_(run_dir_),
       kill_timer_(io),
       restart_timer_(io),
       started_at_(Clock::now()) {
-  const auto& p = options_.config.parallel;
-  const int world = static_cast<int>(p.dp * p.tp * p.pp * p.cp);
+  const int world = static_cast<int>(options_.config.parallel.world_size());
   ranks_.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) ranks_[static_cast<size_t>(r)].rank = r;
   if (options_.config.daemon.pin_cpus) {
@@ -114,7 +81,11 @@ void Job::event(const std::string& kind, nlohmann::json fields) const {
 void Job::start() {
   std::filesystem::create_directories(run_dir_ / "logs");
   remove_orphaned_boards();
-  generation_ = last_generation(run_dir_) + 1;
+  history_.refresh();
+  generation_ = history_.last_generation() + 1;
+  // Until the ranks say which checkpoint they resumed from, the newest one
+  // committed is the best guess.
+  base_checkpoint_ = history_.newest_committed();
   const auto& c = options_.config.checkpoint;
   if (c.every_steps == 0 && c.every_seconds == 0) {
     common::logger("job")->warn(
@@ -127,7 +98,9 @@ void Job::start_generation() {
   auto log = common::logger("job");
   state_ = JobState::kStarting;
   failure_.clear();
-  generation_checkpoint_ = newest_checkpoint_step();
+  failure_code_ = -1;
+  final_save_failure_.clear();
+  resumed_ = false;
   generation_started_at_ = Clock::now();
   last_progress_log_ = Clock::now();
   const int world = static_cast<int>(ranks_.size());
@@ -159,12 +132,8 @@ void Job::start_generation() {
         launch.env[var] = std::to_string(threads_per_rank_);
       }
     }
-    launch.log = run_dir_ / "logs" / fmt::format("rank-{:05d}.log", rank.rank);
-    {
-      std::ofstream header(launch.log, std::ios::app);
-      header << fmt::format("===== keeld: generation {} starts rank {} ({}) =====\n", generation_, rank.rank,
-                            common::utc_now());
-    }
+    launch.log = rank_log_path(run_dir_, rank.rank);
+    std::ofstream(launch.log, std::ios::app) << rank_log_header(generation_, rank.rank);
     try {
       rank.pid = spawn_rank(launch);
     } catch (const std::exception& e) {
@@ -174,12 +143,12 @@ void Job::start_generation() {
       return;
     }
   }
-  log->info("generation {}: started {} ranks of {} (resuming from {})", generation_, world, options_.config.job.name,
-            generation_checkpoint_ >= 0 ? fmt::format("the checkpoint of step {}", generation_checkpoint_)
-                                        : std::string("the start: no checkpoint yet"));
+  log->info("generation {}: started {} ranks of {}, resuming from the checkpoint the ranks choose (the newest that "
+            "loads)",
+            generation_, world, options_.config.job.name);
   nlohmann::json pids = nlohmann::json::array();
   for (const auto& rank : ranks_) pids.push_back(rank.pid);
-  event("generation_started", {{"ranks", world}, {"pids", pids}, {"checkpoint_step", generation_checkpoint_}});
+  event("generation_started", {{"ranks", world}, {"pids", pids}});
 }
 
 bool Job::on_child_exit(pid_t pid, int wait_status) {
@@ -202,18 +171,41 @@ void Job::on_rank_exit(Rank& rank, int code) {
   const bool expected = state_ == JobState::kStopping || state_ == JobState::kRestarting || code == 0;
   if (expected) {
     log->info("generation {}: rank {} (pid {}) {}", generation_, rank.rank, rank.pid, describe_exit(code));
+    // Whatever the other ranks say (today some exit 14), one rank's 13
+    // during a stop means the final checkpoint was not committed.
+    if (state_ == JobState::kStopping && code == common::exit_code(common::ErrorCode::kCheckpointFailure) &&
+        final_save_failure_.empty()) {
+      final_save_failure_ = rank_failure(rank, code);
+    }
   } else {
     // The first failure of a generation is its cause; the other ranks'
     // exits that follow (peer failures) are consequences.
-    failure_ = fmt::format("rank {} {}", rank.rank, describe_exit(code));
+    failure_ = rank_failure(rank, code);
+    failure_code_ = code;
     const int64_t step = rank.last ? rank.last->steps_done : -1;
-    log->error("generation {}: {} at step {}; stopping the generation to restart it", generation_, failure_, step);
+    log->error("generation {}: {} at step {}; stopping the generation", generation_, failure_, step);
     event("rank_failed", {{"rank", rank.rank}, {"pid", rank.pid}, {"exit_code", code}, {"step", step},
                           {"cause", failure_}});
+    // A survivor that waits for the dead rank outside a collective (rank 0
+    // collecting checkpoint reports) learns of it here, not after a timeout.
+    if (options_.store != nullptr) {
+      try {
+        options_.store->set(common::rank_failed_key(generation_), failure_);
+      } catch (const std::exception& e) {
+        log->warn("could not tell the ranks through the store that {}: {}", failure_, e.what());
+      }
+    }
     state_ = JobState::kRestarting;
     stop_ranks(SIGTERM, options_.config.daemon.grace_s);
   }
   if (!ranks_alive()) generation_over();
+}
+
+std::string Job::rank_failure(const Rank& rank, int code) const {
+  std::string cause = fmt::format("rank {} {}", rank.rank, describe_exit(code));
+  // Only a rank that exited by itself had its say.
+  const std::string said = code < 128 ? last_error_sentence(rank_log_path(run_dir_, rank.rank)) : "";
+  return said.empty() ? cause : cause + ": " + said;
 }
 
 bool Job::ranks_alive() const {
@@ -257,33 +249,69 @@ void Job::remove_boards() {
   }
 }
 
-int64_t Job::newest_checkpoint_step() const {
-  const auto all = checkpoint::committed(options_.config.checkpoint_dir());
-  return all.empty() ? -1 : all.back().step;
+void Job::note_resume() {
+  const auto& head = ranks_.front().last;
+  // The extent is the first thing TrainLoop::run publishes; before it,
+  // first_step means nothing.
+  if (resumed_ || !head || head->total_steps == 0) return;
+  resumed_ = true;
+  const int64_t step = head->first_step;
+  base_checkpoint_ = step > 0 ? step : -1;
+  common::logger("job")->info("generation {}: the ranks resumed from {}", generation_,
+                              step > 0 ? fmt::format("the checkpoint of step {}", step)
+                                       : std::string("the start: no checkpoint loads"));
+  event("generation_resumed", {{"step", step}});
+}
+
+int64_t Job::checkpoint_step() const {
+  return std::max(base_checkpoint_, history_.committed_in(generation_));
 }
 
 void Job::generation_over() {
   auto log = common::logger("job");
   kill_timer_.cancel();
-  poll();  // the boards' last words, for status and the events below
+  poll();  // the boards' last words and the ranks' last events, for status and the events below
   remove_boards();
+  // A generation made progress when it committed a checkpoint of its own:
+  // the newest directory's name says nothing when that one is corrupt.
+  const bool progressed = history_.committed_in(generation_) >= 0;
+  base_checkpoint_ = checkpoint_step();
   nlohmann::json codes = nlohmann::json::array();
   bool all_zero = true;
   for (const auto& rank : ranks_) {
     codes.push_back(rank.exit_code.value_or(-1));
     all_zero = all_zero && rank.exit_code == 0;
   }
-  const int64_t checkpoint = newest_checkpoint_step();
+  const int64_t checkpoint = base_checkpoint_;
   event("generation_ended", {{"exit_codes", codes}, {"checkpoint_step", checkpoint}});
 
   if (after_stop_) {
     const AfterStop after = *after_stop_;
     after_stop_.reset();
+    const bool final_save_failed = !final_save_failure_.empty();
+    if (final_save_failed) {
+      // Rank 0's reason for abandoning the save is the most precise one.
+      const std::string abandoned = history_.abandoned_in(generation_);
+      const std::string cause = abandoned.empty() ? final_save_failure_ : abandoned;
+      event("final_checkpoint_failed", {{"cause", cause}, {"checkpoint_step", checkpoint}});
+      failure_ = fmt::format("the final checkpoint was not saved: {}. {}", cause,
+                             checkpoint >= 0 ? fmt::format("The newest good checkpoint is step {}; starting keeld "
+                                                           "again resumes from it",
+                                                           checkpoint)
+                                             : std::string("There is no good checkpoint; starting keeld again "
+                                                           "begins at step 0"));
+      log->error("generation {}: {}", generation_, failure_);
+    }
     if (after == AfterStop::kRestart) {
       ++generation_;
       ++restarts_;
-      no_progress_ = 0;
+      restart_policy_.forgive();
       start_generation();
+      return;
+    }
+    if (final_save_failed) {
+      event("job_failed", {{"reason", failure_}});
+      end(JobState::kFailed);
       return;
     }
     log->info("stopped; the newest checkpoint is step {}; starting keeld again resumes from it", checkpoint);
@@ -299,23 +327,18 @@ void Job::generation_over() {
     return;
   }
   if (failure_.empty()) failure_ = "the ranks exited without a cause";
-  no_progress_ = checkpoint > generation_checkpoint_ ? 0 : no_progress_ + 1;
-  const int64_t limit = options_.config.daemon.crash_loop_generations;
-  if (no_progress_ >= limit) {
-    failure_ = fmt::format(
-        "crash loop: {} generations in a row ended without a checkpoint newer than step {}; last failure: {}. Fix "
-        "the cause (see run_dir/logs and events), then keelctl restart",
-        no_progress_, checkpoint, failure_);
+  const auto decision = restart_policy_.after({failure_, failure_code_, progressed, checkpoint});
+  if (decision.give_up) {
+    failure_ = decision.reason;
     log->error("job {} failed: {}", options_.config.job.name, failure_);
     event("job_failed", {{"reason", failure_}});
     end(JobState::kFailed);
     return;
   }
-  const auto& d = options_.config.daemon;
-  const double delay =
-      std::min(d.restart_backoff_max_s, d.restart_backoff_s * std::pow(2.0, static_cast<double>(no_progress_)));
-  log->warn("generation {} failed ({}); restarting from checkpoint step {} in {:.1f} s", generation_, failure_,
-            checkpoint, delay);
+  const double delay = decision.delay_s;
+  log->warn("generation {} failed ({}); restarting in {:.1f} s from the newest checkpoint that loads (step {} as far "
+            "as keeld knows)",
+            generation_, failure_, delay, checkpoint);
   event("restart_scheduled", {{"cause", failure_}, {"delay_s", delay}, {"checkpoint_step", checkpoint}});
   state_ = JobState::kRestarting;
   restart_timer_.expires_after(seconds(delay));
@@ -329,7 +352,9 @@ void Job::generation_over() {
 
 void Job::end(JobState state) {
   state_ = state;
-  if (state == JobState::kFailed || state == JobState::kFinished || state == JobState::kStopped) on_end_(state);
+  if (state == JobState::kFailed || state == JobState::kFinished || state == JobState::kStopped) {
+    on_end_(state, stop_requested_);
+  }
 }
 
 void Job::poll() {
@@ -337,6 +362,8 @@ void Job::poll() {
     if (!rank.board) continue;
     if (auto snapshot = rank.board->read()) rank.last = snapshot;
   }
+  history_.refresh();
+  note_resume();
   if (state_ == JobState::kStarting) {
     const bool all_up = std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
       return r.last && r.last->phase != static_cast<uint32_t>(health::Phase::kInit);
@@ -348,99 +375,15 @@ void Job::poll() {
   }
   if (state_ == JobState::kRunning &&
       seconds_between(last_progress_log_, Clock::now()) >= options_.config.daemon.progress_every_s) {
-    log_progress();
+    last_progress_log_ = Clock::now();
+    const std::string line = progress_line(report());
+    if (!line.empty()) common::logger("job")->info("{}", line);
   }
 }
 
 int64_t Job::steps_done() const {
   const auto& first = ranks_.front().last;
-  return first ? first->steps_done : std::max<int64_t>(generation_checkpoint_, 0);
-}
-
-std::optional<double> Job::eta_s() const {
-  const auto& s = ranks_.front().last;
-  if (!s || s->steps_done <= s->first_step) return std::nullopt;
-  // The mean of the recent steps this generation ran.
-  const int64_t n = std::min<int64_t>(s->steps_done - s->first_step, static_cast<int64_t>(health::kRecentSteps));
-  double ms = 0;
-  for (int64_t i = 0; i < n; ++i) ms += s->recent_step_ms[(s->steps_done - 1 - i) % health::kRecentSteps];
-  return ms / static_cast<double>(n) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
-}
-
-void Job::log_progress() {
-  last_progress_log_ = Clock::now();
-  const auto& s = ranks_.front().last;
-  if (!s) return;
-  const auto eta = eta_s();
-  common::logger("job")->info("generation {} | step {}/{} | loss {:.4f} | {:.0f} tok/s | ETA {}", generation_,
-                              s->steps_done, s->total_steps, s->loss, s->tokens_per_s,
-                              eta ? common::format_duration(*eta) : std::string("-"));
-}
-
-std::string Job::rank_health(const Rank& rank) const {
-  if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
-  if (rank.pid <= 0) return "down";
-  if (!rank.last) return "starting";
-  const double age = static_cast<double>(health::monotonic_ns() - rank.last->update_ns) / 1e9;
-  return age > options_.config.daemon.stale_after_s ? "stale" : "ok";
-}
-
-nlohmann::json Job::status() const {
-  const int64_t now_ns = health::monotonic_ns();
-  nlohmann::json ranks = nlohmann::json::array();
-  for (const auto& rank : ranks_) {
-    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank)}};
-    r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
-    if (rank.last) {
-      const auto& s = *rank.last;
-      r["step"] = s.steps_done;
-      r["phase"] = health::phase_name(s.phase);
-      r["step_ms"] = s.step_ms;
-      r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
-      if (s.collective.seq >= 0) {
-        const int64_t end = s.collective.end_ns != 0 ? s.collective.end_ns : now_ns;
-        r["collective"] = {{"group", std::string(s.collective.group, strnlen(s.collective.group, 16))},
-                           {"op", std::string(s.collective.op, strnlen(s.collective.op, 16))},
-                           {"seq", s.collective.seq},
-                           {"bytes", s.collective.bytes},
-                           {"state", health::collective_state_name(s.collective.state)},
-                           {"duration_s", static_cast<double>(end - s.collective.start_ns) / 1e9}};
-      }
-    }
-    ranks.push_back(r);
-  }
-  const auto& head = ranks_.front().last;
-  const auto eta = eta_s();
-  nlohmann::json out = {{"ok", true},
-                        {"job", options_.config.job.name},
-                        {"state", job_state_name(state_)},
-                        {"generation", generation_},
-                        {"restarts", restarts_},
-                        {"step", steps_done()},
-                        {"total_steps", options_.config.train.steps},
-                        {"checkpoint_step", newest_checkpoint_step()},
-                        {"run_dir", run_dir_.string()},
-                        {"keeld_pid", getpid()},
-                        {"uptime_s", seconds_between(started_at_, Clock::now())},
-                        {"ranks", ranks}};
-  out["reason"] = failure_;
-  out["loss"] = head ? nlohmann::json(head->loss) : nlohmann::json(nullptr);
-  out["tokens_per_s"] = head ? nlohmann::json(head->tokens_per_s) : nlohmann::json(nullptr);
-  out["eta_s"] = eta ? nlohmann::json(*eta) : nlohmann::json(nullptr);
-  return out;
-}
-
-nlohmann::json Job::events(int64_t limit) const {
-  std::ifstream in(run_dir_ / "events.jsonl");
-  std::deque<nlohmann::json> newest;
-  std::string line;
-  while (std::getline(in, line)) {
-    auto event = nlohmann::json::parse(line, nullptr, false);
-    if (event.is_discarded()) continue;
-    newest.push_back(std::move(event));
-    if (static_cast<int64_t>(newest.size()) > limit) newest.pop_front();
-  }
-  return {{"ok", true}, {"events", nlohmann::json(std::vector<nlohmann::json>(newest.begin(), newest.end()))}};
+  return first ? first->steps_done : std::max<int64_t>(checkpoint_step(), 0);
 }
 
 nlohmann::json Job::checkpoint_now() {
@@ -475,13 +418,15 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
     case JobState::kFailed:
     case JobState::kStopped:
       event("stop_requested", {{"by", by}, {"checkpoint", false}});
+      stop_requested_ = true;
       end(JobState::kStopped);
       return {{"ok", true}, {"message", fmt::format("the job had {}; keeld exits", job_state_name(state_))}};
     case JobState::kRestarting:
       if (!ranks_alive()) {
         restart_timer_.cancel();
         event("stop_requested", {{"by", by}, {"checkpoint", false}});
-        event("job_stopped", {{"checkpoint_step", newest_checkpoint_step()}});
+        event("job_stopped", {{"checkpoint_step", checkpoint_step()}});
+        stop_requested_ = true;
         end(JobState::kStopped);
         return {{"ok", true}, {"message", "the restart is cancelled; keeld exits"}};
       }
@@ -493,6 +438,7 @@ nlohmann::json Job::stop(bool checkpoint, const std::string& by) {
   log->warn("stop requested by {}: {}", by,
             checkpoint ? "the ranks save a final checkpoint, then exit" : "killing the ranks without a checkpoint");
   event("stop_requested", {{"by", by}, {"checkpoint", checkpoint}});
+  stop_requested_ = true;
   const bool tearing_down = state_ == JobState::kRestarting;
   state_ = JobState::kStopping;
   after_stop_ = AfterStop::kEnd;
@@ -534,59 +480,26 @@ nlohmann::json Job::restart(const std::string& by) {
   }
   ++generation_;
   ++restarts_;
-  no_progress_ = 0;
+  restart_policy_.forgive();
   start_generation();
   return {{"ok", true}, {"message", fmt::format("generation {} is starting", generation_)}};
 }
 
-std::string Job::status_line() const {
-  std::string health = "ok";
-  for (const auto& rank : ranks_) {
-    const std::string h = rank_health(rank);
-    if (h == "stale" || h == "exited") health = h;
-  }
-  const auto& head = ranks_.front().last;
-  std::string line = fmt::format("{}: {} (generation {}) step {}/{}", options_.config.job.name,
-                                 job_state_name(state_), generation_, steps_done(), options_.config.train.steps);
-  if (head) line += fmt::format(" loss {:.4f}", head->loss);
-  line += " health " + (state_ == JobState::kFailed ? failure_ : health);
-  return line;
-}
-
-std::string Job::metrics_text() const {
-  PrometheusText out;
-  const auto& head = ranks_.front().last;
-  const std::vector<std::pair<std::string, std::string>> job = {{"job", options_.config.job.name}};
-  out.gauge("keel_step", "Optimizer steps completed", static_cast<double>(steps_done()), job);
-  out.gauge("keel_total_steps", "Steps the job trains", static_cast<double>(options_.config.train.steps), job);
-  out.gauge("keel_loss", "Training loss of the last step", head ? head->loss : std::nan(""), job);
-  out.gauge("keel_tokens_per_second", "Tokens per second of the last step, whole job",
-            head ? head->tokens_per_s : 0.0, job);
-  out.gauge("keel_generation", "Current generation (bumped by every restart)", static_cast<double>(generation_), job);
-  out.counter("keel_restarts_total", "Generations restarted since keeld started", static_cast<double>(restarts_),
-              job);
-  for (auto s : {JobState::kStarting, JobState::kRunning, JobState::kRestarting, JobState::kStopping,
-                 JobState::kFinished, JobState::kFailed, JobState::kStopped}) {
-    out.gauge("keel_job_state", "1 for the job's current state", s == state_ ? 1.0 : 0.0,
-              {{"job", options_.config.job.name}, {"state", job_state_name(s)}});
-  }
-  out.gauge("keel_checkpoint_step", "Step of the newest committed checkpoint",
-            static_cast<double>(newest_checkpoint_step()), job);
-  for (const auto& rank : ranks_) {
-    if (!rank.last) continue;
-    const auto& s = *rank.last;
-    const std::vector<std::pair<std::string, std::string>> labels = {{"job", options_.config.job.name},
-                                                                     {"rank", std::to_string(rank.rank)}};
-    out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
-    out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
-    out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
-              static_cast<double>(health::monotonic_ns() - s.update_ns) / 1e9, labels);
-    out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
-              static_cast<double>(s.checkpoint_bytes), labels);
-    out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
-              s.checkpoint_write_s, labels);
-  }
-  return out.str();
+JobReport Job::report() const {
+  JobReport r;
+  r.job = options_.config.job.name;
+  r.state = state_;
+  r.generation = generation_;
+  r.restarts = restarts_;
+  r.step = steps_done();
+  r.total_steps = options_.config.train.steps;
+  r.checkpoint_step = checkpoint_step();
+  r.reason = failure_;
+  r.run_dir = run_dir_;
+  r.uptime_s = seconds_between(started_at_, Clock::now());
+  r.stale_after_s = options_.config.daemon.stale_after_s;
+  for (const auto& rank : ranks_) r.ranks.push_back(rank);
+  return r;
 }
 
 }  // namespace keel::daemon

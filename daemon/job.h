@@ -4,18 +4,19 @@
 //   starting ──▶ running ──▶ finished          every rank exited 0
 //       │           │
 //       │           ├──▶ restarting ──▶ starting (generation + 1, after back-off)
-//       │           │        └────────▶ failed (crash-loop guard)
+//       │           │        └────────▶ failed (crash loop, or a rank refused the config or data)
 //       └───────────┴──▶ stopping ──▶ (stopped: keeld exits 0)
+//                              ├────▶ failed (a rank exited 13: the final checkpoint was not saved)
 //                              └────▶ starting (keelctl restart)
 //
 // A rank that exits non-zero (or is killed) fails its generation: keeld
 // records the cause, stops the other ranks (SIGTERM, grace, SIGKILL) and
-// starts the next generation from the newest committed checkpoint (the
-// ranks pick it themselves), after an exponential back-off. A generation
-// that ends without committing a checkpoint newer than the one it started
-// from made no progress; crash_loop_generations of those in a row fail the
-// job instead of retrying forever: retrying cannot get past a failure that
-// recurs before the next checkpoint.
+// starts the next generation from the newest checkpoint that loads: the
+// ranks pick it themselves, and keeld reports their choice (rank 0's board
+// names the step they resumed from) rather than guessing from directory
+// names, which a corrupt checkpoint would make wrong. RestartPolicy
+// (daemon/restart_policy.h) decides the back-off, and when retrying cannot
+// help and the job fails.
 //
 // Every transition is an event in run_dir/events.jsonl. Nothing here
 // blocks: ranks are seen through their exit statuses (fed in by keeld's
@@ -23,6 +24,10 @@
 #pragma once
 
 #include "common/config.h"
+#include "common/store.h"
+#include "daemon/job_views.h"
+#include "daemon/restart_policy.h"
+#include "daemon/run_history.h"
 #include "health/progress_board.h"
 
 #include <boost/asio/io_context.hpp>
@@ -41,9 +46,6 @@
 
 namespace keel::daemon {
 
-enum class JobState { kStarting, kRunning, kRestarting, kStopping, kFinished, kFailed, kStopped };
-const char* job_state_name(JobState state);
-
 struct JobOptions {
   common::Config config;
   std::filesystem::path config_path;       // passed to the ranks, with the overrides
@@ -51,14 +53,18 @@ struct JobOptions {
   std::filesystem::path trainer;           // keel-trainer
   std::string store_address;               // KEEL_STORE for the ranks
   std::string store_secret;                // KEEL_STORE_SECRET for the ranks
+  // keeld's own client of that Store (nullptr: none): a rank's failure is
+  // written there so the survivors stop waiting for it (common::rank_failed_key).
+  common::Store* store = nullptr;
 };
 
 class Job {
  public:
   // `on_end` is called once the job has ended for good (finished, failed or
-  // stopped), with the state it ended in. A job that finished or failed can
-  // still be restarted by restart().
-  Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState)> on_end);
+  // stopped), with the state it ended in and whether a stop was asked for
+  // (a stop whose final checkpoint was not saved ends failed). A job that
+  // finished or failed can still be restarted by restart().
+  Job(boost::asio::io_context& io, JobOptions options, std::function<void(JobState, bool stop_requested)> on_end);
   ~Job();
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
@@ -73,30 +79,24 @@ class Job {
   void poll();
 
   // Control requests; each returns the reply for keelctl.
-  nlohmann::json status() const;
-  nlohmann::json events(int64_t limit) const;
   nlohmann::json checkpoint_now();
   nlohmann::json stop(bool checkpoint, const std::string& by);
   nlohmann::json restart(const std::string& by);
 
   JobState state() const { return state_; }
-  // One line for systemd's STATUS=: job, state, step, loss, health.
-  std::string status_line() const;
-  // Prometheus text exposition of the job's figures.
-  std::string metrics_text() const;
+  // The job's figures, for the views (daemon/job_views.h).
+  JobReport report() const;
 
  private:
-  struct Rank {
-    int rank = 0;
-    pid_t pid = -1;
+  struct Rank : RankReport {
     std::optional<health::ProgressBoard> board;
-    std::optional<health::BoardSnapshot> last;  // the newest board read
-    std::optional<int> exit_code;               // 128 + signal when killed
   };
   enum class AfterStop { kEnd, kRestart };
 
   void start_generation();
   void on_rank_exit(Rank& rank, int code);
+  // "rank 1 exited 3 (data_error): <the rank's own sentence, from its log>".
+  std::string rank_failure(const Rank& rank, int code) const;
   void generation_over();
   void stop_ranks(int signal, double grace_s);
   void kill_ranks(int signal);
@@ -104,27 +104,36 @@ class Job {
   void end(JobState state);
   void remove_boards();
   void remove_orphaned_boards();
-  int64_t newest_checkpoint_step() const;
+  // Once rank 0's board names the step this generation resumed from:
+  // records it (generation_resumed), once per generation.
+  void note_resume();
+  // The newest checkpoint known good: the one the ranks resumed from, or a
+  // newer one they committed since (events.jsonl); -1 when there is none.
+  int64_t checkpoint_step() const;
   void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
-  void log_progress();
-  // The figures of the job as a whole, from rank 0's board.
+  // Steps done by the job as a whole, from rank 0's board.
   int64_t steps_done() const;
-  std::optional<double> eta_s() const;
-  std::string rank_health(const Rank& rank) const;
 
   boost::asio::io_context& io_;
   JobOptions options_;
-  std::function<void(JobState)> on_end_;
+  std::function<void(JobState, bool)> on_end_;
   std::filesystem::path run_dir_;
   JobState state_ = JobState::kStarting;
   int64_t generation_ = 0;
   int64_t restarts_ = 0;
-  int64_t no_progress_ = 0;               // generations in a row without a new checkpoint
-  int64_t generation_checkpoint_ = -1;    // newest committed step when the generation started
+  RestartPolicy restart_policy_;
+  RunHistory history_;
+  // The newest checkpoint known good before this generation's own commits:
+  // the history's newest at start, then each generation's resume step.
+  int64_t base_checkpoint_ = -1;
+  bool resumed_ = false;                  // this generation's resume step is known
   std::vector<Rank> ranks_;
   std::vector<std::vector<int>> cpus_;   // per rank; empty: pin_cpus is off
   size_t threads_per_rank_ = 1;
   std::string failure_;                   // why the generation (or the job) failed
+  int failure_code_ = -1;                 // the exit code of the failure's rank
+  std::string final_save_failure_;        // the first rank that exited 13 during a stop; empty: none did
+  bool stop_requested_ = false;
   std::optional<AfterStop> after_stop_;
   bool stop_checkpoint_ = true;
   boost::asio::steady_timer kill_timer_;

@@ -6,6 +6,7 @@
 #include "common/atomic_file.h"
 #include "common/config.h"
 #include "common/error.h"
+#include "common/layout_check.h"
 #include "common/log.h"
 #include "common/tcp_store.h"
 #include "daemon/control_server.h"
@@ -76,10 +77,11 @@ int main(int argc, char** argv) {
                "exit when the job ends (0 finished, 1 failed) instead of staying up for keelctl");
   app.add_option("--socket", socket, "control socket (default: daemon.socket, /run/keel/keeld.sock)");
   app.footer(
-      "SIGTERM or SIGINT: the ranks save a final checkpoint, then keeld exits 0 (a second one stops at once).\n"
-      "Starting keeld again resumes the job from its newest checkpoint.\n"
-      "Exit codes: 0 finished or stopped, 1 the job failed (--foreground), 2 bad config or usage,\n"
-      "70 internal error. Operate it with keelctl (keelctl --help).");
+      "SIGTERM or SIGINT: the ranks save a final checkpoint, then keeld exits 0, or 1 when that checkpoint\n"
+      "could not be saved (a second signal stops at once). Starting keeld again resumes the job from its\n"
+      "newest good checkpoint.\n"
+      "Exit codes: 0 finished or stopped, 1 the job failed (--foreground) or its final checkpoint was not\n"
+      "saved, 2 bad config or usage, 70 internal error. Operate it with keelctl (keelctl --help).");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -93,6 +95,8 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   try {
     auto config = keel::common::Config::load(config_path, overrides);
+    // The ranks' own check: a layout they would refuse starts none of them.
+    keel::common::validate_layout(config, config.parallel.world_size());
     if (!socket.empty()) config.daemon.socket = std::filesystem::absolute(socket).string();
     keel::daemon::JobOptions options;
     options.trainer = config.daemon.trainer.empty() ? default_trainer() : std::filesystem::path(config.daemon.trainer);
@@ -114,6 +118,9 @@ int main(int argc, char** argv) {
                                         options.store_secret + "\n", 0600, ErrorCode::kBadConfig);
     keel::common::StoreServer store(options.store_secret);
     options.store_address = store.address();
+    const auto store_client =
+        keel::common::connect_store(store.address(), options.store_secret, std::chrono::seconds(10));
+    options.store = store_client.get();
     options.config = config;
 
     int exit_code = 0;
@@ -122,9 +129,10 @@ int main(int argc, char** argv) {
       sd_notify(0, "STOPPING=1");
       io.stop();
     };
-    keel::daemon::Job job(io, options, [&](JobState state) {
-      if (state == JobState::kStopped) return finish(0);
-      if (foreground) return finish(state == JobState::kFailed ? 1 : 0);
+    keel::daemon::Job job(io, options, [&](JobState state, bool stop_requested) {
+      // What systemd shows once keeld is gone: how the job ended, and why.
+      sd_notify(0, ("STATUS=" + keel::daemon::status_line(job.report())).c_str());
+      if (stop_requested || foreground) return finish(state == JobState::kFailed ? 1 : 0);
       log->info("the job has {}; keeld stays up for keelctl (keelctl restart runs it again, keelctl stop exits)",
                 keel::daemon::job_state_name(state));
     });
@@ -137,7 +145,7 @@ int main(int argc, char** argv) {
     std::optional<keel::daemon::MetricsServer> metrics;
     if (config.daemon.metrics_port >= 0) {
       metrics.emplace(io, "127.0.0.1", static_cast<uint16_t>(config.daemon.metrics_port),
-                      [&job] { return job.metrics_text(); });
+                      [&job] { return keel::daemon::metrics_text(job.report()); });
       log->info("metrics on http://127.0.0.1:{}/metrics", metrics->port());
     }
     keel::daemon::ControlServer control(
@@ -150,12 +158,12 @@ int main(int argc, char** argv) {
           using keel::daemon::Command;
           switch (request.command) {
             case Command::kStatus: {
-              auto out = job.status();
+              auto out = keel::daemon::status_json(job.report());
               out["socket"] = config.daemon.socket;
               out["metrics_port"] = metrics ? nlohmann::json(metrics->port()) : nlohmann::json(nullptr);
               return out;
             }
-            case Command::kEvents: return job.events(request.limit);
+            case Command::kEvents: return keel::daemon::newest_events(config.job.run_dir, request.limit);
             case Command::kCheckpointNow: return job.checkpoint_now();
             case Command::kStop: return stop(request.checkpoint, "keelctl stop");
             case Command::kRestart: return job.restart("keelctl restart");
@@ -192,7 +200,7 @@ int main(int argc, char** argv) {
     std::string last_status;
     Ticker poll(io, std::chrono::milliseconds(200), [&] {
       job.poll();
-      const std::string line = job.status_line();
+      const std::string line = keel::daemon::status_line(job.report());
       if (line != last_status) {
         sd_notify(0, ("STATUS=" + line).c_str());
         last_status = line;
@@ -208,7 +216,7 @@ int main(int argc, char** argv) {
     }
 
     job.start();
-    sd_notify(0, ("READY=1\nSTATUS=" + job.status_line()).c_str());
+    sd_notify(0, ("READY=1\nSTATUS=" + keel::daemon::status_line(job.report())).c_str());
     io.run();
     log->info("keeld exits {}", exit_code);
     return exit_code;

@@ -2,62 +2,24 @@
 // sd_notify messages a Type=notify unit relies on, exit 2 with a sentence
 // for a bad configuration, exit 3 from keelctl when no keeld answers.
 #include "tests/daemon/keeld_job.h"
+#include "tests/daemon/notify_socket.h"
 
 #include <doctest/doctest.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cstring>
-#include <set>
-#include <thread>
 
 namespace keel::test {
 
 TEST_SUITE("integration") {
   TEST_CASE("keeld tells a notify socket READY STATUS WATCHDOG and STOPPING") {
     KeeldJob job;
-    const std::string path = (job.dir() / "notify.sock").string();
-    const int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd >= 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::strcpy(address.sun_path, path.c_str());
-    REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
-
-    // Drained while keeld runs, as systemd does: a full datagram queue
-    // would block keeld's sd_notify.
-    std::set<std::string> seen;
-    std::string statuses;
-    std::atomic<bool> done{false};
-    std::thread reader([&] {
-      char datagram[4096];
-      while (!done.load()) {
-        const ssize_t n = recv(fd, datagram, sizeof(datagram), MSG_DONTWAIT);
-        if (n <= 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-          continue;
-        }
-        const std::string message(datagram, static_cast<size_t>(n));
-        size_t at = 0;
-        while (at < message.size()) {
-          const size_t end = message.find('\n', at);
-          const std::string line = message.substr(at, end == std::string::npos ? std::string::npos : end - at);
-          seen.insert(line.substr(0, line.find('=')));
-          if (line.starts_with("STATUS=")) statuses += line + "\n";
-          at = end == std::string::npos ? message.size() : end + 1;
-        }
-      }
-    });
-    auto keeld = job.start({"train.steps=20"}, false, {{"NOTIFY_SOCKET", path}, {"WATCHDOG_USEC", "100000"}});
+    NotifySocket notify(job.dir() / "notify.sock");
+    auto keeld = job.start({"train.steps=20"}, false, {{"NOTIFY_SOCKET", notify.path()}, {"WATCHDOG_USEC", "100000"}});
     const auto result = keeld->wait(120);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    done = true;
-    reader.join();
+    notify.stop();
     INFO(result.output);
     REQUIRE(result.exit_code == 0);
-    close(fd);
+    const auto seen = notify.seen();
+    std::string statuses;
+    for (const auto& line : notify.statuses()) statuses += line + "\n";
     INFO(statuses);
     CHECK(seen.count("READY") == 1);
     CHECK(seen.count("STATUS") == 1);
@@ -84,9 +46,13 @@ TEST_SUITE("integration") {
         {{"daemon.control_group=no-such-group-keel"}, "not a group"},
         {{"daemon.no_such_key=1"}, "unknown key"},
         {{"faults.crash_rank=-2"}, "faults.crash_rank"},
+        // Layouts the ranks refuse: keeld runs their check and starts none.
+        {{"parallel.pp=2", "parallel.micro_batches=2"}, "this build trains DP x TP layouts only (pp=2 cp=1 ep=1)"},
+        {{"model.n_expert=4"}, "tp=2 with a MoE model (n_expert=4) is not built yet"},
+        {{"parallel.tp=3"}, "tp=3 does not divide n_head=4"},
     };
     for (const auto& c : cases) {
-      INFO("--set " << c.sets.at(0));
+      INFO("--set " << c.sets.at(0) << (c.sets.size() > 1 ? " ..." : ""));
       std::vector<std::string> argv = {keel_binary("keeld").string(), "--config", (job.dir() / "job.toml").string(),
                                        "--foreground"};
       for (const auto& s : c.sets) {
@@ -97,6 +63,7 @@ TEST_SUITE("integration") {
       INFO(result.output);
       CHECK(result.exit_code == 2);
       CHECK(result.output.find(c.says) != std::string::npos);
+      CHECK_FALSE(std::filesystem::exists(job.run_dir() / "logs"));  // no rank was started
     }
     const auto missing = run_process({keel_binary("keeld").string(), "--config", (job.dir() / "nope.toml").string()});
     CHECK(missing.exit_code == 2);

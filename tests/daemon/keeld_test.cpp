@@ -5,9 +5,13 @@
 // checkpoint, model and optimizer state, with an uninterrupted run.
 #include "tests/daemon/control_client.h"
 #include "tests/daemon/keeld_job.h"
+#include "tests/daemon/notify_socket.h"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <grp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -37,6 +41,15 @@ std::string store_secret(const KeeldJob& job) {
     CHECK(content.find(secret) == std::string::npos);
   }
   return secret;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The steps of the checkpoint_committed events rank 0 recorded, oldest first.
+std::vector<int64_t> committed_steps(const KeeldJob& job) {
+  std::vector<int64_t> steps;
+  for (const auto& e : job.events_of("checkpoint_committed")) steps.push_back(e.at("step"));
+  return steps;
 }
 
 // A raw connection to keeld's control socket, for sending what keelctl never would.
@@ -110,10 +123,10 @@ TEST_SUITE("integration") {
     CHECK(stopped.output.find(first_secret) == std::string::npos);
 
     job.run();
-    const auto starts = job.events_of("generation_started");
-    REQUIRE(starts.size() == 2);
-    CHECK(starts[1].at("generation") == 1);
-    CHECK(starts[1].at("checkpoint_step") == stop_step);
+    const auto resumed = job.events_of("generation_resumed");
+    REQUIRE(resumed.size() == 2);
+    CHECK(resumed[1].at("generation") == 1);
+    CHECK(resumed[1].at("step") == stop_step);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
     CHECK(job.losses() == reference.losses());
     // Each keeld start makes its own store secret (docs/architecture.md "Run directory").
@@ -148,6 +161,100 @@ TEST_SUITE("integration") {
     // In the foreground a failed job is keeld's exit 1.
     KeeldJob again;
     again.run(crash_loop, 1);
+  }
+
+  TEST_CASE("a final checkpoint that cannot be written fails the stop with the newest good checkpoint named") {
+    KeeldJob job;
+    NotifySocket notify(job.dir() / "notify.sock");
+    auto keeld = job.start({"train.steps=400"}, false, {{"NOTIFY_SOCKET", notify.path()}});
+    const auto status = job.wait_for([&](const nlohmann::json& s) {
+      return s.at("state") == "running" && !job.events_of("checkpoint_committed").empty();
+    });
+    // A file-size limit below a rank file on every rank, as on a full disk:
+    // every later save fails (EFBIG) while logs, metrics and events still fit.
+    const rlimit limit{100000, 100000};
+    for (const auto& rank : status.at("ranks")) {
+      REQUIRE(prlimit(rank.at("pid").get<pid_t>(), RLIMIT_FSIZE, &limit, nullptr) == 0);
+    }
+    keeld->signal(SIGTERM);
+    const auto result = keeld->wait(300);
+    notify.stop();
+    INFO(result.output);
+    CHECK(result.exit_code == 1);
+    const int64_t newest = committed_steps(job).back();
+    const auto failed = job.events_of("final_checkpoint_failed");
+    REQUIRE(failed.size() == 1);
+    CHECK(failed[0].at("checkpoint_step") == newest);
+    CHECK_FALSE(failed[0].at("cause").get<std::string>().empty());
+    CHECK(job.events_of("job_stopped").empty());
+    const auto job_failed = job.events_of("job_failed");
+    REQUIRE(job_failed.size() == 1);
+    const std::string reason = job_failed[0].at("reason");
+    CHECK(contains(reason, "final checkpoint"));
+    CHECK(contains(reason, fmt::format("step {}", newest)));
+    // What systemd shows of keeld last: the job failed, and why.
+    const auto statuses = notify.statuses();
+    REQUIRE_FALSE(statuses.empty());
+    CHECK(contains(statuses.back(), "failed"));
+    CHECK(contains(statuses.back(), reason));
+  }
+
+  TEST_CASE("keeld reports the checkpoint the ranks resumed from when the newest one does not verify") {
+    KeeldJob job;
+    auto first = job.start();
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 12; });
+    first->signal(SIGTERM);
+    REQUIRE(first->wait(300).exit_code == 0);
+    const auto committed = committed_steps(job);
+    REQUIRE(committed.size() >= 2);
+    const int64_t corrupt = committed.back(), older = committed[committed.size() - 2];
+    // One flipped byte: the manifest still lists the file, its checksum no longer matches.
+    {
+      const auto file = checkpoint::step_dir(job.run_dir() / "checkpoints", corrupt) / checkpoint::rank_file_name(1);
+      std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(static_cast<std::streamoff>(std::filesystem::file_size(file) / 2));
+      char byte = 0;
+      io.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x10);
+      io.seekp(static_cast<std::streamoff>(std::filesystem::file_size(file) / 2));
+      io.write(&byte, 1);
+    }
+
+    // No scheduled saves: the newest good checkpoint stays the one resumed from.
+    auto second = job.start({"checkpoint.verify=full", "checkpoint.every_steps=1000", "train.steps=400"},
+                            /*service=*/true);
+    const auto status =
+        job.wait_for([](const nlohmann::json& s) { return s.at("generation") == 1 && s.at("state") == "running"; });
+    CHECK(status.at("checkpoint_step") == older);
+    const auto skipped = job.events_of("checkpoint_skipped");
+    REQUIRE(skipped.size() == 1);
+    CHECK(contains(skipped[0].at("dir"), fmt::format("{:08d}", corrupt)));
+    const auto resumed = job.events_of("generation_resumed");
+    REQUIRE(resumed.size() == 2);
+    CHECK(resumed[1].at("generation") == 1);
+    CHECK(resumed[1].at("step") == older);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(second->wait(120).exit_code == 0);
+  }
+
+  TEST_CASE("a data error only the ranks can see fails the job at once with the rank's own sentence") {
+    KeeldJob job;
+    // keeld never reads the data; the ranks refuse a file that is not a token shard (exit 3).
+    const auto bad = job.dir() / "bad.bin";
+    std::ofstream(bad, std::ios::binary) << std::string(4096, 'x');
+    auto keeld = job.start({"data.train=" + bad.string()}, /*service=*/true);
+    const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "failed"; });
+    const std::string reason = status.at("reason");
+    CHECK(contains(reason, "exited 3 (data_error)"));
+    CHECK(contains(reason, "wrong magic"));  // the rank's own sentence, from its log
+    CHECK(status.at("generation") == 0);
+    CHECK(job.events_of("generation_started").size() == 1);
+    CHECK(job.events_of("restart_scheduled").empty());
+    const auto failed = job.events_of("job_failed");
+    REQUIRE(failed.size() == 1);
+    CHECK(failed[0].at("reason") == reason);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(60).exit_code == 0);
   }
 
   TEST_CASE("garbage on the control socket gets error replies and leaves the loss sequence unchanged") {

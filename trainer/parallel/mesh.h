@@ -1,6 +1,6 @@
 // The process mesh (docs/architecture.md "Parallel layout and communication"): which rank sits where on the PP x DP x CP
-// x TP grid, every process group it belongs to, and the up-front check that
-// a parallel layout fits the model, the batch and the world.
+// x TP grid and every process group it belongs to. Whether a layout fits
+// the model, the batch and the world is common/layout_check.h.
 //
 // rank = ((pp * DP + dp) * CP + cp) * TP + tp. TP is innermost because its
 // collectives run on every layer, forward and backward, and must stay on
@@ -32,20 +32,12 @@ struct Layout {
   int zero = 0;
   int micro_batches = 1;
 
-  // Narrows the config's 64-bit fields; call it after validate_layout, which
-  // bounds every degree.
+  // Narrows the config's 64-bit fields; call it after
+  // common::validate_layout (common/layout_check.h), which bounds every degree.
   static Layout from(const common::ParallelConfig& parallel);
 
   int world_size() const { return pp * dp * cp * tp; }
 };
-
-// One sentence per way `config` cannot run on `world_size` ranks, each
-// naming the values involved and what to change; empty when it can.
-std::vector<std::string> layout_problems(const common::Config& config, int world_size);
-
-// Throws Error(kBadConfig) listing every problem layout_problems finds, so a
-// user fixes them all in one go rather than one per restart.
-void validate_layout(const common::Config& config, int world_size);
 
 struct Coords {
   int pp = 0;

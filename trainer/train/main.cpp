@@ -3,6 +3,7 @@
 // which is how developers and tests run it by hand.
 #include "common/config.h"
 #include "common/error.h"
+#include "common/layout_check.h"
 #include "common/log.h"
 #include "common/tcp_store.h"
 #include "trainer/comm/gloo_communicator.h"
@@ -171,18 +172,9 @@ int main(int argc, char** argv) {
     if (!init_from.empty()) overrides.push_back("checkpoint.init_from=" + init_from);
     auto config = keel::common::Config::load(config_path, overrides);
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
-    keel::trainer::validate_layout(config, worker.world_size);
+    // keeld runs the same check before it starts any rank.
+    keel::common::validate_layout(config, worker.world_size);
     const auto& parallel = config.parallel;
-    if (parallel.pp * parallel.cp * parallel.ep != 1) {
-      throw Error(ErrorCode::kBadConfig,
-                  fmt::format("this build trains DP x TP layouts only (pp={} cp={} ep={}): set pp, cp and ep to 1",
-                              parallel.pp, parallel.cp, parallel.ep));
-    }
-    if (parallel.tp > 1 && config.model.n_expert > 0) {
-      throw Error(ErrorCode::kBadConfig,
-                  fmt::format("tp={} with a MoE model (n_expert={}) is not built yet: use tp=1 for MoE models",
-                              parallel.tp, config.model.n_expert));
-    }
     flight_path = std::filesystem::path(config.job.run_dir) / "flight" / fmt::format("rank-{:05d}.json", worker.rank);
     log->info("resolved config:\n{}", config.to_toml());
 

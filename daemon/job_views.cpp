@@ -1,0 +1,173 @@
+#include "daemon/job_views.h"
+
+#include "common/human_format.h"
+#include "daemon/prometheus_text.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <fstream>
+
+namespace keel::daemon {
+namespace {
+
+std::string rank_health(const RankReport& rank, double stale_after_s) {
+  if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
+  if (rank.pid <= 0) return "down";
+  if (!rank.last) return "starting";
+  const double age = static_cast<double>(health::monotonic_ns() - rank.last->update_ns) / 1e9;
+  return age > stale_after_s ? "stale" : "ok";
+}
+
+const std::optional<health::BoardSnapshot>& head(const JobReport& report) {
+  static const std::optional<health::BoardSnapshot> none;
+  return report.ranks.empty() ? none : report.ranks.front().last;
+}
+
+// From the mean of the recent steps rank 0 ran in this generation.
+std::optional<double> eta_s(const JobReport& report) {
+  const auto& s = head(report);
+  if (!s || s->steps_done <= s->first_step) return std::nullopt;
+  const int64_t n = std::min<int64_t>(s->steps_done - s->first_step, static_cast<int64_t>(health::kRecentSteps));
+  double ms = 0;
+  for (int64_t i = 0; i < n; ++i) ms += s->recent_step_ms[(s->steps_done - 1 - i) % health::kRecentSteps];
+  return ms / static_cast<double>(n) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
+}
+
+}  // namespace
+
+const char* job_state_name(JobState state) {
+  switch (state) {
+    case JobState::kStarting: return "starting";
+    case JobState::kRunning: return "running";
+    case JobState::kRestarting: return "restarting";
+    case JobState::kStopping: return "stopping";
+    case JobState::kFinished: return "finished";
+    case JobState::kFailed: return "failed";
+    case JobState::kStopped: return "stopped";
+  }
+  return "unknown";
+}
+
+nlohmann::json status_json(const JobReport& report) {
+  const int64_t now_ns = health::monotonic_ns();
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& rank : report.ranks) {
+    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank, report.stale_after_s)}};
+    r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
+    if (rank.last) {
+      const auto& s = *rank.last;
+      r["step"] = s.steps_done;
+      r["phase"] = health::phase_name(s.phase);
+      r["step_ms"] = s.step_ms;
+      r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
+      if (s.collective.seq >= 0) {
+        const int64_t end = s.collective.end_ns != 0 ? s.collective.end_ns : now_ns;
+        r["collective"] = {{"group", std::string(s.collective.group, strnlen(s.collective.group, 16))},
+                           {"op", std::string(s.collective.op, strnlen(s.collective.op, 16))},
+                           {"seq", s.collective.seq},
+                           {"bytes", s.collective.bytes},
+                           {"state", health::collective_state_name(s.collective.state)},
+                           {"duration_s", static_cast<double>(end - s.collective.start_ns) / 1e9}};
+      }
+    }
+    ranks.push_back(r);
+  }
+  const auto& s = head(report);
+  const auto eta = eta_s(report);
+  nlohmann::json out = {{"ok", true},
+                        {"job", report.job},
+                        {"state", job_state_name(report.state)},
+                        {"generation", report.generation},
+                        {"restarts", report.restarts},
+                        {"step", report.step},
+                        {"total_steps", report.total_steps},
+                        {"checkpoint_step", report.checkpoint_step},
+                        {"run_dir", report.run_dir.string()},
+                        {"keeld_pid", getpid()},
+                        {"uptime_s", report.uptime_s},
+                        {"ranks", ranks}};
+  out["reason"] = report.reason;
+  out["loss"] = s ? nlohmann::json(s->loss) : nlohmann::json(nullptr);
+  out["tokens_per_s"] = s ? nlohmann::json(s->tokens_per_s) : nlohmann::json(nullptr);
+  out["eta_s"] = eta ? nlohmann::json(*eta) : nlohmann::json(nullptr);
+  return out;
+}
+
+std::string status_line(const JobReport& report) {
+  std::string health = "ok";
+  for (const auto& rank : report.ranks) {
+    const std::string h = rank_health(rank, report.stale_after_s);
+    if (h == "stale" || h == "exited") health = h;
+  }
+  std::string line = fmt::format("{}: {} (generation {}) step {}/{}", report.job, job_state_name(report.state),
+                                 report.generation, report.step, report.total_steps);
+  if (const auto& s = head(report)) line += fmt::format(" loss {:.4f}", s->loss);
+  line += " health " + (report.state == JobState::kFailed ? report.reason : health);
+  return line;
+}
+
+std::string progress_line(const JobReport& report) {
+  const auto& s = head(report);
+  if (!s) return "";
+  const auto eta = eta_s(report);
+  return fmt::format("generation {} | step {}/{} | loss {:.4f} | {:.0f} tok/s | ETA {}", report.generation,
+                     s->steps_done, s->total_steps, s->loss, s->tokens_per_s,
+                     eta ? common::format_duration(*eta) : std::string("-"));
+}
+
+std::string metrics_text(const JobReport& report) {
+  PrometheusText out;
+  const auto& head_board = head(report);
+  const PrometheusLabels job = {{"job", report.job}};
+  out.gauge("keel_step", "Optimizer steps completed", static_cast<double>(report.step), job);
+  out.gauge("keel_total_steps", "Steps the job trains", static_cast<double>(report.total_steps), job);
+  out.gauge("keel_loss", "Training loss of the last step", head_board ? head_board->loss : std::nan(""), job);
+  out.gauge("keel_tokens_per_second", "Tokens per second of the last step, whole job",
+            head_board ? head_board->tokens_per_s : 0.0, job);
+  out.gauge("keel_generation", "Current generation (bumped by every restart)", static_cast<double>(report.generation),
+            job);
+  out.counter("keel_restarts_total", "Generations restarted since keeld started", static_cast<double>(report.restarts),
+              job);
+  for (auto s : {JobState::kStarting, JobState::kRunning, JobState::kRestarting, JobState::kStopping,
+                 JobState::kFinished, JobState::kFailed, JobState::kStopped}) {
+    out.gauge("keel_job_state", "1 for the job's current state", s == report.state ? 1.0 : 0.0,
+              {{"job", report.job}, {"state", job_state_name(s)}});
+  }
+  out.gauge("keel_checkpoint_step", "Step of the newest good checkpoint: the one the ranks resumed from, or newer",
+            static_cast<double>(report.checkpoint_step), job);
+  for (const auto& rank : report.ranks) {
+    if (!rank.last) continue;
+    const auto& s = *rank.last;
+    const PrometheusLabels labels = {{"job", report.job}, {"rank", std::to_string(rank.rank)}};
+    out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
+    out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
+    out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
+              static_cast<double>(health::monotonic_ns() - s.update_ns) / 1e9, labels);
+    out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
+              static_cast<double>(s.checkpoint_bytes), labels);
+    out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
+              s.checkpoint_write_s, labels);
+  }
+  return out.str();
+}
+
+nlohmann::json newest_events(const std::filesystem::path& run_dir, int64_t limit) {
+  std::ifstream in(run_dir / "events.jsonl");
+  std::deque<nlohmann::json> newest;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto event = nlohmann::json::parse(line, nullptr, false);
+    if (event.is_discarded()) continue;
+    newest.push_back(std::move(event));
+    if (static_cast<int64_t>(newest.size()) > limit) newest.pop_front();
+  }
+  return {{"ok", true}, {"events", nlohmann::json(std::vector<nlohmann::json>(newest.begin(), newest.end()))}};
+}
+
+}  // namespace keel::daemon

@@ -1,0 +1,62 @@
+// What keeld shows of its job (docs/architecture.md "Daemon"): the status
+// reply keelctl prints, the one-line STATUS= systemd shows, the progress
+// line of keeld's log, the Prometheus page and the event log. Each is
+// rendered from a JobReport, a plain copy of the job's figures, so the
+// views know nothing of how the job runs its ranks.
+#pragma once
+
+#include "health/progress_board.h"
+
+#include <nlohmann/json.hpp>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace keel::daemon {
+
+// Where the job is in its state machine (daemon/job.h).
+enum class JobState { kStarting, kRunning, kRestarting, kStopping, kFinished, kFailed, kStopped };
+const char* job_state_name(JobState state);
+
+struct RankReport {
+  int rank = 0;
+  pid_t pid = -1;                             // -1: not started
+  std::optional<int> exit_code;               // 128 + signal when killed
+  std::optional<health::BoardSnapshot> last;  // the newest board read
+};
+
+struct JobReport {
+  std::string job;
+  JobState state = JobState::kStarting;
+  int64_t generation = 0;
+  int64_t restarts = 0;
+  int64_t step = 0;              // steps done, counted from the run's start
+  int64_t total_steps = 0;
+  int64_t checkpoint_step = -1;  // the newest good checkpoint (daemon/job.h); -1: none
+  std::string reason;            // why the generation or the job failed; empty otherwise
+  std::filesystem::path run_dir;
+  double uptime_s = 0;
+  double stale_after_s = 0;      // a board older than this makes its rank "stale"
+  std::vector<RankReport> ranks; // rank 0 first
+};
+
+// The reply to keelctl status (without the socket and metrics fields, which
+// belong to keeld rather than the job).
+nlohmann::json status_json(const JobReport& report);
+// systemd's STATUS=: job, state, step, loss, health (the reason once failed).
+std::string status_line(const JobReport& report);
+// keeld's periodic log line: step, loss, tokens/s, ETA; empty before rank 0
+// has published.
+std::string progress_line(const JobReport& report);
+// The Prometheus text exposition of the job's figures.
+std::string metrics_text(const JobReport& report);
+
+// The reply to keelctl events: the newest `limit` events of the run
+// directory's events.jsonl, oldest first; lines that do not parse are left out.
+nlohmann::json newest_events(const std::filesystem::path& run_dir, int64_t limit);
+
+}  // namespace keel::daemon

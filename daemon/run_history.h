@@ -1,0 +1,55 @@
+// What keeld knows of a run from its event log, run_dir/events.jsonl
+// (docs/architecture.md "Run directory"): the generations so far, and the
+// checkpoints rank 0 committed (checkpoint_committed) or abandoned
+// (checkpoint_abandoned) in each. keeld goes by these, the ranks' own word,
+// rather than by the names of the checkpoint directories: a directory that
+// looks committed may not verify, and then the ranks pass it over.
+//
+// The log is followed: each refresh() reads only what was appended since
+// the one before, and only whole lines (a line being appended is taken
+// next time), so keeld reads a long history once.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+
+namespace keel::daemon {
+
+class RunHistory {
+ public:
+  explicit RunHistory(const std::filesystem::path& run_dir);
+
+  // Takes in the events appended since the last call.
+  void refresh();
+
+  // The newest generation an event names; -1 for a new run.
+  int64_t last_generation() const { return last_generation_; }
+  // The newest step committed by any generation; -1 when none was.
+  int64_t newest_committed() const { return newest_committed_; }
+  // The newest step committed in `generation`; -1 when none was.
+  int64_t committed_in(int64_t generation) const;
+  // Why rank 0 abandoned the last checkpoint of `generation`, when no
+  // newer one was committed after it; empty otherwise.
+  std::string abandoned_in(int64_t generation) const;
+
+ private:
+  struct Generation {
+    int64_t committed = -1;
+    int64_t abandoned = -1;
+    std::string abandoned_cause;
+  };
+  void take(const nlohmann::json& event);
+
+  std::filesystem::path path_;
+  uint64_t offset_ = 0;   // bytes of the file taken in so far
+  std::string partial_;   // a last line without its newline yet
+  int64_t last_generation_ = -1;
+  int64_t newest_committed_ = -1;
+  std::map<int64_t, Generation> generations_;
+};
+
+}  // namespace keel::daemon
