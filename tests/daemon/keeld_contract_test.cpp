@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -27,19 +28,24 @@ TEST_SUITE("integration") {
     REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
 
     // Drained while keeld runs, as systemd does: a full datagram queue
-    // would block keeld's sd_notify.
+    // would block keeld's sd_notify. Once keeld has exited, what is left in
+    // the queue is read before the reader stops.
+    std::mutex mutex;
     std::set<std::string> seen;
     std::string statuses;
-    std::atomic<bool> done{false};
+    std::atomic<bool> keeld_gone{false};
     std::thread reader([&] {
       char datagram[4096];
-      while (!done.load()) {
+      for (;;) {
+        const bool last_pass = keeld_gone.load();
         const ssize_t n = recv(fd, datagram, sizeof(datagram), MSG_DONTWAIT);
         if (n <= 0) {
+          if (last_pass) return;
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
           continue;
         }
         const std::string message(datagram, static_cast<size_t>(n));
+        std::lock_guard<std::mutex> lock(mutex);
         size_t at = 0;
         while (at < message.size()) {
           const size_t end = message.find('\n', at);
@@ -50,21 +56,28 @@ TEST_SUITE("integration") {
         }
       }
     });
-    auto keeld = job.start({"train.steps=20"}, false, {{"NOTIFY_SOCKET", path}, {"WATCHDOG_USEC", "100000"}});
+    // An endless run, stopped once a STATUS of the running job with its
+    // loss has come: the run does not have to outlast keeld's ticks.
+    auto keeld = job.start({"train.steps=1000000"}, false, {{"NOTIFY_SOCKET", path}, {"WATCHDOG_USEC", "100000"}});
+    const bool reported = wait_until(
+        [&] {
+          std::lock_guard<std::mutex> lock(mutex);
+          return statuses.find("keeld-test: running") != std::string::npos && statuses.find("loss") != std::string::npos;
+        },
+        120);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
     const auto result = keeld->wait(120);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    done = true;
+    keeld_gone = true;
     reader.join();
     INFO(result.output);
     REQUIRE(result.exit_code == 0);
     close(fd);
     INFO(statuses);
+    CHECK(reported);
     CHECK(seen.count("READY") == 1);
     CHECK(seen.count("STATUS") == 1);
     CHECK(seen.count("WATCHDOG") == 1);
     CHECK(seen.count("STOPPING") == 1);
-    CHECK(statuses.find("keeld-test: running") != std::string::npos);
-    CHECK(statuses.find("loss") != std::string::npos);
   }
 
   TEST_CASE("keeld refuses a bad configuration with exit 2 and a sentence that says what to change") {
@@ -132,7 +145,7 @@ TEST_SUITE("integration") {
     }
 
     // No scheduled saves: every checkpoint before the last one was asked for.
-    auto keeld = job.start({"train.steps=400", "checkpoint.every_steps=1000"}, /*service=*/true);
+    auto keeld = job.start({"train.steps=1000000", "checkpoint.every_steps=1000000"}, /*service=*/true);
     job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && s.at("step") >= 3; });
     const auto status = run_process({keelctl, "--socket", job.socket(), "status", "--json"});
     REQUIRE(status.exit_code == 0);
