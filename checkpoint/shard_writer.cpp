@@ -164,13 +164,16 @@ ShardWriter::Written ShardWriter::write(const std::filesystem::path& path, const
   // is on disk since the skeleton closed, so it runs while the kernel
   // writes the bulk bytes.
   auto written = std::async(std::launch::async, [&] { return checksum(path, offsets); });
+  uint64_t direct_bytes = 0;
   try {
-    write_bulk(path, offsets);
+    direct_bytes = write_bulk(path, offsets);
   } catch (...) {
     written.wait();
     throw;
   }
-  return written.get();
+  Written out = written.get();
+  out.direct_bytes = direct_bytes;
+  return out;
 }
 
 ShardWriter::Written ShardWriter::checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const {
@@ -266,7 +269,7 @@ std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& p
   return offsets;
 }
 
-void ShardWriter::write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) {
+uint64_t ShardWriter::write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) {
   Fd direct;
   if (o_direct_) {
     direct = Fd(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
@@ -283,6 +286,7 @@ void ShardWriter::write_bulk(const std::filesystem::path& path, const std::vecto
   // The aligned body of each dataset goes direct, the rest buffered, in
   // chunks that never straddle two registered buffers.
   std::vector<WriteOp> ops;
+  uint64_t direct_bytes = 0;
   const bool fixed = ring_ && ring_->registered;
   auto add = [&](int fd, uint64_t offset, size_t staged, size_t len) {
     while (len > 0) {
@@ -298,13 +302,14 @@ void ShardWriter::write_bulk(const std::filesystem::path& path, const std::vecto
     const size_t len = pieces_[i].bytes();
     const size_t body = direct.get() >= 0 && offsets[i] % kAlign == 0 ? len / kAlign * kAlign : 0;
     add(direct.get(), offsets[i], staging_offset_[i], body);
+    direct_bytes += body;
     add(buffered.get(), offsets[i] + body, staging_offset_[i] + body, len - body);
   }
 
   if (!ring_) {
     for (const WriteOp& op : ops) pwrite_all(op.fd, op.data, op.len, op.offset, path);
     if (::fsync(buffered.get()) != 0) fail(fmt::format("fsync of {} failed: {}", path.string(), std::strerror(errno)));
-    return;
+    return direct_bytes;
   }
 
   io_uring* ring = &ring_->ring;
@@ -360,6 +365,7 @@ void ShardWriter::write_bulk(const std::filesystem::path& path, const std::vecto
   const int res = cqe->res;
   io_uring_cqe_seen(ring, cqe);
   if (res < 0) fail(fmt::format("fsync of {} failed: {}", path.string(), std::strerror(-res)));
+  return direct_bytes;
 }
 
 }  // namespace keel::checkpoint

@@ -13,9 +13,9 @@
 //    an fsync that waits for every write.
 //
 // Fallbacks, each logged once per process: a filesystem that refuses
-// O_DIRECT (tmpfs) gets buffered writes; a kernel or sandbox that refuses
-// io_uring gets pwrite; a refused buffer registration gets unregistered
-// io_uring writes.
+// O_DIRECT (ramfs, tmpfs before Linux 6.6) gets buffered writes; a kernel
+// or sandbox that refuses io_uring gets pwrite; a refused buffer
+// registration gets unregistered io_uring writes.
 #pragma once
 
 #include "checkpoint/file_system.h"
@@ -56,7 +56,8 @@ class ShardWriter {
 
   struct Written {
     uint64_t bytes = 0;
-    std::string xxh3;  // of the whole file, 16 hex digits
+    std::string xxh3;           // of the whole file, 16 hex digits
+    uint64_t direct_bytes = 0;  // of those, written with O_DIRECT (0 on the buffered fallback)
   };
   // Writes the staged pieces, and `state` as attributes of /state, to a new
   // file at `path`, fsynced. The checksum covers the file as written: the
@@ -69,7 +70,8 @@ class ShardWriter {
   struct Ring;
   // Creates the HDF5 skeleton and returns every piece's file offset.
   std::vector<uint64_t> write_skeleton(const std::filesystem::path& path, const nlohmann::json& state) const;
-  void write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets);
+  // Returns the bytes written with O_DIRECT.
+  uint64_t write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets);
   Written checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const;
 
   bool o_direct_;

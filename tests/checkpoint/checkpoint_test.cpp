@@ -1,6 +1,7 @@
 // The checkpoint library on its own (docs/architecture.md "Checkpoints"): files and commit, reading
-// blocks across pieces, verification, retention, malformed checkpoints,
-// the O_DIRECT fallback and a staging buffer that does not grow.
+// blocks across pieces, verification, retention, malformed checkpoints
+// and a staging buffer that does not grow. The write paths are in
+// o_direct_test, abandoned commits in commit_abandon_test.
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/paths.h"
@@ -148,19 +149,6 @@ TEST_SUITE("unit") {
     CHECK(doomed_steps == std::vector<int64_t>{1, 2, 3, 5, 6, 7});
     for (const auto& e : doomed) keel::checkpoint::remove_checkpoint(e.dir);
     CHECK(keel::test::committed_steps(other / "ckpt") == std::vector<int64_t>{4, 8, 9, 10});
-  }
-
-  TEST_CASE("a filesystem that refuses O_DIRECT still gets a checkpoint that verifies") {
-    if (!fs::is_directory("/dev/shm")) {
-      MESSAGE("skipped: no /dev/shm tmpfs here");
-      return;
-    }
-    const fs::path root = fs::path("/dev/shm") / ("keel-ckpt-test-" + std::to_string(::getpid()));
-    write_fixture_checkpoints(root, {5});
-    const fs::path step = keel::checkpoint::step_dir(root, 5);
-    const bool ok = keel::checkpoint::verify_files(step, keel::checkpoint::read_manifest(step)).empty();
-    fs::remove_all(root);
-    CHECK(ok);
   }
 
   TEST_CASE("the staging buffer is reused so memory does not grow over a thousand saves") {

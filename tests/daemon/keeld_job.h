@@ -9,16 +9,20 @@
 #include "daemon/protocol.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/wait.h"
 #include "tests/trainer/token_fixture.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
+#include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -155,6 +159,59 @@ class KeeldJob {
   TempDir dir_;
   std::filesystem::path config_;
 };
+
+// The state letter of process `pid` in /proc ('R', 'S', 'T' for stopped,
+// 'Z' for exited and not yet reaped, ...); 'X' when it is gone.
+inline char process_state(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto name_end = stat.rfind(')');  // the command name may hold spaces and parentheses
+  return name_end == std::string::npos || name_end + 2 >= stat.size() ? 'X' : stat[name_end + 2];
+}
+
+// Stops `pid` with SIGSTOP and waits until it is stopped. False when it had
+// exited instead: a stopped process cannot exit by itself, so a check made
+// on it afterwards still holds when the next signal lands.
+inline bool freeze(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  char state = 'X';
+  const bool settled = wait_until(
+      [&] {
+        state = process_state(pid);
+        return state == 'T' || state == 't' || state == 'Z' || state == 'X';
+      },
+      30);
+  return settled && (state == 'T' || state == 't');
+}
+
+// Whether `signo` is pending for process `pid` (sent to it and not yet
+// delivered, as to a frozen process).
+inline bool signal_pending(pid_t pid, int signo) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("ShdPnd:")) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
+  }
+  return false;
+}
+
+// SIGKILLs a rank that is alive when the signal lands, chosen at random
+// among those `status` shows running, and returns its rank; -1 when none
+// is. Each candidate is frozen first, so that it cannot finish and exit
+// between the choice and the kill; one that already had is passed over.
+inline int kill_live_rank(const nlohmann::json& status, std::mt19937& rng) {
+  std::vector<nlohmann::json> candidates;
+  for (const auto& r : status.at("ranks")) {
+    if (r.at("pid").get<pid_t>() > 0 && r.at("exit_code").is_null()) candidates.push_back(r);
+  }
+  std::shuffle(candidates.begin(), candidates.end(), rng);
+  for (const auto& r : candidates) {
+    const pid_t pid = r.at("pid").get<pid_t>();
+    if (!freeze(pid)) continue;
+    ::kill(pid, SIGKILL);
+    return r.at("rank").get<int>();
+  }
+  return -1;
+}
 
 // Bit-identity of two checkpoints' tensors, naming the first that differs.
 inline void require_identical(const std::map<std::string, std::vector<float>>& a,

@@ -282,9 +282,10 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, inputs: torch.Tenso
 
 
 def lr_schedule(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """docs/architecture.md "Model"'s schedule as the benchmark uses it: linear warmup from
-    lr/warmup_steps to lr, then cosine decay to lr*min_lr_ratio at the last
-    step. (The oracle uses the lr keel reports for each step instead.)"""
+    """The learning rate of step `step` (0-based) as docs/architecture.md "Optimizer and loop"
+    documents it, written from that description and not from keel's code: linear
+    warmup from lr/warmup_steps to lr, then cosine decay to lr*min_lr_ratio at
+    the last step. The oracle holds keel's rates to it; the benchmark uses it."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     span = max(1, total_steps - 1 - warmup_steps)

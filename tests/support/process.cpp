@@ -71,6 +71,32 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
   return ChildProcess(argv, env).wait(timeout_s);
 }
 
+std::string run_in_child(const std::function<std::string()>& body) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+  const pid_t child = fork();
+  if (child < 0) throw std::runtime_error("fork failed");
+  if (child == 0) {
+    close(fds[0]);
+    std::string text;
+    try {
+      text = body();
+    } catch (const std::exception& e) {
+      text = std::string("exception: ") + e.what();
+    }
+    (void)!write(fds[1], text.data(), text.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string text;
+  char chunk[4096];
+  ssize_t n;
+  while ((n = read(fds[0], chunk, sizeof(chunk))) > 0) text.append(chunk, static_cast<size_t>(n));
+  close(fds[0]);
+  waitpid(child, nullptr, 0);
+  return text;
+}
+
 nlohmann::json last_json_line(const std::string& output) {
   const auto end = output.find_last_not_of('\n');
   if (end == std::string::npos) throw std::runtime_error("the process printed nothing");

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -41,6 +42,13 @@ class ChildProcess {
 // Runs a program to completion: ChildProcess(argv, env).wait(timeout_s).
 ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
                           double timeout_s = 300);
+
+// Runs `body` in a forked child process (no exec) and returns the text it
+// returned, passed back through a pipe: for what must not happen to the
+// test process itself, such as changing its uid or its namespaces. An
+// exception from body comes back as "exception: <what>"; a child that died
+// returns what it had written, usually nothing.
+std::string run_in_child(const std::function<std::string()>& body);
 
 // The last line of a process's output parsed as JSON: the summary that
 // keel's programs print on stdout with --json.

@@ -3,6 +3,10 @@
 namespace keel::test {
 
 RankLauncher::RankLauncher(int world_size, const std::vector<std::string>& argv,
+                           const std::map<std::string, std::string>& extra_env, int64_t generation)
+    : RankLauncher(world_size, [&](int) { return argv; }, extra_env, generation) {}
+
+RankLauncher::RankLauncher(int world_size, const std::function<std::vector<std::string>(int rank)>& argv_of,
                            const std::map<std::string, std::string>& extra_env, int64_t generation) {
   for (int r = 0; r < world_size; ++r) {
     auto env = extra_env;
@@ -13,7 +17,7 @@ RankLauncher::RankLauncher(int world_size, const std::vector<std::string>& argv,
     env["KEEL_GENERATION"] = std::to_string(generation);
     env["KEEL_STORE"] = store_.address();
     env["KEEL_STORE_SECRET"] = store_secret_;
-    ranks_.push_back(std::make_unique<ChildProcess>(argv, env));
+    ranks_.push_back(std::make_unique<ChildProcess>(argv_of(r), env));
   }
 }
 

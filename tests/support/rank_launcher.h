@@ -3,6 +3,7 @@
 #include "common/tcp_store.h"
 #include "tests/support/process.h"
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -18,6 +19,9 @@ namespace keel::test {
 class RankLauncher {
  public:
   RankLauncher(int world_size, const std::vector<std::string>& argv,
+               const std::map<std::string, std::string>& extra_env = {}, int64_t generation = 0);
+  // The same with a command line of each rank's own, argv_of(rank).
+  RankLauncher(int world_size, const std::function<std::vector<std::string>(int rank)>& argv_of,
                const std::map<std::string, std::string>& extra_env = {}, int64_t generation = 0);
 
   int world_size() const { return static_cast<int>(ranks_.size()); }

@@ -5,11 +5,12 @@
 
 namespace keel::test {
 
-// A fresh directory under the system temp dir, removed with everything in
-// it when the object goes away.
+// A fresh directory under the system temp dir (or under `parent`), removed
+// with everything in it when the object goes away.
 class TempDir {
  public:
   TempDir();
+  explicit TempDir(const std::filesystem::path& parent);
   ~TempDir();
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

@@ -6,6 +6,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/paths.h"
 #include "checkpoint/reader.h"
+#include "tests/support/wait.h"
 #include "tests/trainer/trainer_runs.h"
 
 #include <doctest/doctest.h>
@@ -35,6 +36,31 @@ fs::path checkpoint_of(const TrainerRuns& f, const std::string& run, int64_t ste
 std::vector<std::string> digests(const Run& run) {
   std::vector<std::string> out;
   for (const auto& output : run.outputs) out.push_back(keel::test::last_json_line(output).at("parameter_digest"));
+  return out;
+}
+
+// How long the last committed save took, writing and committing, from
+// events.jsonl (whose last line may be being written).
+double last_save_seconds(const fs::path& run_dir) {
+  double seconds = 0;
+  std::ifstream in(run_dir / "events.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto e = nlohmann::json::parse(line, nullptr, false);
+    if (!e.is_discarded() && e.value("kind", "") == "checkpoint_committed") {
+      seconds = e.at("write_s").get<double>() + e.at("commit_s").get<double>();
+    }
+  }
+  return seconds;
+}
+
+// The .partial directories under a checkpoint directory: saves in flight,
+// or interrupted.
+std::vector<fs::path> partial_dirs(const fs::path& root) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    if (entry.path().extension() == ".partial") out.push_back(entry.path());
+  }
   return out;
 }
 
@@ -174,6 +200,7 @@ TEST_SUITE("integration") {
                                             "checkpoint.keep=2"};
     const fs::path root = f.dir() / "crash" / "checkpoints";
     int64_t newest_step = -1;
+    int mid_save = 0, mid_commit = 0;
     for (int trial = 0; trial < 20; ++trial) {
       CAPTURE(trial);
       keel::test::ChildProcess trainer(f.argv("crash", [&] {
@@ -181,12 +208,30 @@ TEST_SUITE("integration") {
         sets.insert(sets.end(), often.begin(), often.end());
         return sets;
       }()), {{"SPDLOG_LEVEL", "warn"}});
-      std::this_thread::sleep_for(std::chrono::milliseconds(150 + random() % 400));
+      // This trainer commits a checkpoint of its own first: so the run
+      // makes progress, what the last kill left is gone, and a save in
+      // flight after it is this trainer's.
+      REQUIRE(keel::test::wait_until(
+          [&] {
+            const auto entries = keel::checkpoint::committed(root);
+            return !entries.empty() && entries.back().step > newest_step;
+          },
+          120));
+      const double save_s = last_save_seconds(f.dir() / "crash");
+      // Then a random moment of a save in flight: while its rank file is
+      // written or while it is committed.
+      REQUIRE(keel::test::wait_until([&] { return !partial_dirs(root).empty(); }, 120));
+      std::this_thread::sleep_for(std::chrono::duration<double>(save_s * std::uniform_real_distribution<>(0, 1)(random)));
       trainer.signal(SIGKILL);
       trainer.wait(30);
+      // What the kill interrupted is still on disk: a .partial directory,
+      // holding index.h5 once the commit had begun.
+      const auto interrupted = partial_dirs(root);
+      mid_save += interrupted.empty() ? 0 : 1;
+      for (const auto& dir : interrupted) mid_commit += fs::exists(dir / keel::checkpoint::kIndexFile) ? 1 : 0;
       const auto newest = keel::checkpoint::choose_resume(
           root, {}, [](const fs::path& dir, const std::string& why) { FAIL_CHECK(dir.string() << ": " << why); });
-      if (!newest) continue;  // killed before its first commit
+      REQUIRE(newest);
       CHECK(newest->step >= newest_step);  // never lost one
       newest_step = newest->step;
       // Every committed checkpoint, not just the newest, verifies.
@@ -194,6 +239,8 @@ TEST_SUITE("integration") {
         CHECK(keel::checkpoint::verify_files(entry.dir, keel::checkpoint::read_manifest(entry.dir)).empty());
       }
     }
+    MESSAGE(mid_save << " of 20 kills landed while a save was in flight, " << mid_commit << " of them in its commit");
+    CHECK(mid_save >= 10);
     CHECK(newest_step > 0);
     // And training resumes from it.
     const Run resumed = f.run(Layout{}, "crash", {"train.steps=1000000", "train.val_every=0", "checkpoint.every_steps=1"},

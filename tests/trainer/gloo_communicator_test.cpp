@@ -9,6 +9,7 @@
 #include "tests/support/failure.h"
 #include "tests/support/memory_store.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/wait.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -60,6 +61,17 @@ std::vector<std::exception_ptr> run_ranks(int size, const std::function<void(int
   }
   for (auto& thread : threads) thread.join();
   return errors;
+}
+
+// Waits until `recorder` holds `calls` calls and the newest is in flight:
+// its rank is inside that call. False when that never happens.
+bool await_in_flight(const FlightRecorder& recorder, size_t calls) {
+  return keel::test::wait_until(
+      [&] {
+        const auto entries = recorder.snapshot();
+        return entries.size() == calls && entries.back().state == FlightState::kInFlight;
+      },
+      30);
 }
 
 void require_no_errors(const std::vector<std::exception_ptr>& errors) {
@@ -649,8 +661,8 @@ TEST_SUITE("unit") {
       std::vector<float> data(1000, 1.0f);
       comm->all_reduce(data.data(), data.size());
       if (rank == 1) {
-        // Rank 0 is inside its second all_reduce by now; this rank leaves.
-        std::this_thread::sleep_for(200ms);
+        // Once rank 0 is inside its second all_reduce, this rank leaves.
+        if (!await_in_flight(*recorder, 2)) throw std::runtime_error("rank 0 never began its second all_reduce");
         comm.reset();
         return;
       }
@@ -669,8 +681,9 @@ TEST_SUITE("unit") {
     const auto timeout = 5000ms;
     Failure blocked, later, peer;
     std::latch aborted(1);
+    auto recorder = std::make_shared<FlightRecorder>();
     require_no_errors(run_ranks(2, [&](int rank) {
-      GlooCommunicator comm(store, "aborted", rank, 2, timeout, nullptr);
+      GlooCommunicator comm(store, "aborted", rank, 2, timeout, rank == 0 ? recorder : nullptr);
       comm.barrier();
       std::vector<float> data(1000, 1.0f);
       if (rank == 1) {
@@ -678,13 +691,15 @@ TEST_SUITE("unit") {
         peer = failure_of([&] { comm.barrier(); });
         return;
       }
+      bool blocked_seen = false;
       std::thread watchdog([&] {
-        std::this_thread::sleep_for(200ms);
+        blocked_seen = await_in_flight(*recorder, 2);  // the barrier, then the all_reduce
         comm.abort();
         comm.abort();  // idempotent
       });
       blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
       watchdog.join();
+      if (!blocked_seen) throw std::runtime_error("the all_reduce was never seen in flight");
       later = failure_of([&] { comm.barrier(); });
       aborted.count_down();
     }));
@@ -707,8 +722,9 @@ TEST_SUITE("unit") {
     Failure blocked;
     std::latch rank1_gone(1);
     std::latch aborted(1);
+    auto recorder = std::make_shared<FlightRecorder>();
     require_no_errors(run_ranks(3, [&](int rank) {
-      auto comm = std::make_unique<GlooCommunicator>(store, "partial", rank, 3, timeout, nullptr);
+      auto comm = std::make_unique<GlooCommunicator>(store, "partial", rank, 3, timeout, rank == 0 ? recorder : nullptr);
       comm->barrier();
       std::vector<float> data(10, 1.0f);
       if (rank == 1) {
@@ -723,13 +739,15 @@ TEST_SUITE("unit") {
       }
       rank1_gone.wait();
       std::this_thread::sleep_for(100ms);  // let the closed connection reach rank 0's pair
+      bool blocked_seen = false;
       std::thread watchdog([&] {
-        std::this_thread::sleep_for(200ms);
+        blocked_seen = await_in_flight(*recorder, 2);  // the barrier, then the recv
         comm->abort();
       });
       blocked = failure_of([&] { comm->recv(data.data(), data.size(), 2); });
       watchdog.join();
       aborted.count_down();
+      if (!blocked_seen) throw std::runtime_error("the recv was never seen in flight");
     }));
     CHECK_MESSAGE(blocked.code == ErrorCode::kCollectiveHang, describe(blocked));
     CHECK(contains(blocked.message, "aborted"));
@@ -745,21 +763,24 @@ TEST_SUITE("unit") {
     const auto timeout = 5000ms;
     Failure blocked;
     std::latch done(1);
+    auto recorder = std::make_shared<FlightRecorder>();
     require_no_errors(run_ranks(2, [&](int rank) {
-      GlooCommunicator comm(store, "told", rank, 2, timeout, nullptr);
+      GlooCommunicator comm(store, "told", rank, 2, timeout, rank == 0 ? recorder : nullptr);
       comm.barrier();
       if (rank == 1) {
         done.wait();
         return;
       }
+      bool blocked_seen = false;
       std::thread reporter([&] {
-        std::this_thread::sleep_for(200ms);
+        blocked_seen = await_in_flight(*recorder, 2);  // the barrier, then the all_reduce
         store.set(GlooCommunicator::failure_key("told"), "peer_failure|7|gloo: Connection closed by peer");
       });
       std::vector<float> data(10, 1.0f);
       blocked = failure_of([&] { comm.all_reduce(data.data(), data.size()); });
       reporter.join();
       done.count_down();
+      if (!blocked_seen) throw std::runtime_error("the all_reduce was never seen in flight");
     }));
     CHECK_MESSAGE(blocked.code == ErrorCode::kPeerFailure, describe(blocked));
     // Rank 1's watcher sees the record too and aborts, which may close the
@@ -780,14 +801,17 @@ TEST_SUITE("unit") {
     Failure blocked;
     std::string handled;
     std::latch done(1);
+    auto recorder = std::make_shared<FlightRecorder>();
     require_no_errors(run_ranks(2, [&](int rank) {
-      GlooCommunicator comm(store, "left", rank, 2, timeout, nullptr);
+      GlooCommunicator comm(store, "left", rank, 2, timeout, rank == 0 ? recorder : nullptr);
       comm.barrier();
       if (rank == 1) {
         store.set(GlooCommunicator::failure_key("left"), "collective_hang|1|gloo: timed out");
-        std::this_thread::sleep_for(200ms);
+        // The departure once rank 0 is blocked in its all_reduce.
+        const bool blocked_seen = await_in_flight(*recorder, 2);
         store.set(GlooCommunicator::left_key("left"), "1|its other group failed");
         done.wait();
+        if (!blocked_seen) throw std::runtime_error("the all_reduce was never seen in flight");
         return;
       }
       comm.set_peer_failure_handler([&](const std::string& cause) { handled = cause; });

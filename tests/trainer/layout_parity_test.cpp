@@ -7,6 +7,7 @@
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/wait.h"
 #include "common/config.h"
 #include "tests/trainer/comm_formulas.h"
 #include "tests/trainer/trainer_runs.h"
@@ -20,7 +21,6 @@
 #include <csignal>
 #include <fstream>
 #include <map>
-#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -202,11 +202,7 @@ TEST_SUITE("integration") {
                                "train.val_every=0", "parallel.timeout_s=" + std::to_string(timeout_s)});
       keel::test::RankLauncher ranks(layout.world(), f.argv("killed", sets), {{"SPDLOG_LEVEL", "warn"}});
       const fs::path metrics = f.dir() / "killed" / "metrics.jsonl";
-      for (int i = 0; i < 600; ++i) {
-        std::ifstream in(metrics);
-        if (std::count(std::istreambuf_iterator<char>(in), {}, '\n') >= 3) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
+      REQUIRE(keel::test::wait_until([&] { return keel::test::complete_lines(metrics) >= 3; }, 120));
       const int victim = 1;
       const auto killed_at = std::chrono::steady_clock::now();
       ranks.rank(victim).signal(SIGKILL);

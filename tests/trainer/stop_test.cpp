@@ -2,6 +2,7 @@
 // keeps every metrics line it wrote, and exits 14 (docs/architecture.md "Worker contract").
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/wait.h"
 #include "tests/trainer/token_fixture.h"
 
 #include <doctest/doctest.h>
@@ -9,7 +10,6 @@
 
 #include <csignal>
 #include <fstream>
-#include <thread>
 
 namespace {
 
@@ -49,7 +49,7 @@ threads = 1
       keel::test::ChildProcess trainer({keel::test::keel_binary("keel-trainer").string(), "--config",
                                         (dir / "run.toml").string(), "--set", "job.run_dir=" + (dir / "run").string()});
       const auto metrics = dir / "run" / "metrics.jsonl";
-      for (int i = 0; i < 600 && metrics_lines(metrics) < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      REQUIRE(keel::test::wait_until([&] { return keel::test::complete_lines(metrics) >= 3; }, 120));
       trainer.signal(signo);
       auto result = trainer.wait(60);
       CAPTURE(result.output);

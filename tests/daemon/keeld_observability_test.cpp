@@ -1,0 +1,178 @@
+// What an operator sees of a live keeld job (docs/architecture.md "Daemon"): the Prometheus
+// page that its metrics port serves, scraped over HTTP with every
+// documented metric, and the "stale" health that keelctl status shows for
+// a rank whose progress board stops moving.
+#include "tests/daemon/keeld_job.h"
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <doctest/doctest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace keel::test {
+namespace {
+
+namespace asio = boost::asio;
+namespace http = boost::beast::http;
+
+struct Sample {
+  std::string labels;  // what is between the braces, "" without
+  double value = NAN;
+};
+
+// GET /metrics from keeld's port: the page's samples by metric name.
+std::map<std::string, std::vector<Sample>> scrape(uint16_t port) {
+  asio::io_context io;
+  asio::ip::tcp::socket socket(io);
+  socket.connect({asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::empty_body> request{http::verb::get, "/metrics", 11};
+  request.set(http::field::host, "127.0.0.1");
+  http::write(socket, request);
+  boost::beast::flat_buffer buffer;
+  http::response<http::string_body> response;
+  http::read(socket, buffer, response);
+  REQUIRE(response.result_int() == 200);
+  std::map<std::string, std::vector<Sample>> samples;
+  std::istringstream page(response.body());
+  for (std::string line; std::getline(page, line);) {
+    if (line.empty() || line.starts_with("#")) continue;
+    const size_t name_end = line.find_first_of("{ ");
+    const size_t value_at = line.rfind(' ');
+    REQUIRE_MESSAGE((name_end != std::string::npos && value_at != std::string::npos), line);
+    Sample sample;
+    if (line[name_end] == '{') sample.labels = line.substr(name_end + 1, line.find('}') - name_end - 1);
+    sample.value = std::stod(line.substr(value_at + 1));
+    samples[line.substr(0, name_end)].push_back(sample);
+  }
+  return samples;
+}
+
+// The one sample of a job-wide metric.
+double value_of(const std::map<std::string, std::vector<Sample>>& samples, const std::string& name) {
+  INFO(name);
+  REQUIRE(samples.count(name) == 1);
+  REQUIRE(samples.at(name).size() == 1);
+  return samples.at(name)[0].value;
+}
+
+// A per-rank metric's value for each rank it names, by its rank label.
+std::map<int, double> by_rank(const std::map<std::string, std::vector<Sample>>& samples, const std::string& name) {
+  std::map<int, double> out;
+  const auto it = samples.find(name);
+  if (it == samples.end()) return out;
+  for (const auto& s : it->second) {
+    const size_t at = s.labels.find("rank=\"");
+    if (at != std::string::npos) out[std::stoi(s.labels.substr(at + 6))] = s.value;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE("a live keeld serves every documented Prometheus metric with sane values") {
+    KeeldJob job;  // daemon.metrics_port = 0: any free port, named in status
+    auto keeld = job.start({"train.steps=1000000"});
+    const auto status = job.wait_for([](const nlohmann::json& s) {
+      return s.at("state") == "running" && s.at("checkpoint_step").get<int64_t>() >= 5;
+    });
+    const auto port = status.at("metrics_port").get<uint16_t>();
+    REQUIRE(port != 0);
+    // keeld reads the boards every 200 ms: the ranks' file sizes of the
+    // committed checkpoint reach the page on a later tick than the commit.
+    std::map<std::string, std::vector<Sample>> page;
+    const bool written = wait_until(
+        [&] {
+          page = scrape(port);
+          const auto bytes = by_rank(page, "keel_rank_checkpoint_bytes");
+          return bytes.size() == 4 && std::all_of(bytes.begin(), bytes.end(), [](auto& b) { return b.second > 0; });
+        },
+        60);
+    CHECK_MESSAGE(written, "the ranks' checkpoint bytes never reached the page");
+
+    CHECK(value_of(page, "keel_step") >= 5);
+    const double loss = value_of(page, "keel_loss");
+    CHECK(std::isfinite(loss));
+    CHECK(loss > 0);
+    CHECK(loss < std::log(256.0) * 2);  // a byte-level model starts near ln 256
+    CHECK(value_of(page, "keel_tokens_per_second") > 0);
+    CHECK(value_of(page, "keel_generation") == 0);
+    CHECK(value_of(page, "keel_restarts_total") == 0);
+    const double checkpoint_step = value_of(page, "keel_checkpoint_step");
+    CHECK(checkpoint_step >= 5);
+    CHECK(std::fmod(checkpoint_step, 5) == 0);  // checkpoint.every_steps = 5
+
+    // One keel_job_state sample per state, 1 for running only.
+    std::set<std::string> states;
+    for (const auto& s : page["keel_job_state"]) {
+      CAPTURE(s.labels);
+      const bool running = s.labels.find("state=\"running\"") != std::string::npos;
+      CHECK(s.value == (running ? 1 : 0));
+      states.insert(s.labels);
+    }
+    CHECK(states.size() == 7);
+
+    const std::vector<std::string> per_rank = {"keel_rank_step", "keel_rank_step_seconds", "keel_rank_board_age_seconds",
+                                               "keel_rank_checkpoint_bytes", "keel_rank_checkpoint_write_seconds"};
+    for (const auto& name : per_rank) {
+      CAPTURE(name);
+      const auto values = by_rank(page, name);
+      REQUIRE(values.size() == 4);
+      for (const auto& [rank, value] : values) {
+        CAPTURE(rank);
+        CHECK(std::isfinite(value));
+        if (name == "keel_rank_step") CHECK(value >= 5);
+        if (name == "keel_rank_step_seconds" || name == "keel_rank_checkpoint_write_seconds") CHECK(value > 0);
+        if (name == "keel_rank_board_age_seconds") CHECK(value >= 0);
+        if (name == "keel_rank_checkpoint_bytes") CHECK(value > 0);
+        CHECK(value < 1e9);
+      }
+    }
+
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    const auto result = keeld->wait(300);
+    INFO(result.output);
+    CHECK(result.exit_code == 0);
+  }
+
+  TEST_CASE("a rank whose board stops updating shows stale in keelctl status and ok again once it moves") {
+    KeeldJob job;
+    // Collectives wait for the frozen rank far longer than the test takes.
+    auto keeld = job.start({"train.steps=1000000", "daemon.stale_after_s=2", "parallel.timeout_s=300"});
+    const int victim = 2;
+    auto health_of = [&](const nlohmann::json& s) { return s.at("ranks").at(victim).at("health").get<std::string>(); };
+    const auto status =
+        job.wait_for([&](const nlohmann::json& s) { return s.at("state") == "running" && health_of(s) == "ok"; });
+    const auto pid = status.at("ranks").at(victim).at("pid").get<pid_t>();
+    REQUIRE(freeze(pid));
+
+    job.wait_for([&](const nlohmann::json& s) { return health_of(s) == "stale"; });
+    const auto table = run_process({keel_binary("keelctl").string(), "--socket", job.socket(), "status"});
+    CHECK(table.exit_code == 0);
+    CHECK(table.output.find("stale") != std::string::npos);
+    const auto json = run_process({keel_binary("keelctl").string(), "--socket", job.socket(), "status", "--json"});
+    REQUIRE(json.exit_code == 0);
+    const auto parsed = nlohmann::json::parse(json.output);
+    CHECK(health_of(parsed) == "stale");
+    CHECK(parsed.at("ranks").at(victim).at("board_age_s").get<double>() > 2);
+
+    ::kill(pid, SIGCONT);
+    job.wait_for([&](const nlohmann::json& s) { return health_of(s) == "ok"; });
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    const auto result = keeld->wait(300);
+    INFO(result.output);
+    CHECK(result.exit_code == 0);
+    CHECK(job.events_of("rank_failed").empty());
+  }
+}
+
+}  // namespace keel::test
