@@ -35,7 +35,9 @@ class Fd {
 class RealFileSystem final : public FileSystem {
  public:
   void reserve(const std::filesystem::path& file, uint64_t bytes) override {
-    Fd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+    // Read-write: where the filesystem has no fallocate (ramfs), glibc
+    // emulates it with reads and writes.
+    Fd fd(::open(file.c_str(), O_RDWR | O_CLOEXEC));
     if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
     const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
     if (rc != 0) fail(fmt::format("no room for the {} bytes of {}: {}", bytes, file.string(), std::strerror(rc)));
