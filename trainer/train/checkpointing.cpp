@@ -147,11 +147,11 @@ nlohmann::json TrainLoop::choose_start() {
 void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
   std::vector<std::string> problems;
   std::set<std::string> expected;
+  const auto stored = reader.tensors();
   for (const ParamSpec& spec : table_.specs()) {
     for (const char* group : kGroups) {
       const std::string path = fmt::format("/{}/{}", group, spec.name);
       expected.insert(path);
-      const auto stored = reader.tensors();
       if (!std::binary_search(stored.begin(), stored.end(), path)) {
         problems.push_back(fmt::format("{} is missing from the checkpoint", path));
         continue;
@@ -163,7 +163,7 @@ void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
       }
     }
   }
-  for (const auto& path : reader.tensors()) {
+  for (const auto& path : stored) {
     if (!expected.contains(path)) problems.push_back(fmt::format("{} is in the checkpoint but not in this model", path));
   }
   if (problems.empty()) return;
@@ -176,11 +176,14 @@ void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
       keys.push_back(fmt::format("model.{} is {} in the checkpoint and {} here", key, saved[key].dump(), value.dump()));
     }
   }
+  constexpr size_t kNamed = 4;  // a whole model's worth of tensors would bury the keys
+  const size_t named = std::min(problems.size(), kNamed);
   throw common::Error(
       common::ErrorCode::kBadConfig,
-      fmt::format("checkpoint {} does not fit this model: {}{}. Set the model as the checkpoint was saved, or start "
-                  "from another checkpoint",
-                  reader.dir().string(), fmt::join(problems.begin(), problems.begin() + std::min<size_t>(problems.size(), 4), "; "),
+      fmt::format("checkpoint {} does not fit this model: {}{}{}. Set the model as the checkpoint was saved, or "
+                  "start from another checkpoint",
+                  reader.dir().string(), fmt::join(problems.begin(), problems.begin() + named, "; "),
+                  problems.size() > named ? fmt::format(" and {} more", problems.size() - named) : std::string(),
                   keys.empty() ? std::string() : fmt::format(" ({})", fmt::join(keys, "; "))));
 }
 
