@@ -112,9 +112,11 @@ void sum_floats(void* out, const void* a, const void* b, size_t n) { gloo::sum<f
 }  // namespace
 
 GlooCommunicator::GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
-                                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder)
+                                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
+                                   std::string rank_failed_key)
     : Communicator(std::move(group_name), rank, size, std::move(recorder)),
       store_(store),
+      rank_failed_key_(std::move(rank_failed_key)),
       timeout_(timeout),
       sent_to_(static_cast<size_t>(size), 0),
       received_from_(static_cast<size_t>(size), 0) {
@@ -177,12 +179,19 @@ void GlooCommunicator::watch_for_peer_failures() {
   bool failure_settled = false;
   std::unique_lock<std::mutex> lock(watch_mutex_);
   while (!watch_wakeup_.wait_for(lock, kPollInterval, [this] { return stopping_; })) {
-    std::optional<std::string> failure, left;
+    std::optional<std::string> failure, left, died;
     try {
       if (!failure_settled) failure = store_.get(failure_key(name()));
       left = store_.get(left_key(name()));
+      if (!rank_failed_key_.empty()) died = store_.get(rank_failed_key_);
     } catch (const std::exception&) {
       return;  // the store is gone: the ranks' own timeouts still bound every call
+    }
+    if (died) {
+      const std::string cause = fmt::format("keeld reports that {}", *died);
+      notify_peer_failure(cause);
+      abort_with(ErrorCode::kPeerFailure, cause);
+      return;
     }
     if (left) {
       const auto bar = left->find('|');

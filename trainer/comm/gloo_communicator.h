@@ -64,8 +64,12 @@ class GlooCommunicator final : public Communicator {
   // Blocks until all `size` ranks of the group have connected; a rank that
   // does not arrive within `timeout` makes it raise kPeerFailure. `store`
   // must outlive the communicator: failures are reported through it.
+  // `rank_failed_key` (empty: none) is the key keeld sets when a rank of
+  // the job dies (common::rank_failed_key): the watcher aborts on it too,
+  // since a rank killed outright records nothing itself.
   GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
-                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder);
+                   std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
+                   std::string rank_failed_key = "");
   ~GlooCommunicator() override;
   GlooCommunicator(const GlooCommunicator&) = delete;
   GlooCommunicator& operator=(const GlooCommunicator&) = delete;
@@ -85,6 +89,7 @@ class GlooCommunicator final : public Communicator {
   // can read the key to learn the first cause. leave() writes its own key,
   // left_key(group) ("<rank>|<cause>"), which the watcher also polls, so a
   // departure is seen even when the failure record holds another cause.
+  // And keeld's rank_failed key, for a peer that died without a word.
   static std::string failure_key(const std::string& group_name);
   static std::string left_key(const std::string& group_name);
 
@@ -115,6 +120,7 @@ class GlooCommunicator final : public Communicator {
   uint32_t next_collective_tag() { return static_cast<uint32_t>(collectives_++); }
 
   common::Store& store_;
+  std::string rank_failed_key_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::Context> context_;
   std::atomic<bool> aborted_{false};

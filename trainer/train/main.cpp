@@ -202,7 +202,8 @@ int main(int argc, char** argv) {
         log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
         return std::make_unique<keel::trainer::GlooCommunicator>(
             *store, fmt::format("g{}.{}", worker.generation, group.name), group.index_in_group,
-            static_cast<int>(group.ranks.size()), timeout, recorder);
+            static_cast<int>(group.ranks.size()), timeout, recorder,
+            keel::common::rank_failed_key(worker.generation));
       };
       dp = join(keel::trainer::Axis::kDp);
       tp = join(keel::trainer::Axis::kTp);
