@@ -1,6 +1,7 @@
 #include "checkpoint/file_system.h"
 
 #include "common/error.h"
+#include "common/unique_fd.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -18,33 +19,19 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw common::Error(common::ErrorCode::kCheckpointFailure, what); }
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 class RealFileSystem final : public FileSystem {
  public:
   void reserve(const std::filesystem::path& file, uint64_t bytes) override {
     // Read-write: where the filesystem has no fallocate (ramfs), glibc
     // emulates it with reads and writes.
-    Fd fd(::open(file.c_str(), O_RDWR | O_CLOEXEC));
+    common::UniqueFd fd(::open(file.c_str(), O_RDWR | O_CLOEXEC));
     if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
     const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes));
     if (rc != 0) fail(fmt::format("no room for the {} bytes of {}: {}", bytes, file.string(), std::strerror(rc)));
   }
 
   void sync(const std::filesystem::path& path) override {
-    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() < 0) fail(fmt::format("cannot open {} to fsync it: {}", path.string(), std::strerror(errno)));
     if (::fsync(fd.get()) != 0) fail(fmt::format("fsync of {} failed: {}", path.string(), std::strerror(errno)));
   }
@@ -68,7 +55,7 @@ class RealFileSystem final : public FileSystem {
   }
 
   std::string checksum(const std::filesystem::path& file) override {
-    Fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    common::UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
     XXH3_64bits_reset(state.get());

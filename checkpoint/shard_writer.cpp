@@ -2,6 +2,7 @@
 
 #include "checkpoint/hdf5_handle.h"
 #include "common/error.h"
+#include "common/unique_fd.h"
 #include "common/log.h"
 
 #include <fcntl.h>
@@ -59,25 +60,6 @@ void pwrite_all(int fd, const std::byte* data, size_t len, uint64_t offset, cons
     offset += static_cast<uint64_t>(n);
   }
 }
-
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  Fd& operator=(Fd&& other) noexcept {
-    std::swap(fd_, other.fd_);
-    return *this;
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_ = -1;
-};
 
 }  // namespace
 
@@ -177,7 +159,7 @@ ShardWriter::Written ShardWriter::write(const std::filesystem::path& path, const
 }
 
 ShardWriter::Written ShardWriter::checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
   const uint64_t size = std::filesystem::file_size(path);
   std::vector<size_t> order(pieces_.size());
@@ -221,7 +203,7 @@ std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& p
   // crashes it at exit. H5Fcreate truncates, which frees that reservation,
   // so the file is reserved again, whole, once the skeleton is closed.
   {
-    Fd created(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    common::UniqueFd created(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (created.get() < 0) fail(fmt::format("cannot create {}: {}", path.string(), std::strerror(errno)));
   }
   try {
@@ -270,9 +252,9 @@ std::vector<uint64_t> ShardWriter::write_skeleton(const std::filesystem::path& p
 }
 
 uint64_t ShardWriter::write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) {
-  Fd direct;
+  common::UniqueFd direct;
   if (o_direct_) {
-    direct = Fd(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+    direct = common::UniqueFd(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     if (direct.get() < 0) {
       if (errno != EINVAL) fail(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
       warn_once(g_no_o_direct,
@@ -280,7 +262,7 @@ uint64_t ShardWriter::write_bulk(const std::filesystem::path& path, const std::v
                             path.parent_path().string()));
     }
   }
-  Fd buffered(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+  common::UniqueFd buffered(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
   if (buffered.get() < 0) fail(fmt::format("cannot open {}: {}", path.string(), std::strerror(errno)));
 
   // The aligned body of each dataset goes direct, the rest buffered, in

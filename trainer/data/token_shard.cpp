@@ -1,6 +1,7 @@
 #include "trainer/data/token_shard.h"
 
 #include "common/error.h"
+#include "common/unique_fd.h"
 #include "common/log.h"
 
 #include <fcntl.h>
@@ -33,24 +34,6 @@ static_assert(std::endian::native == std::endian::little, "llm.c token shards ar
 }
 
 std::string errno_text(int error) { return std::strerror(error); }
-
-// Closes a descriptor on every path out of a function.
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  int get() const { return fd_; }
-  // Closes now so that the caller can see the error close reports (a
-  // deferred write failure on some file systems).
-  int close() { return ::close(std::exchange(fd_, -1)); }
-
- private:
-  int fd_;
-};
 
 // The largest token, scanned in fixed-size blocks: a constant trip count lets
 // the compiler vectorise the inner loop, which keeps opening a multi-GB
@@ -85,7 +68,7 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path) 
 
 TokenShard TokenShard::open(const std::filesystem::path& path, int64_t vocab_size) {
   const std::string name = path.string();
-  FdGuard fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     fail(name, fmt::format("cannot open: {}: check the data path in the config", errno_text(errno)));
   }
@@ -191,7 +174,7 @@ void write_token_shard(const std::filesystem::path& path, std::span<const uint16
   // after a crash: write a temporary, make it durable, then rename it over.
   const std::string tmp = name + ".tmp";
   try {
-    FdGuard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (fd.get() < 0) {
       fail(tmp, fmt::format("cannot create: {}: check that the directory exists and is writable",
                             errno_text(errno)));
@@ -211,7 +194,7 @@ void write_token_shard(const std::filesystem::path& path, std::span<const uint16
   // The rename is durable only once the directory entry is on disk.
   std::filesystem::path dir = path.parent_path();
   if (dir.empty()) dir = ".";
-  FdGuard dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  common::UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() < 0 || ::fsync(dir_fd.get()) != 0) {
     fail(name, fmt::format("cannot fsync directory {}: {}", dir.string(), errno_text(errno)));
   }
