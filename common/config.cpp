@@ -358,6 +358,53 @@ void Config::validate() const {
   at_least(faults.crash_rank, -1, "faults.crash_rank");
   at_least(faults.crash_step, 0, "faults.crash_step");
   at_least(faults.crash_generation, -1, "faults.crash_generation");
+  at_least(faults.fault_generation, -1, "faults.fault_generation");
+  for (auto [value, key] : {std::pair{faults.nan_rank, "faults.nan_rank"}, {faults.hang_rank, "faults.hang_rank"},
+                            {faults.slow_rank, "faults.slow_rank"}, {faults.bitflip_rank, "faults.bitflip_rank"}}) {
+    at_least(value, -1, key);
+  }
+  for (auto [value, key] : {std::pair{faults.nan_step, "faults.nan_step"}, {faults.hang_step, "faults.hang_step"},
+                            {faults.bitflip_step, "faults.bitflip_step"},
+                            {faults.checkpoint_fault_rank, "faults.checkpoint_fault_rank"},
+                            {faults.checkpoint_fault_step, "faults.checkpoint_fault_step"}}) {
+    at_least(value, 0, key);
+  }
+  check(faults.slow_factor >= 1.0, "faults.slow_factor",
+        fmt::format("must be at least 1 (1 = not slowed; got {})", faults.slow_factor));
+  check(faults.bitflip_bit >= 0 && faults.bitflip_bit <= 31, "faults.bitflip_bit",
+        fmt::format("must be a bit of a float32, 0-31 (got {})", faults.bitflip_bit));
+  check(faults.bitflip_target == "param" || faults.bitflip_target == "exp_avg" ||
+            faults.bitflip_target == "exp_avg_sq" || faults.bitflip_target == "grad" ||
+            faults.bitflip_target == "activation",
+        "faults.bitflip_target",
+        fmt::format("must be \"param\", \"exp_avg\", \"exp_avg_sq\", \"grad\" or \"activation\" (got \"{}\")",
+                    faults.bitflip_target));
+  check(!faults.hang_group.empty(), "faults.hang_group", "must name a mesh axis, e.g. \"dp\" or \"tp\"");
+  check(faults.checkpoint_fault.empty() || faults.checkpoint_fault == "write_error" ||
+            faults.checkpoint_fault == "corrupt" || faults.checkpoint_fault == "disk_full",
+        "faults.checkpoint_fault",
+        fmt::format("must be \"write_error\", \"corrupt\", \"disk_full\" or empty (got \"{}\")",
+                    faults.checkpoint_fault));
+
+  for (auto [value, key] : {std::pair{health.heartbeat_timeout_s, "health.heartbeat_timeout_s"},
+                            {health.hang_timeout_floor_s, "health.hang_timeout_floor_s"},
+                            {health.hang_timeout_multiple, "health.hang_timeout_multiple"},
+                            {health.sdc_anomaly_z, "health.sdc_anomaly_z"},
+                            {health.straggler_threshold, "health.straggler_threshold"}}) {
+    check(value > 0, key, fmt::format("must be positive (got {})", value));
+  }
+  check(health.hang_timeout_ceiling_s >= health.hang_timeout_floor_s, "health.hang_timeout_ceiling_s",
+        fmt::format("must be at least hang_timeout_floor_s = {} (got {})", health.hang_timeout_floor_s,
+                    health.hang_timeout_ceiling_s));
+  at_least(health.hang_warmup_steps, 1, "health.hang_warmup_steps");
+  at_least(health.sdc_digest_every, 0, "health.sdc_digest_every");
+  check(health.sdc_kat_every_s >= 0, "health.sdc_kat_every_s", "must be non-negative; 0 tests at start only");
+  at_least(health.sdc_anomaly_window, 8, "health.sdc_anomaly_window");
+  check(health.sdc_policy == "warn" || health.sdc_policy == "restart" || health.sdc_policy == "exclude",
+        "health.sdc_policy",
+        fmt::format("must be \"warn\", \"restart\" or \"exclude\" (got \"{}\")", health.sdc_policy));
+  at_least(health.straggler_window, 2, "health.straggler_window");
+  at_least(health.straggler_windows, 1, "health.straggler_windows");
 }
 
 std::string Config::to_toml() const {

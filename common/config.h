@@ -191,25 +191,92 @@ struct DaemonConfig {
   }
 };
 
-// Fault injection (docs/architecture.md "Health"): inert unless configured. A crash kills the
-// rank with SIGKILL, as the kernel's OOM killer or a lost node would.
+// The detectors (docs/architecture.md "Health"). keeld runs the hang and
+// straggler detectors and compares replica digests from the boards; the
+// ranks run the rerun and the known-answer tests.
+struct HealthConfig {
+  double heartbeat_timeout_s = 10;      // a rank whose heartbeat is older than this is frozen (stopped, not waiting)
+  double hang_timeout_floor_s = 30;     // a learned collective or phase budget is never shorter
+  double hang_timeout_ceiling_s = 600;  // nor longer; before warm-up, and for a phase never seen, the budget is this
+  int64_t hang_warmup_steps = 20;       // steps observed before budgets are learned
+  double hang_timeout_multiple = 5;     // a budget is this multiple of the 99th percentile of observed durations
+  int64_t sdc_digest_every = 10;        // replica digests every N steps; 0 = off
+  double sdc_kat_every_s = 600;         // known-answer kernel tests at start and this often; 0 = at start only
+  bool sdc_rerun = true;                // re-run a step whose loss or gradient norm is anomalous before applying it
+  double sdc_anomaly_z = 8;             // robust z-score (median, MAD of the recent window) that makes a step anomalous
+  int64_t sdc_anomaly_window = 50;      // steps of loss and gradient-norm history for that score
+  std::string sdc_policy = "restart";   // on a rank-attributed SDC: "warn" | "restart" (roll back to the newest checkpoint before it) | "exclude"
+  int64_t straggler_window = 10;        // steps per straggler window
+  int64_t straggler_windows = 3;        // consecutive slow windows that flag a rank
+  double straggler_threshold = 0.05;    // a window is slow when the rank's compute exceeds the median rank's by this fraction and by 3 MADs
+
+  template <class V> void visit(V& v) {
+    v("heartbeat_timeout_s", heartbeat_timeout_s);
+    v("hang_timeout_floor_s", hang_timeout_floor_s);
+    v("hang_timeout_ceiling_s", hang_timeout_ceiling_s);
+    v("hang_warmup_steps", hang_warmup_steps);
+    v("hang_timeout_multiple", hang_timeout_multiple);
+    v("sdc_digest_every", sdc_digest_every);
+    v("sdc_kat_every_s", sdc_kat_every_s);
+    v("sdc_rerun", sdc_rerun);
+    v("sdc_anomaly_z", sdc_anomaly_z);
+    v("sdc_anomaly_window", sdc_anomaly_window);
+    v("sdc_policy", sdc_policy);
+    v("straggler_window", straggler_window);
+    v("straggler_windows", straggler_windows);
+    v("straggler_threshold", straggler_threshold);
+  }
+};
+
+// Fault injection for game days (docs/architecture.md "Health"): inert
+// unless configured. A crash kills the rank with SIGKILL, as the kernel's
+// OOM killer or a lost node would. Every other fault fires in generation
+// fault_generation only, so the restarted generation runs clean.
 struct FaultsConfig {
   int64_t crash_rank = -1;        // the rank to kill; -1 = none
   int64_t crash_step = 0;         // killed just before training this step
   int64_t crash_generation = 0;   // only in this generation; -1 = in every generation (a crash loop)
   std::string crash_in = "step";  // "step": before training crash_step; "save": writing the checkpoint of step crash_step, before reporting it
+  int64_t fault_generation = 0;   // the generation the faults below fire in; -1 = every generation
   int64_t nan_rank = -1;          // the rank whose step turns non-finite; -1 = none
-  int64_t nan_step = 0;           // at this step, in generation 0 only
+  int64_t nan_step = 0;           // at this step
   std::string nan_target = "gradient";  // what turns NaN: "gradient" (one element) | "loss"
+  int64_t hang_rank = -1;         // the rank that stops inside its next collective of hang_group and never returns; -1 = none
+  int64_t hang_step = 0;          // from this step on
+  std::string hang_group = "dp";  // the mesh axis of that collective: "dp" | "tp" | ...
+  int64_t slow_rank = -1;         // the rank whose compute is slowed; -1 = none
+  double slow_factor = 1.0;       // its compute takes this many times as long
+  int64_t bitflip_rank = -1;      // the rank where one bit of one float32 flips; -1 = none
+  int64_t bitflip_step = 0;       // during this step
+  std::string bitflip_target = "param";  // "param" | "exp_avg" | "exp_avg_sq" (persistent) | "grad" | "activation" (transient)
+  std::string bitflip_tensor = "";       // the tensor (e.g. "h.0.mlp.c_fc.weight"); empty = one chosen from the step
+  int64_t bitflip_bit = 22;       // 0-22 mantissa (22, the highest, is silent), 23-30 exponent, 31 sign
+  std::string checkpoint_fault = "";  // "write_error" | "corrupt" (a byte flipped after its checksum) | "disk_full"; empty = none
+  int64_t checkpoint_fault_rank = 0;  // the rank whose file fails
+  int64_t checkpoint_fault_step = 0;  // the checkpoint of this step; 0 = the first one saved
 
   template <class V> void visit(V& v) {
     v("crash_rank", crash_rank);
     v("crash_step", crash_step);
     v("crash_generation", crash_generation);
     v("crash_in", crash_in);
+    v("fault_generation", fault_generation);
     v("nan_rank", nan_rank);
     v("nan_step", nan_step);
     v("nan_target", nan_target);
+    v("hang_rank", hang_rank);
+    v("hang_step", hang_step);
+    v("hang_group", hang_group);
+    v("slow_rank", slow_rank);
+    v("slow_factor", slow_factor);
+    v("bitflip_rank", bitflip_rank);
+    v("bitflip_step", bitflip_step);
+    v("bitflip_target", bitflip_target);
+    v("bitflip_tensor", bitflip_tensor);
+    v("bitflip_bit", bitflip_bit);
+    v("checkpoint_fault", checkpoint_fault);
+    v("checkpoint_fault_rank", checkpoint_fault_rank);
+    v("checkpoint_fault_step", checkpoint_fault_step);
   }
 };
 
@@ -222,6 +289,7 @@ class Config {
   TrainConfig train;
   CheckpointConfig checkpoint;
   DaemonConfig daemon;
+  HealthConfig health;
   FaultsConfig faults;
 
   // checkpoint.dir, or run_dir/checkpoints when it is empty.
@@ -235,6 +303,7 @@ class Config {
     v.section("train", train);
     v.section("checkpoint", checkpoint);
     v.section("daemon", daemon);
+    v.section("health", health);
     v.section("faults", faults);
   }
 

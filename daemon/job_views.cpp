@@ -1,5 +1,6 @@
 #include "daemon/job_views.h"
 
+#include "common/clock.h"
 #include "common/human_format.h"
 #include "daemon/prometheus_text.h"
 
@@ -20,7 +21,7 @@ std::string rank_health(const RankReport& rank, double stale_after_s) {
   if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
   if (rank.pid <= 0) return "down";
   if (!rank.last) return "starting";
-  const double age = static_cast<double>(health::monotonic_ns() - rank.last->update_ns) / 1e9;
+  const double age = static_cast<double>(common::monotonic_ns() - rank.last->update_ns) / 1e9;
   return age > stale_after_s ? "stale" : "ok";
 }
 
@@ -35,8 +36,15 @@ std::optional<double> eta_s(const JobReport& report) {
   if (!s || s->steps_done <= s->first_step) return std::nullopt;
   const int64_t n = std::min<int64_t>(s->steps_done - s->first_step, static_cast<int64_t>(health::kRecentSteps));
   double ms = 0;
-  for (int64_t i = 0; i < n; ++i) ms += s->recent_step_ms[(s->steps_done - 1 - i) % health::kRecentSteps];
-  return ms / static_cast<double>(n) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
+  int64_t timed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (const auto* t = s->timing_of(s->steps_done - 1 - i)) {
+      ms += t->total_ms;
+      ++timed;
+    }
+  }
+  if (timed == 0) return std::nullopt;
+  return ms / static_cast<double>(timed) / 1e3 * static_cast<double>(s->total_steps - s->steps_done);
 }
 
 }  // namespace
@@ -55,7 +63,7 @@ const char* job_state_name(JobState state) {
 }
 
 nlohmann::json status_json(const JobReport& report) {
-  const int64_t now_ns = health::monotonic_ns();
+  const int64_t now_ns = common::monotonic_ns();
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& rank : report.ranks) {
     nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank, report.stale_after_s)}};
@@ -66,14 +74,21 @@ nlohmann::json status_json(const JobReport& report) {
       r["phase"] = health::phase_name(s.phase);
       r["step_ms"] = s.step_ms;
       r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
-      if (s.collective.seq >= 0) {
-        const int64_t end = s.collective.end_ns != 0 ? s.collective.end_ns : now_ns;
-        r["collective"] = {{"group", std::string(s.collective.group, strnlen(s.collective.group, 16))},
-                           {"op", std::string(s.collective.op, strnlen(s.collective.op, 16))},
-                           {"seq", s.collective.seq},
-                           {"bytes", s.collective.bytes},
-                           {"state", health::collective_state_name(s.collective.state)},
-                           {"duration_s", static_cast<double>(end - s.collective.start_ns) / 1e9}};
+      // The collective begun last, of whichever group.
+      const health::GroupRecord* newest = nullptr;
+      for (const auto& g : s.groups) {
+        if (g.seq_begun >= 0 && (newest == nullptr || g.begin_ns > newest->begin_ns)) newest = &g;
+      }
+      if (newest != nullptr) {
+        const auto& g = *newest;
+        const bool in_flight = g.state == static_cast<uint32_t>(health::CollectiveState::kInFlight);
+        const int64_t end = in_flight ? now_ns : g.done_ns;
+        r["collective"] = {{"group", health::group_name(g)},
+                           {"op", std::string(g.op, strnlen(g.op, health::kOpNameBytes))},
+                           {"seq", g.seq_begun},
+                           {"bytes", g.bytes},
+                           {"state", health::collective_state_name(g.state)},
+                           {"duration_s", static_cast<double>(end - g.begin_ns) / 1e9}};
       }
     }
     ranks.push_back(r);
@@ -148,7 +163,7 @@ std::string metrics_text(const JobReport& report) {
     out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
     out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
     out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
-              static_cast<double>(health::monotonic_ns() - s.update_ns) / 1e9, labels);
+              static_cast<double>(common::monotonic_ns() - s.update_ns) / 1e9, labels);
     out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
               static_cast<double>(s.checkpoint_bytes), labels);
     out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",

@@ -1,8 +1,12 @@
 #include "health/board_publisher.h"
 
+#include "common/error.h"
+
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 namespace keel::health {
@@ -14,22 +18,70 @@ template <size_t N> void copy_name(char (&to)[N], std::string_view from) {
   std::memset(to + n, 0, N - n);
 }
 
+float to_ms(int64_t ns) { return static_cast<float>(static_cast<double>(ns) / 1e6); }
+
 }  // namespace
 
-BoardPublisher::BoardPublisher(ProgressBoard board, int rank, int64_t generation) : board_(std::move(board)) {
+BoardPublisher::BoardPublisher(ProgressBoard board, int rank, int64_t generation, const common::Clock& clock,
+                               int64_t heartbeat_period_ns)
+    : clock_(&clock), board_(std::move(board)) {
   current_.rank = rank;
   current_.pid = static_cast<int32_t>(getpid());
   current_.generation = generation;
   current_.checkpoint_requests_seen = board_->checkpoint_requests();
+  current_.phase_start_ns = clock_->now_ns();
   update([](BoardSnapshot&) {});
+  board_->beat(clock_->now_ns());
+  heartbeat_ = std::thread([this, heartbeat_period_ns] { beat_until_stopped(heartbeat_period_ns); });
+}
+
+BoardPublisher::~BoardPublisher() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  stop_beating_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void BoardPublisher::beat_until_stopped(int64_t period_ns) {
+  std::unique_lock lock(mutex_);
+  while (!stop_beating_.wait_for(lock, std::chrono::nanoseconds(period_ns), [this] { return stopping_; })) {
+    board_->beat(clock_->now_ns());
+  }
 }
 
 template <class Change> void BoardPublisher::update(Change&& change) {
   std::lock_guard lock(mutex_);
   if (!board_) return;
   change(current_);
-  current_.update_ns = monotonic_ns();
+  current_.update_ns = clock_->now_ns();
   board_->publish(current_);
+}
+
+int BoardPublisher::add_group(std::string_view name, int index, int size) {
+  std::lock_guard lock(mutex_);
+  if (name.empty() || name.size() >= kGroupNameBytes) {
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("process group name '{}' is {} characters; the progress board holds names of 1 "
+                                    "to {}",
+                                    name, name.size(), kGroupNameBytes - 1));
+  }
+  if (groups_ == static_cast<int>(kMaxGroups)) {
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("process group '{}' is this rank's group number {}; the progress board holds {}",
+                                    name, groups_ + 1, kMaxGroups));
+  }
+  const int id = groups_++;
+  GroupRecord& g = current_.groups[id];
+  copy_name(g.name, name);
+  g.index = index;
+  g.size = size;
+  if (board_) {
+    current_.update_ns = clock_->now_ns();
+    board_->publish(current_);
+  }
+  return id;
 }
 
 void BoardPublisher::set_extent(int64_t first_step, int64_t total_steps) {
@@ -41,17 +93,45 @@ void BoardPublisher::set_extent(int64_t first_step, int64_t total_steps) {
 }
 
 void BoardPublisher::set_phase(Phase phase) {
-  update([&](BoardSnapshot& s) { s.phase = static_cast<uint32_t>(phase); });
+  update([&](BoardSnapshot& s) {
+    const int64_t now = clock_->now_ns();
+    const uint32_t ended = s.phase;
+    if (ended < kPhaseCount) {
+      s.phase_last_ms[ended] = to_ms(now - s.phase_start_ns);
+      s.phase_count[ended] += 1;
+      if (ended == static_cast<uint32_t>(Phase::kData) && step_ >= 0) data_ns_ += now - s.phase_start_ns;
+    }
+    s.phase = static_cast<uint32_t>(phase);
+    s.phase_start_ns = now;
+  });
 }
 
-void BoardPublisher::begin_step() {
-  update([&](BoardSnapshot& s) { s.step_start_ns = monotonic_ns(); });
+void BoardPublisher::begin_step(int64_t step) {
+  update([&](BoardSnapshot& s) {
+    s.step_start_ns = clock_->now_ns();
+    step_ = step;
+    wait_ns_ = 0;
+    data_ns_ = 0;
+  });
+}
+
+void BoardPublisher::record_step_timing() {
+  update([&](BoardSnapshot& s) {
+    if (step_ < 0) return;
+    const int64_t total = clock_->now_ns() - s.step_start_ns;
+    StepTiming& t = s.steps[static_cast<size_t>(step_) % kRecentSteps];
+    t.step = step_;
+    t.total_ms = to_ms(total);
+    t.wait_ms = to_ms(wait_ns_);
+    t.data_ms = to_ms(data_ns_);
+    t.compute_ms = to_ms(std::max<int64_t>(0, total - wait_ns_ - data_ns_));
+    step_ = -1;
+  });
 }
 
 void BoardPublisher::finish_step(int64_t steps_done, float loss, float grad_norm, double tokens_per_s,
                                  double step_ms) {
   update([&](BoardSnapshot& s) {
-    s.recent_step_ms[(steps_done - 1) % static_cast<int64_t>(kRecentSteps)] = step_ms;
     s.steps_done = steps_done;
     s.loss = loss;
     s.grad_norm = grad_norm;
@@ -60,24 +140,31 @@ void BoardPublisher::finish_step(int64_t steps_done, float loss, float grad_norm
   });
 }
 
-void BoardPublisher::begin_collective(std::string_view group, int64_t seq, std::string_view op, uint64_t bytes) {
+void BoardPublisher::begin_collective(int group, int64_t seq, std::string_view op, uint64_t bytes) {
   update([&](BoardSnapshot& s) {
-    copy_name(s.collective.group, group);
-    copy_name(s.collective.op, op);
-    s.collective.seq = seq;
-    s.collective.bytes = bytes;
-    s.collective.start_ns = monotonic_ns();
-    s.collective.end_ns = 0;
-    s.collective.state = static_cast<uint32_t>(CollectiveState::kInFlight);
+    if (group < 0 || group >= groups_) return;
+    GroupRecord& g = s.groups[group];
+    copy_name(g.op, op);
+    g.seq_begun = seq;
+    g.bytes = bytes;
+    g.begin_ns = clock_->now_ns();
+    g.state = static_cast<uint32_t>(CollectiveState::kInFlight);
   });
 }
 
-void BoardPublisher::end_collective(std::string_view group, int64_t seq, bool ok) {
+void BoardPublisher::end_collective(int group, int64_t seq, bool ok) {
   update([&](BoardSnapshot& s) {
-    // Another thread's collective may have begun since; the board shows the newest.
-    if (s.collective.seq != seq || group != s.collective.group) return;
-    s.collective.end_ns = monotonic_ns();
-    s.collective.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
+    if (group < 0 || group >= groups_) return;
+    GroupRecord& g = s.groups[group];
+    const int64_t now = clock_->now_ns();
+    if (seq > g.seq_done) {
+      g.seq_done = seq;
+      g.done_ns = now;
+    }
+    if (g.seq_begun == seq) {
+      g.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
+      if (step_ >= 0) wait_ns_ += now - g.begin_ns;
+    }
   });
 }
 
@@ -89,13 +176,30 @@ void BoardPublisher::checkpoint_written(int64_t step, uint64_t bytes, double wri
   });
 }
 
+void BoardPublisher::publish_digest(int64_t steps_done, uint64_t replica_set, uint64_t digest) {
+  update([&](BoardSnapshot& s) {
+    s.digests[s.digest_count % kDigestSlots] = ReplicaDigest{steps_done, replica_set, digest};
+    s.digest_count += 1;
+  });
+}
+
+void BoardPublisher::report_sdc(int64_t step, int rank, SdcMethod method, SdcVerdict verdict) {
+  update([&](BoardSnapshot& s) {
+    s.sdc.count += 1;
+    s.sdc.step = step;
+    s.sdc.rank = rank;
+    s.sdc.method = static_cast<uint32_t>(method);
+    s.sdc.verdict = static_cast<uint32_t>(verdict);
+  });
+}
+
 bool BoardPublisher::take_checkpoint_request() {
   std::lock_guard lock(mutex_);
   if (!board_) return false;
   const uint64_t requests = board_->checkpoint_requests();
   if (requests == current_.checkpoint_requests_seen) return false;
   current_.checkpoint_requests_seen = requests;
-  current_.update_ns = monotonic_ns();
+  current_.update_ns = clock_->now_ns();
   board_->publish(current_);
   return true;
 }

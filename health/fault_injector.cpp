@@ -11,6 +11,7 @@ FaultInjector::FaultInjector(const common::FaultsConfig& faults, int rank, int64
     : faults_(faults), rank_(rank), generation_(generation) {}
 
 void FaultInjector::before_step(int64_t step) const {
+  step_.store(step);
   if (faults_.crash_in == "step") crash("before training step", step);
 }
 
@@ -28,8 +29,26 @@ void FaultInjector::crash(const char* where, int64_t step) const {
   kill(getpid(), SIGKILL);
 }
 
+bool FaultInjector::armed() const {
+  return faults_.fault_generation == -1 || faults_.fault_generation == generation_;
+}
+
+void FaultInjector::before_collective(std::string_view group) const {
+  if (faults_.hang_rank != rank_ || !armed() || step_.load() < faults_.hang_step) return;
+  // "g0.dp.0": the axis is the middle component.
+  const size_t first = group.find('.');
+  const size_t second = group.find('.', first + 1);
+  if (first == std::string_view::npos || group.substr(first + 1, second - first - 1) != faults_.hang_group) return;
+  auto log = common::logger("faults");
+  log->warn("fault injection ([faults] hang_rank = {}, hang_step = {}, hang_group = {}): this rank stops before its "
+            "next collective of {} and never returns",
+            rank_, faults_.hang_step, faults_.hang_group, group);
+  log->flush();
+  for (;;) pause();
+}
+
 bool FaultInjector::poisons(int64_t step, const std::string& target) const {
-  if (faults_.nan_rank != rank_ || faults_.nan_step != step || faults_.nan_target != target || generation_ != 0) {
+  if (faults_.nan_rank != rank_ || faults_.nan_step != step || faults_.nan_target != target || !armed()) {
     return false;
   }
   common::logger("faults")->warn("fault injection ([faults] nan_rank = {}, nan_step = {}): this rank's {} is NaN",

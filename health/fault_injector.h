@@ -6,7 +6,9 @@
 #include "common/config.h"
 
 #include <cstdint>
+#include <atomic>
 #include <string>
+#include <string_view>
 
 namespace keel::health {
 
@@ -23,16 +25,27 @@ class FaultInjector {
   // crash_in = "save" and crash_step = step.
   void during_save(int64_t step) const;
   // Whether this rank's `target` ("gradient" or "loss") is to be made NaN at
-  // `step` ([faults] nan_rank / nan_step / nan_target; generation 0 only, so
-  // the restarted run is clean). Logs it when it says yes.
+  // `step` ([faults] nan_rank / nan_step / nan_target, in fault_generation).
+  // Logs it when it says yes.
   bool poisons(int64_t step, const std::string& target) const;
+  // Called by Communicator before a call of group `group` ("g0.dp.0")
+  // takes its sequence number: from [faults] hang_step on, the first call
+  // of a group of axis hang_group blocks this thread for good, so the call
+  // never begins and the rank's peers wait for it (the heartbeat goes on:
+  // the rank is alive, only stuck).
+  void before_collective(std::string_view group) const;
 
  private:
   void crash(const char* where, int64_t step) const;
+  // Whether the faults other than crash fire in this generation.
+  bool armed() const;
 
   common::FaultsConfig faults_;
   int rank_;
   int64_t generation_;
+  // The step the training loop is in (before_step), read by the
+  // communicators' threads.
+  mutable std::atomic<int64_t> step_{-1};
 };
 
 }  // namespace keel::health

@@ -12,7 +12,6 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -22,7 +21,7 @@ namespace {
 
 constexpr size_t kSnapshotWords = (sizeof(BoardSnapshot) + 7) / 8;
 static_assert(std::is_trivially_copyable_v<BoardSnapshot>);
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "the board needs lock-free 64-bit atomics across processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free, "the board needs lock-free 64-bit atomics across processes");
 
 // A reader gives up after this many torn copies and reports nothing; the
 // writer publishes a few hundred bytes, so collisions in a row are rare.
@@ -33,12 +32,13 @@ constexpr int kReadAttempts = 64;
 struct ProgressBoard::Layout {
   std::atomic<uint64_t> sequence;             // odd while a write is in progress; 0: never published
   std::atomic<uint64_t> checkpoint_requests;  // written by keeld
+  std::atomic<int64_t> heartbeat_ns;          // written by the rank's heartbeat thread
   std::array<std::atomic<uint64_t>, kSnapshotWords> words;
 };
 
 const char* phase_name(uint32_t phase) {
-  static constexpr const char* kNames[kPhaseCount] = {"init",      "data",       "forward", "backward",
-                                                      "optimizer", "checkpoint", "idle"};
+  static constexpr const char* kNames[kPhaseCount] = {"init",      "data",       "forward",    "backward",
+                                                      "optimizer", "checkpoint", "validation", "idle"};
   return phase < kPhaseCount ? kNames[phase] : "unknown";
 }
 
@@ -47,12 +47,34 @@ const char* collective_state_name(uint32_t state) {
   return state < 4 ? kNames[state] : "unknown";
 }
 
-std::string board_name(int pid, int local_rank) { return fmt::format("/keel.{}.{}", pid, local_rank); }
-
-int64_t monotonic_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+const char* sdc_method_name(uint32_t method) {
+  static constexpr const char* kNames[] = {"none", "replica_digest", "rerun", "kat"};
+  return method < 4 ? kNames[method] : "unknown";
 }
+
+const char* sdc_verdict_name(uint32_t verdict) {
+  static constexpr const char* kNames[] = {"none", "transient", "persistent", "data"};
+  return verdict < 4 ? kNames[verdict] : "unknown";
+}
+
+std::string group_name(const GroupRecord& group) {
+  return std::string(group.name, strnlen(group.name, kGroupNameBytes));
+}
+
+const StepTiming* BoardSnapshot::timing_of(int64_t step) const {
+  if (step < 0) return nullptr;
+  const StepTiming& slot = steps[static_cast<size_t>(step) % kRecentSteps];
+  return slot.step == step ? &slot : nullptr;
+}
+
+const GroupRecord* BoardSnapshot::group(std::string_view name) const {
+  for (const auto& g : groups) {
+    if (g.name[0] != '\0' && group_name(g) == name) return &g;
+  }
+  return nullptr;
+}
+
+std::string board_name(int pid, int local_rank) { return fmt::format("/keel.{}.{}", pid, local_rank); }
 
 ProgressBoard::ProgressBoard(std::string name, Layout* layout) : name_(std::move(name)), layout_(layout) {}
 
@@ -146,6 +168,10 @@ std::optional<BoardSnapshot> ProgressBoard::read() const {
   }
   return std::nullopt;
 }
+
+void ProgressBoard::beat(int64_t now_ns) { layout_->heartbeat_ns.store(now_ns, std::memory_order_relaxed); }
+
+int64_t ProgressBoard::heartbeat_ns() const { return layout_->heartbeat_ns.load(std::memory_order_relaxed); }
 
 void ProgressBoard::request_checkpoint() { layout_->checkpoint_requests.fetch_add(1, std::memory_order_relaxed); }
 

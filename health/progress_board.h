@@ -24,12 +24,15 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace keel::health {
 
-// What a rank is doing (docs/architecture.md "Health").
-enum class Phase : uint32_t { kInit, kData, kForward, kBackward, kOptimizer, kCheckpoint, kIdle };
-inline constexpr uint32_t kPhaseCount = 7;
+// What a rank is doing (docs/architecture.md "Health"). Each phase has its
+// own learned time budget in the hang detector: a slow checkpoint or
+// validation pass is a phase, never a hang.
+enum class Phase : uint32_t { kInit, kData, kForward, kBackward, kOptimizer, kCheckpoint, kValidation, kIdle };
+inline constexpr uint32_t kPhaseCount = 8;
 // "init", "data", "forward", ...; "unknown" for a value out of range (a
 // board is read from another process and is not trusted).
 const char* phase_name(uint32_t phase);
@@ -37,21 +40,70 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-// Times are nanoseconds on CLOCK_MONOTONIC (std::chrono::steady_clock on
-// Linux), comparable between the processes of one machine.
-struct CollectiveRecord {
-  char group[16] = {};  // process group name, NUL-terminated (truncated if longer)
-  char op[16] = {};     // "all_reduce", ...
-  int64_t seq = -1;     // the group's sequence number
-  uint64_t bytes = 0;   // payload as Communicator counts it
-  int64_t start_ns = 0;
-  int64_t end_ns = 0;   // 0 while in flight
-  uint32_t state = static_cast<uint32_t>(CollectiveState::kNone);
+inline constexpr uint32_t kBoardVersion = 2;
+// Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
+// ep, expert_dp, dp_cp) and one spare.
+inline constexpr size_t kMaxGroups = 8;
+// A group's whole name with its NUL; BoardPublisher::add_group refuses a
+// longer one, so a name on the board is never a truncated copy.
+inline constexpr size_t kGroupNameBytes = 64;
+inline constexpr size_t kOpNameBytes = 16;
+inline constexpr size_t kRecentSteps = 32;
+inline constexpr size_t kDigestSlots = 8;
+
+// Times are nanoseconds on CLOCK_MONOTONIC (common/clock.h), comparable
+// between the processes of one machine.
+
+// One process group the rank belongs to, at slot `id` of the board's group
+// table: the id is what the publisher and the detectors compare, the name
+// is for people and for matching the same group across ranks.
+struct GroupRecord {
+  char name[kGroupNameBytes] = {};  // NUL-terminated; empty: slot unused
+  char op[kOpNameBytes] = {};       // op of the collective begun last
+  int32_t size = 0;                 // ranks in the group
+  int32_t index = -1;               // this rank's position in it
+  int64_t seq_begun = -1;           // sequence number of the collective begun last
+  int64_t seq_done = -1;            // the highest sequence number that ended (ok or failed)
+  int64_t begin_ns = 0;             // when seq_begun began
+  int64_t done_ns = 0;              // when seq_done ended
+  uint64_t bytes = 0;               // payload of seq_begun
+  uint32_t state = static_cast<uint32_t>(CollectiveState::kNone);  // of seq_begun
   uint32_t reserved = 0;
 };
 
-inline constexpr uint32_t kBoardVersion = 1;
-inline constexpr size_t kRecentSteps = 16;
+// Where one step's wall time went on this rank. compute = total - wait -
+// data: what the rank itself spent, which is what tells a straggler apart
+// from the ranks that wait for it.
+struct StepTiming {
+  int64_t step = -1;     // the step this is (0-based); -1: slot unused
+  float total_ms = 0;
+  float compute_ms = 0;
+  float wait_ms = 0;     // inside collectives
+  float data_ms = 0;     // building the batch
+};
+
+// A digest of the bytes this rank holds that every rank of the same
+// replica set holds too (docs/architecture.md "Health": SDC).
+struct ReplicaDigest {
+  int64_t step = -1;         // steps done when it was taken; -1: slot unused
+  uint64_t replica_set = 0;  // ranks with equal sets must have equal digests
+  uint64_t digest = 0;       // XXH3-64
+};
+
+// What the rank found itself (the rerun and the known-answer test); keeld
+// turns a new one (count changed) into an event.
+enum class SdcMethod : uint32_t { kNone, kReplicaDigest, kRerun, kKat };
+enum class SdcVerdict : uint32_t { kNone, kTransient, kPersistent, kData };
+const char* sdc_method_name(uint32_t method);
+const char* sdc_verdict_name(uint32_t verdict);
+struct SdcReport {
+  uint64_t count = 0;    // reports so far; 0: none
+  int64_t step = -1;
+  int32_t rank = -1;     // the rank found at fault; -1: none (verdict data)
+  uint32_t method = static_cast<uint32_t>(SdcMethod::kNone);
+  uint32_t verdict = static_cast<uint32_t>(SdcVerdict::kNone);
+  uint32_t reserved = 0;
+};
 
 // Everything a rank publishes. Plain data: the layout is the contract
 // between keel-trainer and keeld of the same build (kBoardVersion says so).
@@ -66,17 +118,34 @@ struct BoardSnapshot {
   int64_t total_steps = 0;     // train.steps
   int64_t update_ns = 0;       // when this snapshot was published
   int64_t step_start_ns = 0;   // when the step in progress began
+  int64_t phase_start_ns = 0;  // when the current phase began
   float loss = 0;              // of the last step
   float grad_norm = 0;
   double tokens_per_s = 0;     // of the last step, whole job
   double step_ms = 0;          // of the last step
-  double recent_step_ms[kRecentSteps] = {};  // ring: step s at index s % kRecentSteps
-  CollectiveRecord collective;  // the collective begun last
+  // Per phase: the duration of its last finished instance and how many
+  // finished, so keeld learns each phase's budget without seeing every one.
+  float phase_last_ms[kPhaseCount] = {};
+  uint32_t phase_count[kPhaseCount] = {};
+  StepTiming steps[kRecentSteps];            // ring: step s at index s % kRecentSteps
+  GroupRecord groups[kMaxGroups];            // slot = group id
+  ReplicaDigest digests[kDigestSlots];       // ring, the newest at (digest_count - 1) % kDigestSlots
+  uint64_t digest_count = 0;
+  SdcReport sdc;                             // the newest finding of the rank itself
   int64_t checkpoint_step = -1;   // the newest checkpoint this rank wrote
   uint64_t checkpoint_bytes = 0;  // this rank's bytes in it
   double checkpoint_write_s = 0;  // its write time on the writer thread
   uint64_t checkpoint_requests_seen = 0;  // the request count the rank acted on last
+
+  // The step timing of `step` if the ring still holds it.
+  const StepTiming* timing_of(int64_t step) const;
+  // The group named `name`, or nullptr.
+  const GroupRecord* group(std::string_view name) const;
 };
+
+// A group's name as a string (stops at the first NUL, never reads past the
+// field: a board is not trusted).
+std::string group_name(const GroupRecord& group);
 
 // One mapped segment. Movable, not copyable; unmaps on destruction.
 class ProgressBoard {
@@ -109,6 +178,13 @@ class ProgressBoard {
   void request_checkpoint();
   uint64_t checkpoint_requests() const;
 
+  // The heartbeat, a word outside the snapshot: a live rank beats it from
+  // its own thread even while its training thread waits inside a
+  // collective, so a rank that is frozen or stopped (its heartbeat stops)
+  // is told apart from one that waits for it. 0: never beaten.
+  void beat(int64_t now_ns);
+  int64_t heartbeat_ns() const;
+
  private:
   struct Layout;
   ProgressBoard(std::string name, Layout* layout);
@@ -119,7 +195,5 @@ class ProgressBoard {
 // The segment name keeld gives local rank `local_rank` of daemon `pid`.
 std::string board_name(int pid, int local_rank);
 
-// Monotonic nanoseconds, the board's clock.
-int64_t monotonic_ns();
 
 }  // namespace keel::health

@@ -1,6 +1,7 @@
 #include "health/board_publisher.h"
 #include "health/progress_board.h"
 
+#include "common/clock.h"
 #include "common/error.h"
 
 #include <doctest/doctest.h>
@@ -32,7 +33,8 @@ TEST_SUITE("unit") {
     BoardPublisher rank(ProgressBoard::open(guard.name), 3, 7);
     rank.set_extent(100, 1000);
     rank.set_phase(Phase::kBackward);
-    rank.begin_collective("dp", 42, "all_reduce", 4096);
+    const int dp = rank.add_group("g0.dp.0", 1, 4);
+    rank.begin_collective(dp, 42, "all_reduce", 4096);
     rank.finish_step(101, 2.5f, 0.75f, 1234.0, 56.0);
 
     const auto seen = daemon_side.read();
@@ -45,17 +47,92 @@ TEST_SUITE("unit") {
     CHECK(seen->total_steps == 1000);
     CHECK(std::string(phase_name(seen->phase)) == "backward");
     CHECK(seen->loss == 2.5f);
-    CHECK(seen->recent_step_ms[100 % kRecentSteps] == 56.0);
-    CHECK(std::string(seen->collective.group) == "dp");
-    CHECK(std::string(seen->collective.op) == "all_reduce");
-    CHECK(seen->collective.seq == 42);
-    CHECK(std::string(collective_state_name(seen->collective.state)) == "in_flight");
+    const GroupRecord* g = seen->group("g0.dp.0");
+    REQUIRE(g != nullptr);
+    CHECK(g->index == 1);
+    CHECK(g->size == 4);
+    CHECK(std::string(g->op) == "all_reduce");
+    CHECK(g->seq_begun == 42);
+    CHECK(g->seq_done == -1);
+    CHECK(std::string(collective_state_name(g->state)) == "in_flight");
 
-    rank.end_collective("dp", 42, true);
-    CHECK(std::string(collective_state_name(daemon_side.read()->collective.state)) == "done");
-    // A collective that is not the newest one leaves the board alone.
-    rank.end_collective("tp", 42, false);
-    CHECK(std::string(collective_state_name(daemon_side.read()->collective.state)) == "done");
+    rank.end_collective(dp, 42, true);
+    g = daemon_side.read()->group("g0.dp.0");
+    CHECK(std::string(collective_state_name(g->state)) == "done");
+    CHECK(g->seq_done == 42);
+  }
+
+  TEST_CASE("a long group name round-trips and its collectives end") {
+    // Pipeline and expert parallelism name groups like this one; board v1
+    // kept 15 characters and compared against the truncated copy, so the
+    // collective never showed as done.
+    RemoveOnExit guard{unique_name("longname")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 10);
+    const std::string name = "g10.expert_dp.12";
+    const int id = rank.add_group(name, 0, 2);
+    const int other = rank.add_group("g10.expert_dp.13", 1, 2);
+    rank.begin_collective(id, 5, "all_reduce", 8);
+    rank.begin_collective(other, 9, "all_reduce", 8);
+    rank.end_collective(id, 5, true);
+    const auto seen = daemon_side.read();
+    REQUIRE(seen.has_value());
+    REQUIRE(seen->group(name) != nullptr);
+    CHECK(group_name(*seen->group(name)) == name);
+    CHECK(seen->group(name)->seq_done == 5);
+    CHECK(std::string(collective_state_name(seen->group(name)->state)) == "done");
+    CHECK(std::string(collective_state_name(seen->group("g10.expert_dp.13")->state)) == "in_flight");
+  }
+
+  TEST_CASE("a group name the board cannot hold whole is refused") {
+    BoardPublisher none;
+    CHECK_THROWS_AS(none.add_group(std::string(kGroupNameBytes, 'x'), 0, 2), common::Error);
+    CHECK_THROWS_AS(none.add_group("", 0, 2), common::Error);
+    for (size_t i = 0; i < kMaxGroups; ++i) CHECK(none.add_group("g0.dp." + std::to_string(i), 0, 2) == int(i));
+    CHECK_THROWS_AS(none.add_group("g0.one_too_many.0", 0, 2), common::Error);
+  }
+
+  TEST_CASE("a step's time is split into compute collective wait and data") {
+    RemoveOnExit guard{unique_name("timing")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    common::FakeClock clock;
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0, clock);
+    const int dp = rank.add_group("g0.dp.0", 0, 2);
+    rank.begin_step(7);
+    rank.set_phase(Phase::kData);
+    clock.advance_s(0.010);
+    rank.set_phase(Phase::kForward);
+    clock.advance_s(0.030);
+    rank.begin_collective(dp, 0, "all_reduce", 4);
+    clock.advance_s(0.050);
+    rank.end_collective(dp, 0, true);
+    clock.advance_s(0.020);
+    rank.record_step_timing();
+    const auto seen = daemon_side.read();
+    REQUIRE(seen.has_value());
+    const StepTiming* t = seen->timing_of(7);
+    REQUIRE(t != nullptr);
+    CHECK(t->total_ms == doctest::Approx(110));
+    CHECK(t->data_ms == doctest::Approx(10));
+    CHECK(t->wait_ms == doctest::Approx(50));
+    CHECK(t->compute_ms == doctest::Approx(50));
+    CHECK(seen->timing_of(7 + kRecentSteps) == nullptr);
+    CHECK(seen->phase_count[static_cast<size_t>(Phase::kData)] == 1);
+    CHECK(seen->phase_last_ms[static_cast<size_t>(Phase::kData)] == doctest::Approx(10));
+  }
+
+  TEST_CASE("the heartbeat goes on while the rank's own thread is busy") {
+    RemoveOnExit guard{unique_name("heartbeat")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    CHECK(daemon_side.heartbeat_ns() == 0);
+    common::FakeClock clock;
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0, clock, 1'000'000);
+    const int64_t first = daemon_side.heartbeat_ns();
+    CHECK(first == clock.now_ns());
+    clock.advance_s(5);
+    // Nothing is published; only the publisher's own thread can move it.
+    for (int i = 0; i < 100000 && daemon_side.heartbeat_ns() == first; ++i) usleep(1000);
+    CHECK(daemon_side.heartbeat_ns() == clock.now_ns());
   }
 
   TEST_CASE("a checkpoint request reaches the rank once however often it was made") {
@@ -103,8 +180,8 @@ TEST_SUITE("unit") {
         s.steps_done = i;
         s.total_steps = 2 * i;
         s.loss = static_cast<float>(i);
-        for (double& ms : s.recent_step_ms) ms = static_cast<double>(i);
-        s.collective.seq = -i;
+        for (auto& t : s.steps) t.step = i;
+        for (auto& g : s.groups) g.seq_begun = -i;
         board.publish(s);
       }
       _exit(0);
@@ -124,8 +201,9 @@ TEST_SUITE("unit") {
       if (!s) continue;
       ++reads;
       const int64_t i = s->steps_done;
-      bool same = s->total_steps == 2 * i && s->loss == static_cast<float>(i) && s->collective.seq == -i;
-      for (double ms : s->recent_step_ms) same = same && ms == static_cast<double>(i);
+      bool same = s->total_steps == 2 * i && s->loss == static_cast<float>(i);
+      for (const auto& t : s->steps) same = same && t.step == i;
+      for (const auto& g : s->groups) same = same && g.seq_begun == -i;
       consistent = consistent && same;
       monotonic = monotonic && i >= last;
       last = i;

@@ -41,17 +41,23 @@ Communicator::Communicator(std::string name, int rank, int size, std::shared_ptr
   if (!recorder_) recorder_ = std::make_shared<FlightRecorder>();
 }
 
+void Communicator::set_progress_board(health::BoardPublisher* board) {
+  board_ = board;
+  if (board_ != nullptr) board_group_ = board_->add_group(name_, rank_, size_);
+}
+
 template <class Body>
 void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&& body) {
+  if (faults_ != nullptr) faults_->before_collective(name_);
   const int64_t seq = next_seq_++;
   const auto index = static_cast<size_t>(op);
   stats_.calls[index] += 1;
   stats_.bytes[index] += bytes;
   const uint64_t id = recorder_->begin(name_, seq, collective_op_name(op), bytes, peer);
-  if (board_ != nullptr) board_->begin_collective(name_, seq, collective_op_name(op), bytes);
+  if (board_ != nullptr) board_->begin_collective(board_group_, seq, collective_op_name(op), bytes);
   auto failed = [&](const std::string& message) {
     recorder_->end(id, FlightState::kFailed, message);
-    if (board_ != nullptr) board_->end_collective(name_, seq, false);
+    if (board_ != nullptr) board_->end_collective(board_group_, seq, false);
   };
   try {
     body();
@@ -71,7 +77,7 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
     throw;
   }
   recorder_->end(id, FlightState::kDone);
-  if (board_ != nullptr) board_->end_collective(name_, seq, true);
+  if (board_ != nullptr) board_->end_collective(board_group_, seq, true);
 }
 
 namespace {

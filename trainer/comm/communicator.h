@@ -16,6 +16,7 @@
 #pragma once
 
 #include "health/board_publisher.h"
+#include "health/fault_injector.h"
 #include "trainer/comm/flight_recorder.h"
 
 #include <array>
@@ -63,9 +64,14 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const CommStats& stats() const { return stats_; }
-  // Every later call is shown on `board` (nullptr: none); the board must
-  // outlive the communicator's calls.
-  void set_progress_board(health::BoardPublisher* board) { board_ = board; }
+  // Every later call is shown on `board` (nullptr: none), under this
+  // group's own slot of its group table; the board must outlive the
+  // communicator's calls.
+  void set_progress_board(health::BoardPublisher* board);
+  // Every later call first passes `faults` (nullptr: none), which may hold
+  // it forever ([faults] hang_rank): the call then never begins, as when a
+  // rank never reaches a collective its peers wait in.
+  void set_fault_injector(const health::FaultInjector* faults) { faults_ = faults; }
   void reset_stats() { stats_ = CommStats{}; }
 
   // data[count] = sum over the group, in place. Payload: count floats.
@@ -130,6 +136,8 @@ class Communicator {
   int size_;
   std::shared_ptr<FlightRecorder> recorder_;
   health::BoardPublisher* board_ = nullptr;
+  int board_group_ = -1;
+  const health::FaultInjector* faults_ = nullptr;
   std::mutex handler_mutex_;
   std::function<void(const std::string&)> peer_failure_handler_;
   int64_t next_seq_ = 0;

@@ -69,6 +69,11 @@ struct RankGroups {
   // A peer failure seen in one group makes this rank leave the others,
   // which wakes it if it is blocked there and tells their ranks, and
   // cancels `loop`'s checkpoint commit (nullptr: no loop).
+  void inject_faults(const keel::health::FaultInjector* faults) {
+    for (auto* group : {dp.get(), tp.get()}) {
+      if (group != nullptr) group->set_fault_injector(faults);
+    }
+  }
   void on_peer_failure(keel::trainer::TrainLoop* loop) {
     for (auto* group : {dp.get(), tp.get()}) {
       if (group == nullptr) continue;
@@ -219,9 +224,13 @@ int main(int argc, char** argv) {
     // commit: the dead rank's report will never come.
     struct CancelsCheckpoints {
       RankGroups& groups;
-      ~CancelsCheckpoints() { groups.on_peer_failure(nullptr); }
+      ~CancelsCheckpoints() {
+        groups.on_peer_failure(nullptr);
+        groups.inject_faults(nullptr);
+      }
     } cancels{groups};
     groups.on_peer_failure(&loop);
+    groups.inject_faults(&loop.faults());
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
     if (!eval_dir.empty()) {
       if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");

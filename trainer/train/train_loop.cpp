@@ -251,7 +251,7 @@ float TrainLoop::validate() {
   const int T = static_cast<int>(config_.model.seq_len);
   const int64_t micro_batches = config_.parallel.micro_batches;
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
-  board_.set_phase(health::Phase::kForward);
+  board_.set_phase(health::Phase::kValidation);
   double sum = 0;
   for (int64_t i = 0; i < config_.train.val_batches; ++i) {
     for (int64_t m = 0; m < micro_batches; ++m) {
@@ -347,11 +347,12 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     if (stop_after >= 0 && step >= stop_after) break;
     common::set_log_step(step);
     faults_.before_step(step);
-    board_.begin_step();
+    board_.begin_step(step);
     for (Communicator* group : {dp_, tp_}) {
       if (group != nullptr) group->reset_stats();
     }
     StepStats stats = train_step(step);
+    board_.record_step_timing();
     summary.steps_done = step + 1;
     summary.final_train_loss = stats.loss;
     summary.tokens += tokens_per_step;

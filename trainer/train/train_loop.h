@@ -114,6 +114,8 @@ class TrainLoop {
   void cancel_checkpoint(const std::string& cause);
   // The step training starts from: 0, or the step of the restored checkpoint.
   int64_t first_step() const { return start_step_; }
+  // The rank's fault injector ([faults]); the communicators pass it too.
+  const health::FaultInjector& faults() const { return faults_; }
   // XXH3-64 of the parameters this rank holds (16 hex digits).
   std::string parameter_digest();
 
