@@ -29,6 +29,7 @@ BoardPublisher::BoardPublisher(ProgressBoard board, int rank, int64_t generation
   current_.pid = static_cast<int32_t>(getpid());
   current_.generation = generation;
   current_.checkpoint_requests_seen = board_->checkpoint_requests();
+  faults_seen_ = board_->fault_request().count;
   current_.phase_start_ns = clock_->now_ns();
   update([](BoardSnapshot&) {});
   board_->beat(clock_->now_ns());
@@ -149,6 +150,10 @@ void BoardPublisher::begin_collective(int group, int64_t seq, std::string_view o
     g.bytes = bytes;
     g.begin_ns = clock_->now_ns();
     g.state = static_cast<uint32_t>(CollectiveState::kInFlight);
+    RecentCollective& r = s.recent[s.recent_count % kRecentCollectives];
+    s.recent_count += 1;
+    r = RecentCollective{group, g.state, seq, {}, bytes, g.begin_ns, 0};
+    copy_name(r.op, op);
   });
 }
 
@@ -164,6 +169,11 @@ void BoardPublisher::end_collective(int group, int64_t seq, bool ok) {
     if (g.seq_begun == seq) {
       g.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
       if (step_ >= 0) wait_ns_ += now - g.begin_ns;
+    }
+    for (auto& r : s.recent) {
+      if (r.group != group || r.seq != seq) continue;
+      r.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
+      r.end_ns = now;
     }
   });
 }
@@ -191,6 +201,15 @@ void BoardPublisher::report_sdc(int64_t step, int rank, SdcMethod method, SdcVer
     s.sdc.method = static_cast<uint32_t>(method);
     s.sdc.verdict = static_cast<uint32_t>(verdict);
   });
+}
+
+std::optional<FaultRequest> BoardPublisher::take_fault_request() {
+  std::lock_guard lock(mutex_);
+  if (!board_) return std::nullopt;
+  const FaultRequest request = board_->fault_request();
+  if (request.count == faults_seen_) return std::nullopt;
+  faults_seen_ = request.count;
+  return request;
 }
 
 bool BoardPublisher::take_checkpoint_request() {

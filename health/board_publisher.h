@@ -60,6 +60,9 @@ class BoardPublisher {
   // A finding of the rank's own checks (rerun, known-answer test).
   void report_sdc(int64_t step, int rank, SdcMethod method, SdcVerdict verdict);
 
+  // A fault keeld relayed (`keelctl inject`) and not taken before, once.
+  std::optional<FaultRequest> take_fault_request();
+
   // True once for every `keelctl checkpoint now` keeld relayed since the
   // last true (several requests in between count as one).
   bool take_checkpoint_request();
@@ -73,6 +76,7 @@ class BoardPublisher {
   std::optional<ProgressBoard> board_;
   BoardSnapshot current_;
   int groups_ = 0;
+  uint64_t faults_seen_ = 0;
   // The step being timed.
   int64_t step_ = -1;
   int64_t wait_ns_ = 0;

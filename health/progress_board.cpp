@@ -33,6 +33,9 @@ struct ProgressBoard::Layout {
   std::atomic<uint64_t> sequence;             // odd while a write is in progress; 0: never published
   std::atomic<uint64_t> checkpoint_requests;  // written by keeld
   std::atomic<int64_t> heartbeat_ns;          // written by the rank's heartbeat thread
+  // keeld's fault requests: a seqlock of its own, written by keeld only.
+  std::atomic<uint64_t> fault_sequence;
+  std::array<std::atomic<uint64_t>, (sizeof(FaultRequest) + 7) / 8> fault_words;
   std::array<std::atomic<uint64_t>, kSnapshotWords> words;
 };
 
@@ -45,6 +48,11 @@ const char* phase_name(uint32_t phase) {
 const char* collective_state_name(uint32_t state) {
   static constexpr const char* kNames[] = {"none", "in_flight", "done", "failed"};
   return state < 4 ? kNames[state] : "unknown";
+}
+
+const char* fault_kind_name(uint32_t kind) {
+  static constexpr const char* kNames[] = {"none", "crash", "hang", "slow", "bitflip", "nan"};
+  return kind < 6 ? kNames[kind] : "unknown";
 }
 
 const char* sdc_method_name(uint32_t method) {
@@ -142,31 +150,56 @@ ProgressBoard ProgressBoard::open(const std::string& name) {
 
 void ProgressBoard::remove(const std::string& name) { shm_unlink(name.c_str()); }
 
-void ProgressBoard::publish(const BoardSnapshot& snapshot) {
-  std::array<uint64_t, kSnapshotWords> words{};
-  std::memcpy(words.data(), &snapshot, sizeof(snapshot));
-  const uint64_t seq = layout_->sequence.load(std::memory_order_relaxed);
-  layout_->sequence.store(seq + 1, std::memory_order_relaxed);
+namespace {
+
+// The seqlock over `words`: see the header.
+template <class T, size_t N>
+void seqlock_write(std::atomic<uint64_t>& sequence, std::array<std::atomic<uint64_t>, N>& to, const T& value) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= N * 8);
+  std::array<uint64_t, N> words{};
+  std::memcpy(words.data(), &value, sizeof(value));
+  const uint64_t seq = sequence.load(std::memory_order_relaxed);
+  sequence.store(seq + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  for (size_t i = 0; i < kSnapshotWords; ++i) layout_->words[i].store(words[i], std::memory_order_relaxed);
-  layout_->sequence.store(seq + 2, std::memory_order_release);
+  for (size_t i = 0; i < N; ++i) to[i].store(words[i], std::memory_order_relaxed);
+  sequence.store(seq + 2, std::memory_order_release);
 }
 
-std::optional<BoardSnapshot> ProgressBoard::read() const {
-  std::array<uint64_t, kSnapshotWords> words{};
+template <class T, size_t N>
+std::optional<T> seqlock_read(const std::atomic<uint64_t>& sequence, const std::array<std::atomic<uint64_t>, N>& from) {
+  std::array<uint64_t, N> words{};
   for (int attempt = 0; attempt < kReadAttempts; ++attempt) {
-    const uint64_t before = layout_->sequence.load(std::memory_order_acquire);
+    const uint64_t before = sequence.load(std::memory_order_acquire);
     if (before == 0) return std::nullopt;
     if (before % 2 == 1) continue;
-    for (size_t i = 0; i < kSnapshotWords; ++i) words[i] = layout_->words[i].load(std::memory_order_relaxed);
+    for (size_t i = 0; i < N; ++i) words[i] = from[i].load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (layout_->sequence.load(std::memory_order_relaxed) != before) continue;
-    BoardSnapshot snapshot;
-    std::memcpy(static_cast<void*>(&snapshot), words.data(), sizeof(snapshot));
-    if (snapshot.version != kBoardVersion) return std::nullopt;
-    return snapshot;
+    if (sequence.load(std::memory_order_relaxed) != before) continue;
+    T value;
+    std::memcpy(static_cast<void*>(&value), words.data(), sizeof(value));
+    return value;
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+void ProgressBoard::publish(const BoardSnapshot& snapshot) { seqlock_write(layout_->sequence, layout_->words, snapshot); }
+
+std::optional<BoardSnapshot> ProgressBoard::read() const {
+  auto snapshot = seqlock_read<BoardSnapshot>(layout_->sequence, layout_->words);
+  if (!snapshot || snapshot->version != kBoardVersion) return std::nullopt;
+  return snapshot;
+}
+
+void ProgressBoard::request_fault(FaultRequest request) {
+  const FaultRequest previous = fault_request();
+  request.count = previous.count + 1;
+  seqlock_write(layout_->fault_sequence, layout_->fault_words, request);
+}
+
+FaultRequest ProgressBoard::fault_request() const {
+  return seqlock_read<FaultRequest>(layout_->fault_sequence, layout_->fault_words).value_or(FaultRequest{});
 }
 
 void ProgressBoard::beat(int64_t now_ns) { layout_->heartbeat_ns.store(now_ns, std::memory_order_relaxed); }

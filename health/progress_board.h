@@ -71,6 +71,19 @@ struct GroupRecord {
   uint32_t reserved = 0;
 };
 
+// One collective of the rank's recent history (any group), for keeld's
+// flight dumps and `keelctl diagnose`.
+struct RecentCollective {
+  int32_t group = -1;  // slot in the group table; -1: unused
+  uint32_t state = static_cast<uint32_t>(CollectiveState::kNone);
+  int64_t seq = -1;
+  char op[kOpNameBytes] = {};
+  uint64_t bytes = 0;
+  int64_t begin_ns = 0;
+  int64_t end_ns = 0;  // 0 while in flight
+};
+inline constexpr size_t kRecentCollectives = 16;
+
 // Where one step's wall time went on this rank. compute = total - wait -
 // data: what the rank itself spent, which is what tells a straggler apart
 // from the ranks that wait for it.
@@ -105,6 +118,23 @@ struct SdcReport {
   uint32_t reserved = 0;
 };
 
+// A fault keeld asks a running rank to inject (`keelctl inject`), the
+// one request that flows from keeld to the rank besides checkpoints. The
+// rank takes a new one (count changed) at its next step boundary and
+// treats it as the [faults] keys of the same names, in its own generation.
+enum class FaultKind : uint32_t { kNone, kCrash, kHang, kSlow, kBitflip, kNan };
+const char* fault_kind_name(uint32_t kind);
+struct FaultRequest {
+  uint64_t count = 0;        // requests so far; 0: none
+  uint32_t kind = static_cast<uint32_t>(FaultKind::kNone);
+  int32_t bit = 22;          // bitflip: bitflip_bit
+  int64_t step = -1;         // the step it fires at; -1: the rank's next step
+  double factor = 1.0;       // slow: slow_factor
+  char target[16] = {};      // bitflip: bitflip_target; nan: nan_target
+  char group[16] = {};       // hang: hang_group
+  char tensor[64] = {};      // bitflip: bitflip_tensor
+};
+
 // Everything a rank publishes. Plain data: the layout is the contract
 // between keel-trainer and keeld of the same build (kBoardVersion says so).
 struct BoardSnapshot {
@@ -129,6 +159,8 @@ struct BoardSnapshot {
   uint32_t phase_count[kPhaseCount] = {};
   StepTiming steps[kRecentSteps];            // ring: step s at index s % kRecentSteps
   GroupRecord groups[kMaxGroups];            // slot = group id
+  RecentCollective recent[kRecentCollectives];  // ring, the newest at (recent_count - 1) % kRecentCollectives
+  uint64_t recent_count = 0;
   ReplicaDigest digests[kDigestSlots];       // ring, the newest at (digest_count - 1) % kDigestSlots
   uint64_t digest_count = 0;
   SdcReport sdc;                             // the newest finding of the rank itself
@@ -177,6 +209,11 @@ class ProgressBoard {
   // keeld asks for a checkpoint; the rank reads the running count.
   void request_checkpoint();
   uint64_t checkpoint_requests() const;
+
+  // keeld asks for a fault (FaultRequest::count is set from the running
+  // count); the rank reads the newest request. Both sides of one build.
+  void request_fault(FaultRequest request);
+  FaultRequest fault_request() const;
 
   // The heartbeat, a word outside the snapshot: a live rank beats it from
   // its own thread even while its training thread waits inside a

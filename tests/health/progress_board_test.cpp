@@ -147,6 +147,45 @@ TEST_SUITE("unit") {
     CHECK(daemon_side.read()->checkpoint_requests_seen == 2);
   }
 
+  TEST_CASE("a fault keeld requests reaches the rank once") {
+    RemoveOnExit guard{unique_name("faults")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0);
+    CHECK_FALSE(rank.take_fault_request().has_value());
+    FaultRequest slow;
+    slow.kind = static_cast<uint32_t>(FaultKind::kSlow);
+    slow.factor = 1.5;
+    daemon_side.request_fault(slow);
+    const auto taken = rank.take_fault_request();
+    REQUIRE(taken.has_value());
+    CHECK(std::string(fault_kind_name(taken->kind)) == "slow");
+    CHECK(taken->factor == 1.5);
+    CHECK_FALSE(rank.take_fault_request().has_value());
+  }
+
+  TEST_CASE("the recent collectives ring keeps the newest of every group") {
+    RemoveOnExit guard{unique_name("recent")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0);
+    const int dp = rank.add_group("g0.dp.0", 0, 2);
+    const int tp = rank.add_group("g0.tp.0", 0, 2);
+    for (int64_t seq = 0; seq < 20; ++seq) {
+      rank.begin_collective(seq % 2 == 0 ? dp : tp, seq / 2, "all_reduce", 4);
+      if (seq < 19) rank.end_collective(seq % 2 == 0 ? dp : tp, seq / 2, true);
+    }
+    const auto seen = daemon_side.read();
+    REQUIRE(seen.has_value());
+    CHECK(seen->recent_count == 20);
+    const RecentCollective& newest = seen->recent[(seen->recent_count - 1) % kRecentCollectives];
+    CHECK(newest.group == tp);
+    CHECK(newest.seq == 9);
+    CHECK(std::string(collective_state_name(newest.state)) == "in_flight");
+    const RecentCollective& before = seen->recent[(seen->recent_count - 2) % kRecentCollectives];
+    CHECK(before.group == dp);
+    CHECK(std::string(collective_state_name(before.state)) == "done");
+    CHECK(before.end_ns >= before.begin_ns);
+  }
+
   TEST_CASE("a rank without a board publishes nothing and never fails") {
     BoardPublisher none;
     CHECK_FALSE(none.active());

@@ -1,0 +1,31 @@
+// What keeld knows of one rank at one poll (docs/architecture.md "Health"):
+// the input of every detector. A detector is a plain class fed these
+// samples and the time (`observe(samples, now_ns) -> findings`): no sockets,
+// no processes, no sleeping, so unit tests drive it with synthetic boards
+// and a FakeClock (common/clock.h).
+//
+// A board is read from another process and is not trusted: a detector
+// must make sense of a rank that never published, of garbage in any field
+// (ranks, sequence numbers, times in the future or the past) and of a clock
+// that jumps, and must never crash or name a rank on such evidence alone.
+#pragma once
+
+#include "health/progress_board.h"
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace keel::health {
+
+struct RankSample {
+  int rank = 0;                        // the global rank keeld started
+  std::optional<BoardSnapshot> board;  // the newest snapshot read; nothing: never published
+  int64_t heartbeat_ns = 0;            // the board's heartbeat; 0: never beaten
+  bool running = true;                 // false once the rank's process exited
+};
+
+// Samples of every rank of the job, rank 0 first (index = rank).
+using RankSamples = std::vector<RankSample>;
+
+}  // namespace keel::health
