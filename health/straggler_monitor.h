@@ -25,18 +25,20 @@
 //
 // The defaults (10 steps, 3 windows, 0.05) were chosen by replaying
 // compute times recorded from keel-trainer jobs of 3 and 4 CPU ranks on a
-// 2-core machine busy with other builds, with one rank's compute scaled by
-// 1.10 from a random step. A 1.10x rank is flagged 21 to 37 steps after it
-// slows when the per-step noise of a rank's compute against the step's
-// median is 2.5-3.5% (standard deviation): in 98-100% of replays; at 4% in
-// 89%, at 6% in 77%. With more noise (17-32% was recorded with a few ms of
-// compute per step) the spread outgrows the score and mostly nobody is
-// flagged rather than the wrong rank. No rank was flagged in 1,900
-// unslowed steps of 4 ranks; with 3 ranks on 2 cores the scheduler made
-// one rank share a core, 6-11% slower for 150 steps, and that rank was
-// flagged, as it should be. 12-step windows did about as well; longer or
-// more windows would not fit 50 steps. Only step numbers order the
-// evidence, never the time, so a clock that jumps changes nothing.
+// 2-core machine busy with other builds, their noise scaled down to find
+// where detection holds, with one rank's compute scaled by 1.10 from a
+// random step. A 1.10x rank is flagged 23 to 40 steps after it slows when
+// the per-step noise of a rank's compute against the step's median is
+// 2.4-3.5% (standard deviation): in 98-100% of replays; at 4% in 89%, at
+// 6% in 77%, at 8% in 33%. With more noise (17-32% was recorded with a few
+// ms of compute per step) the spread outgrows the score and mostly nobody
+// is flagged (7-15%); once in 150 such replays another rank was flagged as
+// well. No rank was flagged in 1,900 unslowed steps of 4 ranks; with 3
+// ranks on 2 cores the scheduler made one rank share a core, 6-11% slower
+// for 150 steps, and that rank was flagged, as it should be. 12-step
+// windows did about as well; longer or more windows would not fit 50
+// steps. Only step numbers order the evidence, never the time, so a clock
+// that jumps changes nothing.
 #pragma once
 
 #include "common/config.h"
