@@ -15,6 +15,8 @@ find_package(HDF5 REQUIRED COMPONENTS C)
 pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
+# keelctl stragglers --plot draws its heat map with cairo.
+pkg_check_modules(CAIRO REQUIRED IMPORTED_TARGET cairo)
 
 # OpenBLAS: link the OpenMP build explicitly. It shares libgomp's thread pool
 # with keel's own kernels and runs single-threaded when called from inside a

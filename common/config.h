@@ -208,7 +208,7 @@ struct HealthConfig {
   std::string sdc_policy = "restart";   // on a rank-attributed SDC: "warn" | "restart" (roll back to the newest checkpoint before it) | "exclude"
   int64_t straggler_window = 10;        // steps per straggler window
   int64_t straggler_windows = 3;        // consecutive slow windows that flag a rank
-  double straggler_threshold = 0.05;    // a window is slow when the rank's compute exceeds the median rank's by this fraction and by 3 MADs
+  double straggler_threshold = 0.05;    // a window is slow when a rank's score exceeds this and 3 spreads (why: health/straggler_monitor.h)
 
   template <class V> void visit(V& v) {
     v("heartbeat_timeout_s", heartbeat_timeout_s);

@@ -28,4 +28,14 @@ struct RankSample {
 // Samples of every rank of the job, rank 0 first (index = rank).
 using RankSamples = std::vector<RankSample>;
 
+// The board of a running rank that says it is this build's board of that
+// rank (its version and rank fields), or nullptr: a detector takes no
+// other board as evidence, so random bytes are never read as timings or
+// digests of a rank.
+inline const BoardSnapshot* trusted_board(const RankSample& sample) {
+  if (!sample.running || !sample.board) return nullptr;
+  const BoardSnapshot& b = *sample.board;
+  return b.version == kBoardVersion && b.rank == sample.rank ? &b : nullptr;
+}
+
 }  // namespace keel::health

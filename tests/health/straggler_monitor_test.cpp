@@ -1,0 +1,271 @@
+#include "health/straggler_monitor.h"
+
+#include "common/clock.h"
+#include "tests/health/synthetic_boards.h"
+
+#include <doctest/doctest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+namespace keel::health {
+namespace {
+
+using test::SyntheticJob;
+
+common::HealthConfig defaults() { return {}; }
+
+// Per-step compute of a rank: `base` ms with seeded noise of `noise` (a
+// fraction, uniform) and, with probability `spike_p`, a step 3x as long (a
+// preemption).
+struct Noise {
+  double noise = 0.02;
+  double spike_p = 0;
+  std::mt19937_64 rng{7};
+  float operator()(double base) {
+    std::uniform_real_distribution<double> u(-noise, noise);
+    double ms = base * (1 + u(rng));
+    if (spike_p > 0 && std::bernoulli_distribution(spike_p)(rng)) ms *= 3;
+    return static_cast<float>(ms);
+  }
+};
+
+// Runs `steps` steps of `job`, rank `slow` taking `factor` times as long
+// from step `slow_from`, polling every `poll_every` steps on a clock that
+// advances (or, with `jumpy`, jumps back and forth). Returns the findings.
+struct Run {
+  int slow = -1;
+  double factor = 1.10;
+  int64_t slow_from = 0;
+  int64_t poll_every = 1;
+  bool jumpy = false;
+  float wait_ms = 0;  // every rank but the slow one waits this long per step
+};
+std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, int64_t first, int64_t steps,
+                                  const Run& how, Noise& noise) {
+  common::FakeClock clock;
+  std::vector<StragglerFinding> found;
+  const int ranks = static_cast<int>(job.samples().size());
+  for (int64_t step = first; step < first + steps; ++step) {
+    for (int r = 0; r < ranks; ++r) {
+      if (!job.sample(r).board) continue;
+      const bool slowed = r == how.slow && step >= how.slow_from;
+      job.time_step(r, step, noise(slowed ? 100 * how.factor : 100), slowed ? 0 : how.wait_ms);
+    }
+    clock.advance_s(how.jumpy && step % 7 == 0 ? -3600 : 0.1);
+    if ((step + 1) % how.poll_every == 0) {
+      for (auto& f : monitor.observe(job.samples(), clock.now_ns())) found.push_back(f);
+    }
+  }
+  return found;
+}
+
+std::vector<int> ranks_of(const std::vector<StragglerFinding>& found) {
+  std::vector<int> out;
+  for (const auto& f : found) out.push_back(f.rank);
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("a slow rank is flagged after three slow windows and nobody else") {
+    struct Case {
+      const char* what;
+      int ranks;
+      int slow;
+      double factor;
+      bool jumpy;
+    };
+    const Case cases[] = {
+        {"3 ranks, the last a tenth slower", 3, 2, 1.10, false},
+        {"4 ranks, rank 0 a tenth slower", 4, 0, 1.10, false},
+        {"8 ranks, rank 5 twice as slow", 8, 5, 2.0, false},
+        {"4 ranks on a clock that jumps back and forth", 4, 1, 1.10, true},
+        {"2 ranks, one a quarter slower", 2, 1, 1.25, false},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.what);
+      SyntheticJob job(c.ranks);
+      StragglerMonitor monitor(defaults());
+      Noise noise;
+      const auto found = run(monitor, job, 0, 60, {.slow = c.slow, .factor = c.factor, .jumpy = c.jumpy}, noise);
+      REQUIRE(found.size() == 1);
+      CHECK(found[0].rank == c.slow);
+      CHECK(found[0].step == 29);  // the third window of 10 steps
+      CHECK(found[0].score > 0.05);
+      CHECK(found[0].to_json() == nlohmann::json{{"rank", c.slow}, {"score", found[0].score}, {"step", 29}});
+      for (int r = 0; r < c.ranks; ++r) CHECK(monitor.flagged(r) == (r == c.slow));
+      CHECK(monitor.score(c.slow) > 0.05);
+    }
+  }
+
+  TEST_CASE("ranks that wait for a slow one are not flagged") {
+    // The waiting ranks' steps take as long as the slow rank's: all of the
+    // difference is wait, none of it compute.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    const auto found = run(monitor, job, 0, 60, {.slow = 3, .factor = 1.3, .wait_ms = 30}, noise);
+    CHECK(ranks_of(found) == std::vector<int>{3});
+
+    // Every rank waits (a slow network): nobody computes more than another.
+    SyntheticJob waiting(4);
+    StragglerMonitor quiet(defaults());
+    CHECK(run(quiet, waiting, 0, 200, {.wait_ms = 500}, noise).empty());
+  }
+
+  TEST_CASE("noise alone flags nobody in two thousand steps") {
+    struct Case {
+      const char* what;
+      int ranks;
+      double noise;
+      double spike_p;
+    };
+    const Case cases[] = {
+        {"identical ranks", 4, 0, 0},
+        {"4 ranks with 10% noise and preemptions", 4, 0.10, 0.05},
+        {"3 ranks with 20% noise and preemptions", 3, 0.20, 0.10},
+        {"16 ranks with 10% noise", 16, 0.10, 0.02},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.what);
+      SyntheticJob job(c.ranks);
+      StragglerMonitor monitor(defaults());
+      Noise noise{c.noise, c.spike_p};
+      CHECK(run(monitor, job, 0, 2000, {}, noise).empty());
+      CHECK(monitor.sync_tax() >= 1.0);
+      if (c.noise == 0) CHECK(monitor.sync_tax() == 1.0);
+    }
+  }
+
+  TEST_CASE("the sync tax is the slowest rank's compute over the median rank's") {
+    SyntheticJob job(3);
+    StragglerMonitor monitor(defaults());
+    CHECK(monitor.sync_tax() == 1.0);
+    Noise exact{0};
+    run(monitor, job, 0, 20, {.slow = 1, .factor = 1.5}, exact);
+    CHECK(monitor.sync_tax() == doctest::Approx(1.5));
+  }
+
+  TEST_CASE("steps a ring overwrote before a poll are skipped") {
+    // Polled every 40 steps, a ring of 32 has lost 8 of them each time.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    const auto found = run(monitor, job, 0, 400, {.slow = 2, .poll_every = 40}, noise);
+    CHECK(ranks_of(found) == std::vector<int>{2});
+    const auto report = monitor.report();
+    for (const auto& step : report["steps"]) CHECK(step.get<int64_t>() % 40 >= 8);
+    CHECK(report["steps"].size() == 10 * 32);
+  }
+
+  TEST_CASE("a rank that never published neither stalls the others nor is flagged") {
+    SyntheticJob job(5);
+    job.sample(4).board.reset();
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    const auto found = run(monitor, job, 0, 60, {.slow = 1}, noise);
+    CHECK(ranks_of(found) == std::vector<int>{1});
+    const auto report = monitor.report();
+    CHECK(report["ranks"][4]["median_compute_ms"].is_null());
+    CHECK(report["ranks"][4]["flagged"] == false);
+    for (const auto& ms : report["compute_ms"][4]) CHECK(ms.is_null());
+  }
+
+  TEST_CASE("a rank that exited no longer holds the others back") {
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    run(monitor, job, 0, 15, {}, noise);
+    job.sample(0).running = false;
+    const auto found = run(monitor, job, 15, 60, {.slow = 3}, noise);
+    CHECK(ranks_of(found) == std::vector<int>{3});
+  }
+
+  TEST_CASE("garbage boards flag nobody and crash nothing") {
+    struct Case {
+      const char* what;
+      int garbage_ranks;  // the first ones; the others are sane
+      bool plausible_header;
+    };
+    const Case cases[] = {
+        {"every board random bytes", 4, false},
+        {"every board random bytes under a plausible header", 4, true},
+        {"one board of random bytes under a plausible header among sane ones", 1, true},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.what);
+      std::mt19937_64 rng(11);
+      SyntheticJob job(4);
+      StragglerMonitor monitor(defaults());
+      Noise noise;
+      for (int64_t step = 0; step < 300; ++step) {
+        for (int r = 0; r < 4; ++r) {
+          if (r < c.garbage_ranks) {
+            job.sample(r).board = test::garbage_board(rng, r, c.plausible_header);
+          } else {
+            job.time_step(r, step, noise(100));
+          }
+        }
+        CHECK(monitor.observe(job.samples(), static_cast<int64_t>(rng())).empty());
+      }
+      CHECK_NOTHROW(monitor.report().dump());
+    }
+  }
+
+  TEST_CASE("a fast window clears the flag and a new streak flags again") {
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    CHECK(ranks_of(run(monitor, job, 0, 40, {.slow = 0}, noise)) == std::vector<int>{0});
+    CHECK(monitor.flagged(0));
+    CHECK(run(monitor, job, 40, 10, {}, noise).empty());
+    CHECK_FALSE(monitor.flagged(0));
+    CHECK(ranks_of(run(monitor, job, 50, 30, {.slow = 0}, noise)) == std::vector<int>{0});
+  }
+
+  TEST_CASE("a restarted generation is timed again from where the monitor was") {
+    SyntheticJob job(3);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    run(monitor, job, 0, 25, {}, noise);
+    // Generation 1 resumes from the checkpoint of step 20: steps 20..24 are
+    // done again and count once; the old process's timings are dropped.
+    SyntheticJob restarted(3, 1);
+    const auto found = run(monitor, restarted, 20, 60, {.slow = 2}, noise);
+    CHECK(ranks_of(found) == std::vector<int>{2});
+    const auto steps = monitor.report()["steps"];
+    for (size_t i = 1; i < steps.size(); ++i) CHECK(steps[i - 1].get<int64_t>() < steps[i].get<int64_t>());
+  }
+
+  TEST_CASE("the report holds the table and a bounded heat map") {
+    SyntheticJob job(3);
+    StragglerMonitor monitor(defaults(), 50);
+    Noise exact{0};
+    run(monitor, job, 0, 80, {.slow = 1, .factor = 1.2}, exact);
+    const auto report = monitor.report();
+    CHECK(report["window"] == 10);
+    CHECK(report["windows"] == 3);
+    CHECK(report["threshold"] == 0.05);
+    CHECK(report["sync_tax"].get<double>() == doctest::Approx(1.2));
+    REQUIRE(report["ranks"].size() == 3);
+    CHECK(report["ranks"][1] == nlohmann::json{{"rank", 1},
+                                               {"median_compute_ms", report["ranks"][1]["median_compute_ms"]},
+                                               {"score", report["ranks"][1]["score"]},
+                                               {"flagged", true}});
+    CHECK(report["ranks"][1]["median_compute_ms"].get<double>() == doctest::Approx(120));
+    CHECK(report["ranks"][0]["median_compute_ms"].get<double>() == doctest::Approx(100));
+    CHECK(report["ranks"][1]["score"].get<double>() == doctest::Approx(0.2));
+    CHECK(report["ranks"][0]["flagged"] == false);
+    REQUIRE(report["steps"].size() == 50);
+    CHECK(report["steps"].front() == 30);
+    CHECK(report["steps"].back() == 79);
+    REQUIRE(report["compute_ms"].size() == 3);
+    CHECK(report["compute_ms"][2].size() == 50);
+    CHECK(report["compute_ms"][1][0].get<double>() == doctest::Approx(120));
+  }
+}
+
+}  // namespace keel::health
