@@ -17,12 +17,11 @@
 namespace keel::daemon {
 namespace {
 
-std::string rank_health(const RankReport& rank, double stale_after_s) {
+std::string rank_health(const RankReport& rank, const JobReport& report) {
   if (rank.exit_code) return *rank.exit_code == 0 ? "finished" : "exited";
   if (rank.pid <= 0) return "down";
   if (!rank.last) return "starting";
-  const double age = static_cast<double>(common::monotonic_ns() - rank.last->update_ns) / 1e9;
-  return age > stale_after_s ? "stale" : "ok";
+  return common::ns_to_seconds(report.now_ns - rank.last->update_ns) > report.stale_after_s ? "stale" : "ok";
 }
 
 const std::optional<health::BoardSnapshot>& head(const JobReport& report) {
@@ -49,31 +48,18 @@ std::optional<double> eta_s(const JobReport& report) {
 
 }  // namespace
 
-const char* job_state_name(JobState state) {
-  switch (state) {
-    case JobState::kStarting: return "starting";
-    case JobState::kRunning: return "running";
-    case JobState::kRestarting: return "restarting";
-    case JobState::kStopping: return "stopping";
-    case JobState::kFinished: return "finished";
-    case JobState::kFailed: return "failed";
-    case JobState::kStopped: return "stopped";
-  }
-  return "unknown";
-}
-
 nlohmann::json status_json(const JobReport& report) {
-  const int64_t now_ns = common::monotonic_ns();
+  const int64_t now_ns = report.now_ns;
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& rank : report.ranks) {
-    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank, report.stale_after_s)}};
+    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank, report)}};
     r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
     if (rank.last) {
       const auto& s = *rank.last;
       r["step"] = s.steps_done;
       r["phase"] = health::phase_name(s.phase);
       r["step_ms"] = s.step_ms;
-      r["board_age_s"] = static_cast<double>(now_ns - s.update_ns) / 1e9;
+      r["board_age_s"] = common::ns_to_seconds(now_ns - s.update_ns);
       // The collective begun last, of whichever group.
       const health::GroupRecord* newest = nullptr;
       for (const auto& g : s.groups) {
@@ -88,7 +74,7 @@ nlohmann::json status_json(const JobReport& report) {
                            {"seq", g.seq_begun},
                            {"bytes", g.bytes},
                            {"state", health::collective_state_name(g.state)},
-                           {"duration_s", static_cast<double>(end - g.begin_ns) / 1e9}};
+                           {"duration_s", common::ns_to_seconds(end - g.begin_ns)}};
       }
     }
     ranks.push_back(r);
@@ -117,7 +103,7 @@ nlohmann::json status_json(const JobReport& report) {
 std::string status_line(const JobReport& report) {
   std::string health = "ok";
   for (const auto& rank : report.ranks) {
-    const std::string h = rank_health(rank, report.stale_after_s);
+    const std::string h = rank_health(rank, report);
     if (h == "stale" || h == "exited") health = h;
   }
   std::string line = fmt::format("{}: {} (generation {}) step {}/{}", report.job, job_state_name(report.state),
@@ -163,7 +149,7 @@ std::string metrics_text(const JobReport& report) {
     out.gauge("keel_rank_step", "Steps this rank completed", static_cast<double>(s.steps_done), labels);
     out.gauge("keel_rank_step_seconds", "Duration of this rank's last step", s.step_ms / 1e3, labels);
     out.gauge("keel_rank_board_age_seconds", "Time since this rank last updated its progress board",
-              static_cast<double>(common::monotonic_ns() - s.update_ns) / 1e9, labels);
+              common::ns_to_seconds(report.now_ns - s.update_ns), labels);
     out.gauge("keel_rank_checkpoint_bytes", "Bytes this rank wrote for its newest checkpoint",
               static_cast<double>(s.checkpoint_bytes), labels);
     out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",

@@ -1,10 +1,12 @@
 // What keeld shows of its job (docs/architecture.md "Daemon"): the status
 // reply keelctl prints, the one-line STATUS= systemd shows, the progress
 // line of keeld's log, the Prometheus page and the event log. Each is
-// rendered from a JobReport, a plain copy of the job's figures, so the
-// views know nothing of how the job runs its ranks.
+// rendered from a JobReport, a plain copy of the job's figures taken at
+// `now_ns`: the views are pure functions of it, they neither read a clock
+// nor know how the job runs its ranks.
 #pragma once
 
+#include "daemon/job_state.h"
 #include "health/progress_board.h"
 
 #include <nlohmann/json.hpp>
@@ -18,10 +20,6 @@
 
 namespace keel::daemon {
 
-// Where the job is in its state machine (daemon/job.h).
-enum class JobState { kStarting, kRunning, kRestarting, kStopping, kFinished, kFailed, kStopped };
-const char* job_state_name(JobState state);
-
 struct RankReport {
   int rank = 0;
   pid_t pid = -1;                             // -1: not started
@@ -30,6 +28,7 @@ struct RankReport {
 };
 
 struct JobReport {
+  int64_t now_ns = 0;            // when the report was taken (common/clock.h): ages are counted to it
   std::string job;
   JobState state = JobState::kStarting;
   int64_t generation = 0;

@@ -129,7 +129,7 @@ int main(int argc, char** argv) {
       sd_notify(0, "STOPPING=1");
       io.stop();
     };
-    keel::daemon::Job job(io, options, [&](JobState state, bool stop_requested) {
+    keel::daemon::Job job(options, [&](JobState state, bool stop_requested) {
       // What systemd shows once keeld is gone: how the job ended, and why.
       sd_notify(0, ("STATUS=" + keel::daemon::status_line(job.report())).c_str());
       if (stop_requested || foreground) return finish(state == JobState::kFailed ? 1 : 0);

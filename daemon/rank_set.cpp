@@ -1,0 +1,202 @@
+#include "daemon/rank_set.h"
+
+#include "common/error.h"
+#include "daemon/rank_log.h"
+#include "daemon/rank_spawner.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+
+namespace keel::daemon {
+namespace {
+
+// "exited 12 (peer_failure)", "killed by SIGKILL": the worker contract's
+// exit codes (docs/architecture.md "Worker contract") by name.
+std::string describe_exit(int code) {
+  if (code > 128 && code < 128 + 65) {
+    const char* name = sigabbrev_np(code - 128);
+    return name != nullptr ? fmt::format("killed by SIG{}", name) : fmt::format("killed by signal {}", code - 128);
+  }
+  if (code == 127) return "exited 127 (could not be started; see its log)";
+  for (auto known : common::kErrorCodes) {
+    if (code == common::exit_code(known)) return fmt::format("exited {} ({})", code, common::error_code_name(known));
+  }
+  return fmt::format("exited {}", code);
+}
+
+}  // namespace
+
+RankSet::RankSet(RankSetOptions options)
+    : options_(std::move(options)),
+      reports_(static_cast<size_t>(options_.world)),
+      boards_(static_cast<size_t>(options_.world)),
+      heartbeats_(static_cast<size_t>(options_.world), 0) {
+  for (int r = 0; r < options_.world; ++r) reports_[static_cast<size_t>(r)].rank = r;
+  if (options_.pin_cpus) {
+    const auto available = allowed_cpus();
+    cpus_ = cpu_shares(available, options_.world);
+    // One thread per CPU of a share; unpinned ranks divide keeld's CPUs.
+    threads_per_rank_ = cpus_.front().empty()
+                            ? std::max<size_t>(1, available.size() / static_cast<size_t>(options_.world))
+                            : cpus_.front().size();
+  }
+}
+
+RankSet::~RankSet() {
+  signal(SIGKILL);
+  remove_boards();
+}
+
+std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation) {
+  kill_at_ns_.reset();
+  const std::string world = std::to_string(options_.world);
+  for (auto& rank : reports_) {
+    rank.pid = -1;
+    rank.last.reset();
+    rank.exit_code.reset();
+    heartbeats_[static_cast<size_t>(rank.rank)] = 0;
+  }
+  for (auto& rank : reports_) {
+    const std::string board = health::board_name(getpid(), rank.rank);
+    auto& slot = boards_[static_cast<size_t>(rank.rank)];
+    RankLaunch launch;
+    launch.argv = {options_.trainer.string(), "--config", options_.config_path.string()};
+    for (const auto& o : options_.overrides) {
+      launch.argv.push_back("--set");
+      launch.argv.push_back(o);
+    }
+    launch.env = {{"KEEL_RANK", std::to_string(rank.rank)},
+                  {"KEEL_WORLD_SIZE", world},
+                  {"KEEL_LOCAL_RANK", std::to_string(rank.rank)},
+                  {"KEEL_LOCAL_WORLD_SIZE", world},
+                  {"KEEL_GENERATION", std::to_string(generation)},
+                  {"KEEL_STORE", options_.store_address},
+                  {"KEEL_STORE_SECRET", options_.store_secret},
+                  {"KEEL_BOARD", board},
+                  {"KEEL_RUN_DIR", options_.run_dir.string()}};
+    if (!cpus_.empty()) {
+      launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
+      for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
+        launch.env[var] = std::to_string(threads_per_rank_);
+      }
+    }
+    launch.log = rank_log_path(options_.run_dir, rank.rank);
+    try {
+      slot.emplace(health::ProgressBoard::create(board));
+      std::ofstream(launch.log, std::ios::app) << rank_log_header(generation, rank.rank);
+      rank.pid = spawn_rank(launch);
+    } catch (const std::exception& e) {
+      rank.exit_code = 127;
+      return SpawnFailure{rank.rank, e.what()};
+    }
+  }
+  return std::nullopt;
+}
+
+const RankReport* RankSet::reap(pid_t pid, int wait_status) {
+  for (auto& rank : reports_) {
+    if (rank.pid != pid || rank.exit_code) continue;
+    rank.exit_code = WIFEXITED(wait_status) ? WEXITSTATUS(wait_status)
+                                            : 128 + (WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0);
+    if (const auto& board = boards_[static_cast<size_t>(rank.rank)]) {
+      if (auto last = board->read()) rank.last = last;
+    }
+    return &rank;
+  }
+  return nullptr;
+}
+
+std::string RankSet::exit_cause(int rank, int code) const {
+  std::string cause = fmt::format("rank {} {}", rank, describe_exit(code));
+  // Only a rank that exited by itself had its say.
+  const std::string said = code > 0 && code < 128 ? last_error_sentence(rank_log_path(options_.run_dir, rank)) : "";
+  return said.empty() ? cause : cause + ": " + said;
+}
+
+void RankSet::signal(int signal) {
+  for (const auto& rank : reports_) {
+    if (rank.pid > 0 && !rank.exit_code) ::kill(rank.pid, signal);
+  }
+}
+
+void RankSet::terminate(double grace_s, int64_t now_ns) {
+  signal(SIGTERM);
+  kill_at_ns_ = now_ns + static_cast<int64_t>(grace_s * 1e9);
+}
+
+bool RankSet::tick(int64_t now_ns) {
+  if (!kill_at_ns_ || now_ns < *kill_at_ns_) return false;
+  kill_at_ns_.reset();
+  if (!alive()) return false;
+  signal(SIGKILL);
+  return true;
+}
+
+bool RankSet::alive() const {
+  return std::any_of(reports_.begin(), reports_.end(), [](const RankReport& r) { return r.pid > 0 && !r.exit_code; });
+}
+
+void RankSet::read_boards() {
+  for (auto& rank : reports_) {
+    const auto& board = boards_[static_cast<size_t>(rank.rank)];
+    if (!board) continue;
+    if (auto snapshot = board->read()) rank.last = snapshot;
+    heartbeats_[static_cast<size_t>(rank.rank)] = board->heartbeat_ns();
+  }
+}
+
+health::RankSamples RankSet::samples() const {
+  health::RankSamples out;
+  for (const auto& rank : reports_) {
+    out.push_back({rank.rank, rank.last, heartbeats_[static_cast<size_t>(rank.rank)], rank.pid > 0 && !rank.exit_code});
+  }
+  return out;
+}
+
+bool RankSet::request_checkpoint() {
+  bool any = false;
+  for (auto& board : boards_) {
+    if (!board) continue;
+    board->request_checkpoint();
+    any = true;
+  }
+  return any;
+}
+
+bool RankSet::request_fault(int rank, const health::FaultRequest& request) {
+  if (rank < 0 || rank >= options_.world) return false;
+  auto& board = boards_[static_cast<size_t>(rank)];
+  if (!board) return false;
+  board->request_fault(request);
+  return true;
+}
+
+void RankSet::remove_boards() {
+  for (auto& board : boards_) {
+    if (board) health::ProgressBoard::remove(board->name());
+    board.reset();
+  }
+}
+
+void RankSet::remove_orphaned_boards() {
+  // A keeld that was killed left its ranks' boards behind (its ranks died
+  // with it); they are named after its pid.
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0, local_rank = 0;
+    if (std::sscanf(name.c_str(), "keel.%d.%d", &pid, &local_rank) != 2 || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    health::ProgressBoard::remove("/" + name);
+  }
+}
+
+}  // namespace keel::daemon

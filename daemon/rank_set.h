@@ -1,0 +1,90 @@
+// The rank processes of one generation (docs/architecture.md "Daemon"):
+// spawned with a progress board each, reaped, signalled, killed after a
+// grace period, and read into the samples the detectors take. What the
+// job decides about them is daemon/job_state.h's; this only does it.
+#pragma once
+
+#include "daemon/job_views.h"
+#include "health/progress_board.h"
+#include "health/rank_sample.h"
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace keel::daemon {
+
+struct RankSetOptions {
+  int world = 1;
+  std::filesystem::path trainer;           // keel-trainer
+  std::filesystem::path config_path;       // passed to the ranks, with the overrides
+  std::vector<std::string> overrides;
+  std::string store_address;               // KEEL_STORE
+  std::string store_secret;                // KEEL_STORE_SECRET
+  std::filesystem::path run_dir;           // KEEL_RUN_DIR; logs/ holds each rank's log
+  bool pin_cpus = true;                    // daemon.pin_cpus
+};
+
+class RankSet {
+ public:
+  explicit RankSet(RankSetOptions options);
+  // Kills whatever still runs and removes the boards.
+  ~RankSet();
+  RankSet(const RankSet&) = delete;
+  RankSet& operator=(const RankSet&) = delete;
+
+  // Starts every rank of `generation`, each with a fresh board and its log
+  // header. When one cannot be started, the ones after it are not either:
+  // that rank shows exit 127 and its number is returned, with why.
+  struct SpawnFailure {
+    int rank = 0;
+    std::string why;
+  };
+  std::optional<SpawnFailure> spawn(int64_t generation);
+
+  // The rank whose process `pid` exited with `wait_status` (raw waitpid),
+  // its exit and its board's last words recorded; nullptr when `pid` is
+  // not a running rank.
+  const RankReport* reap(pid_t pid, int wait_status);
+
+  // Sends `signal` to every live rank.
+  void signal(int signal);
+  // SIGTERM now; SIGKILL from the first tick() `grace_s` later.
+  void terminate(double grace_s, int64_t now_ns);
+  // Sends the SIGKILL terminate() scheduled once its time has come and a
+  // rank still runs; true when it did.
+  bool tick(int64_t now_ns);
+  bool alive() const;
+
+  // Takes in each board's newest snapshot and heartbeat.
+  void read_boards();
+  health::RankSamples samples() const;
+  const std::vector<RankReport>& ranks() const { return reports_; }
+
+  // "rank 1 exited 3 (data_error): <the rank's own sentence, from its log>".
+  std::string exit_cause(int rank, int code) const;
+
+  // Requests relayed through the boards; false when `rank` has no board
+  // (no generation runs).
+  bool request_checkpoint();
+  bool request_fault(int rank, const health::FaultRequest& request);
+
+  void remove_boards();
+  // The boards of keelds that died (named after a pid that no longer exists).
+  static void remove_orphaned_boards();
+
+ private:
+  RankSetOptions options_;
+  std::vector<RankReport> reports_;                          // per rank
+  std::vector<std::optional<health::ProgressBoard>> boards_;  // per rank; empty between generations
+  std::vector<int64_t> heartbeats_;                          // per rank
+  std::vector<std::vector<int>> cpus_;                       // per rank; empty: pin_cpus is off
+  size_t threads_per_rank_ = 1;
+  std::optional<int64_t> kill_at_ns_;
+};
+
+}  // namespace keel::daemon
