@@ -29,15 +29,12 @@ class FakeClock final : public Clock {
  public:
   explicit FakeClock(int64_t start_ns = 1'000'000'000) : now_(start_ns) {}
   int64_t now_ns() const override { return now_.load(); }
-  void set_ns(int64_t ns) { now_.store(ns); }
   void advance_ns(int64_t ns) { now_.fetch_add(ns); }
   void advance_s(double s) { advance_ns(static_cast<int64_t>(s * 1e9)); }
 
  private:
   std::atomic<int64_t> now_;
 };
-
-inline int64_t monotonic_ns() { return Clock::steady().now_ns(); }
 
 inline constexpr int64_t seconds_to_ns(double s) { return static_cast<int64_t>(s * 1e9); }
 inline constexpr double ns_to_seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }
