@@ -192,6 +192,22 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("a fault-free run of 300 steps re-runs no step") { check_no_rerun(300); }
+
+  TEST_CASE("every rank runs the known-answer test at start and again whenever sdc_kat_every_s has passed") {
+    // Ranks vote on it, so they test at the same steps although only one
+    // clock may have run out; a period of 1 ns makes every step a test.
+    TrainerRuns f;
+    const auto run = keel::test::run_ranks(f, Layout{2, 2, 1}, "kat",
+                                           {"train.steps=6", "train.val_every=0", "health.sdc_kat_every_s=1e-9"},
+                                           nullptr, 0, {{"SPDLOG_LEVEL", "info"}});
+    for (const auto& rank : run.ranks) {
+      size_t tests = 0;
+      for (size_t at = 0; (at = rank.output.find("known-answer kernel test passed", at)) != std::string::npos; ++at) {
+        ++tests;
+      }
+      CHECK(tests == 7);
+    }
+  }
 }
 
 TEST_SUITE("chaos") {
