@@ -5,6 +5,7 @@
 // (2) Restart time: from kill -9 of a rank to the first step completed by
 // the next generation, with the back-off set to 0, over several kills.
 // Prints one JSON object per result.
+#include "bench/bench_model.h"
 #include "bench/metrics_rows.h"
 #include "daemon/protocol.h"
 #include "tests/support/process.h"
@@ -22,32 +23,21 @@
 #include <chrono>
 #include <fstream>
 #include <iostream>
+#include <string>
 #include <thread>
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const char* kConfig = R"(
+// The benchmark model under keeld, as DP2 x TP2 ZeRO-1.
+const std::string kConfig = std::string(keel::bench::kBenchModel) + R"(
 [job]
 name = "bench-keeld"
-[model]
-vocab_size = 256
-seq_len = 256
-n_layer = 4
-n_head = 4
-n_embd = 256
-[data]
-train = "train.bin"
 [parallel]
 dp = 2
 tp = 2
 zero = 1
-[train]
-batch_size = 8
-lr = 6e-4
-warmup_steps = 1
-val_every = 0
 [daemon]
 socket = "keeld.sock"
 metrics_port = -1

@@ -8,6 +8,7 @@
 // rendezvousing through an embedded Store, started by the test launcher
 // (keeld does this in production).
 #include "bench/metrics_rows.h"
+#include "bench/bench_model.h"
 #include "common/config.h"
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
@@ -24,22 +25,6 @@
 #include <thread>
 
 namespace {
-
-const char* kConfig = R"(
-[model]
-vocab_size = 256
-seq_len = 256
-n_layer = 4
-n_head = 4
-n_embd = 256
-[data]
-train = "train.bin"
-[train]
-batch_size = 8
-lr = 6e-4
-warmup_steps = 1
-val_every = 0
-)";
 
 struct Measured {
   double tokens_per_s = 0;
@@ -70,7 +55,7 @@ int main(int argc, char** argv) {
 
   keel::test::TempDir dir;
   keel::test::write_pattern_shard(dir / "train.bin", 1 << 20);
-  const auto config_path = dir.write("bench.toml", kConfig);
+  const auto config_path = dir.write("bench.toml", keel::bench::kBenchModel);
   const auto config = keel::common::Config::load(config_path);
 
   struct Run {

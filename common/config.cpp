@@ -386,14 +386,6 @@ void Config::validate() const {
         fmt::format("must be \"write_error\", \"corrupt\", \"disk_full\" or empty (got \"{}\")",
                     faults.checkpoint_fault));
 
-  // Their injectors are not in this build yet: refusing them beats a game
-  // day that silently injects nothing.
-  for (auto [set, key] : {std::pair{faults.slow_rank != -1, "faults.slow_rank"},
-                          {faults.bitflip_rank != -1, "faults.bitflip_rank"},
-                          {!faults.checkpoint_fault.empty(), "faults.checkpoint_fault"}}) {
-    check(!set, key, "is not built yet in this keel; leave it unset");
-  }
-
   for (auto [value, key] : {std::pair{health.heartbeat_timeout_s, "health.heartbeat_timeout_s"},
                             {health.hang_timeout_floor_s, "health.hang_timeout_floor_s"},
                             {health.hang_timeout_multiple, "health.hang_timeout_multiple"},

@@ -1,20 +1,32 @@
 // Fault injection (docs/architecture.md "Health"), shipped in every build and inert unless the
-// [faults] section configures it, so that recovery can be shown and tested
-// end to end on a real run. Each fault logs what it does before it acts.
+// [faults] section configures it (or `keelctl inject` asks for it), so that
+// recovery can be shown and tested end to end on a real run. Each fault
+// logs what it does before it acts.
+//
+// The injector decides when and where a fault fires; the training loop,
+// the communicators and the checkpoint writer call it at their hooks and
+// do what it says (trainer/train/fault_hooks.h holds the trainer's side).
 #pragma once
 
 #include "common/config.h"
+#include "health/progress_board.h"
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace keel::health {
 
 class FaultInjector {
  public:
-  FaultInjector(const common::FaultsConfig& faults, int rank, int64_t generation);
+  // `config` is the whole run configuration: its [faults] section says
+  // what fires, job.seed seeds the choice of flipped bits, and a keelctl
+  // request is checked against the same rules.
+  FaultInjector(const common::Config& config, int rank, int64_t generation);
 
   // Called by the training loop before it trains `step`: kills this rank
   // with SIGKILL when [faults] crash_rank / crash_step / crash_generation
@@ -35,17 +47,69 @@ class FaultInjector {
   // the rank is alive, only stuck).
   void before_collective(std::string_view group) const;
 
+  // slow_rank / slow_factor: called once a step's forward and backward are
+  // done, with the seconds they took on this rank (collective wait
+  // excluded); sleeps (slow_factor - 1) times as long, so that the rank's
+  // compute takes about slow_factor times as long and its peers wait for
+  // it in the gradient sums that follow.
+  void slow_down(double compute_s) const;
+
+  // One place a bit can flip: a tensor (or an activation) this rank holds,
+  // by name and number of float32s.
+  struct Site {
+    std::string name;
+    size_t numel = 0;
+  };
+  struct BitFlip {
+    size_t site = 0;   // index into the sites asked about
+    size_t index = 0;  // the float32 within it
+    int bit = 0;
+  };
+  // bitflip_rank / bitflip_step / bitflip_target / bitflip_tensor /
+  // bitflip_bit: the flip due in the step in progress (before_step) on
+  // `target` among `sites`, until record_flip() says it happened; nothing
+  // otherwise. The element is drawn uniformly over the sites (or over
+  // bitflip_tensor's) from (job.seed, step, rank), so every call of one
+  // step answers the same and a rerun of the step flips nothing.
+  std::optional<BitFlip> bitflip(std::string_view target, const std::vector<Site>& sites) const;
+  // Logs the flip the caller made (tensor, index, bit, old and new value)
+  // and marks it done.
+  void record_flip(std::string_view target, std::string_view site, size_t index, int bit, float before,
+                   float after) const;
+
+  // checkpoint_fault / _rank / _step: the fault for this rank's file of
+  // the checkpoint of `step` ("write_error", "corrupt" or "disk_full"), or
+  // "" for none. checkpoint_fault_step 0 means the first checkpoint this
+  // rank writes. Thread-safe (the checkpoint writer thread asks).
+  std::string checkpoint_fault(int64_t step) const;
+
+  // A `keelctl inject` request keeld relayed through the board: from now
+  // on it counts as the [faults] keys of the same names, aimed at this
+  // rank in this generation; its step -1 means `next_step`, the step about
+  // to be trained. A request that [faults] would refuse, or of a kind this
+  // side does not inject, is logged and ignored: false.
+  bool apply(const FaultRequest& request, int64_t next_step);
+
  private:
   void crash(const char* where, int64_t step) const;
   // Whether the faults other than crash fire in this generation.
   bool armed() const;
 
-  common::FaultsConfig faults_;
+  const common::FaultsConfig& faults() const { return config_.faults; }
+
+  common::Config config_;
+  // apply() runs on the training thread while the checkpoint writer thread
+  // may read the checkpoint faults: it changes config_ under this lock,
+  // and the writer thread reads under it.
+  mutable std::mutex mutex_;
   int rank_;
   int64_t generation_;
   // The step the training loop is in (before_step), read by the
   // communicators' threads.
   mutable std::atomic<int64_t> step_{-1};
+  int64_t slow_from_step_ = 0;  // a slow fault that keelctl injected starts at its step
+  mutable bool flipped_ = false;
+  mutable std::atomic<int64_t> first_checkpoint_step_{-1};
 };
 
 }  // namespace keel::health

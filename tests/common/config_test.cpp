@@ -94,7 +94,6 @@ TEST_SUITE("unit") {
          "batch_size=6 must be divisible by dp x micro_batches"},
         {"zero stage", m + "[parallel]\nzero = 4\n", {}, "ZeRO stage 0-3"},
         {"bit outside a float32", m, {"faults.bitflip_bit=32"}, "must be a bit of a float32, 0-31"},
-        {"fault not built yet", m, {"faults.slow_rank=1"}, "faults.slow_rank): is not built yet"},
         {"unknown checkpoint fault", m, {"faults.checkpoint_fault=flaky"}, "must be \"write_error\""},
         {"hang ceiling under the floor", m, {"health.hang_timeout_ceiling_s=1"}, "must be at least hang_timeout_floor_s"},
         {"unknown sdc policy", m, {"health.sdc_policy=ignore"}, "must be \"warn\", \"restart\" or \"exclude\""},

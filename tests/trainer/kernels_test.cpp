@@ -1,6 +1,7 @@
 // CpuBackend against three independent oracles: central finite differences
 // for every backward, naive double-precision loops for every forward, and
 // the same inputs run with different thread counts for determinism.
+#include "tests/trainer/thread_count_guard.h"
 #include "trainer/kernels/cpu_backend.h"
 
 #include <doctest/doctest.h>
@@ -108,19 +109,6 @@ void check_gradient(const char* what, Vec& x, const Vec& analytic, const std::fu
             << " (max |g| " << scale << ")");
   CHECK(worst <= tol * scale);
 }
-
-// CpuBackend's constructor sets process-wide thread counts; this puts the
-// previous count back when a test that changes it ends.
-class ThreadCountGuard {
- public:
-  ThreadCountGuard() : saved_(omp_get_max_threads()) {}
-  ~ThreadCountGuard() { CpuBackend restore(saved_); }
-  ThreadCountGuard(const ThreadCountGuard&) = delete;
-  ThreadCountGuard& operator=(const ThreadCountGuard&) = delete;
-
- private:
-  int saved_;
-};
 
 // ---- naive double-precision references ----
 
@@ -852,7 +840,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("reductions and backward kernels are bit-identical with one or two or three threads") {
-    ThreadCountGuard guard;
+    keel::test::ThreadCountGuard guard;
     // Shapes large enough that every kernel splits its work: several GEMM
     // tiles, several layernorm row chunks, several reduction chunks.
     const int B = 4, T = 130, C = 64, NH = 4, N = B * T, V = 37;

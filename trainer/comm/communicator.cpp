@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
 #include <utility>
 
 namespace keel::trainer {
@@ -59,6 +60,7 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
     recorder_->end(id, FlightState::kFailed, message);
     if (board_ != nullptr) board_->end_collective(board_group_, seq, false);
   };
+  const auto start = std::chrono::steady_clock::now();
   try {
     body();
   } catch (const Error& e) {
@@ -76,6 +78,8 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
     failed("unknown exception");
     throw;
   }
+  stats_.wait_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   recorder_->end(id, FlightState::kDone);
   if (board_ != nullptr) board_->end_collective(board_group_, seq, true);
 }

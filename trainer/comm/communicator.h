@@ -48,6 +48,7 @@ const char* collective_op_name(CollectiveOp op);
 struct CommStats {
   std::array<uint64_t, kCollectiveOpCount> bytes{};
   std::array<uint64_t, kCollectiveOpCount> calls{};
+  int64_t wait_ns = 0;  // wall time inside the calls: what a rank's compute excludes
   uint64_t bytes_of(CollectiveOp op) const { return bytes[static_cast<size_t>(op)]; }
   uint64_t calls_of(CollectiveOp op) const { return calls[static_cast<size_t>(op)]; }
 };

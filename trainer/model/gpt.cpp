@@ -268,6 +268,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
       sum_into_positions(a.partial.data(), blk.residual3.data(), NsC);
     }
     k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
+    if (activation_hook_) activation_hook_(static_cast<int>(i), blk.residual3.data(), NsC);
     residual = blk.residual3.data();
   }
   k.layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), residual, p0 + outer.lnf_w,
@@ -277,6 +278,9 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   // vocabulary rows, and the ranks exchange three floats per position.
   const float* lnf_all = tp_ != nullptr ? a.lnf_whole.data() : a.lnf.data();
   k.matmul_forward(a.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
+  if (activation_hook_) {
+    activation_hook_(static_cast<int>(a.blocks.size()), a.logits.data(), static_cast<size_t>(N) * Vl);
+  }
   k.crossentropy_stats(a.xent_stats.data(), a.logits.data(), a.targets.data(), N, v_begin, Vl, V);
   if (tp_ != nullptr) tp_->all_gather(a.xent_stats.data(), a.xent_all.data(), static_cast<size_t>(N) * 3);
   k.crossentropy_combine(a.losses.data(), a.lse.data(), tp_ != nullptr ? a.xent_all.data() : a.xent_stats.data(),

@@ -19,6 +19,7 @@
 #include "trainer/model/model_storage.h"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -50,6 +51,14 @@ class Gpt {
   // [B, seq_len, this rank's vocabulary slice] after forward(), in backend memory.
   const float* logits() const;
 
+  // `hook` (nullptr: none) sees activations of every forward(), which it
+  // may change (fault injection flips a bit there; docs/architecture.md
+  // "Health"): site i < n_layer is the output of block i, this rank's
+  // [N/tp, C] shard of the residual stream that the next block reads; site
+  // n_layer is the logits, [N, this rank's vocabulary slice].
+  using ActivationHook = std::function<void(int site, float* data, size_t numel)>;
+  void on_activation(ActivationHook hook) { activation_hook_ = std::move(hook); }
+
  private:
   struct Activations;
   struct MoeLayer;
@@ -73,6 +82,7 @@ class Gpt {
   std::unique_ptr<Activations> acts_;
   int batch_ = 0;  // B of the last forward()
   float aux_loss_ = 0.0f;
+  ActivationHook activation_hook_;
 };
 
 }  // namespace keel::trainer

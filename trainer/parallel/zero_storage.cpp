@@ -177,10 +177,12 @@ float* ZeroStorage::unit_gradients(int unit) {
 }
 
 void ZeroStorage::gradients_ready(int unit) {
+  float* unit_grads = stage_ < 2 ? grads_.data() + table_.unit_begin(unit)
+                                 : (unit == 0 ? unit0_grads_.data() : block_grads_.data());
+  if (gradient_hook_) gradient_hook_(unit, unit_grads, table_.unit_end(unit) - table_.unit_begin(unit));
   if (stage_ < 2) return;
   const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
   const size_t count = unit_packed_numel(unit);
-  const float* unit_grads = unit == 0 ? unit0_grads_.data() : block_grads_.data();
   for (int r = 0; r < shards_->size(); ++r) {
     shards_->pack(backend_, unit_grads, r, first, last, exchange_.data() + static_cast<size_t>(r) * count,
                   table_.unit_begin(unit));

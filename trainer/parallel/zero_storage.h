@@ -26,6 +26,7 @@
 #include "trainer/parallel/shard_layout.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -74,6 +75,15 @@ class ZeroStorage final : public ModelStorage {
   size_t gradient_bytes() const { return grads_.bytes(); }
   size_t working_bytes() const;
 
+  // `hook` (nullptr: none) sees each unit's local gradient, this rank's
+  // own contribution before anything is summed over DP or TP, when
+  // backward hands the unit over (once per microbatch; with gradient
+  // accumulation below stage 2 it holds the microbatches so far). It may
+  // change it: the SDC fingerprints read it there and fault injection
+  // flips a bit of it (docs/architecture.md "Health").
+  using GradientHook = std::function<void(int unit, float* grads, size_t numel)>;
+  void on_local_gradients(GradientHook hook) { gradient_hook_ = std::move(hook); }
+
   const float* acquire_parameters(int unit) override;
   float* unit_gradients(int unit) override;
   void gradients_ready(int unit) override;
@@ -100,6 +110,7 @@ class ZeroStorage final : public ModelStorage {
   bool unit0_params_valid_ = false;
   int block_params_unit_ = -1;  // the unit block_params_ holds, -1: none
   std::vector<bool> grads_open_;
+  GradientHook gradient_hook_;
 };
 
 }  // namespace keel::trainer

@@ -12,7 +12,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <set>
@@ -235,19 +234,15 @@ void TrainLoop::cancel_checkpoint(const std::string& cause) {
 }
 
 std::string TrainLoop::parameter_digest() {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  std::vector<float> host;
+  std::vector<FloatSpan> spans;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
-    const size_t n = storage_.stage() == 3 ? storage_.owned_numel(t) : table_.specs()[t].numel;
-    const float* p = storage_.stage() == 3 ? storage_.owned_parameters(t) : storage_.params() + table_.specs()[t].offset;
-    host.resize(n);
-    backend_.copy_to_host(host.data(), p, n * sizeof(float));
-    XXH3_64bits_update(state, host.data(), n * sizeof(float));
+    if (storage_.stage() == 3) {
+      spans.push_back({storage_.owned_parameters(t), storage_.owned_numel(t)});
+    } else {
+      spans.push_back({storage_.params() + table_.specs()[t].offset, table_.specs()[t].numel});
+    }
   }
-  const uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return fmt::format("{:016x}", digest);
+  return fmt::format("{:016x}", digest_of(backend_, spans));
 }
 
 }  // namespace keel::trainer

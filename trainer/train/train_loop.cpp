@@ -5,6 +5,7 @@
 #include "common/log.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -62,7 +63,10 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
-      faults_(config.faults, rank.rank, rank.generation) {
+      faults_(config, rank.rank, rank.generation),
+      sdc_(config, backend, rank.rank, rank.world_size, rank.generation, board_,
+           [this](float* values, size_t count) { sum_over_world(values, count); }, replicated_state()),
+      checkpoint_faults_(checkpoint::FileSystem::real(), faults_) {
   const int tp_size = tp != nullptr ? tp->size() : 1;
   if (dp_size_ != config.parallel.dp || tp_size != config.parallel.tp) {
     throw common::Error(common::ErrorCode::kInternal,
@@ -73,6 +77,12 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
     val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
+  describe_flip_sites();
+  storage_.on_local_gradients([this](int unit, float* grads, size_t numel) { on_local_gradients(unit, grads, numel); });
+  model_.on_activation([this](int site, float* data, size_t) {
+    flip_if_due(backend_, faults_, "activation", activation_sites_,
+                [&](size_t s) { return s == static_cast<size_t>(site) ? data : nullptr; });
+  });
   if (checkpoints_enabled()) {
     const auto& c = config.checkpoint;
     std::filesystem::create_directories(config.checkpoint_dir());
@@ -86,10 +96,11 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
             rank_.rank, rank_.world_size, rank_.generation,
             [this](int64_t step, uint64_t bytes, double write_s) {
               faults_.during_save(step);
+              checkpoint_faults_.written(step);
               board_.checkpoint_written(step, bytes, write_s);
             },
             c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
-            &checkpoint::FileSystem::real(),
+            &checkpoint_faults_,
             rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string()},
         rank_.store);
   }
@@ -105,6 +116,35 @@ void TrainLoop::dump_first_gradients(std::filesystem::path dir, int rank) {
 
 StepStats TrainLoop::train_step(int64_t step) {
   const auto start = Clock::now();
+  StepStats stats;
+  stats.step = step;
+  stats.lr = learning_rate(config_.train, step);
+  Gradients g = compute_gradients(step);
+  // The parameters are untouched until apply_update, so a suspicious
+  // result is computed again from the same inputs before anything uses it.
+  if (sdc_.needs_rerun(step, g.loss, g.norm)) {
+    const Gradients first = g;
+    g = compute_gradients(step);
+    stats.skipped = !sdc_.judge_rerun(step, first.loss, first.norm, g.loss, g.norm);
+  } else if (!std::isfinite(g.loss) || !std::isfinite(g.norm)) {
+    // Every rank holds the same loss and norm (both are summed over the
+    // world), so every rank refuses the same step and none waits for another.
+    sdc_.refuse(step, g.loss, g.norm);
+  }
+  sdc_.accept(g.loss, g.norm);
+  stats.loss = g.loss;
+  stats.aux_loss = g.aux_loss;
+  stats.grad_norm = static_cast<float>(g.norm);
+  if (!stats.skipped) {
+    apply_update(static_cast<float>(stats.lr), g.norm, step);
+    flip_state_bit();
+  }
+  sdc_.after_step(step + 1);
+  stats.step_ms = seconds_since(start) * 1e3;
+  return stats;
+}
+
+TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   const int T = static_cast<int>(config_.model.seq_len);
   const int64_t micro_batches = config_.parallel.micro_batches;
   // Each rank's gradient is its share of the global mean: summing over the
@@ -112,8 +152,9 @@ StepStats TrainLoop::train_step(int64_t step) {
   const float loss_scale = 1.0f / static_cast<float>(micro_batches * dp_size_);
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
 
-  StepStats stats;
-  stats.step = step;
+  const auto start = Clock::now();
+  const int64_t wait_before = collective_wait_ns();
+  sdc_.begin_attempt();
   storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
   for (int64_t m = 0; m < micro_batches; ++m) {
@@ -126,11 +167,15 @@ StepStats TrainLoop::train_step(int64_t step) {
     board_.set_phase(health::Phase::kBackward);
     model_.backward(loss_scale);
   }
+  // A slow rank's forward and backward take longer; its peers then wait
+  // for it in the gradient sums below.
+  faults_.slow_down(seconds_since(start) - static_cast<double>(collective_wait_ns() - wait_before) / 1e9);
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
   if (faults_.poisons(step, "gradient")) {
     const float nan = std::nanf("");
     backend_.copy_from_host(storage_.owned_gradients(0), &nan, sizeof(float));
   }
+  sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
   sum_norm_gradients_over_tp();
   if (dp_ != nullptr) {
@@ -140,27 +185,82 @@ StepStats TrainLoop::train_step(int64_t step) {
     loss_sum = sums[0];
     aux_sum = sums[1];
   }
-  stats.loss = static_cast<float>(loss_sum / (micro_batches * dp_size_));
-  stats.aux_loss = static_cast<float>(aux_sum / (micro_batches * dp_size_));
-  stats.lr = learning_rate(config_.train, step);
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   board_.set_phase(health::Phase::kOptimizer);
-  const double norm = gradient_norm();
-  stats.grad_norm = static_cast<float>(norm);
-  // Every rank holds the same loss and norm (both are summed over the
-  // world), so every rank refuses the same step and none waits for another.
-  if (!std::isfinite(stats.loss) || !std::isfinite(norm)) {
-    throw common::Error(
-        common::ErrorCode::kSdcSuspected,
-        fmt::format("step {}: the loss is {} and the gradient norm {}; the update was not applied and no checkpoint "
-                    "is written from this state, so the newest checkpoint is the last good state. A restart resumes "
-                    "from it; if the same step fails again, the data or the settings (train.lr, "
-                    "train.warmup_steps) are the likely cause, otherwise the hardware",
-                    step, stats.loss, norm));
+  return Gradients{static_cast<float>(loss_sum / (micro_batches * dp_size_)),
+                   static_cast<float>(aux_sum / (micro_batches * dp_size_)), gradient_norm()};
+}
+
+int64_t TrainLoop::collective_wait_ns() const {
+  int64_t ns = 0;
+  for (const Communicator* group : {dp_, tp_}) ns += group != nullptr ? group->stats().wait_ns : 0;
+  return ns;
+}
+
+void TrainLoop::on_local_gradients(int unit, float* grads, size_t numel) {
+  const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
+  flip_if_due(backend_, faults_, "grad", tensor_sites_, [&](size_t t) {
+    return t >= first && t < end ? grads + (table_.specs()[t].offset - table_.unit_begin(unit)) : nullptr;
+  });
+  if (sdc_.fingerprinting()) sdc_.add_local_gradients(backend_.sum_squares(grads, numel));
+}
+
+void TrainLoop::flip_state_bit() {
+  // Parameters are whole on every rank below ZeRO-3: a flip lands in this
+  // rank's copy after the update's all-gather, as a bad memory cell would.
+  const bool whole = storage_.stage() < 3;
+  flip_if_due(backend_, faults_, "param", whole ? tensor_sites_ : owned_sites_, [&](size_t t) {
+    return whole ? storage_.params() + table_.specs()[t].offset : storage_.owned_parameters(t);
+  });
+  flip_if_due(backend_, faults_, "exp_avg", owned_sites_, [&](size_t t) { return optimizer_.exp_avg(t); });
+  flip_if_due(backend_, faults_, "exp_avg_sq", owned_sites_, [&](size_t t) { return optimizer_.exp_avg_sq(t); });
+}
+
+void TrainLoop::describe_flip_sites() {
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    tensor_sites_.push_back({table_.specs()[t].name, table_.specs()[t].numel});
+    owned_sites_.push_back({table_.specs()[t].name, storage_.owned_numel(t)});
   }
-  apply_update(static_cast<float>(stats.lr), norm, step);
-  stats.step_ms = seconds_since(start) * 1e3;
-  return stats;
+  // Gpt's activation sites: each block's output shard, then the logits.
+  const size_t positions = static_cast<size_t>(micro_batch_ * config_.model.seq_len);
+  const size_t shard = positions / static_cast<size_t>(config_.parallel.tp) * static_cast<size_t>(config_.model.n_embd);
+  for (int64_t i = 0; i < config_.model.n_layer; ++i) {
+    activation_sites_.push_back({fmt::format("h.{}.output", i), shard});
+  }
+  const size_t vocabulary = static_cast<size_t>(config_.model.padded_vocab() / config_.parallel.tp);
+  activation_sites_.push_back({"logits", positions * vocabulary});
+  const auto& f = config_.faults;
+  if (f.bitflip_tensor.empty()) return;
+  const auto& sites = f.bitflip_target == "activation" ? activation_sites_ : tensor_sites_;
+  if (std::none_of(sites.begin(), sites.end(), [&](const auto& s) { return s.name == f.bitflip_tensor; })) {
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        fmt::format("faults.bitflip_tensor = \"{}\" names no {} of this model; name one such as "
+                                    "\"{}\", or leave it empty to draw one",
+                                    f.bitflip_tensor,
+                                    f.bitflip_target == "activation" ? "activation" : "tensor", sites.front().name));
+  }
+}
+
+ReplicatedState TrainLoop::replicated_state() {
+  if (dp_size_ == 1) return {0, {}, "one DP rank holds no replica of another"};
+  if (storage_.stage() == 3) {
+    return {0, {}, "ZeRO-3 shards parameters and optimizer state over DP, so no rank holds a replica; the rerun and "
+                   "the known-answer test cover them"};
+  }
+  // Below ZeRO-3 the parameters of a TP rank are whole and the same on
+  // every DP rank; at ZeRO-0 so are the optimizer moments, so a flip there
+  // shows at once rather than after it reaches the parameters.
+  const size_t params = storage_.parameter_bytes() / sizeof(float);
+  std::vector<FloatSpan> spans = {{storage_.params(), params}};
+  if (storage_.stage() == 0) {
+    spans.push_back({optimizer_.exp_avg(0), params});
+    spans.push_back({optimizer_.exp_avg_sq(0), params});
+  }
+  // Only ranks holding the same slice of the same model at the same stage
+  // compare (pipeline coordinates join this once pipelines exist).
+  const std::string set = fmt::format("tp {} of {}, zero {}, model {}", tp_rank_, config_.parallel.tp,
+                                      storage_.stage(), config_.to_json().at("model").dump());
+  return {XXH3_64bits(set.data(), set.size()), std::move(spans), ""};
 }
 
 void TrainLoop::sum_over_world(float* values, size_t count) {
@@ -339,6 +439,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
   const auto run_start = Clock::now();
   auto last_save = Clock::now();
   board_.set_extent(start_step_, train.steps);
+  sdc_.test_kernels(start_step_);
   double window_ms = 0, window_loss = 0;
   int64_t window_steps = 0;
   for (int64_t step = start_step_; step < train.steps; ++step) {
@@ -346,6 +447,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     // final save below.
     if (stop_after >= 0 && step >= stop_after) break;
     common::set_log_step(step);
+    if (const auto request = board_.take_fault_request()) faults_.apply(*request, step);
     faults_.before_step(step);
     board_.begin_step(step);
     for (Communicator* group : {dp_, tp_}) {
@@ -365,6 +467,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
                              {"tokens_per_s", tokens_per_step / (stats.step_ms / 1e3)},
                              {"step_ms", stats.step_ms}};
     if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
+    if (stats.skipped) record["skipped"] = true;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.
     // A save by time or on keeld's request is agreed the same way, since
@@ -373,8 +476,9 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     const bool save_requested = board_.take_checkpoint_request();
     const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
                                               seconds_since(last_save) >= config_.checkpoint.every_seconds);
-    float votes[2] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f};
-    sum_over_world(votes, 2);
+    float votes[3] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f};
+    sum_over_world(votes, 3);
+    if (votes[2] > 0.0f) sdc_.test_kernels(step + 1);
     const bool stop_now = votes[0] > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
     if (val_ && train.val_every > 0 && ((step + 1) % train.val_every == 0 || last)) {

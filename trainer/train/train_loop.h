@@ -16,7 +16,9 @@
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/zero_storage.h"
+#include "trainer/train/fault_hooks.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/sdc_guard.h"
 
 #include <atomic>
 #include <filesystem>
@@ -34,6 +36,7 @@ struct StepStats {
   float grad_norm = 0;  // before clipping
   double lr = 0;
   double step_ms = 0;
+  bool skipped = false;  // anomalous twice alike: the data did it, the update was not applied
 };
 
 // Bytes this rank holds for the model's state: docs/architecture.md "Parallel layout and communication"'s ZeRO formulas
@@ -120,7 +123,8 @@ class TrainLoop {
   std::string parameter_digest();
 
   // One optimizer step on the batch of global step `step`; loss and
-  // gradient norm are the same on every rank.
+  // gradient norm are the same on every rank. A suspicious result is
+  // computed again before it is applied (SdcGuard).
   StepStats train_step(int64_t step);
 
   struct Evaluation {
@@ -147,6 +151,24 @@ class TrainLoop {
 
  private:
   RunSummary train_until(const std::atomic<bool>& stop, int64_t stop_after);
+  // Forward, backward and the gradient sums of `step`'s batch, up to the
+  // global norm; the parameters stay untouched, so it can run again.
+  struct Gradients {
+    float loss = 0;
+    float aux_loss = 0;
+    double norm = 0;
+  };
+  Gradients compute_gradients(int64_t step);
+  // Time this rank spent inside collectives since the step began.
+  int64_t collective_wait_ns() const;
+  // The hooks of fault injection and of the SDC fingerprints.
+  void on_local_gradients(int unit, float* grads, size_t numel);
+  void flip_state_bit();
+  // Where fault injection may flip a bit of `target`, by tensor (or block
+  // output) name; Error(kBadConfig) when faults.bitflip_tensor names none.
+  void describe_flip_sites();
+  // What this rank's DP replicas hold identically (SdcGuard's digests).
+  ReplicatedState replicated_state();
   // Sums `values` over the world in place: over the TP group, then the DP group.
   void sum_over_world(float* values, size_t count);
   // A block of a global tensor this rank saves or loads, and where its rows
@@ -196,6 +218,9 @@ class TrainLoop {
   health::BoardPublisher no_board_;
   health::BoardPublisher& board_;
   health::FaultInjector faults_;
+  std::vector<health::FaultInjector::Site> tensor_sites_, owned_sites_, activation_sites_;
+  SdcGuard sdc_;
+  CheckpointFaults checkpoint_faults_;
   std::optional<checkpoint::Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;

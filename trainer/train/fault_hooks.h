@@ -1,0 +1,54 @@
+// The trainer's side of fault injection (docs/architecture.md "Health"):
+// where a fault the FaultInjector calls for meets the model's memory and
+// the checkpoint files. Inert when [faults] configures nothing: each hook
+// asks the injector and returns.
+#pragma once
+
+#include "checkpoint/file_system.h"
+#include "health/fault_injector.h"
+#include "trainer/kernels/backend.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
+namespace keel::trainer {
+
+// Flips the bit due now on `target` (FaultInjector::bitflip over `sites`)
+// when `where(site)` says where that site's floats are in backend memory
+// at this moment; nullptr: not reachable here (another unit's gradients,
+// another block's output), so nothing flips and the flip stays due.
+void flip_if_due(Backend& backend, const health::FaultInjector& faults, std::string_view target,
+                 const std::vector<health::FaultInjector::Site>& sites,
+                 const std::function<float*(size_t site)>& where);
+
+// checkpoint_fault, as a file system under the checkpointer (passed as
+// CheckpointerOptions::fs): this rank's file of the chosen checkpoint
+// fails, as a real disk would fail it.
+//   disk_full    its up-front reservation fails with ENOSPC, before HDF5
+//                writes anything (the "no room" path);
+//   write_error  the reservation made once the HDF5 skeleton is on disk
+//                fails with EIO, with the file half written;
+//   corrupt      the file is written and its checksum taken, then one byte
+//                in its middle flips (written() does it), so the checkpoint
+//                commits and only a full verify finds it.
+class CheckpointFaults final : public checkpoint::FileSystemWrapper {
+ public:
+  CheckpointFaults(checkpoint::FileSystem& target, const health::FaultInjector& faults);
+
+  void reserve(const std::filesystem::path& file, uint64_t bytes) override;
+  // On the writer thread, once this rank's file of checkpoint `step` is
+  // written and checksummed and before it is reported.
+  void written(int64_t step);
+
+ private:
+  const health::FaultInjector& faults_;
+  std::mutex mutex_;
+  std::filesystem::path last_file_;  // the rank file reserved last, and its step
+  int64_t last_step_ = -1;
+};
+
+}  // namespace keel::trainer

@@ -1,0 +1,130 @@
+// The trainer's side of silent-data-corruption detection
+// (docs/architecture.md "Health": SDC). keeld compares the replica digests
+// across ranks and turns the board's SDC reports into its own records; the
+// rank finds the rest itself:
+//
+// * Replica digests: every health.sdc_digest_every steps, the XXH3 of the
+//   bytes this rank's DP replicas hold identically goes on its board.
+// * Rerun on anomaly (health.sdc_rerun): a step whose loss or gradient norm
+//   is non-finite, or stands out against the recent window, is computed
+//   again from the same inputs before the optimizer touches the
+//   parameters. A different result was a transient fault: the ranks whose
+//   own share of it changed between the runs are named, and the rerun is
+//   applied. The same result means the data did it: the step is skipped.
+// * Known-answer kernel test (trainer/kernels/known_answer.h) at start and
+//   every health.sdc_kat_every_s: a rank that computes wrong numbers, or
+//   other numbers than its peers, stops the run with exit 11.
+//
+// Every rank holds the same window (it is fed the world-wide loss and norm)
+// and so takes the same decisions; the calls marked collective must be made
+// by every rank at the same point.
+#pragma once
+
+#include "common/config.h"
+#include "health/board_publisher.h"
+#include "trainer/kernels/backend.h"
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace keel::trainer {
+
+// A run of float32s in backend memory.
+struct FloatSpan {
+  const float* data = nullptr;
+  size_t numel = 0;
+};
+
+// XXH3-64 of the spans' bytes, in order, as one stream.
+uint64_t digest_of(Backend& backend, const std::vector<FloatSpan>& spans);
+
+// What this rank's DP replicas hold identically: the spans and a hash
+// naming the replica set (ranks with equal sets must hold equal bytes).
+// No spans: nothing is replicated, and `none_because` says why.
+struct ReplicatedState {
+  uint64_t replica_set = 0;
+  std::vector<FloatSpan> spans;
+  std::string none_because;
+};
+
+class SdcGuard {
+ public:
+  // `sum_over_world` sums floats in place over every rank of the run.
+  SdcGuard(const common::Config& config, Backend& backend, int rank, int world_size, int64_t generation,
+           health::BoardPublisher& board, std::function<void(float*, size_t)> sum_over_world,
+           ReplicatedState replicated);
+
+  // ---- rerun on anomaly ----
+  // Whether this rank's local fingerprints are taken (health.sdc_rerun):
+  // the step's hooks feed add_local_* only then.
+  bool fingerprinting() const { return rerun_; }
+  // A new computation of a step begins: its fingerprints start from zero
+  // and the previous computation's are kept for judge_rerun.
+  void begin_attempt();
+  // This rank's own contribution before any sum over DP or TP: its loss
+  // sum, and the squares of its local gradients.
+  void add_local_loss(double loss_sum);
+  void add_local_gradients(double squares);
+  // Whether the step's result, the same on every rank, must be computed
+  // again before it is applied: with health.sdc_rerun, when the loss or
+  // the norm is non-finite or negative, or (once the window holds 8 values
+  // and train.warmup_steps are done) when its logarithm lies above the
+  // window's median by more than health.sdc_anomaly_z robust deviations.
+  bool needs_rerun(int64_t step, float loss, double grad_norm) const;
+  // Collective, after the rerun (first: the result that asked for it).
+  // Different results: a transient fault; the ranks whose fingerprints
+  // changed are named in sdc_detected events (rank 0 appends them) and on
+  // their own boards, and the rerun is to be applied: true. The same
+  // result: the data did it; sdc_detected (rank -1, verdict data) and
+  // step_skipped are recorded and the step is skipped: false. A rerun
+  // that is non-finite too is recorded and refused (Error kSdcSuspected).
+  bool judge_rerun(int64_t step, float first_loss, double first_norm, float loss, double grad_norm);
+  // The result about to be applied (or skipped as data) joins the window.
+  void accept(float loss, double grad_norm);
+  // Error(kSdcSuspected) for a non-finite result that is not re-run.
+  [[noreturn]] void refuse(int64_t step, float loss, double grad_norm) const;
+
+  // ---- replica digests ----
+  // After a step: publishes the replica digest when `steps_done` is a
+  // multiple of health.sdc_digest_every.
+  void after_step(int64_t steps_done);
+
+  // ---- known-answer kernel test ----
+  // Whether health.sdc_kat_every_s has passed since this rank's last test
+  // (ranks vote, as their clocks differ).
+  bool kernel_test_due() const;
+  // Collective: runs the test and compares the ranks' results. Any rank
+  // wrong: it reports itself (board and sdc_detected) and every rank
+  // throws Error(kSdcSuspected) naming the rank and the kernel.
+  void test_kernels(int64_t step);
+
+ private:
+  struct Fingerprint {
+    double loss = 0;
+    double grad_squares = 0;
+    bool operator==(const Fingerprint&) const = default;
+  };
+  // Sums one flag per global rank over the world; the ranks whose flag is set.
+  std::vector<int> ranks_flagged(bool mine, float value = 1.0f);
+  void record(int64_t step, int rank, health::SdcMethod method, health::SdcVerdict verdict,
+              nlohmann::json fields) const;
+
+  common::Config config_;
+  Backend& backend_;
+  int rank_;
+  int world_size_;
+  int64_t generation_;
+  health::BoardPublisher& board_;
+  std::function<void(float*, size_t)> sum_over_world_;
+  ReplicatedState replicated_;
+  bool rerun_;
+  Fingerprint current_, previous_;
+  std::deque<double> losses_, norms_;
+  std::chrono::steady_clock::time_point last_kernel_test_;
+};
+
+}  // namespace keel::trainer
