@@ -1,10 +1,15 @@
 #include "daemon/job.h"
 
+#include "checkpoint/catalog.h"
 #include "common/events.h"
 #include "common/log.h"
+#include "daemon/checkpoint_quarantine.h"
+#include "daemon/flight_dump.h"
+#include "daemon/health_policy.h"
 #include "daemon/protocol.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -20,6 +25,7 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
                             options_.config_path, options_.overrides, options_.store_address,
                             options_.store_secret, run_dir_, options_.config.daemon.pin_cpus}),
       history_(run_dir_),
+      health_(options_.config.health, static_cast<int>(options_.config.parallel.world_size())),
       started_at_ns_(clock.now_ns()) {}
 
 void Job::event(const std::string& kind, nlohmann::json fields) const {
@@ -79,6 +85,7 @@ void Job::start_generation(int64_t generation) {
   auto log = common::logger("job");
   resumed_ = false;
   last_progress_log_ns_ = clock_.now_ns();
+  health_.new_generation();
   if (const auto failed = ranks_.spawn(generation)) {
     log->error("generation {}: {}", generation, failed->why);
     apply(machine_.rank_exited({failed->rank, -1, 127, -1, ranks_.exit_cause(failed->rank, 127)}).actions);
@@ -110,6 +117,7 @@ void Job::end_generation_if_over() {
   if (!machine_.generation_live() || ranks_.alive()) return;
   observe();  // the boards' last words and the ranks' last events, for status and the events below
   ranks_.remove_boards();
+  quarantine_suspect_checkpoints();
   // A generation made progress when it committed a checkpoint of its own:
   // the newest directory's name says nothing when that one is corrupt.
   GenerationOutcome outcome;
@@ -120,6 +128,53 @@ void Job::end_generation_if_over() {
   outcome.steps_done = steps_done();
   for (const auto& rank : ranks_.ranks()) outcome.exit_codes.push_back(rank.exit_code.value_or(-1));
   apply(machine_.generation_over(outcome, clock_.now_ns()).actions);
+}
+
+void Job::quarantine_suspect_checkpoints() {
+  if (!keep_through_step_) return;
+  const int64_t last_good = *keep_through_step_;
+  keep_through_step_.reset();
+  const auto root = options_.config.checkpoint_dir();
+  const Quarantine q = quarantine_checkpoints(root, last_good, machine_.generation());
+  for (const auto& error : q.errors) common::logger("health")->error("{}", error);
+  common::logger("health")->warn("moved aside the checkpoints after step {}, the last known good: [{}]", last_good,
+                                 fmt::join(q.moved, ", "));
+  event("checkpoint_quarantined",
+        {{"last_good_step", last_good}, {"steps", q.steps}, {"moved", q.moved}, {"errors", q.errors}});
+  history_.refresh();
+  const auto kept = checkpoint::committed(root);
+  base_checkpoint_ = kept.empty() ? -1 : kept.back().step;
+}
+
+void Job::act_on(const Verdicts& verdicts) {
+  if (verdicts.empty()) return;
+  auto log = common::logger("health");
+  std::string flight;
+  if (!verdicts.hangs.empty()) {
+    // Written before the ranks are killed: the boards as the verdict saw them.
+    const int64_t now = clock_.now_ns();
+    std::vector<nlohmann::json> records;
+    for (const auto& rank : ranks_.ranks()) records.push_back(rank_collectives(rank, now));
+    auto verdict = verdicts.hangs.front().to_json();
+    verdict["generation"] = machine_.generation();
+    try {
+      flight = write_flight_dump(run_dir_, machine_.generation(), records, verdict);
+    } catch (const std::exception& e) {
+      log->error("no flight dump of the hang: {}", e.what());
+    }
+    diagnosis_ = {{"verdict", verdict}, {"generation", machine_.generation()}, {"ranks", records}};
+    diagnosis_["flight"] = flight.empty() ? nlohmann::json(nullptr) : nlohmann::json(flight);
+  }
+  const HealthResponse response = respond(verdicts, options_.config.health.sdc_policy, flight);
+  for (const auto& warning : response.warnings) log->warn("{}", warning);
+  for (const auto& e : response.events) {
+    log->warn("{}: {}", e.kind, e.fields.dump());
+    event(e.kind, e.fields);
+  }
+  if (response.keep_through_step) {
+    keep_through_step_ = std::min(keep_through_step_.value_or(*response.keep_through_step), *response.keep_through_step);
+  }
+  if (!response.stop_cause.empty()) apply(machine_.verdict(response.stop_cause).actions);
 }
 
 void Job::observe() {
@@ -150,6 +205,9 @@ void Job::poll() {
   auto log = common::logger("job");
   observe();
   const int64_t now = clock_.now_ns();
+  if (machine_.state() == JobState::kStarting || machine_.state() == JobState::kRunning) {
+    act_on(health_.observe(ranks_.samples(), now));
+  }
   if (machine_.state() == JobState::kStarting) {
     const auto& ranks = ranks_.ranks();
     const bool all_up = std::all_of(ranks.begin(), ranks.end(), [](const RankReport& r) {
@@ -202,6 +260,63 @@ nlohmann::json Job::restart(const std::string& by) {
   return t.reply;
 }
 
+nlohmann::json Job::health() const {
+  auto out = health_.health_json();
+  out["ok"] = true;
+  out["generation"] = machine_.generation();
+  return out;
+}
+
+nlohmann::json Job::diagnose() const {
+  nlohmann::json out = diagnosis_;
+  if (out.is_null()) {
+    const int64_t now = clock_.now_ns();
+    nlohmann::json records = nlohmann::json::array();
+    for (const auto& rank : ranks_.ranks()) records.push_back(rank_collectives(rank, now));
+    out = {{"verdict", nullptr}, {"generation", machine_.generation()}, {"flight", nullptr}, {"ranks", records}};
+  }
+  out["ok"] = true;
+  return out;
+}
+
+nlohmann::json Job::stragglers() const {
+  auto out = health_.straggler_report();
+  out["ok"] = true;
+  return out;
+}
+
+nlohmann::json Job::inject(const FaultSpec& fault, const std::string& by) {
+  const JobState state = machine_.state();
+  if (state != JobState::kRunning && state != JobState::kStarting) {
+    return error_reply(fmt::format("no generation is training (the job is {}); faults go to running ranks",
+                                   job_state_name(state)));
+  }
+  const auto& ranks = ranks_.ranks();
+  int64_t steps_done = -1;  // unknown until the rank publishes
+  if (fault.rank >= 0 && fault.rank < static_cast<int64_t>(ranks.size())) {
+    const auto& board = ranks[static_cast<size_t>(fault.rank)].last;
+    if (board) steps_done = board->steps_done;
+  }
+  health::FaultRequest request;
+  try {
+    request = fault_request(fault, static_cast<int>(ranks.size()), options_.config.parallel, steps_done);
+  } catch (const FaultRefused& e) {
+    return error_reply(e.what());
+  }
+  if (!ranks_.request_fault(static_cast<int>(fault.rank), request)) {
+    return error_reply(fmt::format("rank {} has no board to take the fault (its generation is over)", fault.rank));
+  }
+  auto fields = fault_json(fault);
+  fields["fault"] = fields["kind"];  // an event's own "kind" is fault_injected
+  fields.erase("kind");
+  fields["by"] = by;
+  common::logger("health")->warn("fault injected by {}: {}", by, fields.dump());
+  event("fault_injected", fields);
+  return {{"ok", true},
+          {"message", fmt::format("rank {} takes the {} fault at {}; keelctl events shows what follows", fault.rank,
+                                  fault.kind, fault.step ? fmt::format("step {}", *fault.step) : "its next step")}};
+}
+
 JobReport Job::report() const {
   JobReport r;
   r.now_ns = clock_.now_ns();
@@ -217,6 +332,11 @@ JobReport Job::report() const {
   r.uptime_s = common::ns_to_seconds(r.now_ns - started_at_ns_);
   r.stale_after_s = options_.config.daemon.stale_after_s;
   r.ranks = ranks_.ranks();
+  for (auto& rank : r.ranks) {
+    rank.verdict = health_.rank(rank.rank);
+    rank.straggler_score = health_.straggler_score(rank.rank);
+  }
+  r.detections = health_.counts();
   return r;
 }
 

@@ -1,8 +1,11 @@
 // The job keeld runs (docs/architecture.md "Daemon"): one generation of
 // local ranks at a time, supervised from keeld's event loop. This is the
-// glue between three parts that each do one thing: the state machine
+// glue between parts that each do one thing: the state machine
 // (daemon/job_state.h) decides, the rank set (daemon/rank_set.h) runs the
-// processes, and the views (daemon/job_views.h) render a JobReport.
+// processes, the health monitor (daemon/health_monitor.h) runs the
+// detectors on every poll of the boards, the health policy
+// (daemon/health_policy.h) says what to do about their verdicts, and the
+// views (daemon/job_views.h) render a JobReport.
 //
 // The ranks pick the checkpoint they resume from themselves (the newest
 // that loads), and keeld reports their choice (rank 0's board names the
@@ -19,6 +22,8 @@
 #include "common/clock.h"
 #include "common/config.h"
 #include "common/store.h"
+#include "daemon/fault_request.h"
+#include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
 #include "daemon/job_views.h"
 #include "daemon/rank_set.h"
@@ -30,6 +35,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,6 +78,17 @@ class Job {
   nlohmann::json checkpoint_now();
   nlohmann::json stop(bool checkpoint, const std::string& by);
   nlohmann::json restart(const std::string& by);
+  // keelctl health: every rank's verdict with its reason, the detections so far.
+  nlohmann::json health() const;
+  // keelctl diagnose: the last hang verdict and every rank's collectives at
+  // that moment (the flight dump's records); without a verdict yet, the
+  // ranks' collectives now.
+  nlohmann::json diagnose() const;
+  // keelctl stragglers: StragglerMonitor::report().
+  nlohmann::json stragglers() const;
+  // keelctl inject: writes the fault to the rank's board (the rank takes it
+  // at its next step boundary) and records fault_injected.
+  nlohmann::json inject(const FaultSpec& fault, const std::string& by);
 
   JobState state() const { return machine_.state(); }
   // The job's figures, for the views (daemon/job_views.h).
@@ -85,6 +102,11 @@ class Job {
   void end_generation_if_over();
   // Takes in the boards and the events appended since the last look.
   void observe();
+  // Records the detectors' verdicts and does what the health policy says.
+  void act_on(const Verdicts& verdicts);
+  // Moves aside the checkpoints a corrupted generation may have written
+  // (after keep_through_step_), once its ranks are gone.
+  void quarantine_suspect_checkpoints();
   // Once rank 0's board names the step this generation resumed from:
   // records it (generation_resumed), once per generation.
   void note_resume();
@@ -102,6 +124,10 @@ class Job {
   JobMachine machine_;
   RankSet ranks_;
   RunHistory history_;
+  HealthMonitor health_;
+  // An SDC verdict's last step known good, until the generation is over.
+  std::optional<int64_t> keep_through_step_;
+  nlohmann::json diagnosis_;  // the last hang verdict's diagnose reply; null: none yet
   // The newest checkpoint known good before this generation's own commits:
   // the history's newest at start, then each generation's resume step.
   int64_t base_checkpoint_ = -1;

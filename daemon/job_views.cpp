@@ -52,7 +52,11 @@ nlohmann::json status_json(const JobReport& report) {
   const int64_t now_ns = report.now_ns;
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& rank : report.ranks) {
-    nlohmann::json r = {{"rank", rank.rank}, {"pid", rank.pid}, {"health", rank_health(rank, report)}};
+    nlohmann::json r = {{"rank", rank.rank},
+                        {"pid", rank.pid},
+                        {"health", rank_health(rank, report)},
+                        {"verdict", rank_condition_name(rank.verdict.condition)},
+                        {"verdict_reason", rank.verdict.reason}};
     r["exit_code"] = rank.exit_code ? nlohmann::json(*rank.exit_code) : nlohmann::json(nullptr);
     if (rank.last) {
       const auto& s = *rank.last;
@@ -102,9 +106,14 @@ nlohmann::json status_json(const JobReport& report) {
 
 std::string status_line(const JobReport& report) {
   std::string health = "ok";
+  RankCondition worst = RankCondition::kHealthy;
   for (const auto& rank : report.ranks) {
     const std::string h = rank_health(rank, report);
     if (h == "stale" || h == "exited") health = h;
+    if (rank.verdict.condition > worst) {
+      worst = rank.verdict.condition;
+      health = fmt::format("rank {} {}", rank.rank, rank_condition_name(worst));
+    }
   }
   std::string line = fmt::format("{}: {} (generation {}) step {}/{}", report.job, job_state_name(report.state),
                                  report.generation, report.step, report.total_steps);
@@ -142,6 +151,11 @@ std::string metrics_text(const JobReport& report) {
   }
   out.gauge("keel_checkpoint_step", "Step of the newest good checkpoint: the one the ranks resumed from, or newer",
             static_cast<double>(report.checkpoint_step), job);
+  for (auto [kind, count] : {std::pair{"hang", report.detections.hang}, {"sdc", report.detections.sdc},
+                             {"straggler", report.detections.straggler}}) {
+    out.counter("keel_detections_total", "Findings of the detectors since keeld started, by kind",
+                static_cast<double>(count), {{"job", report.job}, {"kind", kind}});
+  }
   for (const auto& rank : report.ranks) {
     if (!rank.last) continue;
     const auto& s = *rank.last;
@@ -154,6 +168,9 @@ std::string metrics_text(const JobReport& report) {
               static_cast<double>(s.checkpoint_bytes), labels);
     out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
               s.checkpoint_write_s, labels);
+    out.gauge("keel_rank_straggler_score",
+              "This rank's newest straggler score: its compute over the median rank's, minus 1", rank.straggler_score,
+              labels);
   }
   return out.str();
 }

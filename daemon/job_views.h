@@ -6,6 +6,7 @@
 // nor know how the job runs its ranks.
 #pragma once
 
+#include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
 #include "health/progress_board.h"
 
@@ -25,6 +26,9 @@ struct RankReport {
   pid_t pid = -1;                             // -1: not started
   std::optional<int> exit_code;               // 128 + signal when killed
   std::optional<health::BoardSnapshot> last;  // the newest board read
+  int64_t heartbeat_ns = 0;                   // the board's heartbeat; 0: never beaten
+  RankHealth verdict;                         // the detectors' verdict on it (daemon/health_monitor.h)
+  double straggler_score = 0;                 // its newest straggler window score
 };
 
 struct JobReport {
@@ -40,6 +44,7 @@ struct JobReport {
   std::filesystem::path run_dir;
   double uptime_s = 0;
   double stale_after_s = 0;      // a board older than this makes its rank "stale"
+  DetectionCounts detections;    // the detectors' findings so far
   std::vector<RankReport> ranks; // rank 0 first
 };
 

@@ -1,24 +1,31 @@
 // keelctl: the operator's command line (docs/architecture.md "Daemon"). status, events, stop,
-// restart and `checkpoint now` ask keeld through its control socket; the
-// other checkpoint commands work on a run directory directly, with or
-// without a daemon.
+// restart, `checkpoint now`, health, diagnose, stragglers and inject ask
+// keeld through its control socket; the other checkpoint commands work on a
+// run directory directly, with or without a daemon.
 #include "daemon/checkpoint_commands.h"
+#include "daemon/health_view.h"
 #include "daemon/protocol.h"
 #include "daemon/status_view.h"
+#include "daemon/straggler_view.h"
 
 #include <CLI/CLI.hpp>
 
 #include <iostream>
+#include <string_view>
 
 namespace {
 
 constexpr int kRefused = 1;
 constexpr int kUnreachable = 3;
 
+constexpr int kBadInput = 2;
+
 // Sends `request` to keeld and prints the reply: `show` for a readable view,
-// the JSON itself with --json.
+// the JSON itself with --json. `then`, when given, runs on a reply keeld
+// accepted, after it was printed, and its exit code is keelctl's.
 int ask_keeld(const std::string& socket, const keel::daemon::Request& request, bool json,
-              const std::function<void(const nlohmann::json&)>& show) {
+              const std::function<void(const nlohmann::json&)>& show,
+              const std::function<int(const nlohmann::json&)>& then = nullptr) {
   nlohmann::json reply;
   try {
     reply = keel::daemon::call_daemon(socket, request);
@@ -37,7 +44,8 @@ int ask_keeld(const std::string& socket, const keel::daemon::Request& request, b
   } else {
     std::cerr << "keelctl: keeld refused: " << reply.value("error", std::string("no reason given")) << "\n";
   }
-  return ok ? 0 : kRefused;
+  if (!ok) return kRefused;
+  return then ? then(reply) : 0;
 }
 
 }  // namespace
@@ -62,6 +70,26 @@ int main(int argc, char** argv) {
   stop->add_flag("--json", json, "print keeld's reply as JSON");
   auto* restart = app.add_subcommand("restart", "save a checkpoint and start a new generation (or run a finished or failed job again)");
   restart->add_flag("--json", json, "print keeld's reply as JSON");
+
+  auto* health = app.add_subcommand("health", "each rank's verdict (healthy, straggler, suspect, hung) and why");
+  health->add_flag("--json", json, "print keeld's reply as JSON");
+  auto* diagnose = app.add_subcommand("diagnose", "the last hang verdict and every rank's recent collectives side by side");
+  diagnose->add_flag("--json", json, "print keeld's reply as JSON");
+  auto* stragglers = app.add_subcommand("stragglers", "per rank: median compute time, straggler score, flagged");
+  stragglers->add_flag("--json", json, "print keeld's reply as JSON");
+  std::string plot;
+  stragglers->add_option("--plot", plot, "also draw a rank x step heat map of compute time into this PNG file");
+  auto* inject = app.add_subcommand(
+      "inject", "inject a fault into a running rank for a game day: crash, hang, slow, bitflip or nan");
+  auto add_option = [inject](const char* name, auto& field, const char* help) {
+    if (std::string_view(name) == "kind") {
+      inject->add_option(name, field, help)->required();
+    } else {
+      inject->add_option(std::string("--") + name, field, help);
+    }
+  };
+  request.fault.visit(add_option);
+  inject->add_flag("--json", json, "print keeld's reply as JSON");
 
   auto* checkpoint = app.add_subcommand("checkpoint", "save now, or list, verify, inspect or prune a run's checkpoints");
   checkpoint->require_subcommand(1);
@@ -99,33 +127,54 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+    return code == 0 ? 0 : kBadInput;
   }
   using keel::daemon::Command;
-  if (status->parsed()) {
-    request.command = Command::kStatus;
-    return ask_keeld(socket, request, json, [](const nlohmann::json& r) { keel::daemon::print_status(r, std::cout); });
+  request.checkpoint = !no_checkpoint;
+  if (inject->parsed()) {
+    if (const std::string problem = keel::daemon::fault_spec_problem(request.fault); !problem.empty()) {
+      std::cerr << "keelctl: " << problem << "\n";
+      return kBadInput;
+    }
   }
-  if (events->parsed()) {
-    request.command = Command::kEvents;
-    return ask_keeld(socket, request, json, [](const nlohmann::json& r) { keel::daemon::print_events(r, std::cout); });
-  }
-  if (stop->parsed()) {
-    request.command = Command::kStop;
-    request.checkpoint = !no_checkpoint;
-    return ask_keeld(socket, request, json, print_message);
-  }
-  if (restart->parsed()) {
-    request.command = Command::kRestart;
-    return ask_keeld(socket, request, json, print_message);
-  }
-  if (now->parsed()) {
-    request.command = Command::kCheckpointNow;
-    return ask_keeld(socket, request, json, print_message);
+  auto draw = [&plot](const nlohmann::json& reply) {
+    if (plot.empty()) return 0;
+    try {
+      keel::daemon::plot_stragglers(reply, plot);
+    } catch (const std::exception& e) {
+      std::cerr << "keelctl: " << e.what() << "\n";
+      return kBadInput;
+    }
+    return 0;
+  };
+  auto view = [](void (*print)(const nlohmann::json&, std::ostream&)) {
+    return [print](const nlohmann::json& reply) { print(reply, std::cout); };
+  };
+  struct Asked {
+    CLI::App* command;
+    Command request;
+    std::function<void(const nlohmann::json&)> show;
+    std::function<int(const nlohmann::json&)> then;
+  };
+  const Asked asked[] = {
+      {status, Command::kStatus, view(keel::daemon::print_status), nullptr},
+      {events, Command::kEvents, view(keel::daemon::print_events), nullptr},
+      {stop, Command::kStop, print_message, nullptr},
+      {restart, Command::kRestart, print_message, nullptr},
+      {now, Command::kCheckpointNow, print_message, nullptr},
+      {health, Command::kHealth, view(keel::daemon::print_health), nullptr},
+      {diagnose, Command::kDiagnose, view(keel::daemon::print_diagnose), nullptr},
+      {stragglers, Command::kStragglers, view(keel::daemon::print_stragglers), draw},
+      {inject, Command::kInject, print_message, nullptr},
+  };
+  for (const auto& a : asked) {
+    if (!a.command->parsed()) continue;
+    request.command = a.request;
+    return ask_keeld(socket, request, json, a.show, a.then);
   }
   if (run_dir.empty() == checkpoints.empty()) {
     std::cerr << "keelctl: give exactly one of --run-dir and --checkpoints\n";
-    return 2;
+    return kBadInput;
   }
   keel::daemon::CheckpointTarget target{checkpoints.empty() ? std::filesystem::path(run_dir) / "checkpoints"
                                                             : std::filesystem::path(checkpoints),

@@ -167,6 +167,10 @@ int main(int argc, char** argv) {
             case Command::kCheckpointNow: return job.checkpoint_now();
             case Command::kStop: return stop(request.checkpoint, "keelctl stop");
             case Command::kRestart: return job.restart("keelctl restart");
+            case Command::kHealth: return job.health();
+            case Command::kDiagnose: return job.diagnose();
+            case Command::kStragglers: return job.stragglers();
+            case Command::kInject: return job.inject(request.fault, "keelctl inject");
           }
           return keel::daemon::error_reply("unknown command");
         });

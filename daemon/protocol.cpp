@@ -19,7 +19,11 @@ const std::map<std::string, Command>& command_names() {
                                                        {"events", Command::kEvents},
                                                        {"checkpoint_now", Command::kCheckpointNow},
                                                        {"stop", Command::kStop},
-                                                       {"restart", Command::kRestart}};
+                                                       {"restart", Command::kRestart},
+                                                       {"health", Command::kHealth},
+                                                       {"diagnose", Command::kDiagnose},
+                                                       {"stragglers", Command::kStragglers},
+                                                       {"inject", Command::kInject}};
   return names;
 }
 
@@ -65,8 +69,18 @@ Request parse_request(std::string_view line) {
       if (!value.is_boolean()) throw ProtocolError("\"checkpoint\" must be true or false");
       request.checkpoint = value.get<bool>();
     } else {
-      throw ProtocolError(fmt::format("unknown field for command {}", known->first));
+      bool taken = false;
+      try {
+        taken = request.command == Command::kInject && set_fault_field(request.fault, key, value);
+      } catch (const std::invalid_argument& e) {
+        throw ProtocolError(e.what());
+      }
+      if (!taken) throw ProtocolError(fmt::format("unknown field for command {}", known->first));
     }
+  }
+  if (request.command == Command::kInject) {
+    if (!message.contains("kind")) throw ProtocolError("inject needs \"kind\": crash, hang, slow, bitflip or nan");
+    if (const std::string problem = fault_spec_problem(request.fault); !problem.empty()) throw ProtocolError(problem);
   }
   return request;
 }
@@ -75,6 +89,7 @@ std::string request_line(const Request& request) {
   nlohmann::json message = {{"command", command_name(request.command)}};
   if (request.command == Command::kEvents) message["limit"] = request.limit;
   if (request.command == Command::kStop) message["checkpoint"] = request.checkpoint;
+  if (request.command == Command::kInject) message.update(fault_json(request.fault));
   return message.dump() + "\n";
 }
 

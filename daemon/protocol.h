@@ -7,10 +7,18 @@
 //   {"command": "checkpoint_now"}
 //   {"command": "stop", "checkpoint": true}
 //   {"command": "restart"}
+//   {"command": "health"}
+//   {"command": "diagnose"}
+//   {"command": "stragglers"}
+//   {"command": "inject", "kind": "hang", "rank": 1, "step": 30, "group": "dp"}
+//     (inject's other fields: "factor", "bit", "target", "tensor"; see
+//     daemon/fault_request.h)
 // The reply is one JSON object on one line: {"ok": true, ...} or
 // {"ok": false, "error": "what went wrong and what to do"}. A connection
 // may carry several requests, one after the other.
 #pragma once
+
+#include "daemon/fault_request.h"
 
 #include <nlohmann/json.hpp>
 
@@ -22,12 +30,13 @@
 
 namespace keel::daemon {
 
-enum class Command { kStatus, kEvents, kCheckpointNow, kStop, kRestart };
+enum class Command { kStatus, kEvents, kCheckpointNow, kStop, kRestart, kHealth, kDiagnose, kStragglers, kInject };
 
 struct Request {
   Command command = Command::kStatus;
   int64_t limit = 20;       // events: how many of the newest
   bool checkpoint = true;   // stop: take a final checkpoint first
+  FaultSpec fault;          // inject
 };
 
 // A request or reply that does not follow the protocol.
@@ -37,7 +46,8 @@ class ProtocolError : public std::runtime_error {
 };
 
 // Parses one request line (without its newline). ProtocolError says what
-// is wrong: not JSON, not an object, an unknown command or field, a wrong type.
+// is wrong: not JSON, not an object, an unknown command or field, a wrong
+// type, a fault that fault_spec_problem() refuses.
 Request parse_request(std::string_view line);
 // The line keelctl sends for `request`, newline included.
 std::string request_line(const Request& request);

@@ -37,8 +37,7 @@ std::string describe_exit(int code) {
 RankSet::RankSet(RankSetOptions options)
     : options_(std::move(options)),
       reports_(static_cast<size_t>(options_.world)),
-      boards_(static_cast<size_t>(options_.world)),
-      heartbeats_(static_cast<size_t>(options_.world), 0) {
+      boards_(static_cast<size_t>(options_.world)) {
   for (int r = 0; r < options_.world; ++r) reports_[static_cast<size_t>(r)].rank = r;
   if (options_.pin_cpus) {
     const auto available = allowed_cpus();
@@ -62,7 +61,7 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation) {
     rank.pid = -1;
     rank.last.reset();
     rank.exit_code.reset();
-    heartbeats_[static_cast<size_t>(rank.rank)] = 0;
+    rank.heartbeat_ns = 0;
   }
   for (auto& rank : reports_) {
     const std::string board = health::board_name(getpid(), rank.rank);
@@ -149,14 +148,14 @@ void RankSet::read_boards() {
     const auto& board = boards_[static_cast<size_t>(rank.rank)];
     if (!board) continue;
     if (auto snapshot = board->read()) rank.last = snapshot;
-    heartbeats_[static_cast<size_t>(rank.rank)] = board->heartbeat_ns();
+    rank.heartbeat_ns = board->heartbeat_ns();
   }
 }
 
 health::RankSamples RankSet::samples() const {
   health::RankSamples out;
   for (const auto& rank : reports_) {
-    out.push_back({rank.rank, rank.last, heartbeats_[static_cast<size_t>(rank.rank)], rank.pid > 0 && !rank.exit_code});
+    out.push_back({rank.rank, rank.last, rank.heartbeat_ns, rank.pid > 0 && !rank.exit_code});
   }
   return out;
 }

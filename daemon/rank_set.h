@@ -60,7 +60,7 @@ class RankSet {
   bool tick(int64_t now_ns);
   bool alive() const;
 
-  // Takes in each board's newest snapshot and heartbeat.
+  // Takes in each board's newest snapshot and its heartbeat.
   void read_boards();
   health::RankSamples samples() const;
   const std::vector<RankReport>& ranks() const { return reports_; }
@@ -81,7 +81,6 @@ class RankSet {
   RankSetOptions options_;
   std::vector<RankReport> reports_;                          // per rank
   std::vector<std::optional<health::ProgressBoard>> boards_;  // per rank; empty between generations
-  std::vector<int64_t> heartbeats_;                          // per rank
   std::vector<std::vector<int>> cpus_;                       // per rank; empty: pin_cpus is off
   size_t threads_per_rank_ = 1;
   std::optional<int64_t> kill_at_ns_;

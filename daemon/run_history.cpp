@@ -40,30 +40,36 @@ void RunHistory::take(const nlohmann::json& event) {
   if (generation == event.end() || !generation->is_number_integer()) return;
   const int64_t g = generation->get<int64_t>();
   last_generation_ = std::max(last_generation_, g);
-  const auto step = event.find("step");
-  if (step == event.end() || !step->is_number_integer()) return;
   const auto kind_field = event.find("kind");
   const std::string kind = kind_field != event.end() && kind_field->is_string() ? kind_field->get<std::string>() : "";
+  const auto step_field = event.find(kind == "checkpoint_quarantined" ? "last_good_step" : "step");
+  if (step_field == event.end() || !step_field->is_number_integer()) return;
+  const int64_t step = step_field->get<int64_t>();
   if (kind == "checkpoint_committed") {
-    auto& committed = generations_[g].committed;
-    committed = std::max(committed, step->get<int64_t>());
-    newest_committed_ = std::max(newest_committed_, committed);
+    generations_[g].committed.insert(step);
+    newest_committed_ = std::max(newest_committed_, step);
   } else if (kind == "checkpoint_abandoned") {
     auto& record = generations_[g];
-    record.abandoned = step->get<int64_t>();
+    record.abandoned = step;
     const auto cause = event.find("cause");
     record.abandoned_cause = cause != event.end() && cause->is_string() ? cause->get<std::string>() : "no cause given";
+  } else if (kind == "checkpoint_quarantined") {
+    newest_committed_ = -1;
+    for (auto& [number, record] : generations_) {
+      record.committed.erase(record.committed.upper_bound(step), record.committed.end());
+      if (!record.committed.empty()) newest_committed_ = std::max(newest_committed_, *record.committed.rbegin());
+    }
   }
 }
 
 int64_t RunHistory::committed_in(int64_t generation) const {
   const auto it = generations_.find(generation);
-  return it == generations_.end() ? -1 : it->second.committed;
+  return it == generations_.end() || it->second.committed.empty() ? -1 : *it->second.committed.rbegin();
 }
 
 std::string RunHistory::abandoned_in(int64_t generation) const {
   const auto it = generations_.find(generation);
-  if (it == generations_.end() || it->second.abandoned <= it->second.committed) return "";
+  if (it == generations_.end() || it->second.abandoned <= committed_in(generation)) return "";
   return it->second.abandoned_cause;
 }
 

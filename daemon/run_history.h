@@ -1,7 +1,8 @@
 // What keeld knows of a run from its event log, run_dir/events.jsonl
 // (docs/architecture.md "Run directory"): the generations so far, and the
 // checkpoints rank 0 committed (checkpoint_committed) or abandoned
-// (checkpoint_abandoned) in each. keeld goes by these, the ranks' own word,
+// (checkpoint_abandoned) in each, less those keeld moved aside as suspect
+// (checkpoint_quarantined: every step after its last_good_step). keeld goes by these, the ranks' own word,
 // rather than by the names of the checkpoint directories: a directory that
 // looks committed may not verify, and then the ranks pass it over.
 //
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <string>
 
 namespace keel::daemon {
@@ -38,7 +40,7 @@ class RunHistory {
 
  private:
   struct Generation {
-    int64_t committed = -1;
+    std::set<int64_t> committed;
     int64_t abandoned = -1;
     std::string abandoned_cause;
   };

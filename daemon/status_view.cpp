@@ -46,15 +46,19 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
     out << " | metrics http://127.0.0.1:" << s["metrics_port"].get<int>() << "/metrics";
   }
   out << " | keeld pid " << text(s, "keeld_pid") << ", up " << common::format_duration(s.value("uptime_s", 0.0)) << "\n\n";
-  out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {}\n", "rank", "pid", "step", "phase", "step_ms", "health",
-                     "last collective");
+  out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {:<10} {}\n", "rank", "pid", "step", "phase", "step_ms",
+                     "health", "verdict", "last collective");
   for (const auto& r : s.value("ranks", nlohmann::json::array())) {
     std::string health = text(r, "health");
     if (r.contains("exit_code") && r["exit_code"].is_number()) health += " " + r["exit_code"].dump();
     const std::string step_ms =
         r.contains("step_ms") && r["step_ms"].is_number() ? fmt::format("{:.1f}", r["step_ms"].get<double>()) : "-";
-    out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {}\n", text(r, "rank"), text(r, "pid"), text(r, "step"),
-                       text(r, "phase"), step_ms, health, collective(r));
+    out << fmt::format("{:<5} {:<8} {:>7} {:<11} {:<9} {:<9} {:<10} {}\n", text(r, "rank"), text(r, "pid"),
+                       text(r, "step"), text(r, "phase"), step_ms, health, text(r, "verdict"), collective(r));
+  }
+  // Why a rank is not healthy, below the table.
+  for (const auto& r : s.value("ranks", nlohmann::json::array())) {
+    if (!text(r, "verdict_reason", "").empty()) out << "rank " << text(r, "rank") << ": " << text(r, "verdict_reason") << "\n";
   }
 }
 

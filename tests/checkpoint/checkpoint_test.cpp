@@ -134,6 +134,31 @@ TEST_SUITE("unit") {
     }
   }
 
+  TEST_CASE("only a directory named exactly step_ and eight digits is a checkpoint") {
+    // keeld moves suspect checkpoints aside by renaming them
+    // (step_00000002.suspect-g3); the catalog, the resume choice and
+    // retention must then pass them over however complete they are.
+    const char* names[] = {"step_00000002.suspect-g3", "step_00000002.suspect-g3.1", "step_00000002.partial",
+                           "step_00000002.deleting",   "step_0000002",               "step_000000002",
+                           "step_0000000x",            "STEP_00000002",              "xstep_00000002",
+                           "step_00000002 "};
+    for (const char* name : names) {
+      CAPTURE(name);
+      keel::test::TempDir dir;
+      write_fixture_checkpoints(dir / "ckpt", {1, 2});
+      fs::rename(keel::checkpoint::step_dir(dir / "ckpt", 2), dir / "ckpt" / name);
+      CHECK(keel::test::committed_steps(dir / "ckpt") == std::vector<int64_t>{1});
+      const auto loadable = keel::checkpoint::choose_resume(dir / "ckpt", {keel::checkpoint::Depth::kChecksums},
+                                                            [](const fs::path&, const std::string&) {});
+      REQUIRE(loadable);
+      CHECK(loadable->step == 1);
+      // Retention keeping one checkpoint removes nothing but committed ones.
+      const auto doomed = keel::checkpoint::prune_candidates(keel::checkpoint::committed(dir / "ckpt"), {1, 0, -1},
+                                                             [](const keel::checkpoint::CatalogEntry&) { return true; });
+      CHECK(doomed.empty());
+    }
+  }
+
   TEST_CASE("retention keeps the newest good checkpoints and every keep_every-th") {
     keel::test::TempDir dir;
     write_fixture_checkpoints(dir / "ckpt", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 2);

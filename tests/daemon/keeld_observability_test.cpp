@@ -121,8 +121,18 @@ TEST_SUITE("integration") {
     }
     CHECK(states.size() == 7);
 
+    // One counter per detector kind, none found in a healthy run.
+    std::set<std::string> kinds;
+    for (const auto& s : page["keel_detections_total"]) {
+      CAPTURE(s.labels);
+      CHECK(s.value == 0);
+      kinds.insert(s.labels.substr(s.labels.find("kind=")));
+    }
+    CHECK(kinds == std::set<std::string>{"kind=\"hang\"", "kind=\"sdc\"", "kind=\"straggler\""});
+
     const std::vector<std::string> per_rank = {"keel_rank_step", "keel_rank_step_seconds", "keel_rank_board_age_seconds",
-                                               "keel_rank_checkpoint_bytes", "keel_rank_checkpoint_write_seconds"};
+                                               "keel_rank_checkpoint_bytes", "keel_rank_checkpoint_write_seconds",
+                                               "keel_rank_straggler_score"};
     for (const auto& name : per_rank) {
       CAPTURE(name);
       const auto values = by_rank(page, name);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace keel::daemon {
@@ -63,6 +64,119 @@ TEST_SUITE("unit") {
         CHECK(std::string(e.what()).find(b.says) != std::string::npos);
       }
     }
+  }
+
+  TEST_CASE("the health commands parse and inject requests carry their fault or a reason why not") {
+    for (const auto& [line, command] : {std::pair{R"({"command": "health"})", Command::kHealth},
+                                        {R"({"command": "diagnose"})", Command::kDiagnose},
+                                        {R"({"command": "stragglers"})", Command::kStragglers}}) {
+      CAPTURE(line);
+      CHECK(parse_request(line).command == command);
+    }
+    const Request hang = parse_request(R"({"command": "inject", "kind": "hang", "rank": 1, "step": 30, "group": "tp"})");
+    CHECK(hang.command == Command::kInject);
+    CHECK(hang.fault.kind == "hang");
+    CHECK(hang.fault.rank == 1);
+    CHECK(hang.fault.step == 30);
+    CHECK(hang.fault.group == "tp");
+    CHECK(!hang.fault.factor);
+    const Request flip = parse_request(
+        R"({"command": "inject", "kind": "bitflip", "rank": 2, "bit": 30, "target": "exp_avg", "tensor": "wte"})");
+    CHECK(flip.fault.bit == 30);
+    CHECK(flip.fault.target == "exp_avg");
+    CHECK(flip.fault.tensor == "wte");
+    CHECK(!flip.fault.step);
+    // What keelctl sends parses back to the same fault.
+    for (const Request& r : {hang, flip, parse_request(R"({"command": "inject", "kind": "slow", "factor": 1.5})")}) {
+      std::string line = request_line(r);
+      line.pop_back();
+      const Request back = parse_request(line);
+      CHECK(fault_json(back.fault) == fault_json(r.fault));
+    }
+
+    struct Bad {
+      std::string line;
+      std::string says;
+    };
+    const std::vector<Bad> bad = {
+        {R"({"command": "inject"})", "needs \"kind\""},
+        {R"({"command": "inject", "kind": "meteor"})", "unknown fault \"meteor\"; faults: crash, hang, slow"},
+        {R"({"command": "inject", "kind": 3})", "\"kind\" must be a string"},
+        {R"({"command": "inject", "kind": "crash", "rank": "one"})", "\"rank\" must be an integer"},
+        {R"({"command": "inject", "kind": "crash", "rank": -1})", "--rank must be a rank"},
+        {R"({"command": "inject", "kind": "crash", "step": -3})", "--step must be 0 or more"},
+        {R"({"command": "inject", "kind": "crash", "step": 2.5})", "\"step\" must be an integer"},
+        {R"({"command": "inject", "kind": "hang", "factor": 2})", "--factor applies to slow only"},
+        {R"({"command": "inject", "kind": "slow"})", "slow needs --factor"},
+        {R"({"command": "inject", "kind": "slow", "factor": 0.5})", "--factor must be a number more than 1"},
+        {R"({"command": "inject", "kind": "slow", "factor": "fast"})", "\"factor\" must be a number"},
+        {R"({"command": "inject", "kind": "bitflip", "bit": 32})", "--bit must be a bit of a float32"},
+        {R"({"command": "inject", "kind": "bitflip", "target": "loss"})", "--target of bitflip must be one of param"},
+        {R"({"command": "inject", "kind": "nan", "target": "param"})", "--target of nan must be one of gradient, loss"},
+        {R"({"command": "inject", "kind": "crash", "target": "param"})", "--target applies to bitflip and nan only"},
+        {R"({"command": "inject", "kind": "nan", "bit": 3})", "--bit applies to bitflip only"},
+        {R"({"command": "inject", "kind": "hang", "group": ""})", "--group must name a mesh axis"},
+        {R"({"command": "inject", "kind": "hang", "group": "a_group_name_too_long"})", "--group must name a mesh axis"},
+        {R"({"command": "inject", "kind": "bitflip", "tensor": ")" + std::string(64, 'w') + R"("})",
+         "--tensor must name a tensor"},
+        {R"({"command": "inject", "kind": "slow", "factor": 2, "tensor": "wte"})", "--tensor applies to bitflip only"},
+        {R"({"command": "inject", "kind": "crash", "limit": 3})", "unknown field for command inject"},
+        {R"({"command": "health", "kind": "hang"})", "unknown field for command health"},
+    };
+    for (const auto& b : bad) {
+      CAPTURE(b.line);
+      try {
+        parse_request(b.line);
+        FAIL("accepted");
+      } catch (const ProtocolError& e) {
+        CAPTURE(e.what());
+        CHECK(std::string(e.what()).find(b.says) != std::string::npos);
+      }
+    }
+  }
+
+  TEST_CASE("a fault is refused for a rank or group the job does not have or a step that has passed") {
+    common::ParallelConfig layout;
+    layout.dp = 2;
+    layout.tp = 2;
+    struct Case {
+      FaultSpec spec;
+      int64_t steps_done;
+      std::string refused;  // a part of the sentence; empty: accepted
+    };
+    const std::vector<Case> cases = {
+        {{"hang", 1}, 10, ""},
+        {{"hang", 3, 12, {}, {}, {}, "tp"}, 10, ""},
+        {{"hang", 4}, 10, "rank 4 is not a rank of this job: it has 4 ranks, 0-3"},
+        {{"hang", 0, {}, {}, {}, {}, "pp"}, 10, "no \"pp\" group of more than one rank to hang in; groups: dp, tp"},
+        {{"crash", 0, 5}, 10, "rank 0 has done 10 steps: step 5 has passed"},
+        {{"crash", 0, 5}, -1, ""},  // the rank has not published yet
+        {{"bitflip", 2, 11, {}, 30}, 10, ""},
+        {{"meteor", 0}, 10, "unknown fault"},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.spec.kind);
+      CAPTURE(c.spec.rank);
+      try {
+        const auto request = fault_request(c.spec, 4, layout, c.steps_done);
+        CHECK(c.refused.empty());
+        CHECK(health::fault_kind_name(request.kind) == c.spec.kind);
+        CHECK(request.step == c.spec.step.value_or(-1));
+      } catch (const FaultRefused& e) {
+        CAPTURE(e.what());
+        CHECK(!c.refused.empty());
+        CHECK(std::string(e.what()).find(c.refused) != std::string::npos);
+      }
+    }
+    // The defaults a rank gets when keelctl leaves an option out.
+    const auto flip = fault_request({"bitflip", 1}, 4, layout, -1);
+    CHECK(std::string(flip.target) == "param");
+    CHECK(flip.bit == 22);
+    CHECK(flip.step == -1);
+    const auto hang = fault_request({"hang", 1}, 4, layout, -1);
+    CHECK(std::string(hang.group) == "dp");
+    CHECK(std::string(fault_request({"nan", 1}, 4, layout, -1).target) == "gradient");
+    CHECK(fault_request({"slow", 1, {}, 1.25}, 4, layout, -1).factor == 1.25);
   }
 
   TEST_CASE("replies with bytes that are not UTF-8 still make one JSON line") {

@@ -61,6 +61,29 @@ TEST_SUITE("unit") {
     CHECK(again.committed_in(0) == 10);
     CHECK(again.committed_in(1) == 20);
   }
+
+  TEST_CASE("checkpoints keeld moved aside as suspect leave the run history") {
+    test::TempDir dir;
+    RunHistory history(dir.path());
+    std::ofstream(dir / "events.jsonl")
+        << R"({"kind":"checkpoint_committed","generation":0,"rank":0,"step":5})" "\n"
+           R"({"kind":"checkpoint_committed","generation":1,"rank":0,"step":10})" "\n"
+           R"({"kind":"checkpoint_committed","generation":1,"rank":0,"step":15})" "\n"
+           R"({"kind":"checkpoint_abandoned","generation":1,"rank":0,"step":20,"cause":"killed"})" "\n"
+           R"({"kind":"checkpoint_quarantined","generation":1,"rank":-1,"last_good_step":8,"steps":[10,15]})" "\n";
+    history.refresh();
+    CHECK(history.committed_in(0) == 5);
+    CHECK(history.committed_in(1) == -1);
+    CHECK(history.newest_committed() == 5);
+    CHECK(history.abandoned_in(1) == "killed");
+    // The next generation commits the same step again.
+    std::ofstream(dir / "events.jsonl", std::ios::app)
+        << R"({"kind":"checkpoint_committed","generation":2,"rank":0,"step":10})" "\n"
+           R"({"kind":"checkpoint_quarantined","generation":2,"rank":-1,"last_good_step":"eight"})" "\n";
+    history.refresh();
+    CHECK(history.committed_in(2) == 10);
+    CHECK(history.newest_committed() == 10);
+  }
 }
 
 }  // namespace keel::daemon

@@ -1,0 +1,256 @@
+// keeld's detectors end to end, with a real keeld and real ranks
+// (docs/architecture.md "Daemon"): a rank frozen from outside and a hang
+// injected with keelctl are named within the hang ceiling, written to the
+// flight dump and restarted past; keelctl health, diagnose, stragglers and
+// inject answer on a live job and refuse bad requests with a sentence; and
+// a replica that silently diverges rolls the run back to its last good
+// checkpoint.
+//
+// What each needs beyond keeld: the frozen-rank test the hang detector;
+// the injected hang the trainer's fault requests (a hung rank never begins
+// the collective); the rollback the trainer's replica digests and bit
+// flips and the replica digest comparison.
+#include "tests/daemon/keeld_job.h"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace keel::test {
+namespace {
+
+// Small hang budgets, so that a hang is found in seconds; the collectives'
+// own timeout (parallel.timeout_s = 30) stays far above them.
+constexpr double kCeilingS = 6;
+const std::vector<std::string> kFastHealth = {"health.heartbeat_timeout_s=2", "health.hang_timeout_floor_s=1",
+                                              "health.hang_timeout_ceiling_s=6", "health.hang_warmup_steps=5"};
+
+std::vector<std::string> with(std::vector<std::string> sets, const std::vector<std::string>& more) {
+  sets.insert(sets.end(), more.begin(), more.end());
+  return sets;
+}
+
+ProcessResult keelctl(const KeeldJob& job, std::vector<std::string> args) {
+  args.insert(args.begin(), {keel_binary("keelctl").string(), "--socket", job.socket()});
+  return run_process(args);
+}
+
+nlohmann::json keelctl_json(const KeeldJob& job, std::vector<std::string> args) {
+  args.push_back("--json");
+  const auto result = keelctl(job, args);
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  return nlohmann::json::parse(result.output);
+}
+
+bool contains(const nlohmann::json& list, int rank) {
+  return std::find(list.begin(), list.end(), nlohmann::json(rank)) != list.end();
+}
+
+int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
+
+// The hang_detected events once there is one.
+std::vector<nlohmann::json> wait_for_hang(const KeeldJob& job) {
+  REQUIRE_MESSAGE(wait_until([&] { return !job.events_of("hang_detected").empty(); }, 300), "no hang was detected");
+  return job.events_of("hang_detected");
+}
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE("a rank frozen with SIGSTOP is named within the hang ceiling and the job restarts and ends as an uninterrupted run") {
+    KeeldJob reference;
+    reference.run(kFastHealth);
+
+    KeeldJob job;
+    auto keeld = job.start(kFastHealth, /*service=*/true);
+    const auto status =
+        job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 8; });
+    const int victim = static_cast<int>(std::random_device()() % 4);
+    INFO("froze rank " << victim);
+    REQUIRE(freeze(status.at("ranks").at(victim).at("pid").get<pid_t>()));
+
+    const auto hangs = wait_for_hang(job);
+    bool named = false;
+    for (const auto& hang : hangs) {
+      INFO(hang.dump());
+      CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
+      // Only the frozen rank is frozen; others may wait for it.
+      for (const auto& frozen : hang.at("frozen_ranks")) CHECK(frozen == victim);
+      named = named || (contains(hang.at("culprit_ranks"), victim) && contains(hang.at("frozen_ranks"), victim));
+      CHECK(hang.at("flight") == "flight/0");
+    }
+    CHECK_MESSAGE(named, "no hang_detected named the frozen rank");
+    for (int r = 0; r < 4; ++r) CHECK(std::filesystem::exists(job.run_dir() / "flight/0" / fmt::format("rank-{:05d}.json", r)));
+    std::ifstream verdict_file(job.run_dir() / "flight/0/verdict.json");
+    const auto verdict = nlohmann::json::parse(verdict_file);
+    CHECK(verdict.at("generation") == 0);
+    CHECK(contains(verdict.at("culprit_ranks"), victim));
+
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "finished"; }, 300);
+    const auto diagnosis = keelctl_json(job, {"diagnose"});
+    CHECK(contains(diagnosis.at("verdict").at("culprit_ranks"), victim));
+    CHECK(diagnosis.at("flight") == "flight/0");
+    CHECK(diagnosis.at("ranks").size() == 4);
+    const auto table = keelctl(job, {"diagnose"});
+    CHECK(table.exit_code == 0);
+    CHECK(table.output.find("culprits:") != std::string::npos);
+    CHECK(keelctl_json(job, {"health"}).at("detections").at("hang").get<int>() >= 1);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    const auto result = keeld->wait(120);
+    INFO(result.output);
+    CHECK(result.exit_code == 0);
+
+    const auto restarts = job.events_of("restart_scheduled");
+    REQUIRE(restarts.size() == 1);
+    CHECK(restarts[0].at("cause").get<std::string>().starts_with("hang detected: "));
+    CHECK(job.events_of("rank_failed").empty());  // the ranks were stopped, none failed by itself
+    CHECK(job.events_of("generation_started").size() == 2);
+    CHECK(job.events_of("job_finished").size() == 1);
+    require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+  }
+
+  TEST_CASE("keelctl inject hang names the rank as the culprit and keelctl diagnose shows it") {
+    KeeldJob job;
+    auto keeld = job.start(with(kFastHealth, {"train.steps=1000000"}), /*service=*/true);
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 8; });
+    const auto injected = keelctl(job, {"inject", "hang", "--rank", "1"});
+    INFO(injected.output);
+    REQUIRE(injected.exit_code == 0);
+    const auto recorded = job.events_of("fault_injected");
+    REQUIRE(recorded.size() == 1);
+    CHECK(recorded[0].at("fault") == "hang");
+    CHECK(recorded[0].at("rank") == 1);
+
+    const auto hangs = wait_for_hang(job);
+    bool named = false;
+    for (const auto& hang : hangs) {
+      INFO(hang.dump());
+      CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
+      CHECK(hang.at("frozen_ranks").empty());  // a hung rank's heartbeat still beats
+      named = named || hang.at("culprit_ranks") == nlohmann::json::array({1});
+    }
+    CHECK_MESSAGE(named, "no hang_detected named rank 1 alone");
+    const auto diagnosis = keelctl_json(job, {"diagnose"});
+    CHECK(contains(diagnosis.at("verdict").at("culprit_ranks"), 1));
+    CHECK(diagnosis.at("ranks").at(1).at("published") == true);
+    const auto table = keelctl(job, {"diagnose"});
+    CHECK(table.output.find("NOT BEGUN") != std::string::npos);
+    // The next generation runs clean.
+    job.wait_for([](const nlohmann::json& s) { return s.at("generation") == 1 && s.at("state") == "running"; });
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(300).exit_code == 0);
+  }
+
+  TEST_CASE("keelctl health diagnose stragglers and inject answer a live job and bad faults get a sentence") {
+    KeeldJob job;
+    auto keeld = job.start({"train.steps=1000000"}, /*service=*/true);
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= 3; });
+
+    const auto health = keelctl_json(job, {"health"});
+    REQUIRE(health.at("ranks").size() == 4);
+    for (const auto& r : health.at("ranks")) CHECK(r.at("health") == "healthy");
+    CHECK(health.at("detections") == nlohmann::json{{"hang", 0}, {"sdc", 0}, {"straggler", 0}});
+    const auto diagnosis = keelctl_json(job, {"diagnose"});
+    CHECK(diagnosis.at("verdict").is_null());
+    CHECK(diagnosis.at("ranks").size() == 4);
+    for (const char* key : {"window", "windows", "threshold", "sync_tax", "ranks", "steps", "compute_ms"}) {
+      CAPTURE(key);
+      CHECK(keelctl_json(job, {"stragglers"}).contains(key));
+    }
+    for (const char* command : {"health", "diagnose", "stragglers"}) {
+      CAPTURE(command);
+      const auto readable = keelctl(job, {command});
+      CHECK(readable.exit_code == 0);
+      CHECK(!readable.output.empty());
+    }
+    const auto status = keelctl(job, {"status"});
+    CHECK(status.output.find("verdict") != std::string::npos);
+    CHECK(status.output.find("healthy") != std::string::npos);
+
+    struct Bad {
+      std::vector<std::string> args;
+      int exit_code;      // 2: keelctl refuses it; 1: keeld does
+      std::string says;
+    };
+    const std::vector<Bad> bad = {
+        {{"inject", "meteor"}, 2, "unknown fault \"meteor\""},
+        {{"inject"}, 2, "kind is required"},
+        {{"inject", "crash", "--rank", "one"}, 2, "--rank"},
+        {{"inject", "crash", "--rank", "-1"}, 2, "--rank must be a rank"},
+        {{"inject", "hang", "--rank", "4"}, 1, "rank 4 is not a rank of this job: it has 4 ranks, 0-3"},
+        {{"inject", "crash", "--step", "-3"}, 2, "--step must be 0 or more"},
+        {{"inject", "crash", "--step", "1"}, 1, "step 1 has passed"},
+        {{"inject", "hang", "--factor", "2"}, 2, "--factor applies to slow only"},
+        {{"inject", "slow", "--rank", "1"}, 2, "slow needs --factor"},
+        {{"inject", "slow", "--factor", "0.5"}, 2, "--factor must be a number more than 1"},
+        {{"inject", "bitflip", "--bit", "40"}, 2, "--bit must be a bit of a float32"},
+        {{"inject", "bitflip", "--target", "loss"}, 2, "--target of bitflip must be one of"},
+        {{"inject", "hang", "--group", "pp"}, 1, "no \"pp\" group of more than one rank"},
+    };
+    for (const auto& b : bad) {
+      CAPTURE(fmt::format("{}", fmt::join(b.args, " ")));
+      const auto result = keelctl(job, b.args);
+      CAPTURE(result.output);
+      CHECK(result.exit_code == b.exit_code);
+      CHECK(result.output.find(b.says) != std::string::npos);
+    }
+    CHECK(job.events_of("fault_injected").empty());
+
+    // A fault that harms nothing reaches the board and the event log.
+    const auto slow = keelctl(job, {"inject", "slow", "--rank", "1", "--factor", "1.5"});
+    INFO(slow.output);
+    CHECK(slow.exit_code == 0);
+    const auto injected = job.events_of("fault_injected");
+    REQUIRE(injected.size() == 1);
+    CHECK(injected[0].at("fault") == "slow");
+    CHECK(injected[0].at("rank") == 1);
+    CHECK(injected[0].at("factor") == 1.5);
+    CHECK(injected[0].at("by") == "keelctl inject");
+
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(300).exit_code == 0);
+    CHECK(job.events_of("hang_detected").empty());
+    CHECK(job.events_of("sdc_detected").empty());
+  }
+
+  TEST_CASE("a silently flipped bit in one replica is named by the digests and the run rolls back to its last agreed step") {
+    // Three DP replicas, so that a majority names the odd one; digests and
+    // checkpoints every 5 steps; a high mantissa bit, which moves no loss.
+    const std::vector<std::string> layout = {"parallel.dp=3",         "parallel.tp=1",          "train.batch_size=6",
+                                             "checkpoint.keep=20",    "health.sdc_digest_every=5", "health.sdc_policy=restart",
+                                             "health.sdc_rerun=false"};
+    KeeldJob reference;
+    reference.run(layout);
+
+    KeeldJob job;
+    job.run(with(layout, {"faults.bitflip_rank=2", "faults.bitflip_step=12", "faults.bitflip_target=param",
+                          "faults.bitflip_bit=22"}));
+    const auto found = job.events_of("sdc_detected");
+    REQUIRE(found.size() == 1);
+    CHECK(found[0].at("rank") == 2);
+    CHECK(found[0].at("method") == "replica_digest");
+    CHECK(found[0].at("replicas") == 3);
+    CHECK(found[0].at("step") == 15);
+    CHECK(found[0].at("last_good_step") == 10);
+    const auto moved = job.events_of("checkpoint_quarantined");
+    REQUIRE(moved.size() == 1);
+    CHECK(moved[0].at("last_good_step") == 10);
+    for (const auto& name : moved[0].at("moved")) {
+      CHECK(std::filesystem::exists(job.run_dir() / "checkpoints" / name.get<std::string>()));
+    }
+    CHECK(contains(moved[0].at("steps"), 15));
+    const auto resumed = job.events_of("generation_resumed");
+    REQUIRE(resumed.size() == 2);
+    CHECK(resumed[1].at("step") == 10);
+    require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+  }
+}
+
+}  // namespace keel::test
