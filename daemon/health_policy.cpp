@@ -29,6 +29,12 @@ HealthResponse respond(const Verdicts& verdicts, const std::string& sdc_policy, 
     if (r.stop_cause.empty()) r.stop_cause = "hang detected: " + hang.reason;
   }
   for (const auto& sdc : verdicts.sdc) {
+    // The trainer's own findings are its to record and were already dealt
+    // with: rank 0 appended sdc_detected, a rerun replaced the corrupted
+    // step before it was applied (or skipped a data step), and a failed
+    // known-answer test stopped every rank with exit 11. Rolling back would
+    // only repeat correct steps.
+    if (sdc.method != "replica_digest") continue;
     auto fields = sdc.event_fields();
     fields["policy"] = sdc_policy;
     r.events.push_back({"sdc_detected", std::move(fields)});

@@ -4,14 +4,15 @@
 //
 // * a hang: recorded (`hang_detected`, with where the flight dump went),
 //   and the generation is restarted, as a rank failure would be;
-// * an SDC finding: recorded (`sdc_detected`), and with [health] sdc_policy
-//   "restart" (or "exclude", which needs elastic runs and acts as restart
-//   for now) the generation is stopped and the next one resumes from the
-//   newest checkpoint at or before the last step known good: the replica
-//   set's last agreed step for a digest finding, which moves every newer
-//   checkpoint aside; the newest checkpoint for a rerun or known-answer
-//   finding, whose corrupted step was never applied. A "data" verdict (the
-//   batch, not a rank) and "warn" only record;
+// * a replica-digest finding: recorded (`sdc_detected`), and with [health]
+//   sdc_policy "restart" (or "exclude", which needs elastic runs and acts
+//   as restart for now) the generation is stopped and the next one resumes
+//   from the newest checkpoint at or before the replica set's last agreed
+//   step, every newer checkpoint moved aside; "warn" only records. The
+//   trainer's own findings (rerun, known-answer test) are neither recorded
+//   again nor acted on: rank 0 recorded them, the rerun already replaced
+//   the corrupted step, and a failed known-answer test already stopped
+//   every rank (exit 11). The monitor still marks their rank suspect;
 // * a straggler: recorded (`straggler_flagged`), nothing else: a slow rank
 //   still trains correctly.
 #pragma once

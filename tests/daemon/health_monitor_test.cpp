@@ -52,7 +52,8 @@ void in_group(health::RankSample& s, const std::string& name, int index, int siz
   g.seq_done = state == health::CollectiveState::kInFlight ? seq_begun - 1 : seq_begun;
   g.state = static_cast<uint32_t>(state);
   g.begin_ns = begin_ns;
-  g.done_ns = state == health::CollectiveState::kInFlight ? 0 : begin_ns + 1000;
+  // In flight, the previous collective ended just before this one began.
+  g.done_ns = state == health::CollectiveState::kInFlight ? begin_ns - 1000 : begin_ns + 1000;
 }
 
 void report_sdc(health::RankSample& s, uint64_t count, int64_t step, int rank, health::SdcMethod method,
@@ -73,6 +74,22 @@ health::RankSamples stuck_on_rank_1(int64_t since, int64_t now_ns, int64_t heart
   return samples;
 }
 
+// keeld polls every 200 ms and the detector counts only the time it
+// watched (a gap is a clock jump, not a hang): advances the clock by
+// `seconds` in polls of 100 ms, rank 1 stuck since `since` with a live
+// heartbeat, and returns every verdict found on the way.
+Verdicts watch_stuck(HealthMonitor& monitor, common::FakeClock& clock, int64_t since, double seconds) {
+  Verdicts all;
+  for (int tick = 0; tick < static_cast<int>(seconds * 10 + 0.5); ++tick) {
+    clock.advance_s(0.1);
+    auto v = monitor.observe(stuck_on_rank_1(since, clock.now_ns(), clock.now_ns()), clock.now_ns());
+    all.hangs.insert(all.hangs.end(), v.hangs.begin(), v.hangs.end());
+    all.sdc.insert(all.sdc.end(), v.sdc.begin(), v.sdc.end());
+    all.stragglers.insert(all.stragglers.end(), v.stragglers.begin(), v.stragglers.end());
+  }
+  return all;
+}
+
 }  // namespace
 
 TEST_SUITE("unit") {
@@ -81,14 +98,12 @@ TEST_SUITE("unit") {
     HealthMonitor monitor(health_config(), 3);
     const int64_t since = clock.now_ns();
     // Within the budget (the ceiling, before warm-up) nothing is found.
-    clock.advance_s(4);
-    CHECK(monitor.observe(stuck_on_rank_1(since, clock.now_ns(), clock.now_ns()), clock.now_ns()).empty());
+    CHECK(watch_stuck(monitor, clock, since, 4).empty());
     CHECK(monitor.rank(1).condition == RankCondition::kHealthy);
 
     // Past it, rank 1 is the culprit: its heartbeat beats, but nothing it
     // does (its phase for as long) explains it.
-    clock.advance_s(2);
-    const auto verdicts = monitor.observe(stuck_on_rank_1(since, clock.now_ns(), clock.now_ns()), clock.now_ns());
+    const auto verdicts = watch_stuck(monitor, clock, since, 2);
     REQUIRE(verdicts.hangs.size() == 1);
     const auto& hang = verdicts.hangs[0];
     CHECK(hang.culprit_ranks == std::vector<int>{1});
@@ -102,8 +117,7 @@ TEST_SUITE("unit") {
     CHECK(monitor.counts().hang == 1);
 
     // Found once per collective.
-    clock.advance_s(1);
-    CHECK(monitor.observe(stuck_on_rank_1(since, clock.now_ns(), clock.now_ns()), clock.now_ns()).hangs.empty());
+    CHECK(watch_stuck(monitor, clock, since, 1).hangs.empty());
     CHECK(monitor.counts().hang == 1);
 
     monitor.new_generation();
@@ -196,14 +210,13 @@ TEST_SUITE("unit") {
     report_sdc(samples[0], 1, 3, 1, health::SdcMethod::kKat, health::SdcVerdict::kPersistent);
     monitor.observe(samples, since);
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
-    clock.advance_s(6);
-    monitor.observe(stuck_on_rank_1(since, clock.now_ns(), clock.now_ns()), clock.now_ns());
+    REQUIRE(watch_stuck(monitor, clock, since, 6).hangs.size() == 1);
     CHECK(monitor.rank(1).condition == RankCondition::kHung);
     monitor.new_generation();
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
   }
 
-  TEST_CASE("the health policy records every verdict and restarts only for a hang or a corrupted rank") {
+  TEST_CASE("the health policy records keeld's verdicts and restarts only for a hang or a corrupted replica") {
     health::HangFinding hang;
     hang.culprit_ranks = {1};
     hang.waiting_ranks = {0, 2};
@@ -237,9 +250,9 @@ TEST_SUITE("unit") {
         {"two digest findings keep through the older good step",
          {{}, {digest, earlier_digest}, {}}, "restart", {"sdc_detected", "sdc_detected"}, "rank 2", 20},
         {"replicas without a majority", {{}, {no_majority}, {}}, "restart", {"sdc_detected"}, "no majority", 30},
-        {"a rerun finding resumes from the newest checkpoint", {{}, {rerun}, {}}, "restart", {"sdc_detected"},
-         "the newest checkpoint", std::nullopt},
-        {"a data verdict only records", {{}, {data}, {}}, "restart", {"sdc_detected"}, "", std::nullopt},
+        {"a rerun finding is the trainer's: not recorded again, no stop", {{}, {rerun}, {}}, "restart", {}, "",
+         std::nullopt},
+        {"a data verdict is the trainer's too", {{}, {data}, {}}, "restart", {}, "", std::nullopt},
         {"exclude acts as restart and says so", {{}, {digest}, {}}, "exclude", {"sdc_detected"}, "rank 2", 30, true},
         {"a straggler only records", {{}, {}, {straggler}}, "restart", {"straggler_flagged"}, "", std::nullopt},
         {"a hang and a corrupted rank at once",

@@ -144,15 +144,25 @@ TEST_SUITE("unit") {
       int64_t steps_done;
       std::string refused;  // a part of the sentence; empty: accepted
     };
+    auto spec = [](std::string kind, int64_t rank, std::optional<int64_t> step = {}, std::optional<int64_t> bit = {},
+                   std::optional<std::string> group = {}) {
+      FaultSpec s;
+      s.kind = std::move(kind);
+      s.rank = rank;
+      s.step = step;
+      s.bit = bit;
+      s.group = std::move(group);
+      return s;
+    };
     const std::vector<Case> cases = {
-        {{"hang", 1}, 10, ""},
-        {{"hang", 3, 12, {}, {}, {}, "tp"}, 10, ""},
-        {{"hang", 4}, 10, "rank 4 is not a rank of this job: it has 4 ranks, 0-3"},
-        {{"hang", 0, {}, {}, {}, {}, "pp"}, 10, "no \"pp\" group of more than one rank to hang in; groups: dp, tp"},
-        {{"crash", 0, 5}, 10, "rank 0 has done 10 steps: step 5 has passed"},
-        {{"crash", 0, 5}, -1, ""},  // the rank has not published yet
-        {{"bitflip", 2, 11, {}, 30}, 10, ""},
-        {{"meteor", 0}, 10, "unknown fault"},
+        {spec("hang", 1), 10, ""},
+        {spec("hang", 3, 12, {}, "tp"), 10, ""},
+        {spec("hang", 4), 10, "rank 4 is not a rank of this job: it has 4 ranks, 0-3"},
+        {spec("hang", 0, {}, {}, "pp"), 10, "no \"pp\" group of more than one rank to hang in; groups: dp, tp"},
+        {spec("crash", 0, 5), 10, "rank 0 has done 10 steps: step 5 has passed"},
+        {spec("crash", 0, 5), -1, ""},  // the rank has not published yet
+        {spec("bitflip", 2, 11, 30), 10, ""},
+        {spec("meteor", 0), 10, "unknown fault"},
     };
     for (const auto& c : cases) {
       CAPTURE(c.spec.kind);
@@ -169,14 +179,16 @@ TEST_SUITE("unit") {
       }
     }
     // The defaults a rank gets when keelctl leaves an option out.
-    const auto flip = fault_request({"bitflip", 1}, 4, layout, -1);
+    const auto flip = fault_request(spec("bitflip", 1), 4, layout, -1);
     CHECK(std::string(flip.target) == "param");
     CHECK(flip.bit == 22);
     CHECK(flip.step == -1);
-    const auto hang = fault_request({"hang", 1}, 4, layout, -1);
+    const auto hang = fault_request(spec("hang", 1), 4, layout, -1);
     CHECK(std::string(hang.group) == "dp");
-    CHECK(std::string(fault_request({"nan", 1}, 4, layout, -1).target) == "gradient");
-    CHECK(fault_request({"slow", 1, {}, 1.25}, 4, layout, -1).factor == 1.25);
+    CHECK(std::string(fault_request(spec("nan", 1), 4, layout, -1).target) == "gradient");
+    auto slow = spec("slow", 1);
+    slow.factor = 1.25;
+    CHECK(fault_request(slow, 4, layout, -1).factor == 1.25);
   }
 
   TEST_CASE("replies with bytes that are not UTF-8 still make one JSON line") {
