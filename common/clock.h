@@ -20,6 +20,11 @@ class Clock {
   // Monotonic nanoseconds; never goes back for the real clock (a fake one
   // may, to test what a detector makes of a jump).
   virtual int64_t now_ns() const = 0;
+  // Nanoseconds the calling thread has spent runnable but waiting for a
+  // CPU (the scheduler's run queue; 0 where the kernel does not say). Time
+  // a rank loses to a CPU it shares is the machine's, not the rank's: the
+  // straggler monitor leaves it out of a rank's compute.
+  virtual int64_t cpu_wait_ns() const = 0;
   // The process's real monotonic clock.
   static const Clock& steady();
 };
@@ -29,11 +34,18 @@ class FakeClock final : public Clock {
  public:
   explicit FakeClock(int64_t start_ns = 1'000'000'000) : now_(start_ns) {}
   int64_t now_ns() const override { return now_.load(); }
+  int64_t cpu_wait_ns() const override { return cpu_wait_.load(); }
   void advance_ns(int64_t ns) { now_.fetch_add(ns); }
   void advance_s(double s) { advance_ns(static_cast<int64_t>(s * 1e9)); }
+  // Time passes with the thread waiting for a CPU.
+  void wait_for_cpu_ns(int64_t ns) {
+    advance_ns(ns);
+    cpu_wait_.fetch_add(ns);
+  }
 
  private:
   std::atomic<int64_t> now_;
+  std::atomic<int64_t> cpu_wait_{0};
 };
 
 inline constexpr int64_t seconds_to_ns(double s) { return static_cast<int64_t>(s * 1e9); }

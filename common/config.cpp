@@ -369,6 +369,9 @@ void Config::validate() const {
                             {faults.checkpoint_fault_step, "faults.checkpoint_fault_step"}}) {
     at_least(value, 0, key);
   }
+  check(faults.slow_phase == "compute" || faults.slow_phase == "checkpoint" || faults.slow_phase == "validation",
+        "faults.slow_phase",
+        fmt::format("must be \"compute\", \"checkpoint\" or \"validation\" (got \"{}\")", faults.slow_phase));
   check(faults.slow_factor >= 1.0, "faults.slow_factor",
         fmt::format("must be at least 1 (1 = not slowed; got {})", faults.slow_factor));
   check(faults.bitflip_bit >= 0 && faults.bitflip_bit <= 31, "faults.bitflip_bit",

@@ -246,6 +246,11 @@ struct FaultsConfig {
   std::string hang_group = "dp";  // the mesh axis of that collective: "dp" | "tp" | ...
   int64_t slow_rank = -1;         // the rank whose compute is slowed; -1 = none
   double slow_factor = 1.0;       // its compute takes this many times as long
+  // What of the slow rank is slowed: "compute" (forward and backward, by
+  // slow_factor), or each "checkpoint" save (the part training waits for)
+  // or "validation" pass, stretched by (slow_factor - 1) of the rank's last
+  // steps: a phase a hang detector must not mistake for a hang.
+  std::string slow_phase = "compute";
   int64_t bitflip_rank = -1;      // the rank where one bit of one float32 flips; -1 = none
   int64_t bitflip_step = 0;       // during this step
   std::string bitflip_target = "param";  // "param" | "exp_avg" | "exp_avg_sq" (persistent) | "grad" | "activation" (transient)
@@ -269,6 +274,7 @@ struct FaultsConfig {
     v("hang_group", hang_group);
     v("slow_rank", slow_rank);
     v("slow_factor", slow_factor);
+    v("slow_phase", slow_phase);
     v("bitflip_rank", bitflip_rank);
     v("bitflip_step", bitflip_step);
     v("bitflip_target", bitflip_target);

@@ -110,6 +110,8 @@ void BoardPublisher::set_phase(Phase phase) {
 void BoardPublisher::begin_step(int64_t step) {
   update([&](BoardSnapshot& s) {
     s.step_start_ns = clock_->now_ns();
+    cpu_wait_at_start_ns_ = clock_->cpu_wait_ns();
+    collective_cpu_wait_ns_ = 0;
     step_ = step;
     wait_ns_ = 0;
     data_ns_ = 0;
@@ -125,7 +127,13 @@ void BoardPublisher::record_step_timing() {
     t.total_ms = to_ms(total);
     t.wait_ms = to_ms(wait_ns_);
     t.data_ms = to_ms(data_ns_);
-    t.compute_ms = to_ms(std::max<int64_t>(0, total - wait_ns_ - data_ns_));
+    // Waiting for a CPU inside a collective is collective wait already. Only
+    // the training thread's own run-queue wait is read: all of it when the
+    // kernels run on that one thread (train.threads = 1).
+    const int64_t cpu_wait =
+        std::max<int64_t>(0, clock_->cpu_wait_ns() - cpu_wait_at_start_ns_ - collective_cpu_wait_ns_);
+    t.cpu_wait_ms = to_ms(cpu_wait);
+    t.compute_ms = to_ms(std::max<int64_t>(0, total - wait_ns_ - data_ns_ - cpu_wait));
     step_ = -1;
   });
 }
@@ -149,6 +157,7 @@ void BoardPublisher::begin_collective(int group, int64_t seq, std::string_view o
     g.seq_begun = seq;
     g.bytes = bytes;
     g.begin_ns = clock_->now_ns();
+    cpu_wait_at_begin_ns_[static_cast<size_t>(group)] = clock_->cpu_wait_ns();
     g.state = static_cast<uint32_t>(CollectiveState::kInFlight);
     RecentCollective& r = s.recent[s.recent_count % kRecentCollectives];
     s.recent_count += 1;
@@ -168,7 +177,11 @@ void BoardPublisher::end_collective(int group, int64_t seq, bool ok) {
     }
     if (g.seq_begun == seq) {
       g.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
-      if (step_ >= 0) wait_ns_ += now - g.begin_ns;
+      if (step_ >= 0) {
+        wait_ns_ += now - g.begin_ns;
+        collective_cpu_wait_ns_ +=
+            std::max<int64_t>(0, clock_->cpu_wait_ns() - cpu_wait_at_begin_ns_[static_cast<size_t>(group)]);
+      }
     }
     for (auto& r : s.recent) {
       if (r.group != group || r.seq != seq) continue;

@@ -11,6 +11,7 @@
 #include "common/clock.h"
 #include "health/progress_board.h"
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -81,6 +82,11 @@ class BoardPublisher {
   int64_t step_ = -1;
   int64_t wait_ns_ = 0;
   int64_t data_ns_ = 0;
+  // Clock::cpu_wait_ns at the step's start and at each group's collective
+  // begin, and the part of the step's run-queue wait spent in collectives.
+  int64_t cpu_wait_at_start_ns_ = 0;
+  std::array<int64_t, kMaxGroups> cpu_wait_at_begin_ns_{};
+  int64_t collective_cpu_wait_ns_ = 0;
   std::condition_variable stop_beating_;
   bool stopping_ = false;
   std::thread heartbeat_;

@@ -69,15 +69,18 @@ bool FaultInjector::poisons(int64_t step, const std::string& target) const {
   return true;
 }
 
-void FaultInjector::slow_down(double compute_s) const {
-  if (faults().slow_rank != rank_ || faults().slow_factor <= 1.0 || !armed() || step_.load() < slow_from_step_) {
+void FaultInjector::slow_down(std::string_view phase, double seconds) const {
+  if (faults().slow_rank != rank_ || faults().slow_factor <= 1.0 || phase != faults().slow_phase || !armed() ||
+      step_.load() < slow_from_step_) {
     return;
   }
-  const double extra_s = (faults().slow_factor - 1.0) * compute_s;
-  common::logger("faults")->debug(
-      "fault injection ([faults] slow_rank = {}, slow_factor = {}): {:.1f} ms of compute "
-      "stretched by {:.1f} ms",
-      rank_, faults().slow_factor, compute_s * 1e3, extra_s * 1e3);
+  const double extra_s = (faults().slow_factor - 1.0) * seconds;
+  // Every step's compute is stretched, so that one is logged quietly; a
+  // slowed checkpoint or validation pass is rare enough to show.
+  common::logger("faults")->log(
+      phase == "compute" ? spdlog::level::debug : spdlog::level::info,
+      "fault injection ([faults] slow_rank = {}, slow_factor = {}, slow_phase = \"{}\"): {} stretched by {:.1f} ms",
+      rank_, faults().slow_factor, phase, phase, extra_s * 1e3);
   std::this_thread::sleep_for(std::chrono::duration<double>(extra_s));
 }
 

@@ -40,7 +40,7 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-inline constexpr uint32_t kBoardVersion = 2;
+inline constexpr uint32_t kBoardVersion = 3;
 // Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
 // ep, expert_dp, dp_cp) and one spare.
 inline constexpr size_t kMaxGroups = 8;
@@ -93,6 +93,7 @@ struct StepTiming {
   float compute_ms = 0;
   float wait_ms = 0;     // inside collectives
   float data_ms = 0;     // building the batch
+  float cpu_wait_ms = 0; // runnable but waiting for a CPU (Clock::cpu_wait_ns)
 };
 
 // A digest of the bytes this rank holds that every rank of the same

@@ -1,9 +1,9 @@
 // The straggler monitor (docs/architecture.md "Health": stragglers). Fed
 // every poll of the boards, it gathers each rank's per-step compute time
-// (StepTiming::compute_ms: the step's wall time minus collective wait and
-// data time, so the ranks that wait for a slow one are not blamed: their
-// wait rises, their compute does not) and scores the ranks against each
-// other, with no collective in the training stream.
+// (StepTiming::compute_ms: the step's wall time minus collective wait, data
+// time and time waiting for a CPU, so the ranks that wait for a slow one are
+// not blamed: their wait rises, their compute does not) and scores the ranks
+// against each other, with no collective in the training stream.
 //
 // Every `straggler_window` steps that every running rank (with a trusted
 // board, rank_sample.h) has timed, each rank's window value is the median
@@ -39,6 +39,12 @@
 // windows did about as well; longer or more windows would not fit 50
 // steps. Only step numbers order the evidence, never the time, so a clock
 // that jumps changes nothing.
+//
+// Live, once compute left out the time waiting for a CPU (4 single-threaded
+// ranks of 20-40 ms compute per step on that machine, keeld at the
+// defaults): a 1.10x rank was flagged in 10 of 10 runs of 80 steps, at step
+// 29 in 6, 39, 49 and 59 (so within 50 steps in 9 of 10), never another
+// rank; no rank was flagged in 400 unslowed steps.
 #pragma once
 
 #include "common/config.h"

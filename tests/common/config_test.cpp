@@ -95,6 +95,7 @@ TEST_SUITE("unit") {
         {"zero stage", m + "[parallel]\nzero = 4\n", {}, "ZeRO stage 0-3"},
         {"bit outside a float32", m, {"faults.bitflip_bit=32"}, "must be a bit of a float32, 0-31"},
         {"unknown checkpoint fault", m, {"faults.checkpoint_fault=flaky"}, "must be \"write_error\""},
+        {"unknown slowed phase", m, {"faults.slow_phase=data"}, "must be \"compute\", \"checkpoint\" or \"validation\""},
         {"hang ceiling under the floor", m, {"health.hang_timeout_ceiling_s=1"}, "must be at least hang_timeout_floor_s"},
         {"unknown sdc policy", m, {"health.sdc_policy=ignore"}, "must be \"warn\", \"restart\" or \"exclude\""},
         {"warmup longer than run", m + "[train]\nsteps = 10\nwarmup_steps = 20\n", {}, "warmup_steps=20 exceeds steps=10"},

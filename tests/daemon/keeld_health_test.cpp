@@ -18,6 +18,8 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -54,6 +56,35 @@ bool contains(const nlohmann::json& list, int rank) {
 }
 
 int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
+
+// Three DP replicas holding parameters and moments alike (ZeRO-0), so that
+// a majority of replica digests can name the odd one.
+const std::vector<std::string> kThreeReplicas = {"parallel.dp=3", "parallel.tp=1", "parallel.zero=0",
+                                                 "train.batch_size=6"};
+
+// Four single-threaded ranks with enough compute per step (tens of ms)
+// that a 10% slowdown stands out of the scheduler's noise on a small
+// machine; the straggler monitor at its defaults.
+const std::vector<std::string> kFourComputeRanks = {"parallel.dp=4",  "parallel.tp=1",    "model.n_layer=4",
+                                                    "model.n_embd=128", "model.seq_len=64", "train.threads=1",
+                                                    "checkpoint.every_steps=50"};
+
+// The median of step_ms in the run's metrics.jsonl, in seconds.
+double median_step_s(const KeeldJob& job) {
+  std::vector<double> ms;
+  std::ifstream in(job.run_dir() / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) ms.push_back(nlohmann::json::parse(line).at("step_ms").get<double>());
+  REQUIRE_FALSE(ms.empty());
+  std::nth_element(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 2), ms.end());
+  return ms[ms.size() / 2] / 1e3;
+}
+
+// Whether rank `rank`'s log of the run holds `text`.
+bool rank_log_holds(const KeeldJob& job, int rank, const std::string& text) {
+  std::ifstream in(job.run_dir() / "logs" / fmt::format("rank-{:05d}.log", rank));
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return log.find(text) != std::string::npos;
+}
 
 // The hang_detected events once there is one.
 std::vector<nlohmann::json> wait_for_hang(const KeeldJob& job) {
@@ -114,6 +145,136 @@ TEST_SUITE("integration") {
     CHECK(job.events_of("generation_started").size() == 2);
     CHECK(job.events_of("job_finished").size() == 1);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+  }
+
+  TEST_CASE("a hang injected in a dp or a tp collective is named within the ceiling and the run ends with the fault-free model") {
+    KeeldJob reference;
+    reference.run(kFastHealth);
+    const auto expected = reference.checkpoint_tensors(40);
+    for (const std::string group : {"dp", "tp"}) {
+      INFO("hang in a " << group << " collective");
+      KeeldJob job;
+      job.run(with(kFastHealth, {"faults.hang_rank=1", "faults.hang_step=12", "faults.hang_group=" + group}));
+      const auto hangs = job.events_of("hang_detected");
+      REQUIRE_FALSE(hangs.empty());
+      bool in_group = false;
+      for (const auto& hang : hangs) {
+        INFO(hang.dump());
+        // A rank waiting for the hung one in another group passes the
+        // verdict on: every finding names rank 1 alone.
+        CHECK(hang.at("culprit_ranks") == nlohmann::json::array({1}));
+        CHECK_FALSE(hang.at("waiting_ranks").empty());
+        CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
+        in_group = in_group || hang.at("group").get<std::string>().find("." + group + ".") != std::string::npos;
+      }
+      CHECK_MESSAGE(in_group, "no hang_detected in a " << group << " group");
+      CHECK(std::filesystem::exists(job.run_dir() / "flight/0/verdict.json"));
+      CHECK(job.events_of("rank_failed").empty());  // found by keeld, not by the collectives' own timeout
+      CHECK(job.events_of("generation_started").size() == 2);
+      require_identical(job.checkpoint_tensors(40), expected);
+    }
+  }
+
+  TEST_CASE("checkpoints and validation slowed past the collectives' budget raise no hang") {
+    // The stall is five steps or three hang floors, whichever is longer,
+    // so that the peers' wait in their next collective outlasts that
+    // group's budget and only the slow rank's phase budget explains it.
+    KeeldJob probe;
+    probe.run(with(kFastHealth, {"train.steps=10", "checkpoint.every_steps=0"}));
+    const double step_s = median_step_s(probe);
+    const double floor_s = 1;  // kFastHealth
+    const double factor = 1 + std::max(5.0, 3 * floor_s / step_s);
+    INFO("step " << step_s * 1e3 << " ms; slow_factor " << factor);
+    struct Case {
+      const char* phase;
+      std::vector<std::string> sets;
+    };
+    const std::vector<Case> cases = {
+        {"checkpoint", {"checkpoint.every_steps=10"}},
+        {"validation", {"train.val_every=10", "train.val_batches=2"}},
+    };
+    for (const auto& c : cases) {
+      INFO("slowed " << c.phase);
+      KeeldJob job;
+      write_pattern_shard(job.dir() / "val.bin", 5000);
+      auto sets = with(kFastHealth, c.sets);
+      if (std::string(c.phase) == "validation") sets.push_back("data.val=" + (job.dir() / "val.bin").string());
+      sets = with(sets, {"faults.slow_rank=2", fmt::format("faults.slow_factor={}", factor),
+                         fmt::format("faults.slow_phase={}", c.phase)});
+      job.run(sets);
+      CHECK(rank_log_holds(job, 2, fmt::format("{} stretched by", c.phase)));  // the fault landed
+      CHECK(job.events_of("hang_detected").empty());
+      CHECK(job.events_of("generation_started").size() == 1);
+      CHECK(job.events_of("job_finished").size() == 1);
+    }
+  }
+
+  TEST_CASE("an exponent bit flipped in a gradient is caught by the rerun and never applied and its rank is suspect") {
+    const auto layout = with(kFastHealth, kThreeReplicas);
+    KeeldJob reference;
+    reference.run(layout);
+    KeeldJob job;
+    auto keeld = job.start(with(layout, {"faults.bitflip_rank=1", "faults.bitflip_step=25", "faults.bitflip_target=grad",
+                                         "faults.bitflip_bit=30"}),
+                           /*service=*/true);
+    job.wait_for([](const nlohmann::json& s) { return s.at("state") == "finished"; }, 300);
+    const auto found = job.events_of("sdc_detected");
+    REQUIRE(found.size() == 1);  // the trainer's record, not doubled by keeld
+    INFO(found[0].dump());
+    CHECK(found[0].at("rank") == 1);
+    CHECK(found[0].at("method") == "rerun");
+    CHECK(found[0].at("verdict") == "transient");
+    CHECK(found[0].at("step") == 25);
+    const auto health = keelctl_json(job, {"health"});
+    CHECK(health.at("ranks").at(1).at("health") == "suspect");
+    CHECK(health.at("ranks").at(0).at("health") == "healthy");
+    CHECK(health.at("detections").at("sdc") == 1);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(120).exit_code == 0);
+    CHECK(job.events_of("generation_started").size() == 1);  // nothing to roll back
+    require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+  }
+
+  TEST_CASE("a rank slowed by a tenth is flagged as the straggler and no other rank is") {
+    KeeldJob job;
+    job.run(with(kFourComputeRanks, {"train.steps=100", "faults.slow_rank=1", "faults.slow_factor=1.1"}));
+    const auto flags = job.events_of("straggler_flagged");
+    REQUIRE_FALSE(flags.empty());
+    for (const auto& f : flags) {
+      INFO(f.dump());
+      CHECK(f.at("rank") == 1);
+    }
+    MESSAGE("rank 1 flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
+  }
+
+  TEST_CASE("a rank stopped a tenth of the time from outside is flagged as the straggler and no other rank is") {
+    KeeldJob job;
+    auto keeld = job.start(with(kFourComputeRanks, {"train.steps=100"}));
+    const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
+    const pid_t victim = status.at("ranks").at(2).at("pid").get<pid_t>();
+    // SIGSTOP for 2 ms of every 20 until keeld is done: a duty cycle, as a
+    // throttled node would impose, shorter than a step so that every step
+    // is slowed (the score's medians pass over a stall that hits a few).
+    std::atomic<bool> done{false};
+    std::thread duty([&] {
+      while (!done.load() && ::kill(victim, SIGSTOP) == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        ::kill(victim, SIGCONT);
+        std::this_thread::sleep_for(std::chrono::milliseconds(18));
+      }
+    });
+    const auto result = keeld->wait(300);
+    done = true;
+    duty.join();
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    const auto flags = job.events_of("straggler_flagged");
+    REQUIRE_FALSE(flags.empty());
+    for (const auto& f : flags) {
+      INFO(f.dump());
+      CHECK(f.at("rank") == 2);
+    }
+    MESSAGE("rank 2 flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
   }
 
   TEST_CASE("keelctl inject hang names the rank as the culprit and keelctl diagnose shows it") {

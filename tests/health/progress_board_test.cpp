@@ -92,7 +92,7 @@ TEST_SUITE("unit") {
     CHECK_THROWS_AS(none.add_group("g0.one_too_many.0", 0, 2), common::Error);
   }
 
-  TEST_CASE("a step's time is split into compute collective wait and data") {
+  TEST_CASE("a step's time is split into compute collective wait data and waiting for a CPU") {
     RemoveOnExit guard{unique_name("timing")};
     auto daemon_side = ProgressBoard::create(guard.name);
     common::FakeClock clock;
@@ -103,8 +103,10 @@ TEST_SUITE("unit") {
     clock.advance_s(0.010);
     rank.set_phase(Phase::kForward);
     clock.advance_s(0.030);
+    clock.wait_for_cpu_ns(common::seconds_to_ns(0.015));  // another process had the CPU
     rank.begin_collective(dp, 0, "all_reduce", 4);
-    clock.advance_s(0.050);
+    clock.advance_s(0.040);
+    clock.wait_for_cpu_ns(common::seconds_to_ns(0.010));  // inside the collective: wait already
     rank.end_collective(dp, 0, true);
     clock.advance_s(0.020);
     rank.record_step_timing();
@@ -112,9 +114,10 @@ TEST_SUITE("unit") {
     REQUIRE(seen.has_value());
     const StepTiming* t = seen->timing_of(7);
     REQUIRE(t != nullptr);
-    CHECK(t->total_ms == doctest::Approx(110));
+    CHECK(t->total_ms == doctest::Approx(125));
     CHECK(t->data_ms == doctest::Approx(10));
     CHECK(t->wait_ms == doctest::Approx(50));
+    CHECK(t->cpu_wait_ms == doctest::Approx(15));
     CHECK(t->compute_ms == doctest::Approx(50));
     CHECK(seen->timing_of(7 + kRecentSteps) == nullptr);
     CHECK(seen->phase_count[static_cast<size_t>(Phase::kData)] == 1);

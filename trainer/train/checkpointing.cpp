@@ -81,6 +81,7 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   } else {
     for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_to_host(staging[i], blocks[i].local, blocks[i].piece.bytes());
   }
+  faults_.slow_down("checkpoint", last_step_s_);
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
   last_saved_step_ = steps_done;
 }

@@ -141,6 +141,7 @@ StepStats TrainLoop::train_step(int64_t step) {
   }
   sdc_.after_step(step + 1);
   stats.step_ms = seconds_since(start) * 1e3;
+  last_step_s_ = stats.step_ms / 1e3;
   return stats;
 }
 
@@ -169,7 +170,7 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   }
   // A slow rank's forward and backward take longer; its peers then wait
   // for it in the gradient sums below.
-  faults_.slow_down(seconds_since(start) - static_cast<double>(collective_wait_ns() - wait_before) / 1e9);
+  faults_.slow_down("compute", seconds_since(start) - static_cast<double>(collective_wait_ns() - wait_before) / 1e9);
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
   if (faults_.poisons(step, "gradient")) {
     const float nan = std::nanf("");
@@ -352,6 +353,7 @@ float TrainLoop::validate() {
   const int64_t micro_batches = config_.parallel.micro_batches;
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
   board_.set_phase(health::Phase::kValidation);
+  faults_.slow_down("validation", last_step_s_);
   double sum = 0;
   for (int64_t i = 0; i < config_.train.val_batches; ++i) {
     for (int64_t m = 0; m < micro_batches; ++m) {

@@ -224,6 +224,7 @@ class TrainLoop {
   std::optional<checkpoint::Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;
+  double last_step_s_ = 0;  // the last step's wall time, what slowed phases are measured in
 };
 
 }  // namespace keel::trainer
