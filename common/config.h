@@ -197,7 +197,10 @@ struct DaemonConfig {
 struct HealthConfig {
   double heartbeat_timeout_s = 10;      // a rank whose heartbeat is older than this is frozen (stopped, not waiting)
   double hang_timeout_floor_s = 30;     // a learned collective or phase budget is never shorter
-  double hang_timeout_ceiling_s = 600;  // nor longer; before warm-up, and for a phase never seen, the budget is this
+  // Nor longer; before warm-up, and for a phase never seen, the budget is
+  // this. Below parallel.timeout_s (120), so that keeld names a hang's
+  // culprit before the waiting ranks' own timeout ends the generation.
+  double hang_timeout_ceiling_s = 100;
   int64_t hang_warmup_steps = 20;       // steps observed before budgets are learned
   double hang_timeout_multiple = 5;     // a budget is this multiple of the 99th percentile of observed durations
   int64_t sdc_digest_every = 10;        // replica digests every N steps; 0 = off

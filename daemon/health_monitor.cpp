@@ -69,17 +69,38 @@ void HealthMonitor::take_sdc(const SdcFinding& finding, Verdicts& verdicts) {
 
 Verdicts HealthMonitor::observe(const health::RankSamples& samples, int64_t now_ns) {
   Verdicts verdicts;
-  const int world = static_cast<int>(flags_.size());
-  auto valid = [world](int rank) { return rank >= 0 && rank < world; };
 
   for (auto& finding : hangs_.observe(samples, now_ns)) {
     ++counts_.hang;
     for (const int r : finding.culprit_ranks) {
-      if (valid(r)) flags_[static_cast<size_t>(r)].hung = hung_reason(finding, r);
+      if (valid_rank(r)) flags_[static_cast<size_t>(r)].hung = hung_reason(finding, r);
     }
     verdicts.hangs.push_back(std::move(finding));
   }
 
+  find_sdc(samples, now_ns, verdicts);
+
+  for (auto& finding : stragglers_.observe(samples, now_ns)) {
+    if (!valid_rank(finding.rank)) continue;
+    ++counts_.straggler;
+    flags_[static_cast<size_t>(finding.rank)].straggler = fmt::format(
+        "its compute was {:.1f}% above the median rank's up to step {}", finding.score * 100, finding.step);
+    verdicts.stragglers.push_back(std::move(finding));
+  }
+  for (int r = 0; r < static_cast<int>(flags_.size()); ++r) {
+    if (!stragglers_.flagged(r)) flags_[static_cast<size_t>(r)].straggler.clear();
+  }
+  return verdicts;
+}
+
+Verdicts HealthMonitor::last_words(health::RankSamples samples, int64_t now_ns) {
+  for (auto& s : samples) s.running = true;
+  Verdicts verdicts;
+  find_sdc(samples, now_ns, verdicts);
+  return verdicts;
+}
+
+void HealthMonitor::find_sdc(const health::RankSamples& samples, int64_t now_ns, Verdicts& verdicts) {
   for (const auto& d : digests_->observe(samples, now_ns)) {
     SdcFinding finding{-1, d.step, "replica_digest", "persistent", d.replicas, {}, d.last_agreed_step};
     if (d.odd_ranks.empty()) {
@@ -87,7 +108,7 @@ Verdicts HealthMonitor::observe(const health::RankSamples& samples, int64_t now_
       take_sdc(finding, verdicts);
     }
     for (const int r : d.odd_ranks) {
-      if (!valid(r)) continue;
+      if (!valid_rank(r)) continue;
       finding.rank = r;
       take_sdc(finding, verdicts);
     }
@@ -96,7 +117,7 @@ Verdicts HealthMonitor::observe(const health::RankSamples& samples, int64_t now_
   // The ranks' own findings: a report is new when the board's count moved.
   // The board is not trusted: a method or verdict out of range names nobody.
   for (const auto& s : samples) {
-    if (!s.board || !valid(s.rank)) continue;
+    if (!s.board || !valid_rank(s.rank)) continue;
     const auto& report = s.board->sdc;
     uint64_t& seen = sdc_reports_seen_[static_cast<size_t>(s.rank)];
     if (report.count == 0 || report.count == seen) continue;
@@ -104,20 +125,8 @@ Verdicts HealthMonitor::observe(const health::RankSamples& samples, int64_t now_
     const std::string method = health::sdc_method_name(report.method);
     const std::string verdict = health::sdc_verdict_name(report.verdict);
     if (method == "none" || method == "unknown" || verdict == "none" || verdict == "unknown") continue;
-    take_sdc({valid(report.rank) ? report.rank : -1, report.step, method, verdict, 0, {}, std::nullopt}, verdicts);
+    take_sdc({valid_rank(report.rank) ? report.rank : -1, report.step, method, verdict, 0, {}, std::nullopt}, verdicts);
   }
-
-  for (auto& finding : stragglers_.observe(samples, now_ns)) {
-    if (!valid(finding.rank)) continue;
-    ++counts_.straggler;
-    flags_[static_cast<size_t>(finding.rank)].straggler = fmt::format(
-        "its compute was {:.1f}% above the median rank's up to step {}", finding.score * 100, finding.step);
-    verdicts.stragglers.push_back(std::move(finding));
-  }
-  for (int r = 0; r < world; ++r) {
-    if (!stragglers_.flagged(r)) flags_[static_cast<size_t>(r)].straggler.clear();
-  }
-  return verdicts;
 }
 
 RankHealth HealthMonitor::rank(int rank) const {

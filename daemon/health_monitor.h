@@ -72,6 +72,11 @@ class HealthMonitor {
 
   // Feeds every detector and returns what was found now.
   Verdicts observe(const health::RankSamples& samples, int64_t now_ns);
+  // The SDC findings in a generation's last boards, once every rank has
+  // exited: digests and reports published between keeld's last poll and
+  // the ranks' exit are evidence of what they computed, though no rank
+  // runs any more (and so nothing can hang or straggle).
+  Verdicts last_words(health::RankSamples samples, int64_t now_ns);
   // A new generation started: its ranks hang no more, their memory was
   // loaded again (replica digests compare afresh) and their boards count
   // SDC reports from zero. What was learned of timings and stragglers, and
@@ -93,6 +98,8 @@ class HealthMonitor {
     std::string hung, suspect, straggler;  // the reason of each that holds; empty: it does not
   };
   void take_sdc(const SdcFinding& finding, Verdicts& verdicts);
+  void find_sdc(const health::RankSamples& samples, int64_t now_ns, Verdicts& verdicts);
+  bool valid_rank(int rank) const { return rank >= 0 && rank < static_cast<int>(flags_.size()); }
 
   common::HealthConfig config_;
   health::HangDetector hangs_;

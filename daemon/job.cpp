@@ -26,7 +26,15 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
                             options_.store_secret, run_dir_, options_.config.daemon.pin_cpus}),
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.parallel.world_size())),
-      started_at_ns_(clock.now_ns()) {}
+      started_at_ns_(clock.now_ns()) {
+  const auto& c = options_.config;
+  if (c.health.hang_timeout_ceiling_s >= c.parallel.timeout_s) {
+    common::logger("health")->warn(
+        "health.hang_timeout_ceiling_s = {} is not below parallel.timeout_s = {}: a hang longer than the latter ends "
+        "with the waiting ranks' own timeout (exit 10) before keeld names its culprit; set the ceiling lower",
+        c.health.hang_timeout_ceiling_s, c.parallel.timeout_s);
+  }
+}
 
 void Job::event(const std::string& kind, nlohmann::json fields) const {
   common::append_event(run_dir_, kind, machine_.generation(), -1, std::move(fields));
@@ -116,6 +124,9 @@ bool Job::on_child_exit(pid_t pid, int wait_status) {
 void Job::end_generation_if_over() {
   if (!machine_.generation_live() || ranks_.alive()) return;
   observe();  // the boards' last words and the ranks' last events, for status and the events below
+  // A replica corrupted in the last steps, between keeld's polls and the
+  // ranks' exit, must not end the job as finished on corrupted state.
+  act_on(health_.last_words(ranks_.samples(), clock_.now_ns()));
   ranks_.remove_boards();
   quarantine_suspect_checkpoints();
   // A generation made progress when it committed a checkpoint of its own:
@@ -132,7 +143,10 @@ void Job::end_generation_if_over() {
 
 void Job::quarantine_suspect_checkpoints() {
   if (!keep_through_step_) return;
-  const int64_t last_good = *keep_through_step_;
+  // The checkpoint this generation resumed from went alike into every
+  // replica: a set whose digests were never seen agreeing (its steps
+  // outran keeld's polls) still agreed there.
+  const int64_t last_good = std::max(*keep_through_step_, base_checkpoint_);
   keep_through_step_.reset();
   const auto root = options_.config.checkpoint_dir();
   const Quarantine q = quarantine_checkpoints(root, last_good, machine_.generation());

@@ -14,7 +14,7 @@ namespace keel::health {
 struct BudgetRule {
   double multiple = 5;
   double floor_s = 30;
-  double ceiling_s = 600;
+  double ceiling_s = 100;
   size_t window = 512;     // durations kept, the newest
   size_t min_samples = 5;  // durations needed before the budget is learned
 };

@@ -10,7 +10,7 @@
 // the injected hang the trainer's fault requests (a hung rank never begins
 // the collective); the rollback the trainer's replica digests and bit
 // flips and the replica digest comparison.
-#include "tests/daemon/keeld_job.h"
+#include "tests/daemon/health_job.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -26,48 +26,6 @@
 
 namespace keel::test {
 namespace {
-
-// Small hang budgets, so that a hang is found in seconds; the collectives'
-// own timeout (parallel.timeout_s = 30) stays far above them.
-constexpr double kCeilingS = 6;
-const std::vector<std::string> kFastHealth = {"health.heartbeat_timeout_s=2", "health.hang_timeout_floor_s=1",
-                                              "health.hang_timeout_ceiling_s=6", "health.hang_warmup_steps=5"};
-
-std::vector<std::string> with(std::vector<std::string> sets, const std::vector<std::string>& more) {
-  sets.insert(sets.end(), more.begin(), more.end());
-  return sets;
-}
-
-ProcessResult keelctl(const KeeldJob& job, std::vector<std::string> args) {
-  args.insert(args.begin(), {keel_binary("keelctl").string(), "--socket", job.socket()});
-  return run_process(args);
-}
-
-nlohmann::json keelctl_json(const KeeldJob& job, std::vector<std::string> args) {
-  args.push_back("--json");
-  const auto result = keelctl(job, args);
-  INFO(result.output);
-  REQUIRE(result.exit_code == 0);
-  return nlohmann::json::parse(result.output);
-}
-
-bool contains(const nlohmann::json& list, int rank) {
-  return std::find(list.begin(), list.end(), nlohmann::json(rank)) != list.end();
-}
-
-int64_t step_of(const nlohmann::json& status) { return status.at("step").get<int64_t>(); }
-
-// Three DP replicas holding parameters and moments alike (ZeRO-0), so that
-// a majority of replica digests can name the odd one.
-const std::vector<std::string> kThreeReplicas = {"parallel.dp=3", "parallel.tp=1", "parallel.zero=0",
-                                                 "train.batch_size=6"};
-
-// Four single-threaded ranks with enough compute per step (tens of ms)
-// that a 10% slowdown stands out of the scheduler's noise on a small
-// machine; the straggler monitor at its defaults.
-const std::vector<std::string> kFourComputeRanks = {"parallel.dp=4",  "parallel.tp=1",    "model.n_layer=4",
-                                                    "model.n_embd=128", "model.seq_len=64", "train.threads=1",
-                                                    "checkpoint.every_steps=50"};
 
 // The median of step_ms in the run's metrics.jsonl, in seconds.
 double median_step_s(const KeeldJob& job) {
@@ -379,6 +337,25 @@ TEST_SUITE("integration") {
     CHECK(keeld->wait(300).exit_code == 0);
     CHECK(job.events_of("hang_detected").empty());
     CHECK(job.events_of("sdc_detected").empty());
+  }
+
+  TEST_CASE("a bit flipped in the last step of a run is found in the ranks' last boards and rolled back") {
+    // The flip lands in the last step's update: its digest is published,
+    // the final checkpoint saved and the ranks gone before keeld's next
+    // poll (seen to finish the job on the corrupted state without the
+    // last boards' check).
+    const auto layout = with(with(kFastHealth, kThreeReplicas),
+                             {"health.sdc_digest_every=1", "health.sdc_policy=restart", "checkpoint.keep=100"});
+    KeeldJob reference;
+    reference.run(layout);
+    KeeldJob job;
+    job.run(with(layout, {"faults.bitflip_rank=1", "faults.bitflip_step=39", "faults.bitflip_target=param"}));
+    const auto found = job.events_of("sdc_detected");
+    REQUIRE_FALSE(found.empty());
+    INFO(found[0].dump());
+    CHECK(found[0].at("rank") == 1);
+    CHECK(job.events_of("generation_started").size() == 2);
+    require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
   }
 
   TEST_CASE("a silently flipped bit in one replica is named by the digests and the run rolls back to its last agreed step") {

@@ -1,0 +1,73 @@
+// What the end-to-end tests of keeld's detectors share
+// (tests/daemon/keeld_health_test.cpp, keeld_chaos_test.cpp): health
+// settings that find a hang in seconds, the layouts the detectors need, and
+// keelctl run as an operator runs it.
+#pragma once
+
+#include "tests/daemon/keeld_job.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace keel::test {
+
+// Small hang budgets, so that a hang is found in seconds; the collectives'
+// own timeout (parallel.timeout_s = 30) stays far above them.
+inline constexpr double kCeilingS = 6;
+inline const std::vector<std::string> kFastHealth = {
+    "health.heartbeat_timeout_s=2", "health.hang_timeout_floor_s=1",
+    "health.hang_timeout_ceiling_s=6", "health.hang_warmup_steps=5"};
+
+inline std::vector<std::string> with(std::vector<std::string> sets,
+                                     const std::vector<std::string> &more) {
+  sets.insert(sets.end(), more.begin(), more.end());
+  return sets;
+}
+
+inline ProcessResult keelctl(const KeeldJob &job,
+                             std::vector<std::string> args) {
+  args.insert(args.begin(),
+              {keel_binary("keelctl").string(), "--socket", job.socket()});
+  return run_process(args);
+}
+
+inline nlohmann::json keelctl_json(const KeeldJob &job,
+                                   std::vector<std::string> args) {
+  args.push_back("--json");
+  const auto result = keelctl(job, args);
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  return nlohmann::json::parse(result.output);
+}
+
+inline bool contains(const nlohmann::json &list, int rank) {
+  return std::find(list.begin(), list.end(), nlohmann::json(rank)) !=
+         list.end();
+}
+
+inline int64_t step_of(const nlohmann::json &status) {
+  return status.at("step").get<int64_t>();
+}
+
+// Three DP replicas holding parameters and moments alike (ZeRO-0), so that
+// a majority of replica digests can name the odd one.
+inline const std::vector<std::string> kThreeReplicas = {
+    "parallel.dp=3", "parallel.tp=1", "parallel.zero=0", "train.batch_size=6"};
+
+// Four single-threaded ranks with enough compute per step (tens of ms)
+// that a 10% slowdown stands out of the scheduler's noise on a small
+// machine; the straggler monitor at its defaults.
+inline const std::vector<std::string> kFourComputeRanks = {
+    "parallel.dp=4",
+    "parallel.tp=1",
+    "model.n_layer=4",
+    "model.n_embd=128",
+    "model.seq_len=64",
+    "train.threads=1",
+    "checkpoint.every_steps=50"};
+
+} // namespace keel::test
