@@ -243,6 +243,41 @@ TEST_SUITE("chaos") {
     }
   }
 
+  TEST_CASE("a rank slowed by a tenth is flagged within fifty steps in most of ten trials and no other rank ever") {
+    const unsigned seed = std::random_device()();
+    INFO("random seed " << seed);
+    std::mt19937 rng(seed);
+    int flagged = 0, within_50 = 0, others = 0;
+    std::vector<int64_t> steps;
+    for (int trial = 0; trial < 10; ++trial) {
+      const int rank = std::uniform_int_distribution<int>(0, 3)(rng);
+      INFO("trial " << trial << ": rank " << rank << " slowed by 1.10");
+      KeeldJob job;
+      job.run(with(kFourComputeRanks,
+                   {"train.steps=200", fmt::format("faults.slow_rank={}", rank), "faults.slow_factor=1.1"}));
+      bool first = true;
+      for (const auto& f : job.events_of("straggler_flagged")) {
+        if (f.at("rank") != rank) {
+          ++others;
+          continue;
+        }
+        if (!first) continue;
+        first = false;
+        ++flagged;
+        steps.push_back(f.at("step").get<int64_t>());
+        within_50 += steps.back() < 50 ? 1 : 0;
+      }
+    }
+    std::cout << nlohmann::json{{"trials", "straggler 1.10x"}, {"of", 10},         {"flagged", flagged},
+                                {"flagged_within_50_steps", within_50},            {"flag_steps", steps},
+                                {"other_ranks_flagged", others}}
+                     .dump()
+              << std::endl;
+    CHECK(flagged == 10);
+    CHECK(others == 0);
+    CHECK(within_50 >= 8);
+  }
+
   TEST_CASE("a fault-free run of two thousand steps raises no hang no SDC and flags no straggler") {
     KeeldJob job;
     job.run(with(kFourComputeRanks, {"train.steps=2000", "checkpoint.every_steps=500", "health.sdc_digest_every=10"}));

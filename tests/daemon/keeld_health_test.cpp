@@ -113,19 +113,19 @@ TEST_SUITE("integration") {
       INFO("hang in a " << group << " collective");
       KeeldJob job;
       job.run(with(kFastHealth, {"faults.hang_rank=1", "faults.hang_step=12", "faults.hang_group=" + group}));
+      // The fault landed where it was aimed.
+      CHECK(rank_log_holds(job, 1, "hang_group = " + group + "): this rank stops"));
       const auto hangs = job.events_of("hang_detected");
       REQUIRE_FALSE(hangs.empty());
-      bool in_group = false;
       for (const auto& hang : hangs) {
         INFO(hang.dump());
-        // A rank waiting for the hung one in another group passes the
-        // verdict on: every finding names rank 1 alone.
+        // Ranks of other groups wait for the hung one too (its DP peer in
+        // the gradient sum when it hangs in tp), and whichever budget runs
+        // out first may report: every finding names rank 1 alone.
         CHECK(hang.at("culprit_ranks") == nlohmann::json::array({1}));
         CHECK_FALSE(hang.at("waiting_ranks").empty());
         CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
-        in_group = in_group || hang.at("group").get<std::string>().find("." + group + ".") != std::string::npos;
       }
-      CHECK_MESSAGE(in_group, "no hang_detected in a " << group << " group");
       CHECK(std::filesystem::exists(job.run_dir() / "flight/0/verdict.json"));
       CHECK(job.events_of("rank_failed").empty());  // found by keeld, not by the collectives' own timeout
       CHECK(job.events_of("generation_started").size() == 2);
@@ -194,8 +194,10 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("a rank slowed by a tenth is flagged as the straggler and no other rank is") {
+    // 200 steps: with another job on the same cores (ctest -j2) the flag
+    // may come after step 50; the chaos trials measure that rate alone.
     KeeldJob job;
-    job.run(with(kFourComputeRanks, {"train.steps=100", "faults.slow_rank=1", "faults.slow_factor=1.1"}));
+    job.run(with(kFourComputeRanks, {"train.steps=200", "faults.slow_rank=1", "faults.slow_factor=1.1"}));
     const auto flags = job.events_of("straggler_flagged");
     REQUIRE_FALSE(flags.empty());
     for (const auto& f : flags) {
@@ -207,7 +209,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a rank stopped a tenth of the time from outside is flagged as the straggler and no other rank is") {
     KeeldJob job;
-    auto keeld = job.start(with(kFourComputeRanks, {"train.steps=100"}));
+    auto keeld = job.start(with(kFourComputeRanks, {"train.steps=200"}));
     const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
     const pid_t victim = status.at("ranks").at(2).at("pid").get<pid_t>();
     // SIGSTOP for 2 ms of every 20 until keeld is done: a duty cycle, as a

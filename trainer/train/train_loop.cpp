@@ -1,5 +1,6 @@
 #include "trainer/train/train_loop.h"
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/human_format.h"
 #include "common/log.h"
@@ -155,6 +156,7 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
 
   const auto start = Clock::now();
   const int64_t wait_before = collective_wait_ns();
+  const int64_t cpu_wait_before = common::Clock::steady().cpu_wait_ns();
   sdc_.begin_attempt();
   storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
@@ -169,8 +171,11 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
     model_.backward(loss_scale);
   }
   // A slow rank's forward and backward take longer; its peers then wait
-  // for it in the gradient sums below.
-  faults_.slow_down("compute", seconds_since(start) - static_cast<double>(collective_wait_ns() - wait_before) / 1e9);
+  // for it in the gradient sums below. Stretched is the rank's own work, as
+  // its board counts compute: neither collective wait nor waiting for a CPU.
+  const int64_t not_working_ns =
+      collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
+  faults_.slow_down("compute", std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
   if (faults_.poisons(step, "gradient")) {
     const float nan = std::nanf("");
