@@ -166,9 +166,7 @@ void Job::act_on(const Verdicts& verdicts) {
   std::string flight;
   if (!verdicts.hangs.empty()) {
     // Written before the ranks are killed: the boards as the verdict saw them.
-    const int64_t now = clock_.now_ns();
-    std::vector<nlohmann::json> records;
-    for (const auto& rank : ranks_.ranks()) records.push_back(rank_collectives(rank, now));
+    const auto records = collective_records();
     auto verdict = verdicts.hangs.front().to_json();
     verdict["generation"] = machine_.generation();
     try {
@@ -189,6 +187,13 @@ void Job::act_on(const Verdicts& verdicts) {
     keep_through_step_ = std::min(keep_through_step_.value_or(*response.keep_through_step), *response.keep_through_step);
   }
   if (!response.stop_cause.empty()) apply(machine_.verdict(response.stop_cause).actions);
+}
+
+std::vector<nlohmann::json> Job::collective_records() const {
+  const int64_t now = clock_.now_ns();
+  std::vector<nlohmann::json> records;
+  for (const auto& rank : ranks_.ranks()) records.push_back(rank_collectives(rank, now));
+  return records;
 }
 
 void Job::observe() {
@@ -284,10 +289,10 @@ nlohmann::json Job::health() const {
 nlohmann::json Job::diagnose() const {
   nlohmann::json out = diagnosis_;
   if (out.is_null()) {
-    const int64_t now = clock_.now_ns();
-    nlohmann::json records = nlohmann::json::array();
-    for (const auto& rank : ranks_.ranks()) records.push_back(rank_collectives(rank, now));
-    out = {{"verdict", nullptr}, {"generation", machine_.generation()}, {"flight", nullptr}, {"ranks", records}};
+    out = {{"verdict", nullptr},
+           {"generation", machine_.generation()},
+           {"flight", nullptr},
+           {"ranks", collective_records()}};
   }
   out["ok"] = true;
   return out;

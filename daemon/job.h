@@ -104,6 +104,9 @@ class Job {
   void observe();
   // Records the detectors' verdicts and does what the health policy says.
   void act_on(const Verdicts& verdicts);
+  // Every rank's group table and recent collectives as last read
+  // (flight_dump.h): the flight dump and `keelctl diagnose`.
+  std::vector<nlohmann::json> collective_records() const;
   // Moves aside the checkpoints a corrupted generation may have written
   // (after keep_through_step_), once its ranks are gone.
   void quarantine_suspect_checkpoints();

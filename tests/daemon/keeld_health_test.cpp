@@ -44,6 +44,17 @@ bool rank_log_holds(const KeeldJob& job, int rank, const std::string& text) {
   return log.find(text) != std::string::npos;
 }
 
+// Requires `rank` flagged as a straggler, and no other rank ever.
+void require_only_straggler(const KeeldJob& job, int rank) {
+  const auto flags = job.events_of("straggler_flagged");
+  REQUIRE_FALSE(flags.empty());
+  for (const auto& f : flags) {
+    INFO(f.dump());
+    CHECK(f.at("rank") == rank);
+  }
+  MESSAGE("rank " << rank << " flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
+}
+
 // The hang_detected events once there is one.
 std::vector<nlohmann::json> wait_for_hang(const KeeldJob& job) {
   REQUIRE_MESSAGE(wait_until([&] { return !job.events_of("hang_detected").empty(); }, 300), "no hang was detected");
@@ -198,13 +209,7 @@ TEST_SUITE("integration") {
     // may come after step 50; the chaos trials measure that rate alone.
     KeeldJob job;
     job.run(with(kFourComputeRanks, {"train.steps=200", "faults.slow_rank=1", "faults.slow_factor=1.1"}));
-    const auto flags = job.events_of("straggler_flagged");
-    REQUIRE_FALSE(flags.empty());
-    for (const auto& f : flags) {
-      INFO(f.dump());
-      CHECK(f.at("rank") == 1);
-    }
-    MESSAGE("rank 1 flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
+    require_only_straggler(job, 1);
   }
 
   TEST_CASE("a rank stopped a tenth of the time from outside is flagged as the straggler and no other rank is") {
@@ -228,13 +233,7 @@ TEST_SUITE("integration") {
     duty.join();
     INFO(result.output);
     REQUIRE(result.exit_code == 0);
-    const auto flags = job.events_of("straggler_flagged");
-    REQUIRE_FALSE(flags.empty());
-    for (const auto& f : flags) {
-      INFO(f.dump());
-      CHECK(f.at("rank") == 2);
-    }
-    MESSAGE("rank 2 flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
+    require_only_straggler(job, 2);
   }
 
   TEST_CASE("keelctl inject hang names the rank as the culprit and keelctl diagnose shows it") {
