@@ -9,7 +9,8 @@
 //     CPU-wait reads), on a real shared-memory board;
 //   * the step itself, with the rerun's local fingerprints on and off
 //     (alternating steps of two identical loops, medians);
-//   * one fingerprint: the sum of squares of every local gradient;
+//   * one fingerprint: the sum of squares of every local gradient, of the
+//     residual stream leaving the last block and of the logits;
 //   * one replica digest: XXH3 of the state ZeRO-0 replicates (parameters
 //     and both moments), the most any rank hashes;
 //   * one known-answer kernel test.
@@ -124,9 +125,17 @@ int main(int argc, char** argv) {
   keel::trainer::BackendArray<float> exp_avg(cpu, numel), exp_avg_sq(cpu, numel);
   const std::vector<keel::trainer::FloatSpan> replicated = {
       {storage.params(), numel}, {exp_avg.data(), numel}, {exp_avg_sq.data(), numel}};
+  const auto& model = with.model;
+  const size_t positions = static_cast<size_t>(with.train.batch_size * model.seq_len);
+  keel::trainer::BackendArray<float> residual(cpu, positions * static_cast<size_t>(model.n_embd)),
+      logits(cpu, positions * static_cast<size_t>(model.padded_vocab()));
   std::vector<double> fingerprint, digest, kat;
   for (int i = 0; i < repeats; ++i) {
-    fingerprint.push_back(time_ms([&] { cpu.sum_squares(storage.grads(), numel); }));
+    fingerprint.push_back(time_ms([&] {
+      cpu.sum_squares(storage.grads(), numel);
+      cpu.sum_squares(residual.data(), residual.size());
+      cpu.sum_squares(logits.data(), logits.size());
+    }));
     digest.push_back(time_ms([&] { keel::trainer::digest_of(cpu, replicated); }));
     kat.push_back(keel::trainer::test_known_answers(cpu).seconds * 1e3);
   }

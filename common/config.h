@@ -210,7 +210,7 @@ struct HealthConfig {
   int64_t sdc_anomaly_window = 50;      // steps of loss and gradient-norm history for that score
   std::string sdc_policy = "restart";   // on a rank-attributed SDC: "warn" | "restart" (roll back to the newest checkpoint before it) | "exclude"
   int64_t straggler_window = 10;        // steps per straggler window
-  int64_t straggler_windows = 3;        // consecutive slow windows that flag a rank
+  int64_t straggler_windows = 3;        // slow windows, net of fast ones, that flag a rank
   double straggler_threshold = 0.05;    // a window is slow when a rank's score exceeds this and 3 spreads (why: health/straggler_monitor.h)
 
   template <class V> void visit(V& v) {

@@ -154,15 +154,17 @@ void StragglerMonitor::close_window(const std::vector<int>& participants, std::v
     // The spread only matters above the threshold, where it is worth
     // learning without the rank's own scores, which would widen it.
     const double spread = rank.score > config_.straggler_threshold ? spread_without(r) : 0;
-    if (rank.score <= config_.straggler_threshold || rank.score <= kSpreads * spread) {
-      rank.streak = 0;
-      rank.flagged = false;
-      continue;
-    }
-    ++rank.streak;
-    log->debug("rank {} slow in the window ending at step {}: score {:.3f}, spread {:.3f}, {} in a row", r,
-               window_last_step_, rank.score, spread, rank.streak);
-    if (rank.streak >= config_.straggler_windows && !rank.flagged) {
+    const bool slow = rank.score > config_.straggler_threshold && rank.score > kSpreads * spread;
+    // Evidence counts slow windows net of fast ones, so one noisy window
+    // delays a flag by a window instead of starting it over; the flag
+    // clears only when the evidence is gone, so a slow rank's noisy
+    // windows do not raise it again and again.
+    rank.evidence = std::clamp<int64_t>(rank.evidence + (slow ? 1 : -1), 0, config_.straggler_windows);
+    if (rank.evidence == 0) rank.flagged = false;
+    if (!slow) continue;
+    log->debug("rank {} slow in the window ending at step {}: score {:.3f}, spread {:.3f}, evidence {}", r,
+               window_last_step_, rank.score, spread, rank.evidence);
+    if (rank.evidence >= config_.straggler_windows && !rank.flagged) {
       rank.flagged = true;
       found.push_back({r, rank.score, window_last_step_});
     }

@@ -215,15 +215,32 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("a fast window clears the flag and a new streak flags again") {
+  TEST_CASE("one fast window among slow ones delays the flag by a window instead of starting it over") {
+    // Windows slow, slow, fast, slow, slow: the evidence runs 1 2 1 2 3.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    CHECK(run(monitor, job, 0, 20, {.slow = 0}, noise).empty());
+    CHECK(run(monitor, job, 20, 10, {}, noise).empty());
+    CHECK(run(monitor, job, 30, 10, {.slow = 0}, noise).empty());
+    const auto found = run(monitor, job, 40, 10, {.slow = 0}, noise);
+    REQUIRE(ranks_of(found) == std::vector<int>{0});
+    CHECK(found[0].step == 49);
+  }
+
+  TEST_CASE("a flag clears once fast windows outweigh the slow ones and a new run of slow windows flags again") {
     SyntheticJob job(4);
     StragglerMonitor monitor(defaults());
     Noise noise;
     CHECK(ranks_of(run(monitor, job, 0, 40, {.slow = 0}, noise)) == std::vector<int>{0});
     CHECK(monitor.flagged(0));
+    // One noisy window does not clear it, nor raise it again after.
     CHECK(run(monitor, job, 40, 10, {}, noise).empty());
+    CHECK(monitor.flagged(0));
+    CHECK(run(monitor, job, 50, 10, {.slow = 0}, noise).empty());
+    CHECK(run(monitor, job, 60, 30, {}, noise).empty());
     CHECK_FALSE(monitor.flagged(0));
-    CHECK(ranks_of(run(monitor, job, 50, 30, {.slow = 0}, noise)) == std::vector<int>{0});
+    CHECK(ranks_of(run(monitor, job, 90, 30, {.slow = 0}, noise)) == std::vector<int>{0});
   }
 
   TEST_CASE("a restarted generation is timed again from where the monitor was") {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 
@@ -105,30 +106,38 @@ void SdcGuard::add_local_loss(double loss_sum) { current_.loss += loss_sum; }
 
 void SdcGuard::add_local_gradients(double squares) { current_.grad_squares += squares; }
 
-bool SdcGuard::needs_rerun(int64_t step, float loss, double grad_norm) const {
+void SdcGuard::add_local_activations(double squares) { current_.activation_squares += squares; }
+
+bool SdcGuard::needs_rerun(int64_t step, const StepSignals& result) const {
   if (!rerun_) return false;
-  // A cross-entropy or a norm below zero is impossible.
-  if (!std::isfinite(loss) || !std::isfinite(grad_norm) || loss < 0 || grad_norm < 0) return true;
+  const double values[] = {result.loss, result.grad_norm, result.activation_squares};
+  // A cross-entropy, a norm or a sum of squares below zero is impossible.
+  if (std::any_of(std::begin(values), std::end(values), [](double v) { return !std::isfinite(v) || v < 0; })) {
+    return true;
+  }
   if (losses_.size() < kMinWindow || step < config_.train.warmup_steps) return false;
   const double z = config_.health.sdc_anomaly_z;
-  return robust_score(losses_, loss) > z || robust_score(norms_, grad_norm) > z;
+  return robust_score(losses_, values[0]) > z || robust_score(norms_, values[1]) > z ||
+         robust_score(activations_, values[2]) > z;
 }
 
-void SdcGuard::accept(float loss, double grad_norm) {
-  for (auto [window, value] : {std::pair{&losses_, static_cast<double>(loss)}, {&norms_, grad_norm}}) {
+void SdcGuard::accept(const StepSignals& result) {
+  for (auto [window, value] : {std::pair{&losses_, static_cast<double>(result.loss)},
+                               {&norms_, result.grad_norm},
+                               {&activations_, result.activation_squares}}) {
     window->push_back(value);
     if (window->size() > static_cast<size_t>(config_.health.sdc_anomaly_window)) window->pop_front();
   }
 }
 
-void SdcGuard::refuse(int64_t step, float loss, double grad_norm) const {
+void SdcGuard::refuse(int64_t step, const StepSignals& result) const {
   throw common::Error(
       common::ErrorCode::kSdcSuspected,
       fmt::format("step {}: the loss is {} and the gradient norm {}; the update was not applied and no checkpoint "
                   "is written from this state, so the newest checkpoint is the last good state. A restart resumes "
                   "from it; if the same step fails again, the data or the settings (train.lr, "
                   "train.warmup_steps) are the likely cause, otherwise the hardware",
-                  step, loss, grad_norm));
+                  step, result.loss, result.grad_norm));
 }
 
 std::vector<int> SdcGuard::ranks_flagged(bool mine, float value) {
@@ -149,30 +158,39 @@ void SdcGuard::record(int64_t step, int rank, SdcMethod method, SdcVerdict verdi
   common::append_event(config_.job.run_dir, "sdc_detected", generation_, rank, std::move(fields));
 }
 
-bool SdcGuard::judge_rerun(int64_t step, float first_loss, double first_norm, float loss, double grad_norm) {
+bool SdcGuard::judge_rerun(int64_t step, const StepSignals& first, const StepSignals& rerun) {
   auto log = common::logger("sdc");
-  const bool same = same_bits(first_loss, loss) && same_bits(first_norm, grad_norm);
-  const nlohmann::json results = {
-      {"loss", first_loss}, {"grad_norm", first_norm}, {"rerun_loss", loss}, {"rerun_grad_norm", grad_norm}};
+  const bool same = same_bits(first.loss, rerun.loss) && same_bits(first.grad_norm, rerun.grad_norm) &&
+                    same_bits(first.activation_squares, rerun.activation_squares);
+  const bool finite = std::isfinite(rerun.loss) && std::isfinite(rerun.grad_norm);
+  const nlohmann::json results = {{"loss", first.loss},
+                                  {"grad_norm", first.grad_norm},
+                                  {"activation_squares", first.activation_squares},
+                                  {"rerun_loss", rerun.loss},
+                                  {"rerun_grad_norm", rerun.grad_norm},
+                                  {"rerun_activation_squares", rerun.activation_squares}};
   if (same) {
-    log->warn("step {}: the rerun gave the same loss {} and gradient norm {}: the data did it, the step is skipped",
-              step, loss, grad_norm);
+    log->warn(
+        "step {}: the rerun gave the same loss {}, gradient norm {} and activation squares {}: the data did it, "
+        "the step is skipped",
+        step, rerun.loss, rerun.grad_norm, rerun.activation_squares);
     if (rank_ == 0) {
       record(step, -1, SdcMethod::kRerun, SdcVerdict::kData, results);
-      if (std::isfinite(loss) && std::isfinite(grad_norm)) {
+      if (finite) {
         common::append_event(config_.job.run_dir, "step_skipped", generation_, -1,
-                             {{"step", step}, {"loss", loss}, {"grad_norm", grad_norm}});
+                             {{"step", step}, {"loss", rerun.loss}, {"grad_norm", rerun.grad_norm}});
       }
       board_.report_sdc(step, -1, SdcMethod::kRerun, SdcVerdict::kData);
     }
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) refuse(step, loss, grad_norm);
+    if (!finite) refuse(step, rerun);
     return false;
   }
   const std::vector<int> named = ranks_flagged(!(current_ == previous_));
   log->warn(
-      "step {}: a transient fault: loss {} and gradient norm {}, then {} and {} on the rerun; the rerun's result "
-      "is applied. Ranks whose own share changed: [{}]",
-      step, first_loss, first_norm, loss, grad_norm, fmt::join(named, ", "));
+      "step {}: a transient fault: loss {}, gradient norm {} and activation squares {}, then {}, {} and {} on the "
+      "rerun; the rerun's result is applied. Ranks whose own share changed: [{}]",
+      step, first.loss, first.grad_norm, first.activation_squares, rerun.loss, rerun.grad_norm,
+      rerun.activation_squares, fmt::join(named, ", "));
   if (rank_ == 0) {
     for (int r : named) record(step, r, SdcMethod::kRerun, SdcVerdict::kTransient, results);
     if (named.empty()) record(step, -1, SdcMethod::kRerun, SdcVerdict::kTransient, results);
@@ -180,7 +198,7 @@ bool SdcGuard::judge_rerun(int64_t step, float first_loss, double first_norm, fl
   if (std::find(named.begin(), named.end(), rank_) != named.end()) {
     board_.report_sdc(step, rank_, SdcMethod::kRerun, SdcVerdict::kTransient);
   }
-  if (!std::isfinite(loss) || !std::isfinite(grad_norm)) refuse(step, loss, grad_norm);
+  if (!finite) refuse(step, rerun);
   return true;
 }
 

@@ -5,10 +5,10 @@
 //
 // * Replica digests: every health.sdc_digest_every steps, the XXH3 of the
 //   bytes this rank's DP replicas hold identically goes on its board.
-// * Rerun on anomaly (health.sdc_rerun): a step whose loss or gradient norm
-//   is non-finite, or stands out against the recent window, is computed
-//   again from the same inputs before the optimizer touches the
-//   parameters. A different result was a transient fault: the ranks whose
+// * Rerun on anomaly (health.sdc_rerun): a step whose loss, gradient norm
+//   or activation squares (StepSignals) is non-finite, or stands out
+//   against the recent window, is computed again from the same inputs
+//   before the optimizer touches the parameters. A different result was a transient fault: the ranks whose
 //   own share of it changed between the runs are named, and the rerun is
 //   applied. The same result means the data did it: the step is skipped.
 // * Known-answer kernel test (trainer/kernels/known_answer.h) at start and
@@ -51,6 +51,20 @@ struct ReplicatedState {
   std::string none_because;
 };
 
+// What a step's result is judged by, the same on every rank (each is summed
+// over the world): its loss, its gradient norm, and the sum of squares of
+// the activations that feed the loss: the residual stream leaving the last
+// block, which carries every block's output forward, and the logits. The
+// last is a range check: a corrupted activation that LayerNorm swallows
+// (a huge value makes its row's variance overflow and the row's output
+// plain bias) or that softmax ignores (a huge negative logit) hardly moves
+// the loss or the norm, yet changes the update; its square does not hide.
+struct StepSignals {
+  float loss = 0;
+  double grad_norm = 0;
+  double activation_squares = 0;
+};
+
 class SdcGuard {
  public:
   // `sum_over_world` sums floats in place over every rank of the run.
@@ -66,27 +80,32 @@ class SdcGuard {
   // and the previous computation's are kept for judge_rerun.
   void begin_attempt();
   // This rank's own contribution before any sum over DP or TP: its loss
-  // sum, and the squares of its local gradients.
+  // sum, the squares of its local gradients and of its activations.
   void add_local_loss(double loss_sum);
   void add_local_gradients(double squares);
-  // Whether the step's result, the same on every rank, must be computed
-  // again before it is applied: with health.sdc_rerun, when the loss or
-  // the norm is non-finite or negative, or (once the window holds 8 values
-  // and train.warmup_steps are done) when its logarithm lies above the
-  // window's median by more than health.sdc_anomaly_z robust deviations.
-  bool needs_rerun(int64_t step, float loss, double grad_norm) const;
+  void add_local_activations(double squares);
+  // This attempt's activation squares so far, for the caller to sum over
+  // the world with the step's other scalars.
+  double local_activation_squares() const { return current_.activation_squares; }
+  // Whether the step's result must be computed again before it is
+  // applied: with health.sdc_rerun, when a signal is non-finite or
+  // negative, or (once the window holds 8 values and train.warmup_steps
+  // are done) when its logarithm lies above the window's median by more
+  // than health.sdc_anomaly_z robust deviations.
+  bool needs_rerun(int64_t step, const StepSignals& result) const;
   // Collective, after the rerun (first: the result that asked for it).
   // Different results: a transient fault; the ranks whose fingerprints
   // changed are named in sdc_detected events (rank 0 appends them) and on
   // their own boards, and the rerun is to be applied: true. The same
   // result: the data did it; sdc_detected (rank -1, verdict data) and
   // step_skipped are recorded and the step is skipped: false. A rerun
-  // that is non-finite too is recorded and refused (Error kSdcSuspected).
-  bool judge_rerun(int64_t step, float first_loss, double first_norm, float loss, double grad_norm);
+  // whose loss or norm is non-finite too is recorded and refused (Error
+  // kSdcSuspected).
+  bool judge_rerun(int64_t step, const StepSignals& first, const StepSignals& rerun);
   // The result about to be applied (or skipped as data) joins the window.
-  void accept(float loss, double grad_norm);
+  void accept(const StepSignals& result);
   // Error(kSdcSuspected) for a non-finite result that is not re-run.
-  [[noreturn]] void refuse(int64_t step, float loss, double grad_norm) const;
+  [[noreturn]] void refuse(int64_t step, const StepSignals& result) const;
 
   // ---- replica digests ----
   // After a step: publishes the replica digest when `steps_done` is a
@@ -106,6 +125,7 @@ class SdcGuard {
   struct Fingerprint {
     double loss = 0;
     double grad_squares = 0;
+    double activation_squares = 0;
     bool operator==(const Fingerprint&) const = default;
   };
   // Sums one flag per global rank over the world; the ranks whose flag is set.
@@ -123,7 +143,7 @@ class SdcGuard {
   ReplicatedState replicated_;
   bool rerun_;
   Fingerprint current_, previous_;
-  std::deque<double> losses_, norms_;
+  std::deque<double> losses_, norms_, activations_;
   std::chrono::steady_clock::time_point last_kernel_test_;
 };
 

@@ -80,9 +80,13 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
   storage_.init(static_cast<uint64_t>(config.job.seed));
   describe_flip_sites();
   storage_.on_local_gradients([this](int unit, float* grads, size_t numel) { on_local_gradients(unit, grads, numel); });
-  model_.on_activation([this](int site, float* data, size_t) {
+  model_.on_activation([this](int site, float* data, size_t numel) {
     flip_if_due(backend_, faults_, "activation", activation_sites_,
                 [&](size_t s) { return s == static_cast<size_t>(site) ? data : nullptr; });
+    // The last block's output and the logits: StepSignals says why these.
+    if (sdc_.fingerprinting() && site >= config_.model.n_layer - 1) {
+      sdc_.add_local_activations(backend_.sum_squares(data, numel));
+    }
   });
   if (checkpoints_enabled()) {
     const auto& c = config.checkpoint;
@@ -123,21 +127,21 @@ StepStats TrainLoop::train_step(int64_t step) {
   Gradients g = compute_gradients(step);
   // The parameters are untouched until apply_update, so a suspicious
   // result is computed again from the same inputs before anything uses it.
-  if (sdc_.needs_rerun(step, g.loss, g.norm)) {
+  if (sdc_.needs_rerun(step, g.signals)) {
     const Gradients first = g;
     g = compute_gradients(step);
-    stats.skipped = !sdc_.judge_rerun(step, first.loss, first.norm, g.loss, g.norm);
-  } else if (!std::isfinite(g.loss) || !std::isfinite(g.norm)) {
+    stats.skipped = !sdc_.judge_rerun(step, first.signals, g.signals);
+  } else if (!std::isfinite(g.signals.loss) || !std::isfinite(g.signals.grad_norm)) {
     // Every rank holds the same loss and norm (both are summed over the
     // world), so every rank refuses the same step and none waits for another.
-    sdc_.refuse(step, g.loss, g.norm);
+    sdc_.refuse(step, g.signals);
   }
-  sdc_.accept(g.loss, g.norm);
-  stats.loss = g.loss;
+  sdc_.accept(g.signals);
+  stats.loss = g.signals.loss;
   stats.aux_loss = g.aux_loss;
-  stats.grad_norm = static_cast<float>(g.norm);
+  stats.grad_norm = static_cast<float>(g.signals.grad_norm);
   if (!stats.skipped) {
-    apply_update(static_cast<float>(stats.lr), g.norm, step);
+    apply_update(static_cast<float>(stats.lr), g.signals.grad_norm, step);
     flip_state_bit();
   }
   sdc_.after_step(step + 1);
@@ -184,17 +188,12 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
   sum_norm_gradients_over_tp();
-  if (dp_ != nullptr) {
-    // The TP ranks of a DP rank computed the same losses.
-    float sums[2] = {static_cast<float>(loss_sum), static_cast<float>(aux_sum)};
-    dp_->all_reduce(sums, 2);
-    loss_sum = sums[0];
-    aux_sum = sums[1];
-  }
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   board_.set_phase(health::Phase::kOptimizer);
-  return Gradients{static_cast<float>(loss_sum / (micro_batches * dp_size_)),
-                   static_cast<float>(aux_sum / (micro_batches * dp_size_)), gradient_norm()};
+  const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
+  const double batches = static_cast<double>(micro_batches * dp_size_);
+  return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},
+                   static_cast<float>(sums.aux_loss / batches)};
 }
 
 int64_t TrainLoop::collective_wait_ns() const {
@@ -292,7 +291,7 @@ void TrainLoop::sum_norm_gradients_over_tp() {
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
 }
 
-double TrainLoop::gradient_norm() {
+TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum) {
   const auto& specs = table_.specs();
   // Every owned part once, a tensor replicated over TP counted on TP rank 0 only.
   double squares = 0;
@@ -300,17 +299,30 @@ double TrainLoop::gradient_norm() {
     if (tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) continue;
     squares += backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
   }
+  // The scalars share one small all-reduce per group instead of one each.
+  // Over TP: the norm's squares and the activation squares, which each TP
+  // rank holds for its own positions and vocabulary slice (the TP ranks of
+  // a DP rank computed the same losses). Over DP: the losses, the
+  // activation squares and, where ZeRO shards the gradients, the norm's
+  // squares (below that every DP rank holds the whole sum already).
+  StepSums sums{loss_sum, aux_sum, squares, sdc_.local_activation_squares()};
   if (tp_ != nullptr) {
-    float partial = static_cast<float>(squares);
-    tp_->all_reduce(&partial, 1);
-    squares = partial;
+    float over_tp[2] = {static_cast<float>(sums.grad_squares), static_cast<float>(sums.activation_squares)};
+    tp_->all_reduce(over_tp, 2);
+    sums.grad_squares = over_tp[0];
+    sums.activation_squares = over_tp[1];
   }
-  if (dp_ != nullptr && storage_.stage() >= 1) {
-    float partial = static_cast<float>(squares);
-    dp_->all_reduce(&partial, 1);
-    squares = partial;
+  if (dp_ != nullptr) {
+    const bool sharded = storage_.stage() >= 1;
+    float over_dp[4] = {static_cast<float>(sums.loss), static_cast<float>(sums.aux_loss),
+                        static_cast<float>(sums.activation_squares), static_cast<float>(sums.grad_squares)};
+    dp_->all_reduce(over_dp, sharded ? 4 : 3);
+    sums.loss = over_dp[0];
+    sums.aux_loss = over_dp[1];
+    sums.activation_squares = over_dp[2];
+    if (sharded) sums.grad_squares = over_dp[3];
   }
-  return std::sqrt(squares);
+  return sums;
 }
 
 void TrainLoop::apply_update(float lr, double norm, int64_t step) {

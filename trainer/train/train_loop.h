@@ -154,9 +154,8 @@ class TrainLoop {
   // Forward, backward and the gradient sums of `step`'s batch, up to the
   // global norm; the parameters stay untouched, so it can run again.
   struct Gradients {
-    float loss = 0;
+    StepSignals signals;  // the loss, the norm and what the SDC guard judges them by
     float aux_loss = 0;
-    double norm = 0;
   };
   Gradients compute_gradients(int64_t step);
   // Time this rank spent inside collectives since the step began.
@@ -189,8 +188,13 @@ class TrainLoop {
   void check_shapes(const checkpoint::CheckpointReader& reader) const;
   // Sums the gradients that sequence parallelism leaves partial over TP.
   void sum_norm_gradients_over_tp();
-  // The global gradient norm, the same on every rank.
-  double gradient_norm();
+  // The step's scalars summed over the world, the same on every rank: the
+  // loss and aux loss sums, the squared gradient norm and the activation
+  // squares (StepSignals).
+  struct StepSums {
+    double loss = 0, aux_loss = 0, grad_squares = 0, activation_squares = 0;
+  };
+  StepSums sum_step_scalars(double loss_sum, double aux_sum);
   // Clips by `norm` and applies AdamW to the owned parts.
   void apply_update(float lr, double norm, int64_t step);
   void write_gradients(int64_t step);
