@@ -48,10 +48,49 @@ void check_no_rerun(int steps) {
   for (const auto& rank : run.ranks) CHECK(rank.output.find("rerun") == std::string::npos);
 }
 
+// Trials of one bit flip each at a random rank and step of a DP3 ZeRO-1
+// run of 20 steps (seeded, so a failure can be replayed), held against
+// the fault-free run.
+struct FlipTrials {
+  struct Trial {
+    bool named = false;      // the flipped rank, at the flipped step
+    bool identical = false;  // final parameters equal the fault-free run's
+    std::string flip;        // the injector's log line
+  };
+  TrainerRuns f;
+  const Layout layout{3, 1, 1};
+  const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12"};
+  const std::vector<std::string> clean = keel::test::run_ranks(f, layout, "clean", common).digests();
+  std::mt19937 rng;
+  int index = 0;
+
+  explicit FlipTrials(unsigned seed) : rng(seed) {}
+
+  Trial run(const std::string& target, int bit, const std::string& tensor = "") {
+    const int rank = std::uniform_int_distribution<int>(0, layout.world() - 1)(rng);
+    const int64_t step = std::uniform_int_distribution<int64_t>(10, 18)(rng);
+    auto sets = common;
+    const auto flip = bitflip(rank, step, target, bit, tensor);
+    sets.insert(sets.end(), flip.begin(), flip.end());
+    const auto result = keel::test::run_ranks(f, layout, "trial-" + std::to_string(index++), sets);
+    const auto found = sdc_events(result.run_dir);
+    Trial t;
+    t.named = std::any_of(found.begin(), found.end(),
+                          [&](const auto& e) { return e.at("rank") == rank && e.at("step") == step; });
+    t.identical = result.digests() == clean;
+    const std::string& out = result.ranks[static_cast<size_t>(rank)].output;
+    const size_t at = out.find("flipped bit");
+    if (at != std::string::npos) t.flip = out.substr(at, out.find('\n', at) - at);
+    return t;
+  }
+};
+
 }  // namespace
 
 TEST_SUITE("integration") {
-  TEST_CASE("an exponent bit flipped in a gradient or an activation is re-run and named on its rank") {
+  TEST_CASE(
+      "an exponent bit flipped in a gradient or an activation is re-run "
+      "and named on its rank") {
     // Activation flips in the logits and in the residual stream. A huge
     // value in the residual stream is absorbed by the next LayerNorm (its
     // variance overflows and the row's output is plain bias) and a huge
@@ -126,7 +165,9 @@ TEST_SUITE("integration") {
     }
   }
 
-  TEST_CASE("replica digests agree across DP replicas until a parameter or moment flips on one rank") {
+  TEST_CASE(
+      "replica digests agree across DP replicas until a parameter or "
+      "moment flips on one rank") {
     // Digests every 4 steps. Under ZeRO-0 every rank updates its whole copy,
     // so a flip stays on its rank; under ZeRO-1 the next step's all-gather
     // overwrites the flipped copy with the owner's shard (or, when the rank
@@ -193,7 +234,9 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a fault-free run of 300 steps re-runs no step") { check_no_rerun(300); }
 
-  TEST_CASE("every rank runs the known-answer test at start and again whenever sdc_kat_every_s has passed") {
+  TEST_CASE(
+      "every rank runs the known-answer test at start and again whenever "
+      "sdc_kat_every_s has passed") {
     // Ranks vote on it, so they test at the same steps although only one
     // clock may have run out; a period of 1 ns makes every step a test.
     TrainerRuns f;
@@ -213,42 +256,30 @@ TEST_SUITE("integration") {
 TEST_SUITE("chaos") {
   TEST_CASE("a fault-free run of 2000 steps re-runs no step") { check_no_rerun(2000); }
 
-  TEST_CASE("exponent flips in gradients and activations at random ranks and steps are named in 29 of 30 trials") {
+  TEST_CASE(
+      "exponent flips in gradients and activations at random ranks and "
+      "steps are named in 29 of 30 trials") {
     // The bar: at least 95% of 30. Top exponent bit (a value below
     // 2 in magnitude grows by 2^128), alternately a gradient and an
     // activation, the element drawn by the injector; caught is the flipped
     // rank named at the flipped step, and then the rerun's clean result
     // must have been applied.
-    TrainerRuns f;
-    const Layout layout{3, 1, 1};
-    const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12"};
-    const auto clean = keel::test::run_ranks(f, layout, "clean", common).digests();
-    std::mt19937 rng(20261124);
+    FlipTrials trials(20261124);
     constexpr int kTrials = 30;
     int caught = 0, identical = 0;
     nlohmann::json missed = nlohmann::json::array();
     for (int trial = 0; trial < kTrials; ++trial) {
-      const std::string target = trial % 2 == 0 ? "grad" : "activation";
-      const int rank = std::uniform_int_distribution<int>(0, layout.world() - 1)(rng);
-      const int64_t step = std::uniform_int_distribution<int64_t>(10, 18)(rng);
-      auto sets = common;
-      const auto flip = bitflip(rank, step, target, 30);
-      sets.insert(sets.end(), flip.begin(), flip.end());
-      const auto run = keel::test::run_ranks(f, layout, "exponent-" + std::to_string(trial), sets);
-      const auto found = sdc_events(run.run_dir);
-      const bool named = std::any_of(found.begin(), found.end(),
-                                     [&](const auto& e) { return e.at("rank") == rank && e.at("step") == step; });
-      caught += named ? 1 : 0;
-      identical += run.digests() == clean ? 1 : 0;
-      if (!named) {
-        const std::string& out = run.ranks[static_cast<size_t>(rank)].output;
-        const size_t at = out.find("flipped bit");
-        missed.push_back({{"trial", trial}, {"flip", at == std::string::npos ? "" : out.substr(at, out.find('\n', at) - at)}});
-      }
-      if (named) CHECK(run.digests() == clean);
+      const auto t = trials.run(trial % 2 == 0 ? "grad" : "activation", 30);
+      caught += t.named ? 1 : 0;
+      identical += t.identical ? 1 : 0;
+      if (!t.named) missed.push_back({{"trial", trial}, {"flip", t.flip}});
+      if (t.named) CHECK(t.identical);
     }
-    std::cout << nlohmann::json{{"trials", "sdc exponent flips, gradients and activations"}, {"layout", layout.name()},
-                                {"of", kTrials}, {"caught_and_named", caught}, {"final_model_identical", identical},
+    std::cout << nlohmann::json{{"trials", "sdc exponent flips, gradients and activations"},
+                                {"layout", trials.layout.name()},
+                                {"of", kTrials},
+                                {"caught_and_named", caught},
+                                {"final_model_identical", identical},
                                 {"missed", missed}}
                      .dump()
               << std::endl;
@@ -259,31 +290,18 @@ TEST_SUITE("chaos") {
     // Random rank and step per trial (seeded, so a failure can be replayed);
     // a trial is caught when the flipped rank is named, and "applied" when
     // it was not and the final parameters differ from the fault-free run's.
-    TrainerRuns f;
-    const Layout layout{3, 1, 1};
-    const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12"};
-    const auto clean = keel::test::run_ranks(f, layout, "clean", common).digests();
-    std::mt19937 rng(20261123);
+    FlipTrials trials(20261123);
     constexpr int kTrials = 10;
     nlohmann::json table = nlohmann::json::array();
-    int run_index = 0;
     const std::vector<std::pair<std::string, std::string>> sites = {
         {"grad", ""}, {"activation", ""}, {"activation", "h.1.output"}, {"activation", "logits"}};
     for (const auto& [target, tensor] : sites) {
       for (int bit : {22, 26, 28, 30}) {
         int caught = 0, applied = 0;
         for (int trial = 0; trial < kTrials; ++trial) {
-          const int rank = std::uniform_int_distribution<int>(0, layout.world() - 1)(rng);
-          const int64_t step = std::uniform_int_distribution<int64_t>(10, 18)(rng);
-          auto sets = common;
-          const auto flip = bitflip(rank, step, target, bit, tensor);
-          sets.insert(sets.end(), flip.begin(), flip.end());
-          const auto run = keel::test::run_ranks(f, layout, "trial-" + std::to_string(run_index++), sets);
-          const auto found = sdc_events(run.run_dir);
-          const bool named =
-              std::any_of(found.begin(), found.end(), [&](const auto& e) { return e.at("rank") == rank; });
-          caught += named ? 1 : 0;
-          applied += !named && run.digests() != clean ? 1 : 0;
+          const auto t = trials.run(target, bit, tensor);
+          caught += t.named ? 1 : 0;
+          applied += !t.named && !t.identical ? 1 : 0;
         }
         table.push_back({{"target", target},
                          {"tensor", tensor.empty() ? "any" : tensor},
@@ -293,9 +311,11 @@ TEST_SUITE("chaos") {
                          {"silent_applied", applied}});
       }
     }
-    std::cout
-        << nlohmann::json{{"test", "sdc_rerun_detection_rate"}, {"layout", layout.name()}, {"rates", table}}.dump()
-        << std::endl;
+    std::cout << nlohmann::json{{"test", "sdc_rerun_detection_rate"},
+                                {"layout", trials.layout.name()},
+                                {"rates", table}}
+                     .dump()
+              << std::endl;
     // Below 2 in magnitude only the exponent's top bit grows a value (by
     // 2^128), the lower ones of a typical value are set and shrink it;
     // a grown gradient shows in the norm, a grown activation in the
