@@ -53,9 +53,10 @@ class Gpt {
 
   // `hook` (nullptr: none) sees activations of every forward(), which it
   // may change (fault injection flips a bit there, and the SDC guard sums
-  // the squares of the last two; docs/architecture.md "Health"): site i < n_layer is the output of block i, this rank's
-  // [N/tp, C] shard of the residual stream that the next block reads; site
-  // n_layer is the logits, [N, this rank's vocabulary slice].
+  // the squares of the last two; docs/architecture.md "Health"): site
+  // i < n_layer is the output of block i, this rank's [N/tp, C] shard of
+  // the residual stream that the next block reads; site n_layer is the
+  // logits, [N, this rank's vocabulary slice].
   using ActivationHook = std::function<void(int site, float* data, size_t numel)>;
   void on_activation(ActivationHook hook) { activation_hook_ = std::move(hook); }
 

@@ -83,8 +83,9 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
   model_.on_activation([this](int site, float* data, size_t numel) {
     flip_if_due(backend_, faults_, "activation", activation_sites_,
                 [&](size_t s) { return s == static_cast<size_t>(site) ? data : nullptr; });
-    // The last block's output and the logits: StepSignals says why these.
-    if (sdc_.fingerprinting() && site >= config_.model.n_layer - 1) {
+    // The last block's output and the logits of a training forward:
+    // StepSignals says why these; validation's are not judged.
+    if (judging_activations_ && site >= config_.model.n_layer - 1) {
       sdc_.add_local_activations(backend_.sum_squares(data, numel));
     }
   });
@@ -169,7 +170,9 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
                      first_sample + m * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
     board_.set_phase(health::Phase::kForward);
+    judging_activations_ = sdc_.fingerprinting();
     loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
+    judging_activations_ = false;
     aux_sum += model_.aux_loss();
     board_.set_phase(health::Phase::kBackward);
     model_.backward(loss_scale);

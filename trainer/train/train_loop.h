@@ -222,6 +222,8 @@ class TrainLoop {
   health::BoardPublisher no_board_;
   health::BoardPublisher& board_;
   health::FaultInjector faults_;
+  // Whether the forward now running feeds the SDC guard its activation squares.
+  bool judging_activations_ = false;
   std::vector<health::FaultInjector::Site> tensor_sites_, owned_sites_, activation_sites_;
   SdcGuard sdc_;
   CheckpointFaults checkpoint_faults_;
