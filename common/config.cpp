@@ -407,7 +407,7 @@ void Config::validate() const {
         "health.sdc_policy",
         fmt::format("must be \"warn\", \"restart\" or \"exclude\" (got \"{}\")", health.sdc_policy));
   at_least(health.straggler_window, 2, "health.straggler_window");
-  at_least(health.straggler_windows, 1, "health.straggler_windows");
+  at_least(health.straggler_false_alarm_steps, 1000, "health.straggler_false_alarm_steps");
 }
 
 std::string Config::to_toml() const {

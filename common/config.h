@@ -209,9 +209,9 @@ struct HealthConfig {
   double sdc_anomaly_z = 8;             // robust z-score (median, MAD of the recent window) that makes a step anomalous
   int64_t sdc_anomaly_window = 50;      // steps of loss and gradient-norm history for that score
   std::string sdc_policy = "restart";   // on a rank-attributed SDC: "warn" | "restart" (roll back to the newest checkpoint before it) | "exclude"
-  int64_t straggler_window = 10;        // steps per straggler window
-  int64_t straggler_windows = 3;        // slow windows, net of fast ones, that flag a rank
-  double straggler_threshold = 0.05;    // a window is slow when a rank's score exceeds this and 3 spreads (why: health/straggler_monitor.h)
+  int64_t straggler_window = 10;        // steps per window of the stragglers table's score and of relearning the noise
+  double straggler_threshold = 0.04;    // slowness against the median rank that gathers no evidence (why: health/straggler_monitor.h)
+  int64_t straggler_false_alarm_steps = 1'000'000;  // steps of the whole job per false flag that the ranks' noise allows, about
 
   template <class V> void visit(V& v) {
     v("heartbeat_timeout_s", heartbeat_timeout_s);
@@ -226,8 +226,8 @@ struct HealthConfig {
     v("sdc_anomaly_window", sdc_anomaly_window);
     v("sdc_policy", sdc_policy);
     v("straggler_window", straggler_window);
-    v("straggler_windows", straggler_windows);
     v("straggler_threshold", straggler_threshold);
+    v("straggler_false_alarm_steps", straggler_false_alarm_steps);
   }
 };
 

@@ -23,33 +23,41 @@ struct Report {
     int rank = 0;
     std::optional<double> median_ms;
     double score = 0;
+    double evidence = 0;
     bool flagged = false;
   };
   int64_t window = 0;
-  int64_t windows = 0;
   double threshold = 0;
+  int64_t false_alarm_steps = 0;
   double sync_tax = 1;
+  std::optional<double> noise, decision_interval;
   std::vector<Rank> ranks;
   std::vector<int64_t> steps;
   std::vector<std::vector<std::optional<double>>> compute_ms;  // [rank][step]
 };
 
+std::optional<double> optional_number(const nlohmann::json& j) {
+  return j.is_null() ? std::nullopt : std::optional(j.get<double>());
+}
+
 Report parse(const nlohmann::json& j) {
   try {
     Report r;
     r.window = j.at("window").get<int64_t>();
-    r.windows = j.at("windows").get<int64_t>();
     r.threshold = j.at("threshold").get<double>();
+    r.false_alarm_steps = j.at("false_alarm_steps").get<int64_t>();
     r.sync_tax = j.at("sync_tax").get<double>();
+    r.noise = optional_number(j.at("noise"));
+    r.decision_interval = optional_number(j.at("decision_interval"));
     for (const auto& rank : j.at("ranks")) {
-      const auto& ms = rank.at("median_compute_ms");
-      r.ranks.push_back({rank.at("rank").get<int>(), ms.is_null() ? std::nullopt : std::optional(ms.get<double>()),
-                         rank.at("score").get<double>(), rank.at("flagged").get<bool>()});
+      r.ranks.push_back({rank.at("rank").get<int>(), optional_number(rank.at("median_compute_ms")),
+                         rank.at("score").get<double>(), rank.at("evidence").get<double>(),
+                         rank.at("flagged").get<bool>()});
     }
     r.steps = j.at("steps").get<std::vector<int64_t>>();
     for (const auto& row : j.at("compute_ms")) {
       auto& out = r.compute_ms.emplace_back();
-      for (const auto& ms : row) out.push_back(ms.is_null() ? std::nullopt : std::optional(ms.get<double>()));
+      for (const auto& ms : row) out.push_back(optional_number(ms));
       if (out.size() != r.steps.size()) {
         throw std::invalid_argument("a compute_ms row does not have one entry per step");
       }
@@ -281,16 +289,27 @@ cairo_status_t append(void* closure, const unsigned char* data, unsigned int len
 
 void print_stragglers(const nlohmann::json& report, std::ostream& out) {
   const Report r = parse(report);
-  out << fmt::format("{:<5} {:>17} {:>7}  {}\n", "rank", "median compute ms", "score", "flagged");
+  out << fmt::format("{:<5} {:>17} {:>7} {:>8}  {}\n", "rank", "median compute ms", "score", "evidence", "flagged");
   for (const auto& rank : r.ranks) {
-    out << fmt::format("{:<5} {:>17} {:>+7.3f}  {}\n", rank.rank,
+    out << fmt::format("{:<5} {:>17} {:>+7.3f} {:>7.0f}%  {}\n", rank.rank,
                        rank.median_ms ? fmt::format("{:.2f}", *rank.median_ms) : std::string("-"), rank.score,
-                       rank.flagged ? "yes" : "-");
+                       100 * rank.evidence, rank.flagged ? "yes" : "-");
   }
   out << fmt::format("sync tax {:.3f} (the slowest rank's compute over the median rank's, mean over steps)\n",
                      r.sync_tax);
-  out << fmt::format("a rank is flagged after {} windows of {} steps slower than the median rank by over {:.0f}%\n",
-                     r.windows, r.window, 100 * r.threshold);
+  out << fmt::format(
+      "a rank is flagged when its evidence reaches 100%: its compute, step by step, runs over the median rank's by "
+      "more than {:.0f}% and by more than noise alone would in {} steps\n",
+      100 * r.threshold, r.false_alarm_steps);
+  if (!r.noise) {
+    out << "the noise is not learned yet (it takes 20 steps every rank timed)\n";
+  } else if (!r.decision_interval) {
+    out << fmt::format(
+        "per-step noise {:.1f}% drowns the threshold: no rank can be flagged; raise health.straggler_threshold\n",
+        100 * *r.noise);
+  } else {
+    out << fmt::format("per-step noise {:.1f}%\n", 100 * *r.noise);
+  }
 }
 
 void plot_stragglers(const nlohmann::json& report, const std::filesystem::path& png) {

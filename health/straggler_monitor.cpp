@@ -14,12 +14,14 @@ constexpr float kMaxComputeMs = 86'400'000.0f;
 // Steps a rank may be ahead of the slowest participant before its oldest
 // are dropped (and skipped): bounds the memory a stalled rank can cost.
 constexpr size_t kMaxPending = 8 * kRecentSteps;
-// The MAD of a normal sample times this estimates its standard deviation.
-constexpr double kMadToSigma = 1.4826;
-// A slow window's score exceeds this many spreads too, the spread being
-// learned from the scores of this many recent windows.
-constexpr double kSpreads = 3;
-constexpr size_t kSpreadWindows = 20;
+// One step adds at most (kClipThresholds - 1) k to a rank's evidence, and
+// flagging takes at least kMinFlagSteps such steps.
+constexpr double kClipThresholds = 3;
+constexpr double kMinFlagSteps = 4;
+// Steps of log ratios the noise is learned from, and how many it needs
+// before any rank gathers evidence.
+constexpr size_t kNoiseSteps = 200;
+constexpr size_t kWarmupSteps = 20;
 
 bool plausible(float compute_ms) { return std::isfinite(compute_ms) && compute_ms >= 0 && compute_ms <= kMaxComputeMs; }
 
@@ -33,16 +35,48 @@ double median(std::vector<double>& values) {
   return (*std::max_element(values.begin(), values.begin() + mid) + upper) / 2;
 }
 
+// The decision interval for a CUSUM whose steps add `excess` - `allowed`:
+// ln(`false_alarms`) / theta, theta > 0 solving mean(exp(theta (y -
+// allowed))) = 1 over `excess` (Wald: noise like `excess` crosses it about
+// once in `false_alarms` steps), and at least `least`. Infinite when the
+// excess averages `allowed` or more: noise alone would cross any interval.
+double decision_interval(const std::vector<double>& excess, double allowed, double false_alarms, double least) {
+  const double log_alarms = std::log(false_alarms);
+  const auto mean_growth = [&](double theta) {
+    double sum = 0;
+    for (double y : excess) sum += std::exp(theta * (y - allowed));
+    return sum / static_cast<double>(excess.size()) - 1;
+  };
+  // Past this theta the interval would be below `least` anyway; it also
+  // keeps the exponents small, as `least` spans several of the largest
+  // steps of excess.
+  double lo = 0, hi = log_alarms / least;
+  if (mean_growth(hi) <= 0) return least;
+  double mean = 0;
+  for (double y : excess) mean += y;
+  if (mean / static_cast<double>(excess.size()) >= allowed) return std::numeric_limits<double>::infinity();
+  // mean_growth is convex, 0 at 0 and falling there: one root in (0, hi].
+  for (int i = 0; i < 40; ++i) {
+    const double mid = (lo + hi) / 2;
+    (mean_growth(mid) < 0 ? lo : hi) = mid;
+  }
+  // lo is below the root, so the interval errs long.
+  return lo > 0 ? std::max(log_alarms / lo, least) : std::numeric_limits<double>::infinity();
+}
+
 }  // namespace
 
 nlohmann::json StragglerFinding::to_json() const { return {{"rank", rank}, {"score", score}, {"step", step}}; }
 
 StragglerMonitor::StragglerMonitor(const common::HealthConfig& config, size_t history_steps)
-    : config_(config), history_steps_(history_steps) {
-  // The config was validated (window >= 2, windows >= 1); a hand-made one
-  // still never divides a window into nothing.
+    : config_(config),
+      allowed_(std::log1p(config.straggler_threshold)),
+      clip_(kClipThresholds * allowed_),
+      history_steps_(history_steps) {
+  // The config was validated (window >= 2, false alarms >= 1000); a
+  // hand-made one still never divides a window into nothing.
   config_.straggler_window = std::max<int64_t>(config_.straggler_window, 1);
-  config_.straggler_windows = std::max<int64_t>(config_.straggler_windows, 1);
+  config_.straggler_false_alarm_steps = std::max<int64_t>(config_.straggler_false_alarm_steps, 2);
 }
 
 std::vector<StragglerFinding> StragglerMonitor::observe(const RankSamples& samples, int64_t /*now_ns*/) {
@@ -104,7 +138,7 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
       rank.computes.clear();
     }
   }
-  std::vector<double> computes;
+  std::vector<double> computes, x(ranks_.size(), std::numeric_limits<double>::quiet_NaN());
   for (auto& [step, row] : steps) {
     computes.clear();
     for (int r : participants) {
@@ -120,9 +154,24 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
         for (int r : participants) {
           ranks_[r].ratios.push_back(row[r] / centre);
           ranks_[r].computes.push_back(row[r]);
+          // Floored, so a step of no compute is very fast, not -infinity.
+          x[r] = std::log(std::max<double>(row[r], centre * 1e-3) / centre);
         }
-        window_last_step_ = step;
-        if (++window_steps_ == config_.straggler_window) close_window(participants, found);
+        recent_x_.push_back(x);
+        if (recent_x_.size() > kNoiseSteps) recent_x_.pop_front();
+        if (noise_) add_evidence(participants, x, step, found);
+        if (++window_steps_ == config_.straggler_window) {
+          close_window(participants);
+          if (recent_x_.size() >= kWarmupSteps) {
+            const bool first = !noise_;
+            learn_noise(participants);
+            // The warm-up delays the verdict, not the evidence: the steps
+            // it held count now.
+            if (first && noise_) {
+              for (const auto& held : recent_x_) add_evidence(participants, held, step, found);
+            }
+          }
+        }
       }
     }
     history_.emplace_back(step, std::move(row));
@@ -130,7 +179,33 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
   }
 }
 
-void StragglerMonitor::close_window(const std::vector<int>& participants, std::vector<StragglerFinding>& found) {
+void StragglerMonitor::add_evidence(const std::vector<int>& participants, const std::vector<double>& x, int64_t step,
+                                    std::vector<StragglerFinding>& found) {
+  const double h = noise_->decision_interval;
+  // Noise that drowns the threshold is no evidence against anyone.
+  if (std::isinf(h)) return;
+  for (int r : participants) {
+    if (std::isnan(x[r])) continue;  // a step from before the rank took part
+    RankState& rank = ranks_[r];
+    const double excess = x[r] - noise_->centre;
+    // Capped at h: a flagged rank that recovers clears within h / k steps.
+    rank.evidence = std::min(std::max(0.0, rank.evidence + std::clamp(excess, -clip_, clip_) - allowed_), h);
+    if (rank.evidence == 0) {
+      rank.flagged = false;
+      rank.excess_sum = 0;
+      rank.excess_steps = 0;
+      continue;
+    }
+    rank.excess_sum += excess;
+    ++rank.excess_steps;
+    if (rank.evidence >= h && !rank.flagged) {
+      rank.flagged = true;
+      found.push_back({r, std::expm1(rank.excess_sum / static_cast<double>(rank.excess_steps)), step});
+    }
+  }
+}
+
+void StragglerMonitor::close_window(const std::vector<int>& participants) {
   std::vector<double> values;
   for (int r : participants) {
     RankState& rank = ranks_[r];
@@ -142,46 +217,59 @@ void StragglerMonitor::close_window(const std::vector<int>& participants, std::v
   window_steps_ = 0;
   std::vector<double> sorted = values;
   const double centre = median(sorted);
-  std::vector<double> scores(ranks_.size(), std::numeric_limits<double>::quiet_NaN());
-  for (size_t i = 0; i < participants.size(); ++i) scores[participants[i]] = values[i] / centre - 1;
-  recent_scores_.push_back(scores);
-  if (recent_scores_.size() > kSpreadWindows) recent_scores_.pop_front();
-
-  static const auto log = common::logger("health");
-  for (int r : participants) {
-    RankState& rank = ranks_[r];
-    rank.score = scores[r];
-    // The spread only matters above the threshold, where it is worth
-    // learning without the rank's own scores, which would widen it.
-    const double spread = rank.score > config_.straggler_threshold ? spread_without(r) : 0;
-    const bool slow = rank.score > config_.straggler_threshold && rank.score > kSpreads * spread;
-    // Evidence counts slow windows net of fast ones, so one noisy window
-    // delays a flag by a window instead of starting it over; the flag
-    // clears only when the evidence is gone, so a slow rank's noisy
-    // windows do not raise it again and again.
-    rank.evidence = std::clamp<int64_t>(rank.evidence + (slow ? 1 : -1), 0, config_.straggler_windows);
-    if (rank.evidence == 0) rank.flagged = false;
-    if (!slow) continue;
-    log->debug("rank {} slow in the window ending at step {}: score {:.3f}, spread {:.3f}, evidence {}", r,
-               window_last_step_, rank.score, spread, rank.evidence);
-    if (rank.evidence >= config_.straggler_windows && !rank.flagged) {
-      rank.flagged = true;
-      found.push_back({r, rank.score, window_last_step_});
-    }
-  }
+  for (size_t i = 0; i < participants.size(); ++i) ranks_[participants[i]].score = values[i] / centre - 1;
 }
 
-double StragglerMonitor::spread_without(int rank) const {
-  std::vector<double> pool;
-  for (const auto& window : recent_scores_) {
-    for (size_t r = 0; r < window.size(); ++r) {
-      if (static_cast<int>(r) != rank && !std::isnan(window[r])) pool.push_back(window[r]);
+void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
+  // Each rank's median x; their median is the normal level, robust to the
+  // slow ranks, which are left out of the noise so as not to widen it.
+  std::vector<double> own(ranks_.size(), std::numeric_limits<double>::quiet_NaN()), column, levels;
+  for (int r : participants) {
+    column.clear();
+    for (const auto& x : recent_x_) {
+      if (!std::isnan(x[r])) column.push_back(x[r]);
+    }
+    if (column.empty()) continue;
+    own[r] = median(column);
+    levels.push_back(own[r]);
+  }
+  if (levels.empty()) return;
+  Noise noise;
+  noise.centre = median(levels);
+  std::vector<double> excess;
+  for (int r : participants) {
+    if (!(own[r] - noise.centre < allowed_)) continue;
+    for (const auto& x : recent_x_) {
+      if (!std::isnan(x[r])) excess.push_back(std::clamp(x[r] - noise.centre, -clip_, clip_));
     }
   }
-  if (pool.empty()) return 0;
-  const double centre = median(pool);
-  for (double& s : pool) s = std::abs(s - centre);
-  return kMadToSigma * median(pool);
+  if (excess.empty()) return;  // cannot be: the median rank is never slow
+  noise.decision_interval = decision_interval(
+      excess, allowed_,
+      static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
+      kMinFlagSteps * (clip_ - allowed_));
+  double sum = 0, squares = 0;
+  for (double y : excess) {
+    sum += y;
+    squares += y * y;
+  }
+  const double n = static_cast<double>(excess.size());
+  noise.spread = std::sqrt(std::max(0.0, squares / n - (sum / n) * (sum / n)));
+
+  static const auto log = common::logger("health");
+  const bool drowned = std::isinf(noise.decision_interval);
+  if (drowned != (noise_ && std::isinf(noise_->decision_interval))) {
+    if (drowned) {
+      log->warn("the ranks' compute varies too much from step to step (spread {:.1f}%) to tell a rank slower by "
+                "straggler_threshold = {} apart; no rank is flagged until it calms or the threshold is raised",
+                100 * noise.spread, config_.straggler_threshold);
+    } else {
+      log->info("the ranks' compute noise (spread {:.1f}%) allows flagging stragglers again", 100 * noise.spread);
+    }
+  }
+  log->debug("straggler noise: centre {:.4f}, spread {:.4f}, decision interval {:.3f}", noise.centre, noise.spread,
+             noise.decision_interval);
+  noise_ = noise;
 }
 
 bool StragglerMonitor::flagged(int rank) const {
@@ -195,13 +283,18 @@ double StragglerMonitor::score(int rank) const {
 double StragglerMonitor::sync_tax() const { return tax_steps_ > 0 ? tax_sum_ / static_cast<double>(tax_steps_) : 1; }
 
 nlohmann::json StragglerMonitor::report() const {
+  const auto finite_or_null = [](std::optional<double> v) {
+    return v && std::isfinite(*v) ? nlohmann::json(*v) : nlohmann::json();
+  };
   nlohmann::json ranks = nlohmann::json::array(), steps = nlohmann::json::array(),
                  compute = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const RankState& rank = ranks_[r];
+    const double h = noise_ ? noise_->decision_interval : 0;
     ranks.push_back({{"rank", r},
                      {"median_compute_ms", rank.window_ms >= 0 ? nlohmann::json(rank.window_ms) : nlohmann::json()},
                      {"score", rank.score},
+                     {"evidence", h > 0 && std::isfinite(h) ? rank.evidence / h : 0.0},
                      {"flagged", rank.flagged}});
     nlohmann::json row = nlohmann::json::array();
     for (const auto& [step, row_ms] : history_) {
@@ -211,9 +304,11 @@ nlohmann::json StragglerMonitor::report() const {
   }
   for (const auto& entry : history_) steps.push_back(entry.first);
   return {{"window", config_.straggler_window},
-          {"windows", config_.straggler_windows},
           {"threshold", config_.straggler_threshold},
+          {"false_alarm_steps", config_.straggler_false_alarm_steps},
           {"sync_tax", sync_tax()},
+          {"noise", finite_or_null(noise_ ? std::optional(noise_->spread) : std::nullopt)},
+          {"decision_interval", finite_or_null(noise_ ? std::optional(noise_->decision_interval) : std::nullopt)},
           {"ranks", std::move(ranks)},
           {"steps", std::move(steps)},
           {"compute_ms", std::move(compute)}};

@@ -2,61 +2,58 @@
 // every poll of the boards, it gathers each rank's per-step compute time
 // (StepTiming::compute_ms: the step's wall time minus collective wait, data
 // time and time waiting for a CPU, so the ranks that wait for a slow one are
-// not blamed: their wait rises, their compute does not) and scores the ranks
+// not blamed: their wait rises, their compute does not) and judges the ranks
 // against each other, with no collective in the training stream.
 //
-// Every `straggler_window` steps that every running rank (with a trusted
-// board, rank_sample.h) has timed, each rank's window value is the median
-// over those steps of its compute relative to that step's median rank: a
-// load that slows every rank at once (another process on the machine)
-// cancels out step by step. A rank's score is its value over the median
-// rank's value, minus 1. The window is slow for a rank when its score
-// exceeds `straggler_threshold` and 3 spreads, the spread being 1.4826 x
-// the MAD of the other ranks' scores over the last 20 windows: how far
-// scores stray by noise alone, learned from many samples rather than from
-// the 3 or 4 values of one small window (whose MAD is 0 when the ranks are
-// identical, so the threshold guards that case), and without the rank's
-// own scores, which would widen it. A rank's evidence counts its slow
-// windows net of its fast ones, between 0 and `straggler_windows`; the
-// rank is flagged (once) when it reaches `straggler_windows`, and the flag
-// clears when it is back at 0 (a discrete CUSUM: a noisy window among slow
-// ones costs a window, not the streak). With two ranks the median is their
-// mean, so the slower one's score is about half the gap. The
-// synchronisation tax is the mean over steps of the slowest rank's compute
-// over the median rank's (1 before any step).
+// Each step that every running rank (with a trusted board, rank_sample.h)
+// has timed gives each rank x = log(its compute / the step's median
+// rank's): a load that slows every rank at once cancels out step by step.
+// A rank's evidence is a CUSUM of those,
+//   S = min(h, max(0, S + clamp(x - c, -U, U) - k)),
+// where c is the normal level (the median over ranks of each rank's median
+// x over the last 200 steps), k = log(1 + `straggler_threshold`) is the
+// slowness a rank may have for free, and U = 3k bounds what one step may
+// add or take (a preempted step counts as a slow one, not as ten). The
+// rank is flagged (once) when S reaches the decision interval h; the flag
+// clears when S is back at 0, which the cap at h keeps within h/k steps of
+// the rank's recovery.
 //
-// The defaults (10 steps, 3 windows, 0.05) were chosen by replaying
-// compute times recorded from keel-trainer jobs of 3 and 4 CPU ranks on a
-// 2-core machine busy with other builds, their noise scaled down to find
-// where detection holds, with one rank's compute scaled by 1.10 from a
-// random step. A 1.10x rank is flagged 23 to 40 steps after it slows when
-// the per-step noise of a rank's compute against the step's median is
-// 2.4-3.5% (standard deviation): in 98-100% of replays; at 4% in 89%, at
-// 6% in 77%, at 8% in 33%. With more noise (17-32% was recorded with a few
-// ms of compute per step) the spread outgrows the score and mostly nobody
-// is flagged (7-15%); once in 150 such replays another rank was flagged as
-// well. No rank was flagged in 1,900 unslowed steps of 4 ranks; with 3
-// ranks on 2 cores the scheduler made one rank share a core, 6-11% slower
-// for 150 steps, and that rank was flagged, as it should be. 12-step
-// windows did about as well; longer or more windows would not fit 50
-// steps. Only step numbers order the evidence, never the time, so a clock
-// that jumps changes nothing.
+// h comes from the ranks' own noise, not from a model of it. Every
+// `straggler_window` steps from the 20th, over the last 200 steps of the
+// ranks that do not look slow (own median below c + k), theta solves
+// mean(exp(theta (y - k))) = 1 for their clipped excess y, and
+// h = ln(`straggler_false_alarm_steps` x ranks) / theta: by Wald's bound an
+// excursion of S reaches h with probability at most exp(-theta h), so
+// noise alone flags about once in that many steps of the whole job, or
+// less. h is at least 4 (U - k): no fewer than 4 steps flag a rank. Why
+// not a Gaussian h: compute noise on CPUs is heavy-tailed (its standard
+// deviation was 1.2 to 3 times 1.4826 x its MAD in recorded runs), and an
+// h made for Gaussian noise of that MAD flagged unslowed ranks 4 times in
+// 10 replays of 3 ranks, where this one flagged none. Noise that drowns the
+// threshold (mean y >= k) leaves h infinite: nobody gathers evidence and
+// the report says so. The warm-up delays the verdict, not the evidence:
+// when h is first learned, the steps held so far count at once.
 //
-// Live, once compute left out the time waiting for a CPU (4 single-threaded
-// ranks of 20-40 ms compute per step on that machine, keeld at the
-// defaults): a 1.10x rank was flagged in 10 of 10 runs of 80 steps, at step
-// 29 in 6, 39, 49 and 59 (so within 50 steps in 9 of 10), never another
-// rank; in the chaos series of 10 runs of 200 steps (keeld_chaos_test) all
-// 10, by step 50 in 7, the rest at 59, 79 and 79; no rank was flagged in
-// 2,000 unslowed steps. Those counted consecutive windows. On a noisier
-// day (per-step noise 6.3-9.0%) a chaos series with the evidence count
-// flagged 9 of 10, 5 by step 50. Replayed offline, ten recorded runs of
-// that noise (300 steps, one rank 1.10x): consecutive windows flagged 6 by
-// step 50, the evidence count 7, at 2.5 and 2 spreads 8 and 9; a CUSUM on
-// per-step log ratios (reference log 1.05, noise learned from the other
-// ranks, decision interval for 10^6 steps between false alarms) flagged
-// all 10 at steps 23-47, and in none of the 30 unslowed rank-runs did any
-// rule flag a rank.
+// Why not W consecutive slow windows: at the per-step noise of a loaded
+// 2-core machine (sd 6-10%), windows of 10 steps judged one by one threw
+// away the evidence of every window that fell short, and a 1.10x rank was
+// flagged within 50 steps in as few as 4-6 of 10 runs. The windows remain
+// for the table's score (a rank's median compute over the window, relative
+// to each step's median rank, over the median rank's, minus 1) and for
+// when h is learned. With two ranks the median is their mean, so the
+// slower one looks about half the gap slower. The synchronisation tax is
+// the mean over steps of the slowest rank's compute over the median
+// rank's (1 before any step). Only step numbers order the evidence, never
+// the time, so a clock that jumps changes nothing.
+//
+// The defaults (threshold 0.04, 10^6 steps per false flag) were chosen by
+// replaying 20 recorded 4-rank CPU jobs (270-300 steps, one rank 1.10x
+// from the start, per-step noise sd 6-10%): all 20 flagged by step 47 and
+// no other rank; threshold 0.05 flagged 18 of 20 by step 50. With the
+// slowed rank left out, none of the 20 three-rank runs that remain
+// flagged anyone. A 1.10x rank measured only 7-10% slower than the step's
+// median in these jobs (mean log ratio 0.067-0.097), so k is set well
+// under half of log 1.10.
 #pragma once
 
 #include "common/config.h"
@@ -67,6 +64,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -74,8 +72,8 @@ namespace keel::health {
 
 struct StragglerFinding {
   int rank = -1;
-  double score = 0;    // of the window that completed the evidence
-  int64_t step = -1;   // the last step of that window
+  double score = 0;   // its slowness since its evidence last was 0: exp(mean x - c) - 1
+  int64_t step = -1;  // the step whose evidence reached the decision interval
   // {"rank", "score", "step"}: the fields of the straggler_flagged event.
   nlohmann::json to_json() const;
 };
@@ -97,8 +95,11 @@ class StragglerMonitor {
   double sync_tax() const;
 
   // The reply to `keelctl stragglers`:
-  // {"window": N, "windows": W, "threshold": t, "sync_tax": x,
-  //  "ranks": [{"rank", "median_compute_ms", "score", "flagged"}, ...],  // of the newest window; null ms before one
+  // {"window": N, "threshold": t, "false_alarm_steps": A, "sync_tax": x,
+  //  "noise": the standard deviation of the clipped excess of the ranks not slow,  // null before it is learned
+  //  "decision_interval": h,                       // null before it is learned, or while noise drowns t
+  //  "ranks": [{"rank", "median_compute_ms", "score", "evidence", "flagged"}, ...],
+  //      // median ms and score of the newest window (null ms before one); evidence S / h, 0..1
   //  "steps": [s0, s1, ...],                      // the steps of the heat map, ascending
   //  "compute_ms": [[rank 0's per step], ...]}    // null where a rank's step was not seen
   nlohmann::json report() const;
@@ -112,23 +113,35 @@ class StragglerMonitor {
     std::vector<double> computes;      // its compute in the current window
     double window_ms = -1;             // median compute of its newest window; -1: none yet
     double score = 0;
-    int64_t evidence = 0;              // slow windows net of fast ones, 0..straggler_windows
+    double evidence = 0;               // the CUSUM S, 0..h
+    double excess_sum = 0;             // x - c summed over the steps since S was last 0
+    int64_t excess_steps = 0;
     bool flagged = false;
+  };
+  // What the noise of the ranks that are not slow allows, learned every window.
+  struct Noise {
+    double centre = 0;             // c
+    double spread = 0;             // the standard deviation of the clipped excess
+    double decision_interval = 0;  // h; infinite while the noise drowns the threshold
   };
   // Takes the steps up to `newest` (the newest every participant timed).
   void take_steps(const std::vector<int>& participants, int64_t newest, std::vector<StragglerFinding>& found);
-  void close_window(const std::vector<int>& participants, std::vector<StragglerFinding>& found);
-  // 1.4826 x the MAD of the recent windows' scores of every rank but `rank`.
-  double spread_without(int rank) const;
+  // Adds the step's log ratios `x` (by rank) to every participant's evidence.
+  void add_evidence(const std::vector<int>& participants, const std::vector<double>& x, int64_t step,
+                    std::vector<StragglerFinding>& found);
+  void close_window(const std::vector<int>& participants);
+  void learn_noise(const std::vector<int>& participants);
 
   common::HealthConfig config_;
+  double allowed_ = 0;              // k = log(1 + threshold)
+  double clip_ = 0;                 // U
   size_t history_steps_;
   std::vector<RankState> ranks_;
   int64_t next_step_ = 0;           // every step before it was taken or skipped
   std::vector<int> window_ranks_;   // the participants of the current window
   int64_t window_steps_ = 0;
-  int64_t window_last_step_ = -1;
-  std::deque<std::vector<double>> recent_scores_;  // per recent window, by rank (NaN: not in it)
+  std::deque<std::vector<double>> recent_x_;  // per recent step, x by rank (NaN: not in it)
+  std::optional<Noise> noise_;
   double tax_sum_ = 0;
   int64_t tax_steps_ = 0;
   // The heat map: steps ascending, each with every rank's compute (NaN: not seen).

@@ -284,7 +284,8 @@ TEST_SUITE("integration") {
     const auto diagnosis = keelctl_json(job, {"diagnose"});
     CHECK(diagnosis.at("verdict").is_null());
     CHECK(diagnosis.at("ranks").size() == 4);
-    for (const char* key : {"window", "windows", "threshold", "sync_tax", "ranks", "steps", "compute_ms"}) {
+    for (const char* key : {"window", "threshold", "false_alarm_steps", "sync_tax", "noise", "decision_interval", "ranks",
+                            "steps", "compute_ms"}) {
       CAPTURE(key);
       CHECK(keelctl_json(job, {"stragglers"}).contains(key));
     }

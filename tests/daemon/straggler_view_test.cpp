@@ -106,14 +106,16 @@ TEST_SUITE("unit") {
     print_stragglers(slow_rank_report(), out);
     const std::string text = out.str();
     INFO(text);
-    CHECK(text.find("rank  median compute ms   score  flagged") == 0);
+    CHECK(text.find("rank  median compute ms   score evidence  flagged") == 0);
     CHECK(text.find("\n2     ") != std::string::npos);
     const std::string rank2 = text.substr(text.find("\n2     ") + 1, text.find('\n', text.find("\n2     ") + 1) -
                                                                         text.find("\n2     ") - 1);
     CHECK(rank2.find("yes") != std::string::npos);
     CHECK(rank2.find("+0.") != std::string::npos);
+    CHECK(rank2.find("100%") != std::string::npos);
     CHECK(text.find("sync tax 1.") != std::string::npos);
-    CHECK(text.find("after 3 windows of 10 steps") != std::string::npos);
+    CHECK(text.find("by more than 4% and by more than noise alone would in 1000000 steps") != std::string::npos);
+    CHECK(text.find("per-step noise 1.") != std::string::npos);
   }
 
   TEST_CASE("a plot that cannot be written is a clear error naming the file") {
@@ -160,7 +162,13 @@ TEST_SUITE("unit") {
         {"a score that is text", with("ranks", nlohmann::json::array({{{"rank", 0},
                                                                        {"median_compute_ms", 1.0},
                                                                        {"score", "high"},
+                                                                       {"evidence", 0.5},
                                                                        {"flagged", false}}}))},
+        {"no evidence", with("ranks", nlohmann::json::array({{{"rank", 0},
+                                                              {"median_compute_ms", 1.0},
+                                                              {"score", 0.1},
+                                                              {"flagged", false}}}))},
+        {"a noise that is text", with("noise", "loud")},
         {"fewer compute rows than ranks", with("compute_ms", nlohmann::json::array())},
         {"a row shorter than the steps", with("steps", nlohmann::json::array({1, 2, 3}))},
     };
