@@ -10,6 +10,8 @@
 //   the softmaxes use an exp written so the compiler vectorises it.
 #include "trainer/kernels/cpu_backend.h"
 
+#include "trainer/kernels/adamw_step.h"
+
 #include <cblas.h>
 #include <omp.h>
 
@@ -645,27 +647,9 @@ void CpuBackend::gathered_row_dot(float* out, const float* a, const int32_t* row
 void CpuBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
                               float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                               int64_t t) {
-  // The scalars are formed in double and the elementwise work in float, in
-  // torch.optim.AdamW's (single-tensor) order of operations, so the PyTorch
-  // oracle agrees to the last bit or two.
-  const double bias1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
-  const double bias2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
-  const float step_size = static_cast<float>(static_cast<double>(lr) / bias1);
-  const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
-  const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(beta2));
+  const AdamwStep step = AdamwStep::at(lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    const float g = grads[i] * grad_scale;
-    const float p = params[i] * decay;
-    const float mi = m[i] + one_minus_beta1 * (g - m[i]);  // torch's lerp
-    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
-    const float denom = std::sqrt(vi) / bias2_sqrt + eps;
-    m[i] = mi;
-    v[i] = vi;
-    params[i] = p - step_size * (mi / denom);
-  }
+  for (size_t i = 0; i < n; ++i) step.apply(params, grads, m, v, i);
 }
 
 double CpuBackend::sum_squares(const float* x, size_t n) {

@@ -1,7 +1,8 @@
 // Elementwise kernels and AdamW. Each is memory-bound, so a grid-stride loop
 // with coalesced accesses and just enough blocks to fill the device is all
 // the speed there is to get. The math follows cpu_backend.cpp line by line
-// so the tests can compare the two elementwise.
+// (AdamW's is shared with it: adamw_step.h) so the tests can compare the
+// two elementwise.
 #include "trainer/kernels/cuda/cuda_kernels.h"
 
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "trainer/kernels/adamw_step.h"
 
 namespace keel::trainer::cuda {
 namespace {
@@ -82,19 +84,8 @@ __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
 }
 
 __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
-                             float* __restrict__ v, float step_size, float bias2_sqrt, float decay,
-                             float one_minus_beta1, float beta2, float one_minus_beta2, float eps, float grad_scale,
-                             size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) {
-    const float g = grads[i] * grad_scale;
-    const float p = params[i] * decay;
-    const float mi = m[i] + one_minus_beta1 * (g - m[i]);
-    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
-    const float denom = sqrtf(vi) / bias2_sqrt + eps;
-    m[i] = mi;
-    v[i] = vi;
-    params[i] = p - step_size * (mi / denom);
-  }
+                             float* __restrict__ v, AdamwStep step, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) step.apply(params, grads, m, v, i);
 }
 
 }  // namespace
@@ -128,16 +119,8 @@ void accumulate(float* dst, const float* src, size_t n, cudaStream_t stream) {
 
 void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, float grad_scale, int64_t t, cudaStream_t stream) {
-  // Scalars in double on the host, exactly as CpuBackend::adamw_update.
-  const double bias1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(t));
-  const double bias2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(t));
-  const float step_size = static_cast<float>(static_cast<double>(lr) / bias1);
-  const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(beta1));
-  const float one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(beta2));
-  launch("adamw_update", adamw_kernel, n, stream, params, grads, m, v, step_size, bias2_sqrt, decay, one_minus_beta1,
-         beta2, one_minus_beta2, eps, grad_scale);
+  launch("adamw_update", adamw_kernel, n, stream, params, grads, m, v,
+         AdamwStep::at(lr, beta1, beta2, eps, weight_decay, grad_scale, t));
 }
 
 }  // namespace keel::trainer::cuda
