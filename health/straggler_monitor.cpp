@@ -39,8 +39,10 @@ double median(std::vector<double>& values) {
 // ln(`false_alarms`) / theta, theta > 0 solving mean(exp(theta (y -
 // allowed))) = 1 over `excess` (Wald: noise like `excess` crosses it about
 // once in `false_alarms` steps), and at least `least`. Infinite when the
-// excess averages `allowed` or more: noise alone would cross any interval.
-double decision_interval(const std::vector<double>& excess, double allowed, double false_alarms, double least) {
+// excess averages (`mean`) `allowed` or more: noise alone would cross any
+// interval.
+double decision_interval(const std::vector<double>& excess, double mean, double allowed, double false_alarms,
+                         double least) {
   const double log_alarms = std::log(false_alarms);
   const auto mean_growth = [&](double theta) {
     double sum = 0;
@@ -52,9 +54,7 @@ double decision_interval(const std::vector<double>& excess, double allowed, doub
   // steps of excess.
   double lo = 0, hi = log_alarms / least;
   if (mean_growth(hi) <= 0) return least;
-  double mean = 0;
-  for (double y : excess) mean += y;
-  if (mean / static_cast<double>(excess.size()) >= allowed) return std::numeric_limits<double>::infinity();
+  if (mean >= allowed) return std::numeric_limits<double>::infinity();
   // mean_growth is convex, 0 at 0 and falling there: one root in (0, hi].
   for (int i = 0; i < 40; ++i) {
     const double mid = (lo + hi) / 2;
@@ -244,17 +244,17 @@ void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
     }
   }
   if (excess.empty()) return;  // cannot be: the median rank is never slow
-  noise.decision_interval = decision_interval(
-      excess, allowed_,
-      static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
-      kMinFlagSteps * (clip_ - allowed_));
   double sum = 0, squares = 0;
   for (double y : excess) {
     sum += y;
     squares += y * y;
   }
-  const double n = static_cast<double>(excess.size());
-  noise.spread = std::sqrt(std::max(0.0, squares / n - (sum / n) * (sum / n)));
+  const double n = static_cast<double>(excess.size()), mean = sum / n;
+  noise.spread = std::sqrt(std::max(0.0, squares / n - mean * mean));
+  noise.decision_interval = decision_interval(
+      excess, mean, allowed_,
+      static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
+      kMinFlagSteps * (clip_ - allowed_));
 
   static const auto log = common::logger("health");
   const bool drowned = std::isinf(noise.decision_interval);

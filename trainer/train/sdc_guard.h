@@ -10,7 +10,8 @@
 //   against the recent window, is computed again from the same inputs
 //   before the optimizer touches the parameters. A different result was a
 //   transient fault: the ranks whose own share of it changed between the
-//   runs are named, and the rerun is applied. The same result means the data did it: the step is skipped.
+//   runs are named, and the rerun is applied. The same result means the
+//   data did it: the step is skipped.
 // * Known-answer kernel test (trainer/kernels/known_answer.h) at start and
 //   every health.sdc_kat_every_s: a rank that computes wrong numbers, or
 //   other numbers than its peers, stops the run with exit 11.
