@@ -4,9 +4,12 @@
 // with the machine's cores split evenly between the ranks, and prints one
 // JSON object per run: tokens/s, and the bytes and calls each rank handed to
 // each collective of each group in a step next to the formulas of
-// tests/trainer/comm_formulas.h. Ranks are real keel-trainer processes
-// rendezvousing through an embedded Store, started by the test launcher
-// (keeld does this in production).
+// tests/trainer/comm_formulas.h, and per group how long its collectives ran
+// against how long training was blocked on them (exposed). Every layout
+// with a DP group runs twice, with its collectives overlapped with compute
+// and without (the reference), side by side. Ranks are real keel-trainer
+// processes rendezvousing through an embedded Store, started by the test
+// launcher (keeld does this in production).
 #include "bench/metrics_rows.h"
 #include "bench/bench_model.h"
 #include "common/config.h"
@@ -29,12 +32,24 @@ namespace {
 struct Measured {
   double tokens_per_s = 0;
   nlohmann::json comm_per_step = nlohmann::json::object();  // from the last step
+  // Per group: mean busy and exposed milliseconds per timed step.
+  nlohmann::json comm_ms_per_step = nlohmann::json::object();
 };
 
 Measured read_metrics(const std::filesystem::path& path, int warmup) {
   const auto rows = keel::bench::timed_rows(path, warmup);
   Measured m{keel::bench::tokens_per_s(rows, 8.0 * 256)};
   if (rows.back().contains("comm")) m.comm_per_step = rows.back().at("comm");
+  for (const auto& row : rows) {
+    if (!row.contains("comm_ms")) continue;
+    for (const auto& [group, ms] : row.at("comm_ms").items()) {
+      auto& mean = m.comm_ms_per_step[group];
+      if (mean.is_null()) mean = {{"busy", 0.0}, {"exposed", 0.0}};
+      for (const char* kind : {"busy", "exposed"}) {
+        mean[kind] = mean[kind].get<double>() + ms.at(kind).get<double>() / static_cast<double>(rows.size());
+      }
+    }
+  }
   return m;
 }
 
@@ -60,18 +75,25 @@ int main(int argc, char** argv) {
 
   struct Run {
     int dp, tp, zero;
+    bool overlap = true;
   };
-  for (const Run run : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
-                        Run{2, 2, 1}}) {
+  std::vector<Run> runs;
+  for (const Run layout :
+       {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0}, Run{2, 2, 1}}) {
+    runs.push_back(layout);
+    if (layout.dp > 1) runs.push_back(Run{layout.dp, layout.tp, layout.zero, false});
+  }
+  for (const Run& run : runs) {
     const int world = run.dp * run.tp;
-    const std::string name =
-        "dp" + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) + "_zero" + std::to_string(run.zero);
+    const std::string name = "dp" + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) + "_zero" +
+                             std::to_string(run.zero) + (run.overlap ? "" : "_serial");
     const int threads = std::max(1, cores / world);
     std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config",
                                      config_path.string()};
     for (const std::string& set : {"job.run_dir=" + (dir / name).string(), "train.steps=" + std::to_string(steps),
                                    "train.threads=" + std::to_string(threads), "parallel.dp=" + std::to_string(run.dp),
-                                   "parallel.tp=" + std::to_string(run.tp), "parallel.zero=" + std::to_string(run.zero)}) {
+                                   "parallel.tp=" + std::to_string(run.tp), "parallel.zero=" + std::to_string(run.zero),
+                                   std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
     }
     std::vector<keel::test::ProcessResult> results;
@@ -95,12 +117,14 @@ int main(int argc, char** argv) {
                           {"dp", run.dp},
                           {"tp", run.tp},
                           {"zero", run.zero},
+                          {"overlap_comm", run.overlap},
                           {"threads_per_rank", threads},
                           {"steps_timed", steps - warmup},
                           {"tokens_per_s", m.tokens_per_s},
                           {"comm_per_step", m.comm_per_step},
                           {"formula_comm_per_step", formula},
                           {"comm_matches_formula", m.comm_per_step == formula},
+                          {"comm_ms_per_step", m.comm_ms_per_step},
                           {"machine", {{"cores", std::thread::hardware_concurrency()}}}};
     std::cout << out.dump() << std::endl;
   }

@@ -77,6 +77,7 @@ struct ParallelConfig {
   int64_t zero = 0;            // ZeRO stage 0-3
   int64_t micro_batches = 1;   // gradient-accumulation microbatches per step and DP rank
   double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
+  bool overlap_comm = true;    // DP gradient sums and ZeRO-3 gathers run while compute goes on
 
   // The ranks the layout needs: dp x tp x pp x cp.
   int64_t world_size() const { return dp * tp * pp * cp; }
@@ -90,6 +91,7 @@ struct ParallelConfig {
     v("zero", zero);
     v("micro_batches", micro_batches);
     v("timeout_s", timeout_s);
+    v("overlap_comm", overlap_comm);
   }
 };
 

@@ -157,7 +157,6 @@ void BoardPublisher::begin_collective(int group, int64_t seq, std::string_view o
     g.seq_begun = seq;
     g.bytes = bytes;
     g.begin_ns = clock_->now_ns();
-    cpu_wait_at_begin_ns_[static_cast<size_t>(group)] = clock_->cpu_wait_ns();
     g.state = static_cast<uint32_t>(CollectiveState::kInFlight);
     RecentCollective& r = s.recent[s.recent_count % kRecentCollectives];
     s.recent_count += 1;
@@ -177,17 +176,25 @@ void BoardPublisher::end_collective(int group, int64_t seq, bool ok) {
     }
     if (g.seq_begun == seq) {
       g.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
-      if (step_ >= 0) {
-        wait_ns_ += now - g.begin_ns;
-        collective_cpu_wait_ns_ +=
-            std::max<int64_t>(0, clock_->cpu_wait_ns() - cpu_wait_at_begin_ns_[static_cast<size_t>(group)]);
-      }
     }
     for (auto& r : s.recent) {
       if (r.group != group || r.seq != seq) continue;
       r.state = static_cast<uint32_t>(ok ? CollectiveState::kDone : CollectiveState::kFailed);
       r.end_ns = now;
     }
+  });
+}
+
+BoardPublisher::WaitMark BoardPublisher::begin_wait() const { return {clock_->now_ns(), clock_->cpu_wait_ns()}; }
+
+void BoardPublisher::end_wait(const WaitMark& mark) {
+  // Read before the lock, on the thread that waited: the run-queue wait is
+  // that thread's own.
+  const int64_t now = clock_->now_ns(), cpu_wait = clock_->cpu_wait_ns();
+  update([&](BoardSnapshot&) {
+    if (step_ < 0) return;
+    wait_ns_ += now - mark.at_ns;
+    collective_cpu_wait_ns_ += std::max<int64_t>(0, cpu_wait - mark.cpu_wait_ns);
   });
 }
 

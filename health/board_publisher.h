@@ -11,7 +11,6 @@
 #include "common/clock.h"
 #include "health/progress_board.h"
 
-#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -53,8 +52,20 @@ class BoardPublisher {
   // data and the rest (compute).
   void record_step_timing();
   void finish_step(int64_t steps_done, float loss, float grad_norm, double tokens_per_s, double step_ms);
+  // A collective of `group` runs from begin to end (on whatever thread
+  // runs it): what keeld's hang detector watches.
   void begin_collective(int group, int64_t seq, std::string_view op, uint64_t bytes);
   void end_collective(int group, int64_t seq, bool ok);
+  // The calling thread is blocked on collectives from begin_wait() to
+  // end_wait(): that is the step's collective wait, and its run-queue wait
+  // in between is not waiting for a CPU. A collective that runs while the
+  // training thread computes (overlapped) is not wait.
+  struct WaitMark {
+    int64_t at_ns = 0;
+    int64_t cpu_wait_ns = 0;
+  };
+  WaitMark begin_wait() const;
+  void end_wait(const WaitMark& mark);
   void checkpoint_written(int64_t step, uint64_t bytes, double write_s);
   // The replica digest of the state after `steps_done` steps.
   void publish_digest(int64_t steps_done, uint64_t replica_set, uint64_t digest);
@@ -82,10 +93,9 @@ class BoardPublisher {
   int64_t step_ = -1;
   int64_t wait_ns_ = 0;
   int64_t data_ns_ = 0;
-  // Clock::cpu_wait_ns at the step's start and at each group's collective
-  // begin, and the part of the step's run-queue wait spent in collectives.
+  // Clock::cpu_wait_ns at the step's start, and the part of the step's
+  // run-queue wait spent blocked on collectives.
   int64_t cpu_wait_at_start_ns_ = 0;
-  std::array<int64_t, kMaxGroups> cpu_wait_at_begin_ns_{};
   int64_t collective_cpu_wait_ns_ = 0;
   std::condition_variable stop_beating_;
   bool stopping_ = false;

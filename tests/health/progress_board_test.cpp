@@ -105,10 +105,16 @@ TEST_SUITE("unit") {
     clock.advance_s(0.030);
     clock.wait_for_cpu_ns(common::seconds_to_ns(0.015));  // another process had the CPU
     rank.begin_collective(dp, 0, "all_reduce", 4);
+    const auto blocked = rank.begin_wait();
     clock.advance_s(0.040);
     clock.wait_for_cpu_ns(common::seconds_to_ns(0.010));  // inside the collective: wait already
+    rank.end_wait(blocked);
     rank.end_collective(dp, 0, true);
+    // A collective that ran on the communication thread while the rank
+    // computed (overlapped) is compute time, not wait.
+    rank.begin_collective(dp, 1, "all_reduce", 4);
     clock.advance_s(0.020);
+    rank.end_collective(dp, 1, true);
     rank.record_step_timing();
     const auto seen = daemon_side.read();
     REQUIRE(seen.has_value());

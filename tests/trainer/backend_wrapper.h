@@ -23,6 +23,7 @@ class BackendWrapper : public trainer::Backend {
     target_.copy_to_host(host_dst, src, bytes);
   }
   void copy(void* dst, const void* src, size_t bytes) override { target_.copy(dst, src, bytes); }
+  trainer::Stream& compute_stream() override { return target_.compute_stream(); }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl, const float* wpe,
                          int B, int T, int C) override {
     target_.embedding_forward(out, tokens, wte, v_begin, Vl, wpe, B, T, C);

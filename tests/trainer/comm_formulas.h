@@ -33,12 +33,19 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
     }
     return floats;
   };
-  uint64_t packed_all = 0, flat = 0;
+  uint64_t packed_all = 0, flat = 0, buckets = 0;
   for (int u = 0; u <= L; ++u) packed_all += packed_unit(u);
-  // The flat gradient buffer: every tensor padded to 16 floats, summed in
-  // one all-reduce per 16 MiB bucket.
-  for (const auto& spec : table.specs()) flat += (spec.numel + 15) / 16 * 16;
-  const uint64_t buckets = (flat + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
+  // The flat gradient buffer: every tensor padded to 16 floats, summed unit
+  // by unit as backward finishes it, in one all-reduce per 16 MiB bucket of
+  // the unit.
+  for (int u = 0; u <= L; ++u) {
+    uint64_t unit = 0;
+    for (const auto& spec : table.specs()) {
+      if (unit_of(spec.name) == u) unit += (spec.numel + 15) / 16 * 16;
+    }
+    flat += unit;
+    buckets += (unit + (uint64_t{4} << 20) - 1) / (uint64_t{4} << 20);
+  }
   auto op = [](uint64_t floats, uint64_t calls) { return nlohmann::json{{"bytes", 4 * floats}, {"calls", calls}}; };
 
   nlohmann::json comm = nlohmann::json::object();

@@ -891,3 +891,118 @@ TEST_SUITE("unit") {
     CHECK(Clock::now() - start < 500ms + 2s);
   }
 }
+
+TEST_SUITE("unit") {
+  TEST_CASE("a started collective runs while its caller goes on and wait gives its result") {
+    // Rank 1 issues its half only after rank 0's start has returned: a
+    // start that waited for the collective would wait for rank 1 forever
+    // (until the timeout raised a hang).
+    MemoryStore store;
+    std::latch rank0_started(1);
+    std::vector<std::vector<float>> results(2);
+    run_group(store, "overlap", 2, [&](GlooCommunicator& comm) {
+      std::vector<float> data(70001);
+      for (size_t i = 0; i < data.size(); ++i) data[i] = value(comm.rank(), i);
+      if (comm.rank() == 1) rank0_started.wait();
+      CommWork work = comm.start_all_reduce(data.data(), data.size());
+      if (comm.rank() == 0) rank0_started.count_down();
+      work.wait();
+      results[static_cast<size_t>(comm.rank())] = std::move(data);
+    });
+    for (const auto& got : results) {
+      size_t wrong = 0;
+      for (size_t i = 0; i < got.size(); ++i) wrong += got[i] != value(0, i) + value(1, i);
+      CHECK(wrong == 0);
+    }
+  }
+
+  TEST_CASE("started and blocking collectives of a group run in the order they were issued") {
+    MemoryStore store;
+    std::vector<std::shared_ptr<FlightRecorder>> recorders = {std::make_shared<FlightRecorder>(),
+                                                              std::make_shared<FlightRecorder>()};
+    std::vector<CommStats> stats(2);
+    run_group(
+        store, "ordered", 2,
+        [&](GlooCommunicator& comm) {
+          const auto rank = static_cast<float>(comm.rank());
+          std::vector<float> summed(1000, rank + 1), gathered(2000), mine(1000, rank * 10), scattered(500);
+          std::vector<float> blocks(1000, 1.0f);
+          CommWork first = comm.start_all_reduce(summed.data(), summed.size());
+          CommWork second = comm.start_all_gather(mine.data(), gathered.data(), mine.size());
+          CommWork third = comm.start_reduce_scatter(blocks.data(), scattered.data(), scattered.size());
+          // Blocking behind three in flight: it runs after them, on the
+          // group's thread, in every rank's same order.
+          float vote = 1.0f;
+          comm.all_reduce(&vote, 1);
+          first.wait();
+          second.wait();
+          third.wait();
+          first.wait();  // a second wait does nothing
+          CHECK(vote == 2.0f);
+          CHECK(summed.front() == 3.0f);
+          CHECK(gathered.front() == 0.0f);
+          CHECK(gathered.back() == 10.0f);
+          CHECK(scattered.back() == 2.0f);
+          stats[static_cast<size_t>(comm.rank())] = comm.stats();
+        },
+        recorders);
+    for (const auto& recorder : recorders) {
+      const auto entries = recorder->snapshot();
+      REQUIRE(entries.size() == 4);
+      const std::vector<std::string> ops = {"all_reduce", "all_gather", "reduce_scatter", "all_reduce"};
+      for (size_t i = 0; i < entries.size(); ++i) {
+        CHECK(entries[i].seq == static_cast<int64_t>(i));
+        CHECK(entries[i].op == ops[i]);
+        CHECK(entries[i].state == FlightState::kDone);
+      }
+    }
+    for (const CommStats& s : stats) {
+      CHECK(s.calls_of(CollectiveOp::kAllReduce) == 2);
+      CHECK(s.bytes_of(CollectiveOp::kReduceScatter) == 2 * 500 * sizeof(float));
+      CHECK(s.busy_ns > 0);
+    }
+  }
+
+  TEST_CASE("a started collective whose peer never joins raises its hang from wait") {
+    MemoryStore store;
+    std::latch failed(1);
+    Failure failure;
+    require_no_errors(run_ranks(2, [&](int rank) {
+      GlooCommunicator comm(store, "stuck-started", rank, 2, kFailureTimeout, nullptr);
+      comm.barrier();
+      if (rank == 1) {
+        failed.wait();
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      CommWork work = comm.start_all_reduce(data.data(), data.size());
+      failure = failure_of([&] { work.wait(); });
+      failed.count_down();
+    }));
+    CHECK_MESSAGE(failure.code == ErrorCode::kCollectiveHang, describe(failure));
+    CHECK(contains(failure.message, "group 'stuck-started' all_reduce seq 1"));
+  }
+
+  TEST_CASE("a communicator destroyed with a started collective in flight aborts it instead of waiting it out") {
+    // The rank is failing for another reason: its group must not hold it
+    // for a whole timeout on the way out.
+    MemoryStore store;
+    std::latch gone(1);
+    Clock::duration destroy_took{};
+    require_no_errors(run_ranks(2, [&](int rank) {
+      auto comm = std::make_unique<GlooCommunicator>(store, "left-in-flight", rank, 2, 60s, nullptr);
+      comm->barrier();
+      if (rank == 1) {
+        gone.wait();
+        return;
+      }
+      std::vector<float> data(1000, 1.0f);
+      CommWork work = comm->start_all_reduce(data.data(), data.size());
+      const auto start = Clock::now();
+      comm.reset();
+      destroy_took = Clock::now() - start;
+      gone.count_down();
+    }));
+    CHECK(destroy_took < 30s);
+  }
+}

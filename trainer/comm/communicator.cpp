@@ -4,6 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
+
 #include <chrono>
 #include <utility>
 
@@ -47,20 +50,93 @@ void Communicator::set_progress_board(health::BoardPublisher* board) {
   if (board_ != nullptr) board_group_ = board_->add_group(name_, rank_, size_);
 }
 
-template <class Body>
-void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&& body) {
+// The backend's destructor has stopped the thread already (its state, which
+// a collective in flight uses, is gone by now); this only joins an idle one.
+Communicator::~Communicator() {
+  if (thread_) thread_->join();
+}
+
+void Communicator::stop_communication_thread() noexcept {
+  if (!thread_) return;
+  // A collective left in flight (the rank is failing for another reason)
+  // would keep the thread in the backend until its timeout.
+  if (in_flight_.load() > 0) abort();
+  thread_->stop();
+  thread_->join();
+  thread_.reset();
+}
+
+CommStats Communicator::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return stats_;
+}
+
+void Communicator::reset_stats() {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  stats_ = CommStats{};
+}
+
+CommWork Communicator::issue(CollectiveOp op, uint64_t bytes, int peer, bool blocking, std::function<void()> body) {
+  // On the issuing thread, which owns the injector's state: a held rank
+  // never issues the call.
   if (faults_ != nullptr) faults_->before_collective(name_);
   const int64_t seq = next_seq_++;
-  const auto index = static_cast<size_t>(op);
-  stats_.calls[index] += 1;
-  stats_.bytes[index] += bytes;
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.calls[static_cast<size_t>(op)] += 1;
+    stats_.bytes[static_cast<size_t>(op)] += bytes;
+  }
+  std::shared_ptr<StreamEvent> inputs_ready = compute_ != nullptr ? compute_->record() : nullptr;
+  auto task = [this, op, bytes, peer, seq, inputs_ready, body = std::move(body)] {
+    if (inputs_ready) communication_stream().wait(*inputs_ready);
+    run(op, bytes, peer, seq, body);
+  };
+  if (blocking && in_flight_.load() == 0) {
+    const auto mark = board_ != nullptr ? board_->begin_wait() : health::BoardPublisher::WaitMark{};
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      task();
+    } catch (...) {
+      if (board_ != nullptr) board_->end_wait(mark);
+      throw;
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (board_ != nullptr) board_->end_wait(mark);
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+    return {};
+  }
+  if (!thread_) thread_ = std::make_unique<boost::asio::thread_pool>(1);
+  auto done = std::make_shared<std::promise<void>>();
+  CommWork work(this, done->get_future());
+  in_flight_.fetch_add(1);
+  // Out of flight before the waiter wakes, so that a caller done with the
+  // group never finds its last collective still counted.
+  boost::asio::post(*thread_, [this, done, task = std::move(task)] {
+    try {
+      task();
+      in_flight_.fetch_sub(1);
+      done->set_value();
+    } catch (...) {
+      in_flight_.fetch_sub(1);
+      done->set_exception(std::current_exception());
+    }
+  });
+  if (blocking) work.wait();
+  return work;
+}
+
+void Communicator::run(CollectiveOp op, uint64_t bytes, int peer, int64_t seq, const std::function<void()>& body) {
   const uint64_t id = recorder_->begin(name_, seq, collective_op_name(op), bytes, peer);
   if (board_ != nullptr) board_->begin_collective(board_group_, seq, collective_op_name(op), bytes);
-  auto failed = [&](const std::string& message) {
-    recorder_->end(id, FlightState::kFailed, message);
-    if (board_ != nullptr) board_->end_collective(board_group_, seq, false);
-  };
   const auto start = std::chrono::steady_clock::now();
+  auto finished = [&](FlightState state, const std::string& message) {
+    recorder_->end(id, state, message);
+    if (board_ != nullptr) board_->end_collective(board_group_, seq, state == FlightState::kDone);
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.busy_ns +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  };
   try {
     body();
   } catch (const Error& e) {
@@ -69,19 +145,34 @@ void Communicator::instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&
     // failure with the other ranks' records.
     auto message = fmt::format("group '{}' {} seq {} (rank {} of {}): {}", name_, collective_op_name(op), seq, rank_,
                                size_, e.what());
-    failed(message);
+    finished(FlightState::kFailed, message);
     throw Error(e.code(), message);
   } catch (const std::exception& e) {
-    failed(e.what());
+    finished(FlightState::kFailed, e.what());
     throw;
   } catch (...) {
-    failed("unknown exception");
+    finished(FlightState::kFailed, "unknown exception");
     throw;
   }
-  stats_.wait_ns +=
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-  recorder_->end(id, FlightState::kDone);
-  if (board_ != nullptr) board_->end_collective(board_group_, seq, true);
+  finished(FlightState::kDone, "");
+}
+
+void Communicator::wait_for(std::future<void>& result) {
+  const auto mark = board_ != nullptr ? board_->begin_wait() : health::BoardPublisher::WaitMark{};
+  const auto start = std::chrono::steady_clock::now();
+  result.wait();
+  const auto waited = std::chrono::steady_clock::now() - start;
+  if (board_ != nullptr) board_->end_wait(mark);
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+  }
+  result.get();
+}
+
+void CommWork::wait() {
+  if (!result_.valid()) return;
+  comm_->wait_for(result_);
 }
 
 namespace {
@@ -110,51 +201,70 @@ void check_peer(const std::string& group, const char* op, int peer, int rank, in
 
 }  // namespace
 
-void Communicator::all_reduce(float* data, size_t count) {
-  check_buffer(name_, "all_reduce", data, count);
-  instrumented(CollectiveOp::kAllReduce, count * kFloatBytes, -1, [&] { do_all_reduce(data, count); });
-}
+void Communicator::all_reduce(float* data, size_t count) { issue_all_reduce(data, count, true); }
 
 void Communicator::reduce_scatter(const float* in, float* out, size_t count) {
-  check_buffer(name_, "reduce_scatter", in, count);
-  check_buffer(name_, "reduce_scatter", out, count);
-  instrumented(CollectiveOp::kReduceScatter, static_cast<uint64_t>(size_) * count * kFloatBytes, -1,
-               [&] { do_reduce_scatter(in, out, count); });
+  issue_reduce_scatter(in, out, count, true);
 }
 
-void Communicator::all_gather(const float* in, float* out, size_t count) {
-  check_buffer(name_, "all_gather", in, count);
-  check_buffer(name_, "all_gather", out, count);
-  instrumented(CollectiveOp::kAllGather, count * kFloatBytes, -1, [&] { do_all_gather(in, out, count); });
-}
+void Communicator::all_gather(const float* in, float* out, size_t count) { issue_all_gather(in, out, count, true); }
 
 void Communicator::broadcast(float* data, size_t count, int root) {
   check_buffer(name_, "broadcast", data, count);
   check_rank(name_, "broadcast", "root", root, size_);
-  instrumented(CollectiveOp::kBroadcast, count * kFloatBytes, root, [&] { do_broadcast(data, count, root); });
+  issue(CollectiveOp::kBroadcast, count * kFloatBytes, root, true, [=, this] { do_broadcast(data, count, root); });
 }
 
 void Communicator::send(const float* data, size_t count, int peer) {
   check_buffer(name_, "send", data, count);
   check_peer(name_, "send", peer, rank_, size_);
-  instrumented(CollectiveOp::kSend, count * kFloatBytes, peer, [&] { do_send(data, count, peer); });
+  issue(CollectiveOp::kSend, count * kFloatBytes, peer, true, [=, this] { do_send(data, count, peer); });
 }
 
 void Communicator::recv(float* data, size_t count, int peer) {
   check_buffer(name_, "recv", data, count);
   check_peer(name_, "recv", peer, rank_, size_);
-  instrumented(CollectiveOp::kRecv, count * kFloatBytes, peer, [&] { do_recv(data, count, peer); });
+  issue(CollectiveOp::kRecv, count * kFloatBytes, peer, true, [=, this] { do_recv(data, count, peer); });
 }
 
 void Communicator::all_to_all(const float* in, float* out, size_t count) {
   check_buffer(name_, "all_to_all", in, count);
   check_buffer(name_, "all_to_all", out, count);
-  instrumented(CollectiveOp::kAllToAll, static_cast<uint64_t>(size_) * count * kFloatBytes, -1,
-               [&] { do_all_to_all(in, out, count); });
+  issue(CollectiveOp::kAllToAll, static_cast<uint64_t>(size_) * count * kFloatBytes, -1, true,
+        [=, this] { do_all_to_all(in, out, count); });
 }
 
 void Communicator::barrier() {
-  instrumented(CollectiveOp::kBarrier, 0, -1, [&] { do_barrier(); });
+  issue(CollectiveOp::kBarrier, 0, -1, true, [this] { do_barrier(); });
+}
+
+CommWork Communicator::start_all_reduce(float* data, size_t count) { return issue_all_reduce(data, count, false); }
+
+CommWork Communicator::start_reduce_scatter(const float* in, float* out, size_t count) {
+  return issue_reduce_scatter(in, out, count, false);
+}
+
+CommWork Communicator::start_all_gather(const float* in, float* out, size_t count) {
+  return issue_all_gather(in, out, count, false);
+}
+
+CommWork Communicator::issue_all_reduce(float* data, size_t count, bool blocking) {
+  check_buffer(name_, "all_reduce", data, count);
+  return issue(CollectiveOp::kAllReduce, count * kFloatBytes, -1, blocking, [=, this] { do_all_reduce(data, count); });
+}
+
+CommWork Communicator::issue_reduce_scatter(const float* in, float* out, size_t count, bool blocking) {
+  check_buffer(name_, "reduce_scatter", in, count);
+  check_buffer(name_, "reduce_scatter", out, count);
+  return issue(CollectiveOp::kReduceScatter, static_cast<uint64_t>(size_) * count * kFloatBytes, -1, blocking,
+               [=, this] { do_reduce_scatter(in, out, count); });
+}
+
+CommWork Communicator::issue_all_gather(const float* in, float* out, size_t count, bool blocking) {
+  check_buffer(name_, "all_gather", in, count);
+  check_buffer(name_, "all_gather", out, count);
+  return issue(CollectiveOp::kAllGather, count * kFloatBytes, -1, blocking,
+               [=, this] { do_all_gather(in, out, count); });
 }
 
 void Communicator::set_peer_failure_handler(std::function<void(const std::string& cause)> handler) {

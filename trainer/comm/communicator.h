@@ -1,16 +1,27 @@
 // Collective communication within one process group (docs/architecture.md "Parallel layout and communication").
 //
 // Every call goes through one instrumented path in this base class: it takes
-// the group's next sequence number, counts the payload bytes per operation,
-// records the call in the flight recorder (in flight, then done or failed),
-// shows it on the rank's progress board, and only then runs the backend's implementation (Gloo on CPU, NCCL on GPU).
-// Backends override the protected do_* methods and nothing else.
+// the group's next sequence number and counts the payload bytes per
+// operation when it is issued; when it runs, it is recorded in the flight
+// recorder (in flight, then done or failed) and shown on the rank's progress
+// board; only then does the backend's implementation run (Gloo on CPU, NCCL
+// on GPU). Backends override the protected do_* methods and nothing else.
+//
+// The group's collectives run in issue order on its communication stream
+// (docs/architecture.md "Streams"): a thread of the communicator's own. A
+// blocking call issues its collective and waits for it; a start_* call
+// issues it and returns a CommWork at once, so the caller can compute while
+// the collective runs (gradient buckets reduced while backward goes on, the
+// next layer's parameters gathered while this one computes). A blocking call
+// with nothing in flight runs on the calling thread, which saves the hand
+// over. One thread issues a communicator's calls; abort() and leave() may
+// come from any thread.
 //
 // Every call has a timeout (the backend's). A failure raises Error with
 // kPeerFailure (a peer died or the transport broke: exit 12) or
-// kCollectiveHang (the collective outlived its timeout: exit 10). After
-// either, the communicator is unusable: the rank exits and keeld restarts
-// the generation.
+// kCollectiveHang (the collective outlived its timeout: exit 10), from the
+// blocking call or from CommWork::wait(). After either, the communicator is
+// unusable: the rank exits and keeld restarts the generation.
 //
 // Buffers are float32 and element counts are per rank unless said otherwise.
 #pragma once
@@ -18,14 +29,21 @@
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
 #include "trainer/comm/flight_recorder.h"
+#include "trainer/kernels/stream.h"
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
+
+namespace boost::asio {
+class thread_pool;
+}
 
 namespace keel::trainer {
 
@@ -48,14 +66,42 @@ const char* collective_op_name(CollectiveOp op);
 struct CommStats {
   std::array<uint64_t, kCollectiveOpCount> bytes{};
   std::array<uint64_t, kCollectiveOpCount> calls{};
-  int64_t wait_ns = 0;  // wall time inside the calls: what a rank's compute excludes
+  // Wall time the issuing thread spent blocked on the group's collectives:
+  // the exposed communication time, which a rank's compute excludes.
+  int64_t wait_ns = 0;
+  // Wall time the collectives ran, overlapped with compute or not.
+  int64_t busy_ns = 0;
   uint64_t bytes_of(CollectiveOp op) const { return bytes[static_cast<size_t>(op)]; }
   uint64_t calls_of(CollectiveOp op) const { return calls[static_cast<size_t>(op)]; }
 };
 
+class Communicator;
+
+// A collective issued by a start_* call. Its buffers belong to it until
+// wait() has returned: the caller must neither read its output nor change
+// its input before. wait() raises the collective's failure, if any; a
+// CommWork never waited for is abandoned (its failure unseen), so wait for
+// every one. A default CommWork is complete.
+class CommWork {
+ public:
+  CommWork() = default;
+  CommWork(CommWork&&) noexcept = default;
+  CommWork& operator=(CommWork&&) noexcept = default;
+
+  // Blocks until the collective has completed; the time blocked is the
+  // group's exposed wait. Does nothing when already waited for.
+  void wait();
+
+ private:
+  friend class Communicator;
+  CommWork(Communicator* comm, std::future<void> result) : comm_(comm), result_(std::move(result)) {}
+  Communicator* comm_ = nullptr;
+  std::future<void> result_;
+};
+
 class Communicator {
  public:
-  virtual ~Communicator() = default;
+  virtual ~Communicator();
 
   // `name` identifies the group in logs and the flight recorder ("dp",
   // "tp", "world", ...); `recorder` may be shared by all groups of a rank.
@@ -64,7 +110,7 @@ class Communicator {
   const std::string& name() const { return name_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
-  const CommStats& stats() const { return stats_; }
+  CommStats stats() const;
   // Every later call is shown on `board` (nullptr: none), under this
   // group's own slot of its group table; the board must outlive the
   // communicator's calls.
@@ -73,7 +119,11 @@ class Communicator {
   // it forever ([faults] hang_rank): the call then never begins, as when a
   // rank never reaches a collective its peers wait in.
   void set_fault_injector(const health::FaultInjector* faults) { faults_ = faults; }
-  void reset_stats() { stats_ = CommStats{}; }
+  void reset_stats();
+  // Every later collective starts only after the work queued on `compute`
+  // before it was issued (nullptr: none), so a buffer a kernel just wrote
+  // can be handed over at once. The stream must outlive the calls.
+  void set_compute_stream(Stream* compute) { compute_ = compute; }
 
   // data[count] = sum over the group, in place. Payload: count floats.
   void all_reduce(float* data, size_t count);
@@ -92,6 +142,11 @@ class Communicator {
   // came from rank r. Payload: size * count floats.
   void all_to_all(const float* in, float* out, size_t count);
   void barrier();
+
+  // all_reduce, reduce_scatter and all_gather issued without waiting.
+  [[nodiscard]] CommWork start_all_reduce(float* data, size_t count);
+  [[nodiscard]] CommWork start_reduce_scatter(const float* in, float* out, size_t count);
+  [[nodiscard]] CommWork start_all_gather(const float* in, float* out, size_t count);
 
   // Makes every pending and future call on this communicator fail quickly;
   // safe to call from another thread (the watchdog).
@@ -116,6 +171,14 @@ class Communicator {
   void set_peer_failure_handler(std::function<void(const std::string& cause)> handler);
 
  protected:
+  // The stream the backend's collectives run on, which waits for the
+  // compute stream's event before each of them.
+  virtual Stream& communication_stream() { return host_stream_; }
+  // Backends call it first in their destructors: a collective still in
+  // flight then is aborted, and the communication thread stopped, before
+  // the backend's state goes away.
+  void stop_communication_thread() noexcept;
+
   virtual void do_all_reduce(float* data, size_t count) = 0;
   virtual void do_reduce_scatter(const float* in, float* out, size_t count) = 0;
   virtual void do_all_gather(const float* in, float* out, size_t count) = 0;
@@ -129,8 +192,18 @@ class Communicator {
   void notify_peer_failure(const std::string& cause);
 
  private:
-  // Runs `body` as one instrumented call of `op` moving `bytes`.
-  template <class Body> void instrumented(CollectiveOp op, uint64_t bytes, int peer, Body&& body);
+  friend class CommWork;
+  // Issues `body` as one instrumented call of `op` moving `bytes`: run on
+  // the calling thread when `blocking` and nothing is in flight, else on
+  // the communication thread.
+  CommWork issue(CollectiveOp op, uint64_t bytes, int peer, bool blocking, std::function<void()> body);
+  CommWork issue_all_reduce(float* data, size_t count, bool blocking);
+  CommWork issue_reduce_scatter(const float* in, float* out, size_t count, bool blocking);
+  CommWork issue_all_gather(const float* in, float* out, size_t count, bool blocking);
+  // Runs a collective that `issue` took sequence number `seq` for.
+  void run(CollectiveOp op, uint64_t bytes, int peer, int64_t seq, const std::function<void()>& body);
+  // Blocks until `result` is ready, counting the time as exposed wait.
+  void wait_for(std::future<void>& result);
 
   std::string name_;
   int rank_;
@@ -142,7 +215,14 @@ class Communicator {
   std::mutex handler_mutex_;
   std::function<void(const std::string&)> peer_failure_handler_;
   int64_t next_seq_ = 0;
+  Stream* compute_ = nullptr;
+  HostStream host_stream_;
+  mutable std::mutex stats_mutex_;
   CommStats stats_;
+  // Collectives issued and not finished: a blocking call runs inline only
+  // when there are none. The pool is the communication thread.
+  std::atomic<int> in_flight_{0};
+  std::unique_ptr<boost::asio::thread_pool> thread_;
 };
 
 }  // namespace keel::trainer

@@ -147,6 +147,7 @@ GlooCommunicator::GlooCommunicator(common::Store& store, std::string group_name,
 }
 
 GlooCommunicator::~GlooCommunicator() {
+  stop_communication_thread();
   if (!watcher_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(watch_mutex_);

@@ -136,10 +136,7 @@ NcclCommunicator::NcclCommunicator(common::Store& store, std::string group_name,
       }
     };
     check(scope.status(), "cudaSetDevice");
-    // Non-blocking: the legacy default stream waits for every blocking
-    // stream, so a collective stuck on a blocking one would also stall
-    // every plain cudaMemcpy in the process, the checkpointer's included.
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    stream_ = cuda::CudaStream::create();
     check(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaMalloc(reinterpret_cast<void**>(&barrier_value_), sizeof(float)), "cudaMalloc");
     check(cudaMemset(barrier_value_, 0, sizeof(float)), "cudaMemset");
@@ -176,7 +173,10 @@ NcclCommunicator::NcclCommunicator(common::Store& store, std::string group_name,
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count());
 }
 
-NcclCommunicator::~NcclCommunicator() { release(); }
+NcclCommunicator::~NcclCommunicator() {
+  stop_communication_thread();
+  release();
+}
 
 void NcclCommunicator::abort() {
   DeviceScope scope(device_);
@@ -243,7 +243,7 @@ void NcclCommunicator::release() noexcept {
   // destructor.
   if (barrier_value_ != nullptr) cudaFree(barrier_value_);
   if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  stream_.reset();
 }
 
 template <class Enqueue>
@@ -260,11 +260,11 @@ void NcclCommunicator::run(size_t count, Enqueue&& enqueue) {
     // stream_ does not sync with the legacy default stream by itself, and a
     // cudaMemcpy from pageable memory may return before its copy has landed.
     cudaError_t error = cudaEventRecord(inputs_ready_, cudaStreamLegacy);
-    if (error == cudaSuccess) error = cudaStreamWaitEvent(stream_, inputs_ready_, 0);
+    if (error == cudaSuccess) error = cudaStreamWaitEvent(stream_->get(), inputs_ready_, 0);
     if (error != cudaSuccess) {
       fail_locked(ErrorCode::kInternal, cuda_message("ordering after the default stream", error));
     }
-    const ncclResult_t result = enqueue(comm_, stream_);
+    const ncclResult_t result = enqueue(comm_, stream_->get());
     if (result != ncclSuccess && result != ncclInProgress) fail_locked(nccl_error_code(result), nccl_message(result));
   }
   wait_until_done(deadline);
@@ -283,7 +283,7 @@ void NcclCommunicator::wait_until_done(Clock::time_point deadline) {
       // While NCCL still reports ncclInProgress its background thread may
       // not have queued the kernels yet, so an idle stream proves nothing.
       if (state == ncclSuccess) {
-        const cudaError_t query = cudaStreamQuery(stream_);
+        const cudaError_t query = cudaStreamQuery(stream_->get());
         if (query == cudaSuccess) return;
         if (query != cudaErrorNotReady) fail_locked(ErrorCode::kInternal, cuda_message("cudaStreamQuery", query));
       }

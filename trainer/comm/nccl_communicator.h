@@ -11,13 +11,13 @@
 // Store, and a name reused for a new generation needs a fresh Store or a
 // generation in the name, or the new ranks would read the old id.
 //
-// Every call is synchronous: it returns once the collective has completed
-// on the device, so the outputs can be read from any stream or the host.
-// The collective runs on the communicator's own stream (stream()). It is
-// ordered after the work already queued on the legacy default stream
+// A collective is done (its blocking call returns, its CommWork's wait()
+// returns) once it has completed on the device, so the outputs can be read
+// from any stream or the host. It runs on the communicator's own stream
+// (stream()), ordered after the work queued on the compute stream
+// (set_compute_stream) before it was issued, on the legacy default stream
 // (cudaMemcpy, launches without a stream) and on stream(); inputs written on
-// any other stream must be complete before the call. Overlapping
-// communication with compute is left for later.
+// any other stream must be complete before the call.
 //
 // Every call is bounded by `timeout`. The communicator is non-blocking
 // (ncclConfig_t::blocking = 0), so no NCCL call waits on the peers: a call
@@ -48,6 +48,7 @@
 #include "common/error.h"
 #include "common/store.h"
 #include "trainer/comm/communicator.h"
+#include "trainer/kernels/cuda/cuda_stream.h"
 
 #include <cuda_runtime_api.h>
 
@@ -84,9 +85,10 @@ class NcclCommunicator final : public Communicator {
 
   // The stream every call runs on; work queued on it before a call runs
   // before the call's collective.
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const { return stream_->get(); }
 
  protected:
+  Stream& communication_stream() override { return *stream_; }
   void do_all_reduce(float* data, size_t count) override;
   void do_reduce_scatter(const float* in, float* out, size_t count) override;
   void do_all_gather(const float* in, float* out, size_t count) override;
@@ -121,7 +123,7 @@ class NcclCommunicator final : public Communicator {
 
   std::chrono::milliseconds timeout_;
   int device_;
-  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<cuda::CudaStream> stream_;
   // Recorded on the legacy default stream at each call; stream_ waits on it.
   cudaEvent_t inputs_ready_ = nullptr;
   // What barrier() all-reduces.

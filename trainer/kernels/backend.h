@@ -17,6 +17,8 @@
 //   order that depends on the shapes only, never on the thread count.
 #pragma once
 
+#include "trainer/kernels/stream.h"
+
 #include <cstddef>
 #include <cstdint>
 
@@ -37,6 +39,12 @@ class Backend {
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
+
+  // ---- streams (stream.h) ----
+  // Where every kernel below runs. A communicator given this stream
+  // (Communicator::set_compute_stream) starts a collective only after the
+  // kernels queued before it.
+  virtual Stream& compute_stream() = 0;
 
   // ---- embedding, vocabulary split over TP ranks (docs/architecture.md "Parallel layout and communication") ----
   // wte holds rows [v_begin, v_begin + Vl) of the token table (a single

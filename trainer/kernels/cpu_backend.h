@@ -25,6 +25,7 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   bool host_memory() const override { return true; }
+  Stream& compute_stream() override { return stream_; }
 
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
                          const float* wpe, int B, int T, int C) override;
@@ -63,6 +64,7 @@ class CpuBackend final : public Backend {
 
  private:
   int threads_;
+  HostStream stream_;
 };
 
 }  // namespace keel::trainer

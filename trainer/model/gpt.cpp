@@ -225,6 +225,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   Backend& k = backend_;
   const OuterOffsets& outer = a.outer;
   const float* p0 = storage_.acquire_parameters(0);
+  const int blocks = static_cast<int>(a.blocks.size());
+  if (blocks > 0) storage_.prefetch_parameters(1);
   // A row-parallel linear's output: partial sums to be reduce-scattered
   // with TP, the shard itself without.
   auto partial_or = [&](BackendArray<float>& shard) { return tp_ != nullptr ? a.partial.data() : shard.data(); };
@@ -243,7 +245,9 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   for (size_t i = 0; i < a.blocks.size(); ++i) {
     Activations::Block& blk = a.blocks[i];
     const BlockOffsets& o = a.offsets[i];
-    const float* p = storage_.acquire_parameters(static_cast<int>(i) + 1);
+    const int unit = static_cast<int>(i) + 1;
+    const float* p = storage_.acquire_parameters(unit);
+    if (unit < blocks) storage_.prefetch_parameters(unit + 1);
     // Attention branch.
     k.layernorm_forward(blk.ln1.data(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
                         p + o.ln1_b, Ns, C);
@@ -326,6 +330,7 @@ void Gpt::backward(float loss_scale) {
     const BlockOffsets& o = a.offsets[i];
     const int unit = static_cast<int>(i) + 1;
     const float* p = storage_.acquire_parameters(unit);
+    if (unit > 1) storage_.prefetch_parameters(unit - 1);
     float* g = storage_.unit_gradients(unit);
     const float* residual = i == 0 ? a.encoded.data() : a.blocks[i - 1].residual3.data();
 

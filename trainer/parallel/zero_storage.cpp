@@ -16,11 +16,12 @@ int effective_stage(int stage, const Communicator* dp) { return dp != nullptr &&
 
 }  // namespace
 
-ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stage, Communicator* dp)
+ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stage, Communicator* dp, bool overlap)
     : backend_(backend),
       table_(table),
       dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
       stage_(effective_stage(stage, dp)),
+      overlap_(overlap),
       grads_open_(static_cast<size_t>(table.unit_count()), false) {
   if (stage < 0 || stage > 3) {
     throw common::Error(common::ErrorCode::kInternal, "ZeRO stage " + std::to_string(stage) + " outside 0-3");
@@ -39,14 +40,19 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
       max_unit = std::max(max_unit, unit_packed_numel(u));
       if (u > 0) max_block = std::max(max_block, table.unit_end(u) - table.unit_begin(u));
     }
-    exchange_ = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
-    packed_unit_ = BackendArray<float>(backend, max_unit);
+    // Stage 1 uses one slot, for its gathers; stages 2 and 3 alternate two
+    // for the gradients' reduce-scatters.
+    for (size_t slot = 0; slot < (stage_ >= 2 ? 2u : 1u); ++slot) {
+      exchange_[slot] = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
+      packed_unit_[slot] = BackendArray<float>(backend, max_unit);
+    }
     const size_t unit0 = table.unit_end(0) - table.unit_begin(0);
     if (stage_ >= 2) {
       unit0_grads_ = BackendArray<float>(backend, unit0);
       block_grads_ = BackendArray<float>(backend, max_block);
     }
     if (stage_ == 3) {
+      gather_exchange_ = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
       unit0_params_ = BackendArray<float>(backend, unit0);
       block_params_ = BackendArray<float>(backend, max_block);
     }
@@ -88,12 +94,24 @@ void ZeroStorage::zero_gradients() {
   std::fill(grads_open_.begin(), grads_open_.end(), false);
 }
 
+void ZeroStorage::begin_microbatch(bool last) { last_microbatch_ = last; }
+
 void ZeroStorage::reduce_gradients() {
-  if (dp_ == nullptr || stage_ >= 2) return;
+  for (CommWork& work : pending_sums_) work.wait();
+  pending_sums_.clear();
+  for (size_t slot = 0; slot < 2; ++slot) finish_scatter(slot);
+}
+
+void ZeroStorage::sum_unit_gradients(int unit) {
   float* grads = grads_.data();
-  const size_t total = grads_.size();
-  for (size_t offset = 0; offset < total; offset += kAllReduceBucketFloats) {
-    dp_->all_reduce(grads + offset, std::min(kAllReduceBucketFloats, total - offset));
+  const size_t end = table_.unit_end(unit);
+  for (size_t offset = table_.unit_begin(unit); offset < end; offset += kAllReduceBucketFloats) {
+    CommWork work = dp_->start_all_reduce(grads + offset, std::min(kAllReduceBucketFloats, end - offset));
+    if (overlap_) {
+      pending_sums_.push_back(std::move(work));
+    } else {
+      work.wait();
+    }
   }
 }
 
@@ -124,6 +142,9 @@ float* ZeroStorage::owned_gradients(size_t t) {
 
 void ZeroStorage::publish_parameters() {
   if (stage_ == 3) {
+    // A gather still in flight would read shards the optimizer just changed.
+    gather_.wait();
+    gather_unit_ = -1;
     unit0_params_valid_ = false;
     block_params_unit_ = -1;
     return;
@@ -131,39 +152,61 @@ void ZeroStorage::publish_parameters() {
   if (stage_ == 0) return;
   for (int u = 0; u < table_.unit_count(); ++u) {
     const size_t first = table_.unit_first_tensor(u), last = table_.unit_end_tensor(u);
-    shards_->pack(backend_, params_.data(), dp_rank_, first, last, packed_unit_.data());
-    dp_->all_gather(packed_unit_.data(), exchange_.data(), unit_packed_numel(u));
-    shards_->unpack(backend_, exchange_.data(), first, last, params_.data());
+    shards_->pack(backend_, params_.data(), dp_rank_, first, last, packed_unit_[0].data());
+    dp_->all_gather(packed_unit_[0].data(), exchange_[0].data(), unit_packed_numel(u));
+    shards_->unpack(backend_, exchange_[0].data(), first, last, params_.data());
   }
 }
 
 size_t ZeroStorage::working_bytes() const {
-  return exchange_.bytes() + packed_unit_.bytes() + unit0_params_.bytes() + block_params_.bytes() +
-         unit0_grads_.bytes() + block_grads_.bytes();
+  return exchange_[0].bytes() + exchange_[1].bytes() + packed_unit_[0].bytes() + packed_unit_[1].bytes() +
+         gather_exchange_.bytes() + unit0_params_.bytes() + block_params_.bytes() + unit0_grads_.bytes() +
+         block_grads_.bytes();
 }
 
 size_t ZeroStorage::unit_packed_numel(int unit) const {
   return shards_->packed_numel(table_.unit_first_tensor(unit), table_.unit_end_tensor(unit));
 }
 
-void ZeroStorage::gather_unit(int unit, float* dst) {
-  const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
-  dp_->all_gather(params_.data() + packed_offset_[first], exchange_.data(), unit_packed_numel(unit));
-  shards_->unpack(backend_, exchange_.data(), first, last, dst, table_.unit_begin(unit));
+void ZeroStorage::start_gather(int unit) {
+  gather_unit_ = unit;
+  gather_ = dp_->start_all_gather(params_.data() + packed_offset_[table_.unit_first_tensor(unit)],
+                                  gather_exchange_.data(), unit_packed_numel(unit));
+  if (!overlap_) gather_.wait();
+}
+
+void ZeroStorage::finish_gather(int unit, float* dst) {
+  // A prefetch of another unit (a caller that changed its mind) is waited
+  // for, so that its buffer is free, and wasted.
+  if (gather_unit_ != unit) {
+    gather_.wait();
+    start_gather(unit);
+  }
+  gather_.wait();
+  gather_unit_ = -1;
+  shards_->unpack(backend_, gather_exchange_.data(), table_.unit_first_tensor(unit), table_.unit_end_tensor(unit),
+                  dst, table_.unit_begin(unit));
 }
 
 const float* ZeroStorage::acquire_parameters(int unit) {
   if (stage_ < 3) return params_.data() + table_.unit_begin(unit);
   if (unit == 0) {
-    if (!unit0_params_valid_) gather_unit(0, unit0_params_.data());
+    if (!unit0_params_valid_) finish_gather(0, unit0_params_.data());
     unit0_params_valid_ = true;
     return unit0_params_.data();
   }
   // The blocks share one buffer; the block backward starts with is still
   // there from the end of forward, so it is not gathered twice.
-  if (block_params_unit_ != unit) gather_unit(unit, block_params_.data());
+  if (block_params_unit_ != unit) finish_gather(unit, block_params_.data());
   block_params_unit_ = unit;
   return block_params_.data();
+}
+
+void ZeroStorage::prefetch_parameters(int unit) {
+  if (stage_ < 3 || gather_unit_ == unit) return;
+  if (unit == 0 ? unit0_params_valid_ : block_params_unit_ == unit) return;
+  gather_.wait();
+  start_gather(unit);
 }
 
 float* ZeroStorage::unit_gradients(int unit) {
@@ -180,16 +223,34 @@ void ZeroStorage::gradients_ready(int unit) {
   float* unit_grads = stage_ < 2 ? grads_.data() + table_.unit_begin(unit)
                                  : (unit == 0 ? unit0_grads_.data() : block_grads_.data());
   if (gradient_hook_) gradient_hook_(unit, unit_grads, table_.unit_end(unit) - table_.unit_begin(unit));
-  if (stage_ < 2) return;
+  if (dp_ == nullptr) return;
+  if (stage_ < 2) {
+    if (last_microbatch_) sum_unit_gradients(unit);
+    return;
+  }
+  // Packing copies the unit's gradients out, so backward may reuse the
+  // unit's buffer while the reduce-scatter runs.
+  const size_t slot = next_slot_;
+  next_slot_ = 1 - next_slot_;
+  finish_scatter(slot);
   const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
   const size_t count = unit_packed_numel(unit);
   for (int r = 0; r < shards_->size(); ++r) {
-    shards_->pack(backend_, unit_grads, r, first, last, exchange_.data() + static_cast<size_t>(r) * count,
+    shards_->pack(backend_, unit_grads, r, first, last, exchange_[slot].data() + static_cast<size_t>(r) * count,
                   table_.unit_begin(unit));
   }
-  dp_->reduce_scatter(exchange_.data(), packed_unit_.data(), count);
-  backend_.accumulate(grads_.data() + packed_offset_[first], packed_unit_.data(), count);
+  scatters_[slot] = {dp_->start_reduce_scatter(exchange_[slot].data(), packed_unit_[slot].data(), count), unit};
   grads_open_[unit] = false;
+  if (!overlap_) finish_scatter(slot);
+}
+
+void ZeroStorage::finish_scatter(size_t slot) {
+  PendingScatter& pending = scatters_[slot];
+  if (pending.unit < 0) return;
+  pending.work.wait();
+  backend_.accumulate(grads_.data() + packed_offset_[table_.unit_first_tensor(pending.unit)],
+                      packed_unit_[slot].data(), unit_packed_numel(pending.unit));
+  pending.unit = -1;
 }
 
 }  // namespace keel::trainer

@@ -1,18 +1,27 @@
 // One rank's model state under ZeRO stage 0-3 over its data-parallel group
 // (docs/architecture.md "Parallel layout and communication"), behind the ModelStorage interface the model runs on.
 //
-//   stage 0  parameters and gradients whole; gradients all-reduced after
-//            the last microbatch in 16 MiB buckets.
+//   stage 0  parameters and gradients whole; in the step's last microbatch
+//            each unit's gradients are all-reduced (in 16 MiB buckets) as
+//            soon as backward hands the unit over.
 //   stage 1  as 0, but each rank updates only its dim-0 shard of every
 //            tensor (the optimizer holds state for that shard only) and the
 //            updated shards are all-gathered, one unit at a time.
 //   stage 2  as 1, but gradients are reduce-scattered one unit at a time as
 //            soon as backward has finished the unit: a rank keeps only its
-//            shard of the summed gradient, plus one unit's worth of
+//            shard of the summed gradient, plus two units' worth of
 //            gradient in flight.
 //   stage 3  as 2, and parameters too: a rank keeps its shard and gathers a
-//            unit's parameters just before forward or backward uses them,
-//            into one buffer for unit 0 and one shared by the blocks.
+//            unit's parameters before forward or backward uses them, into
+//            one buffer for unit 0 and one shared by the blocks; the next
+//            block's gather runs while the model computes this one
+//            (prefetch_parameters).
+//
+// Overlap (docs/architecture.md "Streams"): with `overlap` the gradient
+// sums and the prefetched gathers run on the DP communicator's thread while
+// backward and forward go on; without it each is waited for where it is
+// issued. Both issue the same collectives in the same order, so they give
+// the same bits.
 //
 // Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
 // lays the tensors out in table order, so a unit's shard is a contiguous
@@ -34,7 +43,8 @@ namespace keel::trainer {
 
 class ZeroStorage final : public ModelStorage {
  public:
-  ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr);
+  ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr,
+              bool overlap = true);
 
   const ParameterTable& table() const override { return table_; }
   int stage() const { return stage_; }
@@ -50,10 +60,12 @@ class ZeroStorage final : public ModelStorage {
 
   // Starts a step's gradient accumulation from zero.
   void zero_gradients();
-  // After the last microbatch's backward: sums over the DP group what is
-  // not summed yet (stages 0 and 1), so that owned_gradients() holds the
-  // gradient of the whole batch (as far as the DP group goes: sums over
-  // other groups are the caller's).
+  // Before each microbatch's forward: whether its backward is the step's
+  // last, whose units stages 0 and 1 sum over the DP group as they come.
+  void begin_microbatch(bool last);
+  // After the last microbatch's backward: completes the sums over the DP
+  // group, so that owned_gradients() holds the gradient of the whole batch
+  // (as far as the DP group goes: sums over other groups are the caller's).
   void reduce_gradients();
 
   // The part of tensor t this rank updates: all of it at stage 0, its dim-0
@@ -85,32 +97,57 @@ class ZeroStorage final : public ModelStorage {
   void on_local_gradients(GradientHook hook) { gradient_hook_ = std::move(hook); }
 
   const float* acquire_parameters(int unit) override;
+  void prefetch_parameters(int unit) override;
   float* unit_gradients(int unit) override;
   void gradients_ready(int unit) override;
 
  private:
+  // A reduce-scatter of one unit's gradients in flight, from exchange slot
+  // `slot` into packed_unit_[slot].
+  struct PendingScatter {
+    CommWork work;
+    int unit = -1;
+  };
+
   size_t unit_packed_numel(int unit) const;
-  // All-gathers the parameters of `unit` into `dst` (the unit's layout).
-  void gather_unit(int unit, float* dst);
+  // Stages 0 and 1: sums the unit's gradients over DP, bucket by bucket.
+  void sum_unit_gradients(int unit);
+  // Stages 2 and 3: waits for the reduce-scatter in `slot`, if any, and
+  // adds this rank's shard of it to the gradients.
+  void finish_scatter(size_t slot);
+  // Starts the all-gather of the parameters of `unit` into gather_exchange_.
+  void start_gather(int unit);
+  // Waits for the gather in flight and unpacks it into `dst` (its unit's
+  // layout), or gathers `unit` now when none is in flight for it.
+  void finish_gather(int unit, float* dst);
 
   Backend& backend_;
   const ParameterTable& table_;
   Communicator* dp_;
   int stage_;
+  bool overlap_;
   int dp_rank_ = 0;
   std::optional<ShardLayout> shards_;
   std::vector<size_t> packed_offset_;  // tensor t's shard in the packed buffers
   BackendArray<float> params_;         // flat (stages 0-2) or packed shard (3)
   BackendArray<float> grads_;          // flat (stages 0-1) or packed shard (2, 3)
-  // Working buffers: every rank's packed shard of one unit (collective
-  // input or output), this rank's packed shard of one unit, and the
-  // gathered parameters or pending gradients of unit 0 and of one block.
-  BackendArray<float> exchange_, packed_unit_;
+  // Working buffers: two slots of every rank's packed shard of one unit
+  // (reduce-scatter input) and of this rank's packed shard (its output or
+  // an all-gather's input), so one unit's sum runs while backward fills the
+  // next; what the parameter gathers receive; the gathered parameters and
+  // pending gradients of unit 0 and of one block.
+  BackendArray<float> exchange_[2], packed_unit_[2], gather_exchange_;
   BackendArray<float> unit0_params_, block_params_, unit0_grads_, block_grads_;
   bool unit0_params_valid_ = false;
   int block_params_unit_ = -1;  // the unit block_params_ holds, -1: none
   std::vector<bool> grads_open_;
   GradientHook gradient_hook_;
+  bool last_microbatch_ = true;
+  std::vector<CommWork> pending_sums_;  // stages 0 and 1
+  PendingScatter scatters_[2];          // stages 2 and 3
+  size_t next_slot_ = 0;
+  CommWork gather_;        // stage 3: the gather in flight
+  int gather_unit_ = -1;   // the unit it gathers, -1: none
 };
 
 }  // namespace keel::trainer

@@ -213,7 +213,9 @@ int main(int argc, char** argv) {
       dp = join(keel::trainer::Axis::kDp);
       tp = join(keel::trainer::Axis::kTp);
       for (auto* group : {dp.get(), tp.get()}) {
-        if (group != nullptr && board) group->set_progress_board(&*board);
+        if (group == nullptr) continue;
+        if (board) group->set_progress_board(&*board);
+        group->set_compute_stream(&backend.compute_stream());
       }
       groups.on_peer_failure(nullptr);
     }

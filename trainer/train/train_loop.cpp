@@ -58,7 +58,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       table_(config.model, tp_rank_, tp != nullptr ? tp->size() : 1),
-      storage_(backend, table_, static_cast<int>(config.parallel.zero), dp),
+      storage_(backend, table_, static_cast<int>(config.parallel.zero), dp, config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, tp),
       tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0),
@@ -166,6 +166,8 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
   for (int64_t m = 0; m < micro_batches; ++m) {
+    const bool last = m + 1 == micro_batches;
+    storage_.begin_microbatch(last);
     board_.set_phase(health::Phase::kData);
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
                      first_sample + m * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
@@ -175,6 +177,8 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
     judging_activations_ = false;
     aux_sum += model_.aux_loss();
     board_.set_phase(health::Phase::kBackward);
+    // Poisoned as backward hands unit 0 over: its sum over DP may start then.
+    poison_gradient_ = last && faults_.poisons(step, "gradient");
     model_.backward(loss_scale);
   }
   // A slow rank's forward and backward take longer; its peers then wait
@@ -184,10 +188,6 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
       collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
   faults_.slow_down("compute", std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
-  if (faults_.poisons(step, "gradient")) {
-    const float nan = std::nanf("");
-    backend_.copy_from_host(storage_.owned_gradients(0), &nan, sizeof(float));
-  }
   sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
   sum_norm_gradients_over_tp();
@@ -207,6 +207,11 @@ int64_t TrainLoop::collective_wait_ns() const {
 
 void TrainLoop::on_local_gradients(int unit, float* grads, size_t numel) {
   const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
+  if (unit == 0 && poison_gradient_) {
+    const float nan = std::nanf("");
+    backend_.copy_from_host(grads + (table_.specs()[first].offset - table_.unit_begin(0)), &nan, sizeof(float));
+    poison_gradient_ = false;
+  }
   flip_if_due(backend_, faults_, "grad", tensor_sites_, [&](size_t t) {
     return t >= first && t < end ? grads + (table_.specs()[t].offset - table_.unit_begin(unit)) : nullptr;
   });
@@ -509,19 +514,28 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
       record["val_loss"] = val_loss;
       log->info("validation loss {:.4f}", val_loss);
     }
-    // Payload bytes this rank handed to each group during the step, per op.
-    nlohmann::json comm = nlohmann::json::object();
+    // Payload bytes this rank handed to each group during the step, per op,
+    // and how long the group's collectives ran against how long training
+    // was blocked on them (the rest overlapped compute).
+    nlohmann::json comm = nlohmann::json::object(), comm_ms = nlohmann::json::object();
     for (Communicator* group : {dp_, tp_}) {
       if (group == nullptr) continue;
+      const CommStats group_stats = group->stats();
       nlohmann::json ops = nlohmann::json::object();
       for (size_t op = 0; op < kCollectiveOpCount; ++op) {
-        if (group->stats().calls[op] == 0) continue;
-        ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group->stats().bytes[op]},
-                                                                  {"calls", group->stats().calls[op]}};
+        if (group_stats.calls[op] == 0) continue;
+        ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group_stats.bytes[op]},
+                                                                  {"calls", group_stats.calls[op]}};
       }
-      comm[group == dp_ ? "dp" : "tp"] = ops;
+      const char* name = group == dp_ ? "dp" : "tp";
+      comm[name] = ops;
+      comm_ms[name] = {{"busy", static_cast<double>(group_stats.busy_ns) / 1e6},
+                       {"exposed", static_cast<double>(group_stats.wait_ns) / 1e6}};
     }
-    if (!comm.empty()) record["comm"] = comm;
+    if (!comm.empty()) {
+      record["comm"] = comm;
+      record["comm_ms"] = comm_ms;
+    }
     if (metrics) metrics->write(record);
     board_.finish_step(step + 1, stats.loss, stats.grad_norm, tokens_per_step / (stats.step_ms / 1e3), stats.step_ms);
 

@@ -224,6 +224,8 @@ class TrainLoop {
   health::FaultInjector faults_;
   // Whether the forward now running feeds the SDC guard its activation squares.
   bool judging_activations_ = false;
+  // Whether backward's unit 0 gradient gets a NaN ([faults] nan_target = "gradient").
+  bool poison_gradient_ = false;
   std::vector<health::FaultInjector::Site> tensor_sites_, owned_sites_, activation_sites_;
   SdcGuard sdc_;
   CheckpointFaults checkpoint_faults_;
