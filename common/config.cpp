@@ -331,6 +331,8 @@ void Config::validate() const {
   at_least(train.val_batches, 1, "train.val_batches");
   at_least(train.log_every, 1, "train.log_every");
   at_least(train.threads, 0, "train.threads");
+  check(train.device == "cpu" || train.device == "cuda", "train.device",
+        fmt::format("must be \"cpu\" or \"cuda\" (got \"{}\")", train.device));
 
   check(!daemon.socket.empty(), "daemon.socket", "must name the control socket, e.g. /run/keel/keeld.sock");
   // sockaddr_un holds 108 bytes with the terminating NUL.

@@ -110,6 +110,7 @@ struct TrainConfig {
   int64_t val_batches = 8;       // batches of batch_size sequences per validation pass
   int64_t log_every = 10;        // progress line every N steps
   int64_t threads = 0;           // CPU threads for kernels; 0 = OMP_NUM_THREADS, else every CPU the rank may use
+  std::string device = "cpu";    // "cpu" or "cuda" (one GPU per rank): the backend every rank trains on
 
   template <class V> void visit(V& v) {
     v("steps", steps);
@@ -126,6 +127,7 @@ struct TrainConfig {
     v("val_batches", val_batches);
     v("log_every", log_every);
     v("threads", threads);
+    v("device", device);
   }
 };
 

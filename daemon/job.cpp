@@ -22,8 +22,8 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       run_dir_(options_.config.job.run_dir),
       machine_(options_.config.job.name, options_.config.daemon),
       ranks_(RankSetOptions{static_cast<int>(options_.config.parallel.world_size()), options_.trainer,
-                            options_.config_path, options_.overrides, options_.store_address,
-                            options_.store_secret, run_dir_, options_.config.daemon.pin_cpus}),
+                            options_.config_path, options_.overrides, options_.store_address, options_.store_secret,
+                            run_dir_, options_.config.daemon.pin_cpus, options_.gpus}),
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.parallel.world_size())),
       started_at_ns_(clock.now_ns()) {

@@ -51,6 +51,8 @@ struct JobOptions {
   // keeld's own client of that Store (nullptr: none): a rank's failure is
   // written there so the survivors stop waiting for it (common::rank_failed_key).
   common::Store* store = nullptr;
+  // Each rank's GPU (gpu_assignment.h) when train.device = "cuda".
+  std::vector<std::string> gpus;
 };
 
 class Job {

@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/tcp_store.h"
 #include "daemon/control_server.h"
+#include "daemon/gpu_assignment.h"
 #include "daemon/job.h"
 #include "daemon/metrics_server.h"
 
@@ -20,10 +21,12 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <optional>
@@ -104,6 +107,13 @@ int main(int argc, char** argv) {
       throw Error(ErrorCode::kBadConfig, fmt::format("the trainer {} is not an executable file; install keel-trainer "
                                                      "beside keeld or set daemon.trainer",
                                                      options.trainer.string()));
+    }
+    if (config.train.device == "cuda") {
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+      const auto gpus =
+          keel::daemon::node_gpus(visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
+      options.gpus = keel::daemon::assign_gpus(gpus, static_cast<int>(config.parallel.world_size()));
+      log->info("ranks get GPUs {} of {}", fmt::join(options.gpus, ","), gpus.source);
     }
     options.config_path = std::filesystem::absolute(config_path);
     options.overrides = overrides;

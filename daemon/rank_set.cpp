@@ -87,6 +87,7 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation) {
         launch.env[var] = std::to_string(threads_per_rank_);
       }
     }
+    if (!options_.gpus.empty()) launch.env["CUDA_VISIBLE_DEVICES"] = options_.gpus[static_cast<size_t>(rank.rank)];
     launch.log = rank_log_path(options_.run_dir, rank.rank);
     try {
       slot.emplace(health::ProgressBoard::create(board));

@@ -27,6 +27,7 @@ struct RankSetOptions {
   std::string store_secret;                // KEEL_STORE_SECRET
   std::filesystem::path run_dir;           // KEEL_RUN_DIR; logs/ holds each rank's log
   bool pin_cpus = true;                    // daemon.pin_cpus
+  std::vector<std::string> gpus;           // each rank's CUDA_VISIBLE_DEVICES (gpu_assignment.h); empty: CPU
 };
 
 class RankSet {

@@ -102,6 +102,7 @@ TEST_SUITE("unit") {
          "health.straggler_false_alarm_steps): must be at least 1000"},
         {"the straggler window count of before the CUSUM", m + "[health]\nstraggler_windows = 3\n", {},
          "unknown key 'straggler_windows' in [health]"},
+        {"unknown device", m, {"train.device=gpu"}, "train.device): must be \"cpu\" or \"cuda\" (got \"gpu\")"},
         {"overlap that is not a boolean", m + "[parallel]\noverlap_comm = 1\n", {}, "true or false"},
         {"warmup longer than run", m + "[train]\nsteps = 10\nwarmup_steps = 20\n", {}, "warmup_steps=20 exceeds steps=10"},
         {"no training data", "[job]\nname = \"x\"\n", {}, "data.train): must name the training shards"},

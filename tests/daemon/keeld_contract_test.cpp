@@ -6,6 +6,10 @@
 
 #include <doctest/doctest.h>
 
+#include <map>
+#include <string>
+#include <vector>
+
 namespace keel::test {
 
 TEST_SUITE("integration") {
@@ -34,6 +38,7 @@ TEST_SUITE("integration") {
     struct Case {
       std::vector<std::string> sets;
       std::string says;
+      std::map<std::string, std::string> env = {};
     };
     const std::vector<Case> cases = {
         {{"daemon.metrics_port=70000"}, "daemon.metrics_port"},
@@ -50,6 +55,9 @@ TEST_SUITE("integration") {
         {{"parallel.pp=2", "parallel.micro_batches=2"}, "this build trains DP x TP layouts only (pp=2 cp=1 ep=1)"},
         {{"model.n_expert=4"}, "tp=2 with a MoE model (n_expert=4) is not built yet"},
         {{"parallel.tp=3"}, "tp=3 does not divide n_head=4"},
+        {{"train.device=tpu"}, "train.device"},
+        // One GPU per rank: the job's 4 ranks do not fit the node's one.
+        {{"train.device=cuda"}, "has 1 GPU (keeld's CUDA_VISIBLE_DEVICES=\"7\": 7)", {{"CUDA_VISIBLE_DEVICES", "7"}}},
     };
     for (const auto& c : cases) {
       INFO("--set " << c.sets.at(0) << (c.sets.size() > 1 ? " ..." : ""));
@@ -59,7 +67,7 @@ TEST_SUITE("integration") {
         argv.push_back("--set");
         argv.push_back(s);
       }
-      const auto result = run_process(argv, {}, 60);
+      const auto result = run_process(argv, c.env, 60);
       INFO(result.output);
       CHECK(result.exit_code == 2);
       CHECK(result.output.find(c.says) != std::string::npos);

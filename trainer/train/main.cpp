@@ -191,6 +191,14 @@ int main(int argc, char** argv) {
     if (!worker.board.empty()) {
       board.emplace(keel::health::ProgressBoard::open(worker.board), worker.rank, worker.generation);
     }
+    if (config.train.device != "cpu") {
+      // The CUDA kernels, NCCL and the stream plumbing exist, but the
+      // Backend that runs the whole model on them does not yet
+      // (docs/architecture.md "Not built yet").
+      throw Error(ErrorCode::kBadConfig, fmt::format("train.device = \"{}\": this keel-trainer trains on the CPU "
+                                                     "backend only; set train.device = \"cpu\"",
+                                                     config.train.device));
+    }
     keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
     log->info("backend {} with {} threads", backend.name(), backend.threads());
     // Ranks rendezvous through the Store; groups are named by generation so
