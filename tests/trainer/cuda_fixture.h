@@ -21,9 +21,9 @@ inline bool device_or_skip() {
 }
 
 // Device memory holding a copy of a host vector.
-class DeviceVec {
+template <class T = float> class DeviceVec {
  public:
-  explicit DeviceVec(const std::vector<float>& host) : size_(host.size()) {
+  explicit DeviceVec(const std::vector<T>& host) : size_(host.size()) {
     REQUIRE(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes()) == cudaSuccess);
     REQUIRE(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
   }
@@ -31,17 +31,17 @@ class DeviceVec {
   DeviceVec(const DeviceVec&) = delete;
   DeviceVec& operator=(const DeviceVec&) = delete;
 
-  float* get() { return ptr_; }
-  std::vector<float> to_host() const {
-    std::vector<float> host(size_);
+  T* get() { return ptr_; }
+  std::vector<T> to_host() const {
+    std::vector<T> host(size_);
     REQUIRE(cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
     return host;
   }
 
  private:
-  size_t bytes() const { return size_ * sizeof(float); }
+  size_t bytes() const { return size_ * sizeof(T); }
   size_t size_;
-  float* ptr_ = nullptr;
+  T* ptr_ = nullptr;
 };
 
 }  // namespace keel::test

@@ -501,6 +501,13 @@ TEST_SUITE("unit") {
     CHECK(failure_of([&] { comm.recv(data.data(), 4, 0); }).code == ErrorCode::kInternal);
     CHECK(failure_of([&] { comm.broadcast(data.data(), 4, -1); }).code == ErrorCode::kInternal);
     CHECK(failure_of([&] { comm.all_reduce(nullptr, 4); }).code == ErrorCode::kInternal);
+    // The CPU path is float32: a bfloat16 buffer, or in and out that
+    // disagree, is the caller's bug.
+    std::vector<bf16> half(4);
+    const Failure refused = failure_of([&] { comm.all_reduce(half.data(), 4); });
+    CHECK(refused.code == ErrorCode::kInternal);
+    CHECK(contains(refused.message, "does not carry bf16"));
+    CHECK(failure_of([&] { comm.all_gather(data.data(), half.data(), 4); }).code == ErrorCode::kInternal);
     CHECK(recorder->snapshot().empty());
     CHECK(comm.stats().calls_of(CollectiveOp::kSend) == 0);
     comm.all_reduce(data.data(), 4);

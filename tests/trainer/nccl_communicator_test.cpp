@@ -145,6 +145,27 @@ TEST_SUITE("gpu") {
     CHECK(untouched.to_host() == Vec(3, 7.0f));
   }
 
+  TEST_CASE("nccl carries bfloat16 and counts its payload in two-byte elements") {
+    if (!device_or_skip()) return;
+    MemoryStore store;
+    NcclCommunicator comm(store, "solo-bf16", 0, 1, kDevice, kTimeout, nullptr);
+    std::vector<bf16> in(1001);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = to_bf16(static_cast<float>(i % 251) - 125.0f);
+    auto bits = [](const std::vector<bf16>& v) {
+      std::vector<uint16_t> out;
+      for (const bf16 x : v) out.push_back(x.bits);
+      return out;
+    };
+    DeviceVec<bf16> reduced(in);
+    comm.all_reduce(reduced.get(), in.size());
+    CHECK(bits(reduced.to_host()) == bits(in));
+    DeviceVec<bf16> gather_in(in), gather_out(std::vector<bf16>(in.size()));
+    comm.all_gather(gather_in.get(), gather_out.get(), in.size());
+    CHECK(bits(gather_out.to_host()) == bits(in));
+    CHECK(comm.stats().bytes_of(CollectiveOp::kAllReduce) == 2 * in.size());
+    CHECK(comm.stats().bytes_of(CollectiveOp::kAllGather) == 2 * in.size());
+  }
+
   TEST_CASE("nccl send and recv to itself are refused before they reach the device") {
     // At world size 1 the only rank is the caller, and communicator.cpp
     // refuses a rank as its own peer: point to point cannot run here.

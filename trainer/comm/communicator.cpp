@@ -16,8 +16,6 @@ namespace {
 using common::Error;
 using common::ErrorCode;
 
-constexpr uint64_t kFloatBytes = sizeof(float);
-
 }  // namespace
 
 const char* collective_op_name(CollectiveOp op) {
@@ -179,12 +177,6 @@ namespace {
 
 // Argument errors are bugs in the caller: they are raised before the call
 // takes a sequence number, so they never reach the wire or the recorder.
-void check_buffer(const std::string& group, const char* op, const void* data, size_t count) {
-  if (data == nullptr && count > 0) {
-    throw Error(ErrorCode::kInternal, fmt::format("group '{}' {}: null buffer for {} elements", group, op, count));
-  }
-}
-
 void check_rank(const std::string& group, const char* op, const char* what, int value, int size) {
   if (value < 0 || value >= size) {
     throw Error(ErrorCode::kInternal,
@@ -201,36 +193,55 @@ void check_peer(const std::string& group, const char* op, int peer, int rank, in
 
 }  // namespace
 
-void Communicator::all_reduce(float* data, size_t count) { issue_all_reduce(data, count, true); }
+void Communicator::check_buffer(const char* op, ConstBuffer buffer, size_t count) const {
+  if (buffer.data == nullptr && count > 0) {
+    throw Error(ErrorCode::kInternal, fmt::format("group '{}' {}: null buffer for {} elements", name_, op, count));
+  }
+  if (!carries(buffer.dtype)) {
+    throw Error(ErrorCode::kInternal,
+                fmt::format("group '{}' {}: this communicator does not carry {}", name_, op, dtype_name(buffer.dtype)));
+  }
+}
 
-void Communicator::reduce_scatter(const float* in, float* out, size_t count) {
+void Communicator::check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t count) const {
+  check_buffer(op, in, count);
+  check_buffer(op, out, count);
+  if (in.dtype != out.dtype) {
+    throw Error(ErrorCode::kInternal, fmt::format("group '{}' {}: input {} but output {}", name_, op,
+                                                  dtype_name(in.dtype), dtype_name(out.dtype)));
+  }
+}
+
+void Communicator::all_reduce(Buffer data, size_t count) { issue_all_reduce(data, count, true); }
+
+void Communicator::reduce_scatter(ConstBuffer in, Buffer out, size_t count) {
   issue_reduce_scatter(in, out, count, true);
 }
 
-void Communicator::all_gather(const float* in, float* out, size_t count) { issue_all_gather(in, out, count, true); }
+void Communicator::all_gather(ConstBuffer in, Buffer out, size_t count) { issue_all_gather(in, out, count, true); }
 
-void Communicator::broadcast(float* data, size_t count, int root) {
-  check_buffer(name_, "broadcast", data, count);
+void Communicator::broadcast(Buffer data, size_t count, int root) {
+  check_buffer("broadcast", data, count);
   check_rank(name_, "broadcast", "root", root, size_);
-  issue(CollectiveOp::kBroadcast, count * kFloatBytes, root, true, [=, this] { do_broadcast(data, count, root); });
+  issue(CollectiveOp::kBroadcast, count * dtype_bytes(data.dtype), root, true,
+        [=, this] { do_broadcast(data, count, root); });
 }
 
-void Communicator::send(const float* data, size_t count, int peer) {
-  check_buffer(name_, "send", data, count);
+void Communicator::send(ConstBuffer data, size_t count, int peer) {
+  check_buffer("send", data, count);
   check_peer(name_, "send", peer, rank_, size_);
-  issue(CollectiveOp::kSend, count * kFloatBytes, peer, true, [=, this] { do_send(data, count, peer); });
+  issue(CollectiveOp::kSend, count * dtype_bytes(data.dtype), peer, true, [=, this] { do_send(data, count, peer); });
 }
 
-void Communicator::recv(float* data, size_t count, int peer) {
-  check_buffer(name_, "recv", data, count);
+void Communicator::recv(Buffer data, size_t count, int peer) {
+  check_buffer("recv", data, count);
   check_peer(name_, "recv", peer, rank_, size_);
-  issue(CollectiveOp::kRecv, count * kFloatBytes, peer, true, [=, this] { do_recv(data, count, peer); });
+  issue(CollectiveOp::kRecv, count * dtype_bytes(data.dtype), peer, true, [=, this] { do_recv(data, count, peer); });
 }
 
-void Communicator::all_to_all(const float* in, float* out, size_t count) {
-  check_buffer(name_, "all_to_all", in, count);
-  check_buffer(name_, "all_to_all", out, count);
-  issue(CollectiveOp::kAllToAll, static_cast<uint64_t>(size_) * count * kFloatBytes, -1, true,
+void Communicator::all_to_all(ConstBuffer in, Buffer out, size_t count) {
+  check_buffers("all_to_all", in, out, count);
+  issue(CollectiveOp::kAllToAll, static_cast<uint64_t>(size_) * count * dtype_bytes(in.dtype), -1, true,
         [=, this] { do_all_to_all(in, out, count); });
 }
 
@@ -238,32 +249,31 @@ void Communicator::barrier() {
   issue(CollectiveOp::kBarrier, 0, -1, true, [this] { do_barrier(); });
 }
 
-CommWork Communicator::start_all_reduce(float* data, size_t count) { return issue_all_reduce(data, count, false); }
+CommWork Communicator::start_all_reduce(Buffer data, size_t count) { return issue_all_reduce(data, count, false); }
 
-CommWork Communicator::start_reduce_scatter(const float* in, float* out, size_t count) {
+CommWork Communicator::start_reduce_scatter(ConstBuffer in, Buffer out, size_t count) {
   return issue_reduce_scatter(in, out, count, false);
 }
 
-CommWork Communicator::start_all_gather(const float* in, float* out, size_t count) {
+CommWork Communicator::start_all_gather(ConstBuffer in, Buffer out, size_t count) {
   return issue_all_gather(in, out, count, false);
 }
 
-CommWork Communicator::issue_all_reduce(float* data, size_t count, bool blocking) {
-  check_buffer(name_, "all_reduce", data, count);
-  return issue(CollectiveOp::kAllReduce, count * kFloatBytes, -1, blocking, [=, this] { do_all_reduce(data, count); });
+CommWork Communicator::issue_all_reduce(Buffer data, size_t count, bool blocking) {
+  check_buffer("all_reduce", data, count);
+  return issue(CollectiveOp::kAllReduce, count * dtype_bytes(data.dtype), -1, blocking,
+               [=, this] { do_all_reduce(data, count); });
 }
 
-CommWork Communicator::issue_reduce_scatter(const float* in, float* out, size_t count, bool blocking) {
-  check_buffer(name_, "reduce_scatter", in, count);
-  check_buffer(name_, "reduce_scatter", out, count);
-  return issue(CollectiveOp::kReduceScatter, static_cast<uint64_t>(size_) * count * kFloatBytes, -1, blocking,
+CommWork Communicator::issue_reduce_scatter(ConstBuffer in, Buffer out, size_t count, bool blocking) {
+  check_buffers("reduce_scatter", in, out, count);
+  return issue(CollectiveOp::kReduceScatter, static_cast<uint64_t>(size_) * count * dtype_bytes(in.dtype), -1, blocking,
                [=, this] { do_reduce_scatter(in, out, count); });
 }
 
-CommWork Communicator::issue_all_gather(const float* in, float* out, size_t count, bool blocking) {
-  check_buffer(name_, "all_gather", in, count);
-  check_buffer(name_, "all_gather", out, count);
-  return issue(CollectiveOp::kAllGather, count * kFloatBytes, -1, blocking,
+CommWork Communicator::issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking) {
+  check_buffers("all_gather", in, out, count);
+  return issue(CollectiveOp::kAllGather, count * dtype_bytes(in.dtype), -1, blocking,
                [=, this] { do_all_gather(in, out, count); });
 }
 

@@ -23,12 +23,17 @@
 // blocking call or from CommWork::wait(). After either, the communicator is
 // unusable: the rank exits and keeld restarts the generation.
 //
-// Buffers are float32 and element counts are per rank unless said otherwise.
+// Buffers are typed (dtype.h: a float* is float32, a bf16* bfloat16; the
+// inputs and outputs of one call share a dtype), and element counts are per
+// rank unless said otherwise. Payloads are counted in bytes. A backend says
+// which dtypes it carries (carries()); another is refused as an argument
+// error.
 #pragma once
 
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
 #include "trainer/comm/flight_recorder.h"
+#include "trainer/kernels/dtype.h"
 #include "trainer/kernels/stream.h"
 
 #include <array>
@@ -125,28 +130,31 @@ class Communicator {
   // can be handed over at once. The stream must outlive the calls.
   void set_compute_stream(Stream* compute) { compute_ = compute; }
 
-  // data[count] = sum over the group, in place. Payload: count floats.
-  void all_reduce(float* data, size_t count);
+  // data[count] = sum over the group, in place. Payload: count elements.
+  void all_reduce(Buffer data, size_t count);
   // in[size * count] (block r for rank r); out[count] = the sum over the
-  // group of every rank's block `rank()`. Payload: size * count floats.
-  void reduce_scatter(const float* in, float* out, size_t count);
+  // group of every rank's block `rank()`. Payload: size * count elements.
+  void reduce_scatter(ConstBuffer in, Buffer out, size_t count);
   // in[count] from every rank; out[size * count], block r from rank r.
-  // Payload: count floats.
-  void all_gather(const float* in, float* out, size_t count);
-  // data[count] from `root` to every rank. Payload: count floats.
-  void broadcast(float* data, size_t count, int root);
+  // Payload: count elements.
+  void all_gather(ConstBuffer in, Buffer out, size_t count);
+  // data[count] from `root` to every rank. Payload: count elements.
+  void broadcast(Buffer data, size_t count, int root);
   // Point to point; the peer must post the matching call.
-  void send(const float* data, size_t count, int peer);
-  void recv(float* data, size_t count, int peer);
+  void send(ConstBuffer data, size_t count, int peer);
+  void recv(Buffer data, size_t count, int peer);
   // in[size * count]: block r goes to rank r; out[size * count]: block r
-  // came from rank r. Payload: size * count floats.
-  void all_to_all(const float* in, float* out, size_t count);
+  // came from rank r. Payload: size * count elements.
+  void all_to_all(ConstBuffer in, Buffer out, size_t count);
   void barrier();
 
   // all_reduce, reduce_scatter and all_gather issued without waiting.
-  [[nodiscard]] CommWork start_all_reduce(float* data, size_t count);
-  [[nodiscard]] CommWork start_reduce_scatter(const float* in, float* out, size_t count);
-  [[nodiscard]] CommWork start_all_gather(const float* in, float* out, size_t count);
+  [[nodiscard]] CommWork start_all_reduce(Buffer data, size_t count);
+  [[nodiscard]] CommWork start_reduce_scatter(ConstBuffer in, Buffer out, size_t count);
+  [[nodiscard]] CommWork start_all_gather(ConstBuffer in, Buffer out, size_t count);
+
+  // Whether this backend's collectives carry `dtype`.
+  virtual bool carries(DType dtype) const = 0;
 
   // Makes every pending and future call on this communicator fail quickly;
   // safe to call from another thread (the watchdog).
@@ -179,13 +187,14 @@ class Communicator {
   // the backend's state goes away.
   void stop_communication_thread() noexcept;
 
-  virtual void do_all_reduce(float* data, size_t count) = 0;
-  virtual void do_reduce_scatter(const float* in, float* out, size_t count) = 0;
-  virtual void do_all_gather(const float* in, float* out, size_t count) = 0;
-  virtual void do_broadcast(float* data, size_t count, int root) = 0;
-  virtual void do_send(const float* data, size_t count, int peer) = 0;
-  virtual void do_recv(float* data, size_t count, int peer) = 0;
-  virtual void do_all_to_all(const float* in, float* out, size_t count) = 0;
+  // Buffers are of a dtype carries() accepts; in and out share it.
+  virtual void do_all_reduce(Buffer data, size_t count) = 0;
+  virtual void do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) = 0;
+  virtual void do_all_gather(ConstBuffer in, Buffer out, size_t count) = 0;
+  virtual void do_broadcast(Buffer data, size_t count, int root) = 0;
+  virtual void do_send(ConstBuffer data, size_t count, int peer) = 0;
+  virtual void do_recv(Buffer data, size_t count, int peer) = 0;
+  virtual void do_all_to_all(ConstBuffer in, Buffer out, size_t count) = 0;
   virtual void do_barrier() = 0;
 
   // For backends: reports a peer failure to the handler, if one is set.
@@ -197,9 +206,14 @@ class Communicator {
   // the calling thread when `blocking` and nothing is in flight, else on
   // the communication thread.
   CommWork issue(CollectiveOp op, uint64_t bytes, int peer, bool blocking, std::function<void()> body);
-  CommWork issue_all_reduce(float* data, size_t count, bool blocking);
-  CommWork issue_reduce_scatter(const float* in, float* out, size_t count, bool blocking);
-  CommWork issue_all_gather(const float* in, float* out, size_t count, bool blocking);
+  // Argument errors (kInternal, before a sequence number is taken): a null
+  // buffer with elements, a dtype this backend does not carry, or in and
+  // out of different dtypes.
+  void check_buffer(const char* op, ConstBuffer buffer, size_t count) const;
+  void check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t count) const;
+  CommWork issue_all_reduce(Buffer data, size_t count, bool blocking);
+  CommWork issue_reduce_scatter(ConstBuffer in, Buffer out, size_t count, bool blocking);
+  CommWork issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking);
   // Runs a collective that `issue` took sequence number `seq` for.
   void run(CollectiveOp op, uint64_t bytes, int peer, int64_t seq, const std::function<void()>& body);
   // Blocks until `result` is ready, counting the time as exposed wait.

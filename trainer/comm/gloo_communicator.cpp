@@ -295,7 +295,8 @@ void GlooCommunicator::guarded(Body&& body) {
   }
 }
 
-void GlooCommunicator::do_all_reduce(float* data, size_t count) {
+void GlooCommunicator::do_all_reduce(Buffer buffer, size_t count) {
+  float* data = static_cast<float*>(buffer.data);  // carries() admits float32 only
   const uint32_t tag = next_collective_tag();
   guarded([&] {
     if (count == 0) return;
@@ -325,7 +326,9 @@ void GlooCommunicator::do_all_reduce(float* data, size_t count) {
 // of block (r−s−1) mod n to rank r+1 and adds its own part to block
 // (r−s−2) mod n from rank r−1; after the last step that block is r. The
 // summation order of each block is fixed, so results are deterministic.
-void GlooCommunicator::do_reduce_scatter(const float* in, float* out, size_t count) {
+void GlooCommunicator::do_reduce_scatter(ConstBuffer in_buffer, Buffer out_buffer, size_t count) {
+  const float* in = static_cast<const float*>(in_buffer.data);
+  float* out = static_cast<float*>(out_buffer.data);
   const uint32_t tag = next_collective_tag();
   const int n = size();
   const int r = rank();
@@ -362,7 +365,9 @@ void GlooCommunicator::do_reduce_scatter(const float* in, float* out, size_t cou
   });
 }
 
-void GlooCommunicator::do_all_gather(const float* in, float* out, size_t count) {
+void GlooCommunicator::do_all_gather(ConstBuffer in_buffer, Buffer out_buffer, size_t count) {
+  const float* in = static_cast<const float*>(in_buffer.data);
+  float* out = static_cast<float*>(out_buffer.data);
   const uint32_t tag = next_collective_tag();
   guarded([&] {
     if (count == 0) return;
@@ -375,7 +380,8 @@ void GlooCommunicator::do_all_gather(const float* in, float* out, size_t count) 
   });
 }
 
-void GlooCommunicator::do_broadcast(float* data, size_t count, int root) {
+void GlooCommunicator::do_broadcast(Buffer buffer, size_t count, int root) {
+  float* data = static_cast<float*>(buffer.data);  // carries() admits float32 only
   const uint32_t tag = next_collective_tag();
   guarded([&] {
     if (count == 0) return;
@@ -388,7 +394,8 @@ void GlooCommunicator::do_broadcast(float* data, size_t count, int root) {
   });
 }
 
-void GlooCommunicator::do_send(const float* data, size_t count, int peer) {
+void GlooCommunicator::do_send(ConstBuffer buffer, size_t count, int peer) {
+  const float* data = static_cast<const float*>(buffer.data);
   const auto tag = static_cast<uint32_t>(sent_to_[static_cast<size_t>(peer)]++);
   guarded([&] {
     auto buffer = context_->createUnboundBuffer(const_cast<float*>(data), count * sizeof(float));
@@ -397,7 +404,8 @@ void GlooCommunicator::do_send(const float* data, size_t count, int peer) {
   });
 }
 
-void GlooCommunicator::do_recv(float* data, size_t count, int peer) {
+void GlooCommunicator::do_recv(Buffer buffer, size_t count, int peer) {
+  float* data = static_cast<float*>(buffer.data);  // carries() admits float32 only
   const auto tag = static_cast<uint32_t>(received_from_[static_cast<size_t>(peer)]++);
   guarded([&] {
     auto buffer = context_->createUnboundBuffer(data, count * sizeof(float));
@@ -406,7 +414,9 @@ void GlooCommunicator::do_recv(float* data, size_t count, int peer) {
   });
 }
 
-void GlooCommunicator::do_all_to_all(const float* in, float* out, size_t count) {
+void GlooCommunicator::do_all_to_all(ConstBuffer in_buffer, Buffer out_buffer, size_t count) {
+  const float* in = static_cast<const float*>(in_buffer.data);
+  float* out = static_cast<float*>(out_buffer.data);
   const uint32_t tag = next_collective_tag();
   guarded([&] {
     if (count == 0) return;

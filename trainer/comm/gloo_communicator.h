@@ -75,6 +75,9 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator& operator=(const GlooCommunicator&) = delete;
 
   void abort() override;
+  // Gloo carries float32 only: the CPU path has no other dtype.
+  bool carries(DType dtype) const override { return dtype == DType::kF32; }
+
   void leave(const std::string& cause) override;
 
   // Failure propagation. This Gloo does not wake a pending send when the
@@ -94,13 +97,13 @@ class GlooCommunicator final : public Communicator {
   static std::string left_key(const std::string& group_name);
 
  protected:
-  void do_all_reduce(float* data, size_t count) override;
-  void do_reduce_scatter(const float* in, float* out, size_t count) override;
-  void do_all_gather(const float* in, float* out, size_t count) override;
-  void do_broadcast(float* data, size_t count, int root) override;
-  void do_send(const float* data, size_t count, int peer) override;
-  void do_recv(float* data, size_t count, int peer) override;
-  void do_all_to_all(const float* in, float* out, size_t count) override;
+  void do_all_reduce(Buffer data, size_t count) override;
+  void do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) override;
+  void do_all_gather(ConstBuffer in, Buffer out, size_t count) override;
+  void do_broadcast(Buffer data, size_t count, int root) override;
+  void do_send(ConstBuffer data, size_t count, int peer) override;
+  void do_recv(Buffer data, size_t count, int peer) override;
+  void do_all_to_all(ConstBuffer in, Buffer out, size_t count) override;
   void do_barrier() override;
 
  private:

@@ -53,6 +53,9 @@ std::string nccl_message(ncclResult_t result) {
   return message;
 }
 
+// carries() admits these two.
+ncclDataType_t nccl_type(DType dtype) { return dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32; }
+
 std::string cuda_message(const char* what, cudaError_t error) {
   return fmt::format("{}: {}", what, cudaGetErrorString(error));
 }
@@ -296,53 +299,55 @@ void NcclCommunicator::wait_until_done(Clock::time_point deadline) {
   }
 }
 
-void NcclCommunicator::do_all_reduce(float* data, size_t count) {
+void NcclCommunicator::do_all_reduce(Buffer data, size_t count) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm, stream);
+    return ncclAllReduce(data.data, data.data, count, nccl_type(data.dtype), ncclSum, comm, stream);
   });
 }
 
-void NcclCommunicator::do_reduce_scatter(const float* in, float* out, size_t count) {
+void NcclCommunicator::do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclReduceScatter(in, out, count, ncclFloat32, ncclSum, comm, stream);
+    return ncclReduceScatter(in.data, out.data, count, nccl_type(in.dtype), ncclSum, comm, stream);
   });
 }
 
-void NcclCommunicator::do_all_gather(const float* in, float* out, size_t count) {
+void NcclCommunicator::do_all_gather(ConstBuffer in, Buffer out, size_t count) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclAllGather(in, out, count, ncclFloat32, comm, stream);
+    return ncclAllGather(in.data, out.data, count, nccl_type(in.dtype), comm, stream);
   });
 }
 
-void NcclCommunicator::do_broadcast(float* data, size_t count, int root) {
+void NcclCommunicator::do_broadcast(Buffer data, size_t count, int root) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclBroadcast(data, data, count, ncclFloat32, root, comm, stream);
+    return ncclBroadcast(data.data, data.data, count, nccl_type(data.dtype), root, comm, stream);
   });
 }
 
-void NcclCommunicator::do_send(const float* data, size_t count, int peer) {
+void NcclCommunicator::do_send(ConstBuffer data, size_t count, int peer) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclSend(data, count, ncclFloat32, peer, comm, stream);
+    return ncclSend(data.data, count, nccl_type(data.dtype), peer, comm, stream);
   });
 }
 
-void NcclCommunicator::do_recv(float* data, size_t count, int peer) {
+void NcclCommunicator::do_recv(Buffer data, size_t count, int peer) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclRecv(data, count, ncclFloat32, peer, comm, stream);
+    return ncclRecv(data.data, count, nccl_type(data.dtype), peer, comm, stream);
   });
 }
 
 // One group of a send and a receive per rank (itself included), which all
 // progress together. all_to_all(v) will need exactly this with per-rank
 // counts, which NCCL's ncclAlltoAll (equal counts only) cannot give.
-void NcclCommunicator::do_all_to_all(const float* in, float* out, size_t count) {
+void NcclCommunicator::do_all_to_all(ConstBuffer in, Buffer out, size_t count) {
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+    const ncclDataType_t type = nccl_type(in.dtype);
+    const size_t block_bytes = count * dtype_bytes(in.dtype);
     ncclResult_t result = ncclGroupStart();
     if (result != ncclSuccess) return result;
     for (int r = 0; r < size() && result == ncclSuccess; ++r) {
-      const size_t offset = static_cast<size_t>(r) * count;
-      result = ncclSend(in + offset, count, ncclFloat32, r, comm, stream);
-      if (result == ncclSuccess) result = ncclRecv(out + offset, count, ncclFloat32, r, comm, stream);
+      const size_t offset = static_cast<size_t>(r) * block_bytes;
+      result = ncclSend(static_cast<const char*>(in.data) + offset, count, type, r, comm, stream);
+      if (result == ncclSuccess) result = ncclRecv(static_cast<char*>(out.data) + offset, count, type, r, comm, stream);
     }
     // The group must be closed even after a failed call inside it; NCCL
     // then reports that failure from ncclGroupEnd too.

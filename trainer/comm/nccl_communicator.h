@@ -1,5 +1,5 @@
 // NcclCommunicator: the GPU communicator (docs/architecture.md "Parallel layout and communication"), NCCL from the CUDA
-// toolkit (2.28). Buffers are float32 device pointers on `device`.
+// toolkit (2.28). Buffers are float32 or bfloat16 device pointers on `device`.
 //
 // One rank per GPU: NCCL refuses two ranks of a group on one device
 // ("Duplicate GPU detected", an invalid-usage error: kInternal), so a
@@ -82,6 +82,7 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
   void abort() override;
+  bool carries(DType dtype) const override { return dtype == DType::kF32 || dtype == DType::kBF16; }
 
   // The stream every call runs on; work queued on it before a call runs
   // before the call's collective.
@@ -89,13 +90,13 @@ class NcclCommunicator final : public Communicator {
 
  protected:
   Stream& communication_stream() override { return *stream_; }
-  void do_all_reduce(float* data, size_t count) override;
-  void do_reduce_scatter(const float* in, float* out, size_t count) override;
-  void do_all_gather(const float* in, float* out, size_t count) override;
-  void do_broadcast(float* data, size_t count, int root) override;
-  void do_send(const float* data, size_t count, int peer) override;
-  void do_recv(float* data, size_t count, int peer) override;
-  void do_all_to_all(const float* in, float* out, size_t count) override;
+  void do_all_reduce(Buffer data, size_t count) override;
+  void do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) override;
+  void do_all_gather(ConstBuffer in, Buffer out, size_t count) override;
+  void do_broadcast(Buffer data, size_t count, int root) override;
+  void do_send(ConstBuffer data, size_t count, int peer) override;
+  void do_recv(Buffer data, size_t count, int peer) override;
+  void do_all_to_all(ConstBuffer in, Buffer out, size_t count) override;
   void do_barrier() override;
 
  private:

@@ -1,0 +1,55 @@
+// Element types, and typed views of buffers where data crosses a seam
+// (docs/architecture.md "Dtypes"). The CPU path is float32 throughout; the
+// GPU path computes in bfloat16 and keeps master weights, gradient sums and
+// Adam moments in float32, so a buffer handed to a communicator says which.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace keel::trainer {
+
+enum class DType : uint8_t { kF32, kBF16 };
+
+constexpr size_t dtype_bytes(DType dtype) { return dtype == DType::kBF16 ? 2 : 4; }
+constexpr const char* dtype_name(DType dtype) { return dtype == DType::kBF16 ? "bf16" : "f32"; }
+
+// bfloat16 as stored: the upper half of a float32's bits.
+struct bf16 {
+  uint16_t bits = 0;
+};
+
+// Rounds to the nearest bfloat16, ties to even; a NaN stays a (quiet) NaN.
+constexpr bf16 to_bf16(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
+    return bf16{static_cast<uint16_t>((bits >> 16) | 0x0040u)};
+  }
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return bf16{static_cast<uint16_t>((bits + rounding) >> 16)};
+}
+
+constexpr float to_float(bf16 value) { return std::bit_cast<float>(static_cast<uint32_t>(value.bits) << 16); }
+
+// A buffer of `dtype` elements. The constructors are implicit on purpose: a
+// float* is a float32 buffer and a bf16* a bfloat16 one, so callers pass
+// their typed pointers and the type travels with them.
+struct Buffer {
+  Buffer(std::nullptr_t) {}
+  Buffer(float* p) : data(p) {}
+  Buffer(bf16* p) : data(p), dtype(DType::kBF16) {}
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+};
+
+struct ConstBuffer {
+  ConstBuffer(std::nullptr_t) {}
+  ConstBuffer(const float* p) : data(p) {}
+  ConstBuffer(const bf16* p) : data(p), dtype(DType::kBF16) {}
+  ConstBuffer(Buffer b) : data(b.data), dtype(b.dtype) {}
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+};
+
+}  // namespace keel::trainer
