@@ -96,6 +96,8 @@ class CommWork {
   // Blocks until the collective has completed; the time blocked is the
   // group's exposed wait. Does nothing when already waited for.
   void wait();
+  // Issued and not waited for yet.
+  bool pending() const { return result_.valid(); }
 
  private:
   friend class Communicator;

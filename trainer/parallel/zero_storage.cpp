@@ -3,6 +3,7 @@
 #include "common/error.h"
 
 #include <algorithm>
+#include <exception>
 
 namespace keel::trainer {
 namespace {
@@ -62,6 +63,22 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
   } else {
     params_ = BackendArray<float>(backend, table.total());
     grads_ = BackendArray<float>(backend, table.total());
+  }
+}
+
+ZeroStorage::~ZeroStorage() {
+  std::vector<CommWork*> works;
+  for (CommWork& work : pending_sums_) works.push_back(&work);
+  for (PendingScatter& scatter : scatters_) works.push_back(&scatter.work);
+  works.push_back(&gather_);
+  if (std::none_of(works.begin(), works.end(), [](const CommWork* w) { return w->pending(); })) return;
+  dp_->abort();
+  for (CommWork* work : works) {
+    try {
+      work->wait();
+    } catch (const std::exception&) {
+      // Aborted on purpose: the failure that ended the step is reported elsewhere.
+    }
   }
 }
 

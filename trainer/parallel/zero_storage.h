@@ -45,6 +45,11 @@ class ZeroStorage final : public ModelStorage {
  public:
   ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr,
               bool overlap = true);
+  // Aborts the DP group when a collective is still in flight (the rank is
+  // failing mid-step): it would write into buffers freed here.
+  ~ZeroStorage() override;
+  ZeroStorage(const ZeroStorage&) = delete;
+  ZeroStorage& operator=(const ZeroStorage&) = delete;
 
   const ParameterTable& table() const override { return table_; }
   int stage() const { return stage_; }
