@@ -74,6 +74,25 @@ void Communicator::reset_stats() {
   stats_ = CommStats{};
 }
 
+template <class Blocking>
+void Communicator::waiting(Blocking&& blocking) {
+  const auto mark = board_ != nullptr ? board_->begin_wait() : health::BoardPublisher::WaitMark{};
+  const auto start = std::chrono::steady_clock::now();
+  auto count = [&] {
+    if (board_ != nullptr) board_->end_wait(mark);
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.wait_ns +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  };
+  try {
+    blocking();
+  } catch (...) {
+    count();
+    throw;
+  }
+  count();
+}
+
 CommWork Communicator::issue(CollectiveOp op, uint64_t bytes, int peer, bool blocking, std::function<void()> body) {
   // On the issuing thread, which owns the injector's state: a held rank
   // never issues the call.
@@ -90,18 +109,7 @@ CommWork Communicator::issue(CollectiveOp op, uint64_t bytes, int peer, bool blo
     run(op, bytes, peer, seq, body);
   };
   if (blocking && in_flight_.load() == 0) {
-    const auto mark = board_ != nullptr ? board_->begin_wait() : health::BoardPublisher::WaitMark{};
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      task();
-    } catch (...) {
-      if (board_ != nullptr) board_->end_wait(mark);
-      throw;
-    }
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (board_ != nullptr) board_->end_wait(mark);
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+    waiting(task);
     return {};
   }
   if (!thread_) thread_ = std::make_unique<boost::asio::thread_pool>(1);
@@ -156,15 +164,7 @@ void Communicator::run(CollectiveOp op, uint64_t bytes, int peer, int64_t seq, c
 }
 
 void Communicator::wait_for(std::future<void>& result) {
-  const auto mark = board_ != nullptr ? board_->begin_wait() : health::BoardPublisher::WaitMark{};
-  const auto start = std::chrono::steady_clock::now();
-  result.wait();
-  const auto waited = std::chrono::steady_clock::now() - start;
-  if (board_ != nullptr) board_->end_wait(mark);
-  {
-    std::lock_guard<std::mutex> lock(stats_mutex_);
-    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
-  }
+  waiting([&] { result.wait(); });
   result.get();
 }
 

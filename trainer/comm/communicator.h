@@ -218,7 +218,10 @@ class Communicator {
   CommWork issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking);
   // Runs a collective that `issue` took sequence number `seq` for.
   void run(CollectiveOp op, uint64_t bytes, int peer, int64_t seq, const std::function<void()>& body);
-  // Blocks until `result` is ready, counting the time as exposed wait.
+  // Runs `blocking`, the issuing thread waiting for collectives, and counts
+  // its time as the group's exposed wait, on the board too.
+  template <class Blocking> void waiting(Blocking&& blocking);
+  // Blocks until `result` is ready (exposed wait), then raises its failure.
   void wait_for(std::future<void>& result);
 
   std::string name_;
