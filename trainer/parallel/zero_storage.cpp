@@ -186,6 +186,8 @@ size_t ZeroStorage::unit_packed_numel(int unit) const {
 }
 
 void ZeroStorage::start_gather(int unit) {
+  // A gather still in flight owns gather_exchange_ until it is done.
+  gather_.wait();
   gather_unit_ = unit;
   gather_ = dp_->start_all_gather(params_.data() + packed_offset_[table_.unit_first_tensor(unit)],
                                   gather_exchange_.data(), unit_packed_numel(unit));
@@ -193,12 +195,8 @@ void ZeroStorage::start_gather(int unit) {
 }
 
 void ZeroStorage::finish_gather(int unit, float* dst) {
-  // A prefetch of another unit (a caller that changed its mind) is waited
-  // for, so that its buffer is free, and wasted.
-  if (gather_unit_ != unit) {
-    gather_.wait();
-    start_gather(unit);
-  }
+  // A prefetch of another unit (a caller that changed its mind) is wasted.
+  if (gather_unit_ != unit) start_gather(unit);
   gather_.wait();
   gather_unit_ = -1;
   shards_->unpack(backend_, gather_exchange_.data(), table_.unit_first_tensor(unit), table_.unit_end_tensor(unit),
@@ -222,7 +220,6 @@ const float* ZeroStorage::acquire_parameters(int unit) {
 void ZeroStorage::prefetch_parameters(int unit) {
   if (stage_ < 3 || gather_unit_ == unit) return;
   if (unit == 0 ? unit0_params_valid_ : block_params_unit_ == unit) return;
-  gather_.wait();
   start_gather(unit);
 }
 

@@ -120,7 +120,8 @@ class ZeroStorage final : public ModelStorage {
   // Stages 2 and 3: waits for the reduce-scatter in `slot`, if any, and
   // adds this rank's shard of it to the gradients.
   void finish_scatter(size_t slot);
-  // Starts the all-gather of the parameters of `unit` into gather_exchange_.
+  // Starts the all-gather of the parameters of `unit` into gather_exchange_,
+  // once the gather before it is done.
   void start_gather(int unit);
   // Waits for the gather in flight and unpacks it into `dst` (its unit's
   // layout), or gathers `unit` now when none is in flight for it.

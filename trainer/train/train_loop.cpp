@@ -208,8 +208,8 @@ int64_t TrainLoop::collective_wait_ns() const {
 void TrainLoop::on_local_gradients(int unit, float* grads, size_t numel) {
   const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
   if (unit == 0 && poison_gradient_) {
-    const float nan = std::nanf("");
-    backend_.copy_from_host(grads + (table_.specs()[first].offset - table_.unit_begin(0)), &nan, sizeof(float));
+    const float nan = std::nanf("");  // into the unit's first element
+    backend_.copy_from_host(grads, &nan, sizeof(float));
     poison_gradient_ = false;
   }
   flip_if_due(backend_, faults_, "grad", tensor_sites_, [&](size_t t) {
