@@ -22,7 +22,7 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 }  // namespace
 
 Checkpointer::Checkpointer(CheckpointerOptions options, common::Store* store)
-    : options_(std::move(options)), store_(store), writer_(options_.o_direct, *options_.fs) {
+    : options_(std::move(options)), store_(store), writer_(options_.o_direct, *options_.fs, options_.staging_pinning) {
   if (options_.world_size > 1 && store_ == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "a multi-rank checkpointer needs a store");
   }

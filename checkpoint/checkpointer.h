@@ -60,6 +60,8 @@ struct CheckpointerOptions {
   // does: keeld sets it when a rank of the generation dies (a rank killed
   // between two collectives tells nobody). Empty: none.
   std::string cancel_key;
+  // Pins the staging buffer for the caller's copies into it (GPU state).
+  StagingPinning staging_pinning;
 };
 
 class Checkpointer {

@@ -72,7 +72,8 @@ struct ShardWriter::Ring {
   }
 };
 
-ShardWriter::ShardWriter(bool o_direct, FileSystem& fs) : o_direct_(o_direct), fs_(fs), staging_(nullptr, &std::free) {
+ShardWriter::ShardWriter(bool o_direct, FileSystem& fs, StagingPinning pinning)
+    : o_direct_(o_direct), fs_(fs), pinning_(std::move(pinning)), staging_(nullptr, &std::free) {
   auto ring = std::make_unique<Ring>();
   const int rc = io_uring_queue_init(2 * kQueueDepth, &ring->ring, 0);
   if (rc < 0) {
@@ -83,7 +84,13 @@ ShardWriter::ShardWriter(bool o_direct, FileSystem& fs) : o_direct_(o_direct), f
   }
 }
 
-ShardWriter::~ShardWriter() = default;
+ShardWriter::~ShardWriter() { release_staging(); }
+
+void ShardWriter::release_staging() {
+  if (staging_ && pinning_.unpin) pinning_.unpin(staging_.get());
+  staging_.reset();
+  staging_bytes_ = 0;
+}
 
 void ShardWriter::prepare(std::vector<Piece> pieces) {
   pieces_ = std::move(pieces);
@@ -99,6 +106,7 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
     io_uring_unregister_buffers(&ring_->ring);
     ring_->registered = false;
   }
+  release_staging();
   staging_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlign, total)));
   if (!staging_) fail(fmt::format("cannot allocate a {}-byte checkpoint staging buffer", total));
   // Huge pages where the kernel has them: the snapshot copy into this
@@ -106,6 +114,7 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
   ::madvise(staging_.get(), total, MADV_HUGEPAGE);
   std::memset(staging_.get(), 0, total);
   staging_bytes_ = total;
+  if (pinning_.pin) pinning_.pin(staging_.get(), total);
   if (!ring_) return;
   std::vector<iovec> iovecs;
   for (size_t at = 0; at < total; at += kMaxRegistered) {

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -35,17 +36,26 @@
 
 namespace keel::checkpoint {
 
+// How a caller pins the staging buffer for its own copies into it: a GPU
+// backend page-locks it so the device-to-host snapshot is DMA at full bus
+// speed (docs/architecture.md "Checkpoints"). `pin` runs after the buffer
+// is allocated, `unpin` before it is freed; either may be empty.
+struct StagingPinning {
+  std::function<void(void* data, size_t bytes)> pin;
+  std::function<void(void* data)> unpin;
+};
+
 class ShardWriter {
  public:
   // Space is reserved through `fs`, which must outlive the writer.
-  ShardWriter(bool o_direct, FileSystem& fs);
+  ShardWriter(bool o_direct, FileSystem& fs, StagingPinning pinning = {});
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
 
   // Lays the staging buffer out for `pieces`. It is reallocated (and
-  // registered again) only when the total size changes, so the saves of one
-  // run reuse a single buffer.
+  // registered and pinned again) only when the total size changes, so the
+  // saves of one run reuse a single buffer.
   void prepare(std::vector<Piece> pieces);
   const std::vector<Piece>& pieces() const { return pieces_; }
   // Where piece i's floats go before write().
@@ -74,8 +84,12 @@ class ShardWriter {
   uint64_t write_bulk(const std::filesystem::path& path, const std::vector<uint64_t>& offsets);
   Written checksum(const std::filesystem::path& path, const std::vector<uint64_t>& offsets) const;
 
+  // Unpins and frees the staging buffer.
+  void release_staging();
+
   bool o_direct_;
   FileSystem& fs_;
+  StagingPinning pinning_;
   std::vector<Piece> pieces_;
   std::vector<size_t> staging_offset_;
   size_t staging_bytes_ = 0;

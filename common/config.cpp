@@ -333,6 +333,11 @@ void Config::validate() const {
   at_least(train.threads, 0, "train.threads");
   check(train.device == "cpu" || train.device == "cuda", "train.device",
         fmt::format("must be \"cpu\" or \"cuda\" (got \"{}\")", train.device));
+  check(train.precision == "auto" || train.precision == "fp32" || train.precision == "bf16", "train.precision",
+        fmt::format("must be \"auto\", \"fp32\" or \"bf16\" (got \"{}\")", train.precision));
+  check(train.precision != "bf16" || train.device == "cuda", "train.precision",
+        "\"bf16\" needs train.device = \"cuda\": the CPU backend multiplies in fp32; set train.precision = "
+        "\"fp32\" or \"auto\"");
 
   check(!daemon.socket.empty(), "daemon.socket", "must name the control socket, e.g. /run/keel/keeld.sock");
   // sockaddr_un holds 108 bytes with the terminating NUL.

@@ -111,6 +111,7 @@ struct TrainConfig {
   int64_t log_every = 10;        // progress line every N steps
   int64_t threads = 0;           // CPU threads for kernels; 0 = OMP_NUM_THREADS, else every CPU the rank may use
   std::string device = "cpu";    // "cpu" or "cuda" (one GPU per rank): the backend every rank trains on
+  std::string precision = "auto";  // GEMM inputs: "fp32", "bf16" (cuda only) or "auto" (bf16 on cuda, else fp32)
 
   template <class V> void visit(V& v) {
     v("steps", steps);
@@ -128,6 +129,12 @@ struct TrainConfig {
     v("log_every", log_every);
     v("threads", threads);
     v("device", device);
+    v("precision", precision);
+  }
+  // precision with "auto" resolved for the device.
+  std::string gemm_precision() const {
+    if (precision != "auto") return precision;
+    return device == "cuda" ? "bf16" : "fp32";
   }
 };
 

@@ -105,6 +105,9 @@ nlohmann::json last_json_line(const std::string& output) {
   return nlohmann::json::parse(output.substr(first, end - first + 1));
 }
 
-std::filesystem::path keel_binary(const std::string& name) { return std::filesystem::path(KEEL_BIN_DIR) / name; }
+std::filesystem::path keel_binary(const std::string& name) {
+  const char* moved = std::getenv("KEEL_BIN_DIR");
+  return std::filesystem::path(moved != nullptr && *moved != '\0' ? moved : KEEL_BIN_DIR) / name;
+}
 
 }  // namespace keel::test

@@ -54,7 +54,8 @@ std::string run_in_child(const std::function<std::string()>& body);
 // keel's programs print on stdout with --json.
 nlohmann::json last_json_line(const std::string& output);
 
-// A keel executable from the build tree this test was built in.
+// A keel executable from the build tree this test was built in, or from
+// $KEEL_BIN_DIR where the binaries were moved (scripts/gpu-check's bundle).
 std::filesystem::path keel_binary(const std::string& name);
 
 }  // namespace keel::test

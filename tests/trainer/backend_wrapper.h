@@ -23,6 +23,9 @@ class BackendWrapper : public trainer::Backend {
     target_.copy_to_host(host_dst, src, bytes);
   }
   void copy(void* dst, const void* src, size_t bytes) override { target_.copy(dst, src, bytes); }
+  void pin_host(void* data, size_t bytes) override { target_.pin_host(data, bytes); }
+  void unpin_host(void* data) override { target_.unpin_host(data); }
+  void snapshot_to_host(const std::vector<HostCopy>& copies) override { target_.snapshot_to_host(copies); }
   trainer::Stream& compute_stream() override { return target_.compute_stream(); }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl, const float* wpe,
                          int B, int T, int C) override {
@@ -48,12 +51,12 @@ class BackendWrapper : public trainer::Backend {
                        const float* weight, int N, int C, int OC) override {
     target_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
-  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) override {
-    target_.attention_forward(out, att, qkv, B, T, C, NH);
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
+    target_.attention_forward(out, lse, qkv, B, T, C, NH);
   }
-  void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B,
-                          int T, int C, int NH) override {
-    target_.attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T, int C,
+                          int NH) override {
+    target_.attention_backward(dqkv, dout, qkv, lse, B, T, C, NH);
   }
   void gelu_forward(float* out, const float* inp, size_t n) override { target_.gelu_forward(out, inp, n); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override {

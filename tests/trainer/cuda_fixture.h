@@ -1,7 +1,7 @@
 // Shared by the GPU tests: skipping without a device, and device buffers.
 #pragma once
 
-#include "trainer/kernels/cuda/cuda_kernels.h"
+#include "trainer/kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>

@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "trainer/comm/flight_recorder.h"
 #include "trainer/comm/nccl_communicator.h"
-#include "trainer/kernels/cuda/cuda_kernels.h"
+#include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "tests/support/failure.h"
 #include "tests/trainer/cuda_fixture.h"

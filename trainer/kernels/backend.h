@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace keel::trainer {
 
@@ -39,6 +40,27 @@ class Backend {
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
+
+  // ---- host staging (docs/architecture.md "Checkpoints") ----
+  // Page-locks host memory [data, data + bytes) so copies between it and
+  // this backend run at full bus speed; unpin_host(data) undoes it before
+  // the memory is freed. Nothing to do where copies are memcpy.
+  virtual void pin_host(void* data, size_t bytes) {
+    (void)data;
+    (void)bytes;
+  }
+  virtual void unpin_host(void* data) { (void)data; }
+  // Copies each region of backend memory to the host once the work queued
+  // on the compute stream so far is done (on CUDA, on a copy stream of its
+  // own), and returns when every copy has landed.
+  struct HostCopy {
+    void* host;
+    const void* src;
+    size_t bytes;
+  };
+  virtual void snapshot_to_host(const std::vector<HostCopy>& copies) {
+    for (const HostCopy& c : copies) copy_to_host(c.host, c.src, c.bytes);
+  }
 
   // ---- streams (stream.h) ----
   // Where every kernel below runs. A communicator given this stream
@@ -69,15 +91,16 @@ class Backend {
   virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                const float* inp, const float* weight, int N, int C, int OC) = 0;
 
-  // ---- causal self-attention ----
+  // ---- causal self-attention, flash style ----
   // qkv[B,T,3C]: per position q (C), then k (C), then v (C); head h owns
   // channels h*d..(h+1)*d of each, d = C/NH. out[B,T,C] holds the heads side
-  // by side. att[B,NH,T,T] saves the softmax probabilities (row t: keys
-  // 0..t; entries above the diagonal are zero). Scale 1/sqrt(d).
-  virtual void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) = 0;
-  // scratch[B,NH,T,T] is working memory the kernel may overwrite.
-  virtual void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
-                                  const float* att, int B, int T, int C, int NH) = 0;
+  // by side. Scores are scaled by 1/sqrt(d); query t sees keys 0..t.
+  // lse[B,NH,T] saves each query row's log-sum-exp of its scores: all the
+  // backward needs to recompute the probabilities, so no [T, T] matrix is
+  // ever kept (the probabilities of a row are exp(score - lse)).
+  virtual void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) = 0;
+  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T,
+                                  int C, int NH) = 0;
 
   // ---- GELU, tanh form ----
   virtual void gelu_forward(float* out, const float* inp, size_t n) = 0;

@@ -176,15 +176,18 @@ void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
   }
 }
 
-// Softmax of row[0..len) in place, zeros in row[len..width).
-inline void causal_softmax_row(float* row, int len, int width) {
+// Softmax of row[0..len) in place, zeros in row[len..width); returns the
+// log-sum-exp of the scores it replaced.
+inline float causal_softmax_row(float* row, int len, int width) {
   const float max = row_max(row, len);
 #pragma omp simd
   for (int i = 0; i < len; ++i) row[i] = exp_approx(row[i] - max);
-  const float inv = 1.0f / row_sum(row, len);
+  const float sum = row_sum(row, len);
+  const float inv = 1.0f / sum;
 #pragma omp simd
   for (int i = 0; i < len; ++i) row[i] *= inv;
   std::fill(row + len, row + width, 0.0f);
+  return max + std::log(sum);
 }
 
 // Reduces fixed chunks into double partials, then the partials in order.
@@ -395,76 +398,99 @@ void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, cons
 
 // ---- attention ----
 
-void CpuBackend::attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+void CpuBackend::attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
   const int d = C / NH;
   const int ld = 3 * C;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
   // Every (batch, head, query block) is independent, so dynamic scheduling
-  // balances the uneven triangle without touching the results.
-#pragma omp parallel for schedule(dynamic)
-  for (int unit = 0; unit < B * NH * blocks; ++unit) {
-    const int bh = unit / blocks;
-    const int b = bh / NH;
-    const int h = bh % NH;
-    const int r0 = unit % blocks * kQueryBlock;
-    const int r1 = std::min(T, r0 + kQueryBlock);
-    const float* q = qkv + static_cast<size_t>(b) * T * ld + h * d;
-    const float* k = q + C;
-    const float* v = q + 2 * C;
-    float* a = att + (static_cast<size_t>(bh) * T + r0) * T;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, d, scale, q + static_cast<size_t>(r0) * ld,
-                ld, k, ld, 0.0f, a, T);
-    for (int t = r0; t < r1; ++t) causal_softmax_row(a + static_cast<size_t>(t - r0) * T, t + 1, T);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, r1, 1.0f, a, T, v, ld, 0.0f,
-                out + (static_cast<size_t>(b) * T + r0) * C + h * d, C);
+  // balances the uneven triangle without touching the results. A block's
+  // probabilities live in a buffer of its thread, never in the output.
+#pragma omp parallel
+  {
+    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * T);
+#pragma omp for schedule(dynamic)
+    for (int unit = 0; unit < B * NH * blocks; ++unit) {
+      const int bh = unit / blocks;
+      const int b = bh / NH;
+      const int h = bh % NH;
+      const int r0 = unit % blocks * kQueryBlock;
+      const int r1 = std::min(T, r0 + kQueryBlock);
+      const float* q = qkv + static_cast<size_t>(b) * T * ld + h * d;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* a = probs.data();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, d, scale, q + static_cast<size_t>(r0) * ld,
+                  ld, k, ld, 0.0f, a, T);
+      for (int t = r0; t < r1; ++t) {
+        lse[static_cast<size_t>(bh) * T + t] = causal_softmax_row(a + static_cast<size_t>(t - r0) * T, t + 1, r1);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, r1, 1.0f, a, T, v, ld, 0.0f,
+                  out + (static_cast<size_t>(b) * T + r0) * C + h * d, C);
+    }
   }
 }
 
-void CpuBackend::attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
-                                    const float* att, int B, int T, int C, int NH) {
+void CpuBackend::attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T,
+                                    int C, int NH) {
   const int d = C / NH;
   const int ld = 3 * C;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
   // One (batch, head) per work item: dK and dV gather from every query
   // block, so the blocks of a head run in order on one thread.
-#pragma omp parallel for schedule(dynamic)
-  for (int bh = 0; bh < B * NH; ++bh) {
-    const int b = bh / NH;
-    const int h = bh % NH;
-    const size_t head = static_cast<size_t>(b) * T * ld + h * d;
-    const float* q = qkv + head;
-    const float* k = q + C;
-    const float* v = q + 2 * C;
-    float* dq = dqkv + head;
-    float* dk = dq + C;
-    float* dv = dq + 2 * C;
-    for (int blk = 0; blk < blocks; ++blk) {
-      const int r0 = blk * kQueryBlock;
-      const int r1 = std::min(T, r0 + kQueryBlock);
-      const int rows = r1 - r0;
-      const float* p = att + (static_cast<size_t>(bh) * T + r0) * T;
-      float* ds = scratch + (static_cast<size_t>(bh) * T + r0) * T;
-      const float* dy = dout + (static_cast<size_t>(b) * T + r0) * C + h * d;
-      // dP = dO V^T, then dV += P^T dO.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, 1.0f, dy, C, v, ld, 0.0f, ds, T);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, p, T, dy, C, 1.0f, dv, ld);
-      // dS = P * (dP - rowsum(dP * P)) * scale, zero above the diagonal.
-      for (int t = r0; t < r1; ++t) {
-        const float* p_row = p + static_cast<size_t>(t - r0) * T;
-        float* ds_row = ds + static_cast<size_t>(t - r0) * T;
-        const int len = t + 1;
-        const float dot = row_dot(p_row, ds_row, len);
+#pragma omp parallel
+  {
+    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * T);
+    std::vector<float> dscores(static_cast<size_t>(kQueryBlock) * T);
+#pragma omp for schedule(dynamic)
+    for (int bh = 0; bh < B * NH; ++bh) {
+      const int b = bh / NH;
+      const int h = bh % NH;
+      const size_t head = static_cast<size_t>(b) * T * ld + h * d;
+      const float* q = qkv + head;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + head;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      for (int blk = 0; blk < blocks; ++blk) {
+        const int r0 = blk * kQueryBlock;
+        const int r1 = std::min(T, r0 + kQueryBlock);
+        const int rows = r1 - r0;
+        float* p = probs.data();
+        float* ds = dscores.data();
+        const float* dy = dout + (static_cast<size_t>(b) * T + r0) * C + h * d;
+        // P again from the scores and the saved log-sum-exp.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, scale, q + static_cast<size_t>(r0) * ld, ld,
+                    k, ld, 0.0f, p, T);
+        for (int t = r0; t < r1; ++t) {
+          float* p_row = p + static_cast<size_t>(t - r0) * T;
+          const float shift = lse[static_cast<size_t>(bh) * T + t];
+          const int len = t + 1;
 #pragma omp simd
-        for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - dot) * scale;
-        std::fill(ds_row + len, ds_row + r1, 0.0f);
+          for (int j = 0; j < len; ++j) p_row[j] = exp_approx(p_row[j] - shift);
+          std::fill(p_row + len, p_row + r1, 0.0f);
+        }
+        // dP = dO V^T, then dV += P^T dO.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, 1.0f, dy, C, v, ld, 0.0f, ds, T);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, p, T, dy, C, 1.0f, dv, ld);
+        // dS = P * (dP - rowsum(dP * P)) * scale, zero above the diagonal.
+        for (int t = r0; t < r1; ++t) {
+          const float* p_row = p + static_cast<size_t>(t - r0) * T;
+          float* ds_row = ds + static_cast<size_t>(t - r0) * T;
+          const int len = t + 1;
+          const float dot = row_dot(p_row, ds_row, len);
+#pragma omp simd
+          for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - dot) * scale;
+          std::fill(ds_row + len, ds_row + r1, 0.0f);
+        }
+        // dQ += dS K, dK += dS^T Q.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, r1, 1.0f, ds, T, k, ld, 1.0f,
+                    dq + static_cast<size_t>(r0) * ld, ld);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, ds, T,
+                    q + static_cast<size_t>(r0) * ld, ld, 1.0f, dk, ld);
       }
-      // dQ += dS K, dK += dS^T Q.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, r1, 1.0f, ds, T, k, ld, 1.0f,
-                  dq + static_cast<size_t>(r0) * ld, ld);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, ds, T,
-                  q + static_cast<size_t>(r0) * ld, ld, 1.0f, dk, ld);
     }
   }
 }

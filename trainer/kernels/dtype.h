@@ -4,9 +4,9 @@
 // Adam moments in float32, so a buffer handed to a communicator says which.
 #pragma once
 
-#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace keel::trainer {
 
@@ -21,8 +21,11 @@ struct bf16 {
 };
 
 // Rounds to the nearest bfloat16, ties to even; a NaN stays a (quiet) NaN.
-constexpr bf16 to_bf16(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
+// (memcpy, not std::bit_cast: the CUDA sources, which include this header,
+// are C++17.)
+inline bf16 to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
   if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
     return bf16{static_cast<uint16_t>((bits >> 16) | 0x0040u)};
   }
@@ -30,7 +33,12 @@ constexpr bf16 to_bf16(float value) {
   return bf16{static_cast<uint16_t>((bits + rounding) >> 16)};
 }
 
-constexpr float to_float(bf16 value) { return std::bit_cast<float>(static_cast<uint32_t>(value.bits) << 16); }
+inline float to_float(bf16 value) {
+  const uint32_t bits = static_cast<uint32_t>(value.bits) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 // A buffer of `dtype` elements. The constructors are implicit on purpose: a
 // float* is a float32 buffer and a bf16* a bfloat16 one, so callers pass

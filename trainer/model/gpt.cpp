@@ -82,7 +82,7 @@ struct Gpt::MoeLayer {
 // positions and exist only with TP; without it they alias their shards.
 struct Gpt::Activations {
   struct Block {
-    BackendArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, att, atty, residual2;
+    BackendArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
     BackendArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
     std::unique_ptr<MoeLayer> moe;
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
@@ -100,7 +100,7 @@ struct Gpt::Activations {
   // to be summed (backward).
   BackendArray<float> partial, dwhole_out, dwhole_in;
   // Gradient scratch, reused by every block.
-  BackendArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu, dattention;
+  BackendArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
   // MoE gradient scratch.
   BackendArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
 };
@@ -139,7 +139,7 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
     blk.ln1_rstd = BackendArray<float>(backend, Ns);
     blk.ln1_whole = whole(C);
     blk.qkv = BackendArray<float>(backend, N * 3 * Cl);
-    blk.att = BackendArray<float>(backend, B * NHl * T * T);
+    blk.attn_lse = BackendArray<float>(backend, static_cast<size_t>(B) * NHl * T);
     blk.atty = BackendArray<float>(backend, N * Cl);
     blk.residual2 = BackendArray<float>(backend, Ns * C);
     blk.ln2 = BackendArray<float>(backend, Ns * C);
@@ -183,7 +183,6 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
   a.dqkv = BackendArray<float>(backend, N * 3 * Cl);
   a.dfch = BackendArray<float>(backend, N * Fl);
   a.dfch_gelu = BackendArray<float>(backend, N * Fl);
-  a.dattention = BackendArray<float>(backend, B * NHl * T * T);
   if (any_moe) {
     a.dye = BackendArray<float>(backend, N * K * C);
     a.dge = BackendArray<float>(backend, N * K * 4 * C);
@@ -253,7 +252,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
                         p + o.ln1_b, Ns, C);
     gather_positions(blk.ln1.data(), blk.ln1_whole.data(), NsC);
     k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
-    k.attention_forward(blk.atty.data(), blk.att.data(), blk.qkv.data(), B, T, Cl, NHl);
+    k.attention_forward(blk.atty.data(), blk.attn_lse.data(), blk.qkv.data(), B, T, Cl, NHl);
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
     sum_into_positions(a.partial.data(), blk.residual2.data(), NsC);
@@ -355,8 +354,7 @@ void Gpt::backward(float loss_scale) {
     k.matmul_backward(a.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(),
                       p + o.attproj_w, N, Cl, C);
     a.dqkv.zero();
-    k.attention_backward(a.dqkv.data(), a.dattention.data(), a.datty.data(), blk.qkv.data(), blk.att.data(), B, T,
-                         Cl, NHl);
+    k.attention_backward(a.dqkv.data(), a.datty.data(), blk.qkv.data(), blk.attn_lse.data(), B, T, Cl, NHl);
     k.zero(din_all, din_numel * sizeof(float));
     k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, a.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
     sum_into_positions(din_all, a.dln.data(), NsC);

@@ -79,7 +79,9 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
     for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
     checkpoint::parallel_copy(copies, static_cast<unsigned>(config_.train.threads));
   } else {
-    for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_to_host(staging[i], blocks[i].local, blocks[i].piece.bytes());
+    std::vector<Backend::HostCopy> copies;
+    for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
+    backend_.snapshot_to_host(copies);
   }
   faults_.slow_down("checkpoint", last_step_s_);
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);

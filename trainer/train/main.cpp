@@ -6,9 +6,8 @@
 #include "common/layout_check.h"
 #include "common/log.h"
 #include "common/tcp_store.h"
-#include "trainer/comm/gloo_communicator.h"
-#include "trainer/kernels/cpu_backend.h"
 #include "trainer/parallel/mesh.h"
+#include "trainer/train/devices.h"
 #include "trainer/train/train_loop.h"
 #include "trainer/train/worker_env.h"
 
@@ -60,7 +59,7 @@ void leave_groups(std::initializer_list<keel::trainer::Communicator*> groups, co
 // the others, so they are cleared (waiting for a call in progress) before
 // any communicator is destroyed.
 struct RankGroups {
-  std::unique_ptr<keel::trainer::GlooCommunicator> dp, tp;
+  std::unique_ptr<keel::trainer::Communicator> dp, tp;
   ~RankGroups() {
     for (auto* group : {dp.get(), tp.get()}) {
       if (group != nullptr) group->set_peer_failure_handler(nullptr);
@@ -191,16 +190,8 @@ int main(int argc, char** argv) {
     if (!worker.board.empty()) {
       board.emplace(keel::health::ProgressBoard::open(worker.board), worker.rank, worker.generation);
     }
-    if (config.train.device != "cpu") {
-      // The CUDA kernels, NCCL and the stream plumbing exist, but the
-      // Backend that runs the whole model on them does not yet
-      // (docs/architecture.md "Not built yet").
-      throw Error(ErrorCode::kBadConfig, fmt::format("train.device = \"{}\": this keel-trainer trains on the CPU "
-                                                     "backend only; set train.device = \"cpu\"",
-                                                     config.train.device));
-    }
-    keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
-    log->info("backend {} with {} threads", backend.name(), backend.threads());
+    const auto backend = keel::trainer::make_backend(config.train);
+    log->info("backend {}", backend->name());
     // Ranks rendezvous through the Store; groups are named by generation so
     // a restarted generation never reads the addresses of the one before.
     if (worker.world_size > 1) {
@@ -209,25 +200,24 @@ int main(int argc, char** argv) {
       keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
       // Every rank joins its groups in the same axis order, so no two ranks
       // wait for each other in different rendezvous.
-      auto join = [&](keel::trainer::Axis axis) -> std::unique_ptr<keel::trainer::GlooCommunicator> {
+      auto join = [&](keel::trainer::Axis axis) -> std::unique_ptr<keel::trainer::Communicator> {
         const auto& group = mesh.group(axis);
         if (group.ranks.size() < 2) return nullptr;
         log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
-        return std::make_unique<keel::trainer::GlooCommunicator>(
-            *store, fmt::format("g{}.{}", worker.generation, group.name), group.index_in_group,
-            static_cast<int>(group.ranks.size()), timeout, recorder,
-            keel::common::rank_failed_key(worker.generation));
+        return keel::trainer::join_group(*backend, *store, fmt::format("g{}.{}", worker.generation, group.name),
+                                         group.index_in_group, static_cast<int>(group.ranks.size()), timeout,
+                                         recorder, keel::common::rank_failed_key(worker.generation));
       };
       dp = join(keel::trainer::Axis::kDp);
       tp = join(keel::trainer::Axis::kTp);
       for (auto* group : {dp.get(), tp.get()}) {
         if (group == nullptr) continue;
         if (board) group->set_progress_board(&*board);
-        group->set_compute_stream(&backend.compute_stream());
+        group->set_compute_stream(&backend->compute_stream());
       }
       groups.on_peer_failure(nullptr);
     }
-    keel::trainer::TrainLoop loop(config, backend, dp.get(), tp.get(),
+    keel::trainer::TrainLoop loop(config, *backend, dp.get(), tp.get(),
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
                                                              worker.generation, board ? &*board : nullptr});
     // While the loop lives, a peer's failure also cancels its checkpoint

@@ -107,7 +107,9 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
             },
             c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
             &checkpoint_faults_,
-            rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string()},
+            rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string(),
+            checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
+                                       [this](void* data) { backend_.unpin_host(data); }}},
         rank_.store);
   }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;

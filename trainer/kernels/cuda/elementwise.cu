@@ -3,54 +3,24 @@
 // the speed there is to get. The math follows cpu_backend.cpp line by line
 // (AdamW's is shared with it: adamw_step.h) so the tests can compare the
 // two elementwise.
-#include "trainer/kernels/cuda/cuda_kernels.h"
+#include "trainer/kernels/cuda/cuda_backend.h"
 
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cmath>
-#include <string>
-
-#include "common/error.h"
 #include "trainer/kernels/adamw_step.h"
+#include "trainer/kernels/cuda/launch.cuh"
 
 namespace keel::trainer::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-// Resident blocks per SM that fill it at kThreads (2048 threads on Hopper).
-constexpr int kBlocksPerSm = 8;
-
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw common::Error(common::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(err));
-  }
-}
-
-unsigned grid_for(size_t n) {
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const size_t needed = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::min<size_t>(needed, static_cast<size_t>(sms) * kBlocksPerSm));
-}
-
-// Launches kernel(args..., n) over n elements and turns a launch failure
-// into an Error. A kernel that faults while running surfaces at the next
-// synchronising call, as with any CUDA work.
+// Launches kernel(args..., n) as a grid-stride loop over n elements.
 template <typename... KernelArgs, typename... Args>
 void launch(const char* name, void (*kernel)(KernelArgs...), size_t n, cudaStream_t stream, Args... args) {
   if (n == 0) return;  // a zero-block grid is a launch error
   kernel<<<grid_for(n), kThreads, 0, stream>>>(args..., n);
-  check(cudaGetLastError(), name);
+  check_launch(name);
 }
-
-__device__ inline size_t first_index() { return blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; }
-__device__ inline size_t grid_stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
 
 // exp of -2u, clamped as the CPU backend clamps it, so the backward's e * s
 // stays finite instead of becoming inf * 0.
@@ -90,36 +60,21 @@ __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict
 
 }  // namespace
 
-bool device_available(std::string* why) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear it so later calls do not report it again
-    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
-    return false;
-  }
-  if (count == 0) {
-    if (why != nullptr) *why = "no CUDA device";
-    return false;
-  }
-  return true;
+void CudaBackend::gelu_forward(float* out, const float* inp, size_t n) {
+  launch("gelu_forward", gelu_forward_kernel, n, stream(), out, inp);
 }
 
-void gelu_forward(float* out, const float* inp, size_t n, cudaStream_t stream) {
-  launch("gelu_forward", gelu_forward_kernel, n, stream, out, inp);
+void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
+  launch("gelu_backward", gelu_backward_kernel, n, stream(), dinp, inp, dout);
 }
 
-void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n, cudaStream_t stream) {
-  launch("gelu_backward", gelu_backward_kernel, n, stream, dinp, inp, dout);
+void CudaBackend::accumulate(float* dst, const float* src, size_t n) {
+  launch("accumulate", accumulate_kernel, n, stream(), dst, src);
 }
 
-void accumulate(float* dst, const float* src, size_t n, cudaStream_t stream) {
-  launch("accumulate", accumulate_kernel, n, stream, dst, src);
-}
-
-void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, float grad_scale, int64_t t, cudaStream_t stream) {
-  launch("adamw_update", adamw_kernel, n, stream, params, grads, m, v,
+void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
+                               float beta1, float beta2, float eps, float weight_decay, float grad_scale, int64_t t) {
+  launch("adamw_update", adamw_kernel, n, stream(), params, grads, m, v,
          AdamwStep::at(lr, beta1, beta2, eps, weight_decay, grad_scale, t));
 }
 

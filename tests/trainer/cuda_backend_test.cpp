@@ -1,0 +1,522 @@
+// CudaBackend held against CpuBackend, the reference: every kernel of
+// backend.h on the same random inputs, then whole GPT training steps.
+// Shapes are chosen off the tile sizes (warps of 32, blocks of 256, chunks
+// of 32 rows), so edge handling is exercised. Where no device is present
+// each test says why and returns, so a CPU-only build with nvcc still
+// compiles, links and runs this file.
+//
+// Tolerances (float32 on both sides; the GPU sums in other orders and uses
+// expf where the CPU uses a 1.5-ulp polynomial):
+// * elementwise kernels and gathers: 1e-5 relative;
+// * reductions over a row or a column (layernorm, softmaxes, GEMMs,
+//   attention): 1e-4 relative, against max(|value|, a floor per case);
+// * a GPT step with float32 GEMMs: each step's loss within 1e-4 relative
+//   for 20 steps, the first step's gradients within 1e-4 in relative L2
+//   norm; with bf16 GEMM inputs, 2e-2 for both. (Elementwise bounds do not
+//   survive training: AdamW turns a gradient that is only rounding noise
+//   into a full-size step of either sign.)
+#ifdef KEEL_HAVE_CUDA
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/counter_rng.h"
+#include "tests/trainer/cuda_fixture.h"
+#include "tests/trainer/random_data.h"
+#include "trainer/kernels/cpu_backend.h"
+#include "trainer/kernels/cuda/cuda_backend.h"
+#include "trainer/model/gpt.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/parallel/zero_storage.h"
+
+namespace {
+
+using keel::test::device_or_skip;
+using keel::trainer::Backend;
+using keel::trainer::CpuBackend;
+using keel::trainer::cuda::CudaBackend;
+using Vec = std::vector<float>;
+using Ints = std::vector<int32_t>;
+
+using keel::test::random_ints;
+using keel::test::random_vec;
+
+// |got - want| <= rel * max(|want|, floor) for every element.
+void check_close(const std::string& what, const Vec& got, const Vec& want, double rel, double floor) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0.0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]) /
+                       std::max(std::fabs(static_cast<double>(want[i])), floor);
+    if (std::isnan(err)) {  // an element written on one side only, or a NaN made
+      worst = err;
+      worst_i = i;
+      break;
+    }
+    if (err > worst) {
+      worst = err;
+      worst_i = i;
+    }
+  }
+  INFO(what << ": worst element " << worst_i << " of " << got.size() << ": gpu " << got[worst_i] << " cpu "
+            << want[worst_i] << ", relative error " << worst);
+  CHECK(worst <= rel);
+}
+
+// ||got - want|| / ||want||.
+double relative_l2(const Vec& got, const Vec& want) {
+  REQUIRE(got.size() == want.size());
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    diff += d * d;
+    norm += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// Named arrays in one backend's memory, copied in from host vectors.
+class Tensors {
+ public:
+  Tensors(Backend& backend, const std::map<std::string, Vec>& floats, const std::map<std::string, Ints>& ints)
+      : backend_(backend) {
+    for (const auto& [name, host] : floats) put(name, host.data(), host.size() * sizeof(float));
+    for (const auto& [name, host] : ints) put(name, host.data(), host.size() * sizeof(int32_t));
+  }
+  ~Tensors() {
+    for (auto& [name, array] : arrays_) backend_.free(array.ptr);
+  }
+  Tensors(const Tensors&) = delete;
+  Tensors& operator=(const Tensors&) = delete;
+
+  float* f(const std::string& name) { return static_cast<float*>(at(name).ptr); }
+  const int32_t* i(const std::string& name) { return static_cast<const int32_t*>(at(name).ptr); }
+  Vec read(const std::string& name) {
+    Vec host(at(name).bytes / sizeof(float));
+    backend_.copy_to_host(host.data(), at(name).ptr, at(name).bytes);
+    return host;
+  }
+
+ private:
+  struct Array {
+    void* ptr;
+    size_t bytes;
+  };
+  void put(const std::string& name, const void* host, size_t bytes) {
+    void* ptr = backend_.alloc(bytes);
+    backend_.copy_from_host(ptr, host, bytes);
+    arrays_[name] = {ptr, bytes};
+  }
+  Array& at(const std::string& name) {
+    auto found = arrays_.find(name);
+    REQUIRE_MESSAGE(found != arrays_.end(), "no tensor " << name);
+    return found->second;
+  }
+  Backend& backend_;
+  std::map<std::string, Array> arrays_;
+};
+
+// One kernel call: its inputs (outputs too: their starting contents, since
+// backward kernels accumulate), what to compare afterwards, and how closely.
+struct KernelCase {
+  std::string name;
+  std::map<std::string, Vec> floats;
+  std::map<std::string, Ints> ints;
+  std::vector<std::string> outputs;
+  std::function<void(Backend&, Tensors&)> run;
+  double rel;
+  double floor;
+};
+
+void check_case(CpuBackend& cpu, CudaBackend& gpu, const KernelCase& c) {
+  CAPTURE(c.name);
+  Tensors on_cpu(cpu, c.floats, c.ints), on_gpu(gpu, c.floats, c.ints);
+  c.run(cpu, on_cpu);
+  c.run(gpu, on_gpu);
+  for (const auto& out : c.outputs) check_close(c.name + " " + out, on_gpu.read(out), on_cpu.read(out), c.rel, c.floor);
+}
+
+std::vector<KernelCase> kernel_cases() {
+  std::vector<KernelCase> cases;
+  const float nan = NAN;
+  // Elementwise, with large arguments where GELU's exp saturates.
+  {
+    const size_t n = (size_t{1} << 20) + 3;
+    Vec inp = random_vec(n, 1, -8.0f, 8.0f);
+    for (float x : {-100.0f, -30.0f, -12.0f, 0.0f, 12.0f, 30.0f, 100.0f}) inp.push_back(x);
+    const size_t m = inp.size();
+    cases.push_back({"gelu",
+                     {{"inp", inp}, {"out", Vec(m, nan)}, {"dout", random_vec(m, 2)}, {"dinp", random_vec(m, 3)}},
+                     {},
+                     {"out", "dinp"},
+                     [m](Backend& k, Tensors& t) {
+                       k.gelu_forward(t.f("out"), t.f("inp"), m);
+                       k.gelu_backward(t.f("dinp"), t.f("inp"), t.f("dout"), m);
+                     },
+                     // The floor is the terms' size: dinp's start and the added
+                     // gradient cancel to near zero, where 1 ulp of a term is all
+                     // the error there is.
+                     1e-5,
+                     1.0});
+    cases.push_back({"accumulate", {{"dst", random_vec(n, 4)}, {"src", random_vec(n, 5)}}, {}, {"dst"},
+                     [n](Backend& k, Tensors& t) { k.accumulate(t.f("dst"), t.f("src"), n); }, 1e-5, 1e-6});
+  }
+  {
+    const size_t n = 1'000'003;
+    cases.push_back({"adamw over three steps",
+                     {{"p", random_vec(n, 6)}, {"g", random_vec(n, 7, -2.0f, 2.0f)}, {"m", Vec(n)}, {"v", Vec(n)}},
+                     {}, {"p", "m", "v"},
+                     [n](Backend& k, Tensors& t) {
+                       for (int64_t step = 1; step <= 3; ++step) {
+                         k.adamw_update(t.f("p"), t.f("g"), t.f("m"), t.f("v"), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f,
+                                        0.7f, step);
+                       }
+                     },
+                     1e-4, 1e-3});
+  }
+  // Embedding: a vocabulary shard [5, 5 + 23) of 29 real tokens, so some
+  // tokens fall outside it; tokens repeat.
+  {
+    const int B = 3, T = 37, C = 67, v_begin = 5, Vl = 23;
+    const size_t N = static_cast<size_t>(B) * T;
+    cases.push_back({"embedding",
+                     {{"wte", random_vec(Vl * C, 8)},
+                      {"wpe", random_vec(T * C, 9)},
+                      {"out", Vec(N * C, nan)},
+                      {"dout", random_vec(N * C, 10)},
+                      {"dwte", random_vec(Vl * C, 11)},
+                      {"dwpe", random_vec(T * C, 12)}},
+                     {{"tokens", random_ints(N, 29, 13)}},
+                     {"out", "dwte", "dwpe"},
+                     [=](Backend& k, Tensors& t) {
+                       k.embedding_forward(t.f("out"), t.i("tokens"), t.f("wte"), v_begin, Vl, t.f("wpe"), B, T, C);
+                       k.embedding_backward(t.f("dwte"), t.f("dwpe"), t.f("dout"), t.i("tokens"), v_begin, Vl, B, T,
+                                            C);
+                     },
+                     1e-5,
+                     1e-3});
+  }
+  // LayerNorm: 97 rows (chunks of 32 and a remainder), 67 channels.
+  {
+    const int N = 97, C = 67;
+    const size_t n = static_cast<size_t>(N) * C;
+    cases.push_back({"layernorm",
+                     {{"inp", random_vec(n, 14, -3.0f, 3.0f)}, {"w", random_vec(C, 15)}, {"b", random_vec(C, 16)},
+                      {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}, {"dout", random_vec(n, 17)},
+                      {"dinp", random_vec(n, 18)}, {"dw", random_vec(C, 19)}, {"db", random_vec(C, 20)}},
+                     {}, {"out", "mean", "rstd", "dinp", "dw", "db"},
+                     [=](Backend& k, Tensors& t) {
+                       k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
+                       k.layernorm_backward(t.f("dinp"), t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                                            t.f("mean"), t.f("rstd"), N, C);
+                     },
+                     1e-4, 1e-2});
+  }
+  // Matmul, with and without bias, and a weight at an odd offset (the
+  // parameters are offsets into one buffer).
+  for (const bool bias : {true, false}) {
+    const int N = 97, C = 67, OC = 131;
+    cases.push_back({std::string("matmul ") + (bias ? "with" : "without") + " bias",
+                     {{"inp", random_vec(N * C, 21)}, {"w", random_vec(OC * C + 1, 22)}, {"bias", random_vec(OC, 23)},
+                      {"out", Vec(N * OC, nan)}, {"dout", random_vec(N * OC, 24)}, {"dinp", random_vec(N * C, 25)},
+                      {"dw", random_vec(OC * C + 1, 26)}, {"dbias", random_vec(OC, 27)}},
+                     {}, {"out", "dinp", "dw", "dbias"},
+                     [=](Backend& k, Tensors& t) {
+                       // +1: a weight aligned to 4 bytes only.
+                       k.matmul_forward(t.f("out"), t.f("inp"), t.f("w") + 1, bias ? t.f("bias") : nullptr, N, C, OC);
+                       k.matmul_backward(t.f("dinp"), t.f("dw") + 1, bias ? t.f("dbias") : nullptr, t.f("dout"),
+                                         t.f("inp"), t.f("w") + 1, N, C, OC);
+                     },
+                     1e-4, 1e-1});
+  }
+  // Attention: T = 70 spans three chunks of 32 keys; head dimensions of 23
+  // (under a warp) and 40 (two channels for some lanes).
+  for (const int NH : {3, 2}) {
+    const int B = 2, T = 70, C = NH == 3 ? 69 : 80;
+    const size_t n = static_cast<size_t>(B) * T;
+    cases.push_back({"attention, head dimension " + std::to_string(C / NH),
+                     {{"qkv", random_vec(n * 3 * C, 28, -2.0f, 2.0f)}, {"out", Vec(n * C, nan)},
+                      {"lse", Vec(static_cast<size_t>(B) * NH * T, nan)}, {"dout", random_vec(n * C, 29)},
+                      {"dqkv", random_vec(n * 3 * C, 30)}},
+                     {}, {"out", "lse", "dqkv"},
+                     [=](Backend& k, Tensors& t) {
+                       k.attention_forward(t.f("out"), t.f("lse"), t.f("qkv"), B, T, C, NH);
+                       k.attention_backward(t.f("dqkv"), t.f("dout"), t.f("qkv"), t.f("lse"), B, T, C, NH);
+                     },
+                     1e-4, 1e-2});
+  }
+  // Cross-entropy over two vocabulary shards of 300 padded classes, V = 517
+  // real ones: the second shard has padding, one target is in each.
+  {
+    const int N = 37, Vl = 300, V = 517, S = 2;
+    const Ints targets = random_ints(N, V, 31);
+    for (int shard = 0; shard < S; ++shard) {
+      const int v_begin = shard * Vl;
+      cases.push_back({"cross-entropy, shard " + std::to_string(shard),
+                       {{"logits", random_vec(N * Vl, 32 + shard, -6.0f, 6.0f)}, {"stats", Vec(N * 3, nan)},
+                        {"dlogits", Vec(N * Vl, nan)}},
+                       {{"targets", targets}}, {"stats", "dlogits"},
+                       [=](Backend& k, Tensors& t) {
+                         k.crossentropy_stats(t.f("stats"), t.f("logits"), t.i("targets"), N, v_begin, Vl, V);
+                         // The shard's own lse stands in for the combined one.
+                         Vec stats(N * 3), lse(N), losses(N);
+                         k.copy_to_host(stats.data(), t.f("stats"), stats.size() * sizeof(float));
+                         CpuBackend combine;
+                         combine.crossentropy_combine(losses.data(), lse.data(), stats.data(), 1, N);
+                         float* d_lse = static_cast<float*>(k.alloc(N * sizeof(float)));
+                         k.copy_from_host(d_lse, lse.data(), N * sizeof(float));
+                         k.crossentropy_backward(t.f("dlogits"), t.f("logits"), d_lse, t.i("targets"), 0.5f, N,
+                                                 v_begin, Vl, V);
+                         k.copy_to_host(lse.data(), d_lse, N * sizeof(float));  // waits for the kernel
+                         k.free(d_lse);
+                       },
+                       1e-4, 1e-4});
+    }
+    Vec stats = random_vec(S * N * 3, 34, 0.5f, 4.0f);
+    for (int n = 0; n < N; ++n) stats[(N + n) * 3] = -INFINITY, stats[(N + n) * 3 + 1] = 0.0f;  // an empty shard
+    cases.push_back(
+        {"cross-entropy combine",
+         {{"stats", stats}, {"losses", Vec(N, nan)}, {"lse", Vec(N, nan)}},
+         {},
+         {"losses", "lse"},
+         [=](Backend& k, Tensors& t) { k.crossentropy_combine(t.f("losses"), t.f("lse"), t.f("stats"), S, N); },
+         1e-4,
+         1e-3});
+  }
+  // Router softmax: E = 37 experts (a warp and a remainder).
+  {
+    const int N = 97, E = 37;
+    cases.push_back({"router softmax",
+                     {{"logits", random_vec(N * E, 35, -4.0f, 4.0f)}, {"probs", Vec(N * E, nan)},
+                      {"dprobs", random_vec(N * E, 36)}, {"dlogits", random_vec(N * E, 37)}},
+                     {}, {"probs", "dlogits"},
+                     [=](Backend& k, Tensors& t) {
+                       k.softmax_forward(t.f("probs"), t.f("logits"), N, E);
+                       k.softmax_backward(t.f("dlogits"), t.f("dprobs"), t.f("probs"), N, E);
+                     },
+                     1e-4, 1e-3});
+  }
+  // MoE dispatch and combine: 91 slots drawn from 41 rows, rows repeating.
+  {
+    const int rows = 41, M = 91, C = 67;
+    cases.push_back({"row gather, scatter and dot",
+                     {{"inp", random_vec(rows * C, 38)}, {"w", random_vec(M, 39)}, {"gathered", Vec(M * C, nan)},
+                      {"plain", Vec(M * C, nan)}, {"src", random_vec(M * C, 40)}, {"out", random_vec(rows * C, 41)},
+                      {"dots", Vec(M, nan)}},
+                     {{"rows", random_ints(M, rows, 42)}}, {"gathered", "plain", "out", "dots"},
+                     [=](Backend& k, Tensors& t) {
+                       k.gather_rows(t.f("gathered"), t.f("inp"), t.i("rows"), t.f("w"), M, C);
+                       k.gather_rows(t.f("plain"), t.f("inp"), t.i("rows"), nullptr, M, C);
+                       k.scatter_add_rows(t.f("out"), t.f("src"), t.i("rows"), t.f("w"), M, C);
+                       k.scatter_add_rows(t.f("out"), t.f("src"), t.i("rows"), nullptr, M, C);
+                       k.gathered_row_dot(t.f("dots"), t.f("inp"), t.i("rows"), t.f("src"), M, C);
+                     },
+                     1e-4, 1e-3});
+  }
+  return cases;
+}
+
+keel::common::ModelConfig small_model(int64_t n_expert) {
+  keel::common::ModelConfig m;
+  m.vocab_size = 91;  // padded: the padded logits must stay out of the loss
+  m.seq_len = 37;
+  m.n_layer = 2;
+  m.n_head = 3;
+  m.n_embd = 48;
+  m.n_expert = n_expert;
+  m.top_k = 2;
+  m.moe_every = 2;
+  m.aux_loss_coef = 0.1;
+  return m;
+}
+
+Ints sample_tokens(int count, int vocab, uint64_t salt) {
+  Ints t(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) t[i] = static_cast<int32_t>(keel::common::counter_uniform_below(salt, i, vocab));
+  return t;
+}
+
+// A single-rank model trained by AdamW on one backend; records the loss of
+// every step and, after the first, the gradients.
+struct Trainee {
+  Trainee(const keel::common::ModelConfig& config, Backend& backend, int batch)
+      : table(config), storage(backend, table), gpt(config, backend, batch, storage), batch(batch) {
+    storage.init(7);
+    train.steps = 20;
+    train.warmup_steps = 0;
+    train.lr = 3e-3;
+    optimizer.emplace(backend, table, train);
+  }
+
+  float step(int index, const Ints& inputs, const Ints& targets) {
+    storage.zero_gradients();
+    const float loss = gpt.forward(inputs.data(), targets.data(), batch);
+    gpt.backward(1.0f);
+    double squares = 0;
+    for (const auto& spec : table.specs())
+      squares += gpt.backend().sum_squares(storage.grads() + spec.offset, spec.numel);
+    const float scale = optimizer->clip_scale(std::sqrt(squares));
+    for (size_t i = 0; i < table.specs().size(); ++i) {
+      optimizer->update(i, storage.params() + table.specs()[i].offset, storage.grads() + table.specs()[i].offset,
+                        static_cast<float>(keel::trainer::learning_rate(train, index)), scale, index);
+    }
+    return loss;
+  }
+
+  Vec read(const float* buffer) {
+    Vec host(table.total());
+    gpt.backend().copy_to_host(host.data(), buffer, host.size() * sizeof(float));
+    return host;
+  }
+
+  keel::trainer::ParameterTable table;
+  keel::trainer::ZeroStorage storage;
+  keel::trainer::Gpt gpt;
+  int batch;
+  keel::common::TrainConfig train;
+  std::optional<keel::trainer::AdamW> optimizer;
+};
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+  TEST_CASE("every CUDA kernel matches the CPU backend on shapes off the tile sizes") {
+    if (!device_or_skip()) return;
+    CpuBackend cpu(2);
+    CudaBackend gpu;
+    for (const auto& c : kernel_cases()) check_case(cpu, gpu, c);
+  }
+
+  TEST_CASE("CUDA sums and sums of squares match the CPU backend across chunk edges") {
+    if (!device_or_skip()) return;
+    CpuBackend cpu(2);
+    CudaBackend gpu;
+    for (const size_t n : {size_t{0}, size_t{1}, size_t{65535}, size_t{65537}, size_t{3'000'017}}) {
+      CAPTURE(n);
+      const Vec x = random_vec(n, 43, -3.0f, 3.0f);
+      Tensors t(gpu, {{"x", x}}, {});
+      const float* d_x = n == 0 ? nullptr : t.f("x");
+      CHECK(gpu.sum(d_x, n) == doctest::Approx(cpu.sum(x.data(), n)).epsilon(1e-12));
+      CHECK(gpu.sum_squares(d_x, n) == doctest::Approx(cpu.sum_squares(x.data(), n)).epsilon(1e-12));
+    }
+  }
+
+  TEST_CASE("CUDA kernels do nothing on an empty range") {
+    if (!device_or_skip()) return;
+    CudaBackend gpu;
+    Tensors t(gpu, {{"x", Vec{1.0f, 2.0f}}}, {});
+    gpu.accumulate(t.f("x"), t.f("x"), 0);
+    gpu.gelu_forward(t.f("x"), t.f("x"), 0);
+    gpu.layernorm_forward(t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), 0, 2);
+    CHECK(t.read("x") == Vec{1.0f, 2.0f});
+  }
+
+  TEST_CASE("a snapshot into pinned host memory holds what the compute stream wrote before it") {
+    if (!device_or_skip()) return;
+    CudaBackend gpu;
+    const size_t n = (size_t{1} << 22) + 5;
+    const Vec a = random_vec(n, 44), b = random_vec(n, 45);
+    Tensors t(gpu, {{"a", a}, {"b", b}}, {});
+    // Queued, not waited for: the snapshot's copy stream must wait for it.
+    for (int i = 0; i < 4; ++i) gpu.accumulate(t.f("a"), t.f("b"), n);
+    std::vector<float> host(n + 3, NAN);
+    gpu.pin_host(host.data(), host.size() * sizeof(float));
+    gpu.snapshot_to_host({{host.data() + 3, t.f("a"), n * sizeof(float)}});
+    gpu.unpin_host(host.data());
+    Vec want = a;
+    for (int i = 0; i < 4; ++i) {
+      for (size_t j = 0; j < n; ++j) want[j] += b[j];
+    }
+    CHECK(Vec(host.begin() + 3, host.end()) == want);
+    CHECK(std::isnan(host[0]));
+  }
+
+  TEST_CASE("20 GPT training steps on the GPU follow the CPU within the bound of each GEMM precision") {
+    if (!device_or_skip()) return;
+    struct Row {
+      keel::trainer::DType gemm_inputs;
+      double bound;  // on each step's loss and on the first step's gradients
+    };
+    for (const Row row : {Row{keel::trainer::DType::kF32, 1e-4}, Row{keel::trainer::DType::kBF16, 2e-2}}) {
+      for (const int64_t experts : {int64_t{0}, int64_t{4}}) {
+        CAPTURE(keel::trainer::dtype_name(row.gemm_inputs));
+        CAPTURE(experts);
+        const auto config = small_model(experts);
+        const int batch = 3, tokens = batch * static_cast<int>(config.seq_len);
+        CpuBackend cpu(2);
+        CudaBackend gpu(0, row.gemm_inputs);
+        Trainee on_cpu(config, cpu, batch), on_gpu(config, gpu, batch);
+        for (int step = 0; step < 20; ++step) {
+          CAPTURE(step);
+          const Ints inputs = sample_tokens(tokens, 91, 100 + step), targets = sample_tokens(tokens, 91, 200 + step);
+          const float want = on_cpu.step(step, inputs, targets);
+          const float got = on_gpu.step(step, inputs, targets);
+          CHECK(std::fabs(got - want) <= row.bound * std::fabs(want));
+          if (step == 0) {
+            CHECK(relative_l2(on_gpu.read(on_gpu.storage.grads()), on_cpu.read(on_cpu.storage.grads())) <= row.bound);
+          }
+        }
+      }
+    }
+  }
+
+  TEST_CASE("bf16 GEMM inputs stay within bf16 rounding of the float32 products") {
+    if (!device_or_skip()) return;
+    // Channel counts are multiples of 8, as every model's are (bf16 tensor
+    // core kernels want 16-byte rows); N need not be.
+    const int N = 97, C = 72, OC = 136;
+    CpuBackend cpu(2);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    const std::map<std::string, Vec> floats = {
+        {"inp", random_vec(N * C, 46)},      {"w", random_vec(OC * C, 47)},   {"bias", random_vec(OC, 48)},
+        {"out", Vec(N * OC, NAN)},           {"dout", random_vec(N * OC, 49)}, {"dinp", Vec(N * C)},
+        {"dw", Vec(OC * C)},                 {"dbias", Vec(OC)}};
+    Tensors on_cpu(cpu, floats, {}), on_gpu(gpu, floats, {});
+    for (auto* t : {&on_cpu, &on_gpu}) {
+      Backend& k = t == &on_cpu ? static_cast<Backend&>(cpu) : static_cast<Backend&>(gpu);
+      k.matmul_forward(t->f("out"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k.matmul_backward(t->f("dinp"), t->f("dw"), t->f("dbias"), t->f("dout"), t->f("inp"), t->f("w"), N, C, OC);
+    }
+    // Inputs rounded to 8 significant bits: about 2^-9 relative each, and
+    // the errors of a dot product's terms partly cancel.
+    for (const char* name : {"out", "dinp", "dw"}) {
+      CAPTURE(name);
+      const double error = relative_l2(on_gpu.read(name), on_cpu.read(name));
+      CHECK(error <= 1e-2);
+      CHECK(error > 0.0);  // the bf16 path really ran
+    }
+    check_close("dbias (float32 on both)", on_gpu.read("dbias"), on_cpu.read("dbias"), 1e-5, 1e-3);
+  }
+
+  TEST_CASE("the same GPU training run twice gives the same bits") {
+    if (!device_or_skip()) return;
+    const auto config = small_model(4);
+    const int batch = 3, tokens = batch * static_cast<int>(config.seq_len);
+    std::vector<Vec> params;
+    std::vector<std::vector<float>> losses(2);
+    for (int run = 0; run < 2; ++run) {
+      CudaBackend gpu;
+      Trainee trainee(config, gpu, batch);
+      for (int step = 0; step < 10; ++step) {
+        losses[run].push_back(
+            trainee.step(step, sample_tokens(tokens, 91, 300 + step), sample_tokens(tokens, 91, 400 + step)));
+      }
+      params.push_back(trainee.read(trainee.storage.params()));
+    }
+    CHECK(losses[0] == losses[1]);
+    REQUIRE(params[0].size() == params[1].size());
+    CHECK(std::memcmp(params[0].data(), params[1].data(), params[0].size() * sizeof(float)) == 0);
+  }
+}
+
+#endif  // KEEL_HAVE_CUDA

@@ -1,0 +1,139 @@
+#include "trainer/kernels/cuda/cublaslt_gemm.h"
+
+#include "common/error.h"
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace keel::trainer::cuda {
+namespace {
+
+// llm.c's figure: enough for every algorithm Hopper's heuristic offers at
+// GPT-2 shapes.
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw common::Error(common::ErrorCode::kInternal, fmt::format("{}: {} ({})", what, cublasLtGetStatusString(status),
+                                                                  cublasLtGetStatusName(status)));
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw common::Error(common::ErrorCode::kInternal, fmt::format("{}: {}", what, cudaGetErrorString(err)));
+  }
+}
+
+// The largest power of two, up to 256, that divides the address.
+int64_t alignment(const void* ptr) {
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  int64_t align = 256;
+  while (align > 4 && address % static_cast<uintptr_t>(align) != 0) align /= 2;
+  return align;
+}
+
+// Owners of cuBLASLt's descriptors for the length of one call.
+struct OpDesc {
+  cublasLtMatmulDesc_t desc = nullptr;
+  ~OpDesc() { cublasLtMatmulDescDestroy(desc); }
+};
+struct Layout {
+  cublasLtMatrixLayout_t desc = nullptr;
+  Layout(cudaDataType_t type, int rows, int cols, int ld) {
+    check(cublasLtMatrixLayoutCreate(&desc, type, rows, cols, ld), "cublasLtMatrixLayoutCreate");
+  }
+  ~Layout() { cublasLtMatrixLayoutDestroy(desc); }
+};
+struct Preference {
+  cublasLtMatmulPreference_t desc = nullptr;
+  ~Preference() { cublasLtMatmulPreferenceDestroy(desc); }
+};
+
+template <class T> void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  check(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "cublasLtMatmulDescSetAttribute");
+}
+template <class T>
+void set(cublasLtMatmulPreference_t desc, cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+  check(cublasLtMatmulPreferenceSetAttribute(desc, attr, &value, sizeof(value)),
+        "cublasLtMatmulPreferenceSetAttribute");
+}
+
+}  // namespace
+
+CublasLtGemm::CublasLtGemm() {
+  check(cublasLtCreate(&handle_), "cublasLtCreate");
+  const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
+  if (err != cudaSuccess) {
+    cublasLtDestroy(handle_);
+    check(err, "cudaMalloc (cuBLASLt workspace)");
+  }
+}
+
+CublasLtGemm::~CublasLtGemm() {
+  cudaFree(workspace_);
+  cublasLtDestroy(handle_);
+}
+
+void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+                       const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
+                       const float* bias) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    // An empty sum: C stays beta C, which is all of C for the accumulating
+    // backward GEMMs (a batch that routed no token to an expert).
+    if (beta == 1.0f && bias == nullptr) return;
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("a {}x{} GEMM over an empty inner dimension that is not an accumulation", m, n));
+  }
+  OpDesc op;
+  check(cublasLtMatmulDescCreate(&op.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+  set(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+  if (bias != nullptr) {
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  }
+  // The layouts describe the stored matrices, before op().
+  const Layout a_layout(ab_type, trans_a ? k : m, trans_a ? m : k, lda);
+  const Layout b_layout(ab_type, trans_b ? n : k, trans_b ? k : n, ldb);
+  const Layout c_layout(CUDA_R_32F, m, n, ldc);
+
+  const Shape shape = {trans_a,      trans_b,      m,
+                       n,            k,            lda,
+                       ldb,          ldc,          bias != nullptr,
+                       beta != 0.0f, ab_type,      alignment(a),
+                       alignment(b), alignment(c), bias != nullptr ? alignment(bias) : 0};
+  auto found = algos_.find(shape);
+  if (found == algos_.end()) {
+    Preference pref;
+    check(cublasLtMatmulPreferenceCreate(&pref.desc), "cublasLtMatmulPreferenceCreate");
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kWorkspaceBytes);
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(shape[11]));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(shape[12]));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(shape[13]));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(shape[13]));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found_count = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle_, op.desc, a_layout.desc, b_layout.desc, c_layout.desc,
+                                         c_layout.desc, pref.desc, 1, &result, &found_count),
+          "cublasLtMatmulAlgoGetHeuristic");
+    if (found_count == 0) {
+      throw common::Error(common::ErrorCode::kInternal,
+                          fmt::format("cuBLASLt has no algorithm for a {}x{}x{} {} GEMM (ops {}{}, bias {})", m, n, k,
+                                      ab_type == CUDA_R_16BF ? "bf16" : "float32", trans_a ? 'T' : 'N',
+                                      trans_b ? 'T' : 'N', bias != nullptr));
+    }
+    found = algos_.emplace(shape, result.algo).first;
+  }
+  const float alpha = 1.0f;
+  check(cublasLtMatmul(handle_, op.desc, &alpha, a, a_layout.desc, b, b_layout.desc, &beta, c, c_layout.desc, c,
+                       c_layout.desc, &found->second, workspace_, kWorkspaceBytes, stream),
+        "cublasLtMatmul");
+}
+
+}  // namespace keel::trainer::cuda

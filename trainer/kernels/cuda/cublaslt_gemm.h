@@ -1,0 +1,48 @@
+// One GEMM through cuBLASLt, for the CUDA backend's matmuls. Column-major,
+// as cuBLAS sees memory: C[m,n] = op(A) op(B) + beta C, plus bias[m] on
+// every column when bias is non-null (the BIAS epilogue). A and B are
+// float32 or bfloat16; C, the bias and the scalars are float32.
+//
+// Numerics: CUBLAS_COMPUTE_32F: float32 inputs get no TF32 rounding, and
+// bfloat16 inputs run on tensor cores with float32 accumulation.
+// Determinism: the algorithm comes from cuBLASLt's heuristic once per shape
+// and is then reused, so a shape always runs the same code. cuBLAS
+// documents bitwise reproducibility run to run on GPUs of the same
+// architecture and SM count, and every split-K reduction scheme of
+// cuBLASLt is sequenced (in place with counters, or a separate reduction
+// pass), none uses atomics.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <map>
+
+namespace keel::trainer::cuda {
+
+class CublasLtGemm {
+ public:
+  CublasLtGemm();
+  ~CublasLtGemm();
+  CublasLtGemm(const CublasLtGemm&) = delete;
+  CublasLtGemm& operator=(const CublasLtGemm&) = delete;
+
+  // Throws common::Error (kInternal) when cuBLASLt fails or finds no
+  // algorithm for the shape. k = 0 is allowed for accumulations (beta 1,
+  // no bias), which leave C as it is.
+  void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+           const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
+
+ private:
+  // What the heuristic sees: operations, sizes, leading dimensions, bias,
+  // beta, the inputs' type and the alignment of each pointer (parameters
+  // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
+  using Shape = std::array<int64_t, 15>;
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::map<Shape, cublasLtMatmulAlgo_t> algos_;
+};
+
+}  // namespace keel::trainer::cuda

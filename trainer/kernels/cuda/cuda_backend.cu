@@ -1,0 +1,196 @@
+// The CUDA backend's memory, streams and reductions; the kernels live in
+// one file per family beside this one (elementwise, rows, layernorm,
+// matmul, attention, softmax).
+#include "trainer/kernels/cuda/cuda_backend.h"
+
+#include "trainer/kernels/cuda/cublaslt_gemm.h"
+#include "trainer/kernels/cuda/launch.cuh"
+
+#include "common/log.h"
+
+#include <fmt/format.h>
+
+#include <new>
+#include <vector>
+
+namespace keel::trainer::cuda {
+namespace {
+
+// sum and sum_squares reduce chunks of this many elements to double
+// partials, then add the partials in order on the host: the order depends
+// on n only, as on the CPU backend.
+constexpr size_t kReduceChunk = size_t{1} << 16;
+// Columns per block of column_sum_accumulate.
+constexpr int kColumnBlock = kThreads;
+
+__global__ void chunk_sums_kernel(double* partials, const float* x, size_t n, bool squares) {
+  const size_t begin = blockIdx.x * kReduceChunk;
+  const size_t end = begin + kReduceChunk < n ? begin + kReduceChunk : n;
+  double acc = 0.0;
+  for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const double xi = x[i];
+    acc += squares ? xi * xi : xi;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void column_sum_kernel(float* dst, const float* src, int rows, int cols) {
+  const int c = blockIdx.x * kColumnBlock + threadIdx.x;
+  if (c >= cols) return;
+  double acc = 0.0;
+  for (int r = 0; r < rows; ++r) acc += src[static_cast<size_t>(r) * cols + c];
+  dst[c] += static_cast<float>(acc);
+}
+
+}  // namespace
+
+bool device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it so later calls do not report it again
+    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (count == 0) {
+    if (why != nullptr) *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+void column_sum_accumulate(float* dst, const float* src, int rows, int cols, cudaStream_t stream) {
+  if (cols <= 0) return;
+  column_sum_kernel<<<(cols + kColumnBlock - 1) / kColumnBlock, kColumnBlock, 0, stream>>>(dst, src, rows, cols);
+  check_launch("column_sum_accumulate");
+}
+
+CudaBackend::CudaBackend(int device, DType gemm_inputs) : device_(device), gemm_inputs_(gemm_inputs) {
+  std::string why;
+  if (!device_available(&why)) throw common::Error(common::ErrorCode::kInternal, "no usable CUDA device: " + why);
+  check(cudaSetDevice(device), "cudaSetDevice");
+  stream_ = CudaStream::create();
+  copy_stream_ = CudaStream::create();
+  gemm_ = std::make_unique<CublasLtGemm>();
+}
+
+CudaBackend::~CudaBackend() {
+  // Kernels still queued may use the scratch memory.
+  cudaStreamSynchronize(stream_->get());
+  cudaFree(scratch_);
+}
+
+// ---- memory ----
+
+void* CudaBackend::alloc(size_t bytes) {
+  void* ptr = nullptr;
+  bytes = bytes == 0 ? 1 : bytes;  // a distinct pointer, as aligned_alloc gives
+  const cudaError_t err = cudaMalloc(&ptr, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("out of device memory allocating {:.1f} MiB on GPU {}; shrink train.batch_size or "
+                                    "model.seq_len, or add GPUs",
+                                    static_cast<double>(bytes) / (1 << 20), device_));
+  }
+  check(err, "cudaMalloc");
+  // The contract promises zeros. cudaMemset would run on the legacy
+  // default stream, which a non-blocking stream does not wait for, so the
+  // zeroing goes on the compute stream and alloc waits for it: the memory
+  // is ready for any stream when alloc returns.
+  check(cudaMemsetAsync(ptr, 0, bytes, stream()), "cudaMemsetAsync");
+  stream_->synchronize();
+  return ptr;
+}
+
+void CudaBackend::free(void* ptr) {
+  // Kernels still queued may use the memory; CUDA does not promise that
+  // cudaFree waits for them in every case.
+  stream_->synchronize();
+  cudaFree(ptr);
+}
+
+void CudaBackend::zero(void* ptr, size_t bytes) {
+  if (bytes == 0) return;
+  check(cudaMemsetAsync(ptr, 0, bytes, stream()), "cudaMemsetAsync");
+}
+
+void CudaBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream()), "cudaMemcpyAsync to device");
+  // The caller may reuse host_src as soon as this returns.
+  stream_->synchronize();
+}
+
+void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream()), "cudaMemcpyAsync to host");
+  stream_->synchronize();
+}
+
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()), "cudaMemcpyAsync on device");
+}
+
+void CudaBackend::pin_host(void* data, size_t bytes) {
+  const cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterDefault);
+  if (err != cudaSuccess) {
+    // Pageable memory still copies, through the driver's bounce buffer:
+    // slower, never wrong.
+    cudaGetLastError();
+    common::logger("kernels")->warn("could not pin {:.1f} MiB of host staging memory ({}): checkpoint snapshots "
+                                    "copy from the GPU at pageable speed",
+                                    static_cast<double>(bytes) / (1 << 20), cudaGetErrorString(err));
+  }
+}
+
+void CudaBackend::unpin_host(void* data) {
+  // Memory pin_host could not pin is not registered: nothing to undo.
+  if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+}
+
+void CudaBackend::snapshot_to_host(const std::vector<HostCopy>& copies) {
+  copy_stream_->wait(*stream_->record());
+  for (const HostCopy& c : copies) {
+    if (c.bytes == 0) continue;
+    check(cudaMemcpyAsync(c.host, c.src, c.bytes, cudaMemcpyDeviceToHost, copy_stream_->get()),
+          "cudaMemcpyAsync (snapshot)");
+  }
+  copy_stream_->synchronize();
+}
+
+void* CudaBackend::scratch(size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    // Queued kernels may still use the old memory.
+    stream_->synchronize();
+    cudaFree(scratch_);
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    check(cudaMalloc(&scratch_, bytes), "cudaMalloc (scratch)");
+    scratch_bytes_ = bytes;
+  }
+  return scratch_;
+}
+
+// ---- reductions ----
+
+double CudaBackend::chunked_sum(const float* x, size_t n, bool squares) {
+  if (n == 0) return 0.0;
+  const size_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  auto* partials = static_cast<double*>(scratch(chunks * sizeof(double)));
+  chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(partials, x, n, squares);
+  check_launch(squares ? "sum_squares" : "sum");
+  std::vector<double> host(chunks);
+  copy_to_host(host.data(), partials, chunks * sizeof(double));
+  double total = 0.0;
+  for (double p : host) total += p;
+  return total;
+}
+
+double CudaBackend::sum_squares(const float* x, size_t n) { return chunked_sum(x, n, true); }
+
+double CudaBackend::sum(const float* x, size_t n) { return chunked_sum(x, n, false); }
+
+}  // namespace keel::trainer::cuda

@@ -1,0 +1,136 @@
+// The CUDA backend (docs/architecture.md "Kernels"): every kernel of
+// backend.h on one device, on one non-blocking compute stream. The CPU
+// backend is the reference it is tested against (tests/trainer/
+// cuda_backend_test.cpp).
+//
+// * Precision: float32 storage and arithmetic everywhere but the GEMMs'
+//   inputs, which are float32 (no TF32: the CPU and GPU agree to float32
+//   rounding) or, for speed, bfloat16 on tensor cores (matmul.cu). Either
+//   way cuBLASLt accumulates in float32 (CUBLAS_COMPUTE_32F).
+// * Determinism: always on. No kernel uses atomics; every reduction sums
+//   in an order fixed by the shape; cuBLASLt runs one algorithm per shape
+//   (cublaslt_gemm.h). The same inputs on the same GPU model give the same
+//   bits, run after run.
+// * Streams: kernels, zero() and copy() are queued on compute_stream() and
+//   return at once. copy_to_host, copy_from_host, sum and sum_squares wait
+//   for the stream: their host side is done when they return.
+//   snapshot_to_host runs on a copy stream of its own, after the compute
+//   work queued before it; into pinned memory (pin_host: cudaHostRegister)
+//   its copies are DMA at full bus speed, which is all the stall a
+//   checkpoint costs training.
+// * Errors: a CUDA or cuBLASLt failure throws common::Error with
+//   ErrorCode::kInternal; a kernel that faults while running surfaces at the
+//   next call that waits for the stream.
+//
+// Plain C++ can include this header: it needs only the CUDA runtime API's
+// types.
+#pragma once
+
+#include "trainer/kernels/backend.h"
+#include "trainer/kernels/cuda/cuda_stream.h"
+#include "trainer/kernels/dtype.h"
+
+#include <library_types.h>
+
+#include <cstddef>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace keel::trainer::cuda {
+
+class CublasLtGemm;
+
+// Whether a CUDA device can be used; when not, *why (if non-null) says why.
+bool device_available(std::string* why);
+
+class CudaBackend final : public Backend {
+ public:
+  // Makes `device` current on the calling thread and creates the stream
+  // and cuBLASLt state there. The backend must be used from threads whose
+  // current device is `device` (one device per process is keel's layout:
+  // keeld gives each rank one GPU through CUDA_VISIBLE_DEVICES).
+  // gemm_inputs: what the GEMMs multiply, kF32 or kBF16.
+  explicit CudaBackend(int device = 0, DType gemm_inputs = DType::kF32);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const char* name() const override { return "cuda"; }
+  int device() const { return device_; }
+  DType gemm_inputs() const { return gemm_inputs_; }
+  cudaStream_t stream() const { return stream_->get(); }
+
+  void* alloc(size_t bytes) override;
+  void free(void* ptr) override;
+  void zero(void* ptr, size_t bytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void pin_host(void* data, size_t bytes) override;
+  void unpin_host(void* data) override;
+  void snapshot_to_host(const std::vector<HostCopy>& copies) override;
+  Stream& compute_stream() override { return *stream_; }
+
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
+                         const float* wpe, int B, int T, int C) override;
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int v_begin, int Vl,
+                          int B, int T, int C) override;
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int N, int C) override;
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int N, int C) override;
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) override;
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) override;
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override;
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T, int C,
+                          int NH) override;
+  void gelu_forward(float* out, const float* inp, size_t n) override;
+  void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
+  void accumulate(float* dst, const float* src, size_t n) override;
+  void crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin, int Vl,
+                          int V) override;
+  void crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) override;
+  void crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                             float dloss, int N, int v_begin, int Vl, int V) override;
+  void softmax_forward(float* probs, const float* logits, int N, int E) override;
+  void softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) override;
+  void gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                   int C) override;
+  void scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
+                        int C) override;
+  void gathered_row_dot(float* out, const float* a, const int32_t* rows, const float* b, int M, int C) override;
+  void adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, float grad_scale, int64_t t) override;
+  double sum_squares(const float* x, size_t n) override;
+  double sum(const float* x, size_t n) override;
+
+ private:
+  // Device working memory of at least `bytes`, reused by every kernel that
+  // needs partial results (they all run in order on the compute stream).
+  // It only grows, so after the first step no kernel allocates.
+  void* scratch(size_t bytes);
+  // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
+  double chunked_sum(const float* x, size_t n, bool squares);
+  // The GEMM operands as the GEMMs take them: the pointers themselves, or
+  // bf16 copies in scratch (a null operand stays null). matmul.cu.
+  struct Operand {
+    const float* data;
+    size_t count;
+  };
+  std::vector<const void*> gemm_operands(std::initializer_list<Operand> operands);
+  cudaDataType_t gemm_type() const { return gemm_inputs_ == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+  int device_;
+  DType gemm_inputs_;
+  std::unique_ptr<CudaStream> stream_;
+  std::unique_ptr<CudaStream> copy_stream_;
+  std::unique_ptr<CublasLtGemm> gemm_;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace keel::trainer::cuda

@@ -1,0 +1,89 @@
+// What the CUDA backend's kernel files share: error checks, grid sizing and
+// fixed-order reductions. Internal to trainer/kernels/cuda.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+
+#include "common/error.h"
+
+namespace keel::trainer::cuda {
+
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+// Resident blocks per SM that fill it at kThreads (2048 threads on Hopper).
+constexpr int kBlocksPerSm = 8;
+
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw common::Error(common::ErrorCode::kInternal, std::string(what) + ": " + cudaGetErrorString(err));
+  }
+}
+
+// Blocks of kThreads for a grid-stride loop over n items: enough to fill
+// the device, no more.
+inline unsigned grid_for(size_t n) {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const size_t needed = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(needed, static_cast<size_t>(sms) * kBlocksPerSm)));
+}
+
+// Blocks of kThreads that give each of `rows` rows one warp.
+inline unsigned grid_for_warps(size_t rows) {
+  constexpr size_t kWarpsPerBlock = kThreads / kWarp;
+  return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+// Turns a failed launch into an Error (call right after <<<>>>).
+inline void check_launch(const char* name) { check(cudaGetLastError(), name); }
+
+__device__ inline size_t first_index() { return blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; }
+__device__ inline size_t grid_stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
+// The warp of this thread, counted over the grid, and the lane in it.
+__device__ inline size_t global_warp() { return first_index() / kWarp; }
+__device__ inline int lane() { return static_cast<int>(threadIdx.x % kWarp); }
+
+// Butterfly sum and max over a warp. The tree is the same on every run, so
+// the result depends on the 32 inputs only; every lane gets it.
+template <typename T> __device__ inline T warp_sum(T x) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+__device__ inline float warp_max(float x) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Sum and max over a block of kThreads (all threads must call; every thread
+// gets the result). Fixed tree: warps first, then the warps' results.
+template <typename T> __device__ inline T block_sum(T x) {
+  __shared__ T warps[kThreads / kWarp];
+  x = warp_sum(x);
+  __syncthreads();  // `warps` may still be read by a previous call
+  if (lane() == 0) warps[threadIdx.x / kWarp] = x;
+  __syncthreads();
+  T total = lane() < kThreads / kWarp ? warps[lane()] : T(0);
+  return warp_sum(total);
+}
+__device__ inline float block_max(float x) {
+  __shared__ float warps[kThreads / kWarp];
+  x = warp_max(x);
+  __syncthreads();
+  if (lane() == 0) warps[threadIdx.x / kWarp] = x;
+  __syncthreads();
+  const float m = lane() < kThreads / kWarp ? warps[lane()] : -INFINITY;
+  return warp_max(m);
+}
+
+// dst[c] += sum over r of src[r * cols + c], in double, r in order
+// (cuda_backend.cu). The reduction of matmul's dbias and of layernorm's
+// per-chunk partials.
+void column_sum_accumulate(float* dst, const float* src, int rows, int cols, cudaStream_t stream);
+
+}  // namespace keel::trainer::cuda

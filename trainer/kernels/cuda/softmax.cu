@@ -1,0 +1,134 @@
+// Softmaxes: the vocabulary cross-entropy (a block per row: rows are
+// 50k classes wide) and the MoE router's (a warp per row: E is small). The
+// cross-entropy never makes a second copy of the logits: the statistics
+// pass reads them, the backward overwrites them in place with dlogits.
+#include "trainer/kernels/cuda/cuda_backend.h"
+
+#include "trainer/kernels/cuda/launch.cuh"
+
+namespace keel::trainer::cuda {
+namespace {
+
+// The shard's real classes are its first `real` columns.
+__host__ __device__ inline int real_classes(int V, int v_begin, int Vl) {
+  const int real = V - v_begin;
+  return real < 0 ? 0 : (real > Vl ? Vl : real);
+}
+
+// One block per row.
+__global__ void crossentropy_stats_kernel(float* stats, const float* logits, const int32_t* targets, int v_begin,
+                                          int Vl, int real) {
+  const size_t n = blockIdx.x;
+  const float* x = logits + n * Vl;
+  float* s = stats + n * 3;
+  float max = -INFINITY;
+  for (int c = threadIdx.x; c < real; c += blockDim.x) max = fmaxf(max, x[c]);
+  max = block_max(max);
+  float sum = 0.0f;
+  for (int c = threadIdx.x; c < real; c += blockDim.x) sum += expf(x[c] - max);
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    const int target = targets[n] - v_begin;
+    s[0] = real > 0 ? max : -INFINITY;
+    s[1] = real > 0 ? sum : 0.0f;
+    s[2] = target >= 0 && target < real ? x[target] : 0.0f;
+  }
+}
+
+// One thread per row, the shards in index order (the CPU backend's code).
+__global__ void crossentropy_combine_kernel(float* losses, float* lse, const float* stats, int S, int N) {
+  const size_t shard = static_cast<size_t>(N) * 3;
+  for (size_t n = first_index(); n < static_cast<size_t>(N); n += grid_stride()) {
+    float max = -INFINITY;
+    for (int s = 0; s < S; ++s) max = fmaxf(max, stats[s * shard + n * 3]);
+    float sum = 0.0f, target = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float* st = stats + s * shard + n * 3;
+      if (st[1] > 0.0f) sum += st[1] * expf(st[0] - max);
+      target += st[2];
+    }
+    lse[n] = max + logf(sum);
+    losses[n] = lse[n] - target;
+  }
+}
+
+// One thread per logit; dlogits may alias logits.
+__global__ void crossentropy_backward_kernel(float* dlogits, const float* logits, const float* lse,
+                                             const int32_t* targets, float dloss, int v_begin, int Vl, int real,
+                                             size_t count) {
+  for (size_t i = first_index(); i < count; i += grid_stride()) {
+    const size_t n = i / Vl;
+    const int c = static_cast<int>(i % Vl);
+    const int target = targets[n] - v_begin;
+    dlogits[i] = c < real ? dloss * (expf(logits[i] - lse[n]) - (c == target ? 1.0f : 0.0f)) : 0.0f;
+  }
+}
+
+// One warp per row.
+__global__ void softmax_forward_kernel(float* probs, const float* logits, int N, int E) {
+  const size_t n = global_warp();
+  if (n >= static_cast<size_t>(N)) return;
+  const float* x = logits + n * E;
+  float* p = probs + n * E;
+  float max = -INFINITY;
+  for (int e = lane(); e < E; e += kWarp) max = fmaxf(max, x[e]);
+  max = warp_max(max);
+  float sum = 0.0f;
+  for (int e = lane(); e < E; e += kWarp) {
+    p[e] = expf(x[e] - max);
+    sum += p[e];
+  }
+  const float inv = 1.0f / warp_sum(sum);
+  for (int e = lane(); e < E; e += kWarp) p[e] *= inv;
+}
+
+__global__ void softmax_backward_kernel(float* dlogits, const float* dprobs, const float* probs, int N, int E) {
+  const size_t n = global_warp();
+  if (n >= static_cast<size_t>(N)) return;
+  const float* p = probs + n * E;
+  const float* dp = dprobs + n * E;
+  float dot = 0.0f;
+  for (int e = lane(); e < E; e += kWarp) dot += p[e] * dp[e];
+  dot = warp_sum(dot);
+  float* dx = dlogits + n * E;
+  for (int e = lane(); e < E; e += kWarp) dx[e] += p[e] * (dp[e] - dot);
+}
+
+}  // namespace
+
+void CudaBackend::crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,
+                                     int Vl, int V) {
+  if (N <= 0) return;
+  crossentropy_stats_kernel<<<N, kThreads, 0, stream()>>>(stats, logits, targets, v_begin, Vl,
+                                                          real_classes(V, v_begin, Vl));
+  check_launch("crossentropy_stats");
+}
+
+void CudaBackend::crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) {
+  if (N <= 0) return;
+  crossentropy_combine_kernel<<<grid_for(N), kThreads, 0, stream()>>>(losses, lse, stats, S, N);
+  check_launch("crossentropy_combine");
+}
+
+void CudaBackend::crossentropy_backward(float* dlogits, const float* logits, const float* lse,
+                                        const int32_t* targets, float dloss, int N, int v_begin, int Vl, int V) {
+  const size_t count = static_cast<size_t>(N) * Vl;
+  if (count == 0) return;
+  crossentropy_backward_kernel<<<grid_for(count), kThreads, 0, stream()>>>(
+      dlogits, logits, lse, targets, dloss, v_begin, Vl, real_classes(V, v_begin, Vl), count);
+  check_launch("crossentropy_backward");
+}
+
+void CudaBackend::softmax_forward(float* probs, const float* logits, int N, int E) {
+  if (N <= 0) return;
+  softmax_forward_kernel<<<grid_for_warps(N), kThreads, 0, stream()>>>(probs, logits, N, E);
+  check_launch("softmax_forward");
+}
+
+void CudaBackend::softmax_backward(float* dlogits, const float* dprobs, const float* probs, int N, int E) {
+  if (N <= 0) return;
+  softmax_backward_kernel<<<grid_for_warps(N), kThreads, 0, stream()>>>(dlogits, dprobs, probs, N, E);
+  check_launch("softmax_backward");
+}
+
+}  // namespace keel::trainer::cuda

@@ -1,0 +1,52 @@
+#include "trainer/train/devices.h"
+
+#include "common/error.h"
+#include "trainer/comm/gloo_communicator.h"
+#include "trainer/kernels/cpu_backend.h"
+
+#ifdef KEEL_HAVE_CUDA
+#include "trainer/comm/nccl_communicator.h"
+#include "trainer/kernels/cuda/cuda_backend.h"
+#endif
+
+#include <fmt/format.h>
+
+namespace keel::trainer {
+
+using common::Error;
+using common::ErrorCode;
+
+std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
+  if (train.device == "cpu") return std::make_unique<CpuBackend>(static_cast<int>(train.threads));
+#ifdef KEEL_HAVE_CUDA
+  std::string why;
+  if (!cuda::device_available(&why)) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("train.device = \"cuda\" but no GPU can be used ({}); set train.device = \"cpu\" or run "
+                            "on a machine with a GPU",
+                            why));
+  }
+  return std::make_unique<cuda::CudaBackend>(0, train.gemm_precision() == "bf16" ? DType::kBF16 : DType::kF32);
+#else
+  throw Error(ErrorCode::kBadConfig, "train.device = \"cuda\" but this keel-trainer was built without CUDA "
+                                     "(no nvcc at build time); set train.device = \"cpu\" or rebuild with the "
+                                     "CUDA toolkit");
+#endif
+}
+
+std::unique_ptr<Communicator> join_group(Backend& backend, common::Store& store, const std::string& name, int rank,
+                                         int size, std::chrono::milliseconds timeout,
+                                         std::shared_ptr<FlightRecorder> recorder,
+                                         const std::string& rank_failed_key) {
+  if (backend.host_memory()) {
+    return std::make_unique<GlooCommunicator>(store, name, rank, size, timeout, std::move(recorder), rank_failed_key);
+  }
+#ifdef KEEL_HAVE_CUDA
+  if (auto* gpu = dynamic_cast<cuda::CudaBackend*>(&backend)) {
+    return std::make_unique<NcclCommunicator>(store, name, rank, size, gpu->device(), timeout, std::move(recorder));
+  }
+#endif
+  throw Error(ErrorCode::kInternal, fmt::format("no communicator moves the memory of backend {}", backend.name()));
+}
+
+}  // namespace keel::trainer

@@ -1,0 +1,31 @@
+// What `[train] device` selects (docs/architecture.md "Kernels"): the
+// backend that runs the model, and the communicator that can move that
+// backend's memory. The one place that knows which backends this build has.
+#pragma once
+
+#include "common/config.h"
+#include "common/store.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/comm/flight_recorder.h"
+#include "trainer/kernels/backend.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace keel::trainer {
+
+// "cpu": CpuBackend on train.threads threads. "cuda": CudaBackend on the
+// process's first visible GPU (keeld narrows CUDA_VISIBLE_DEVICES to one
+// GPU per rank). A build without CUDA, or a machine without a usable GPU,
+// is a kBadConfig error that says so.
+std::unique_ptr<Backend> make_backend(const common::TrainConfig& train);
+
+// Joins one process group of `size` ranks as `rank`: Gloo for a backend
+// in host memory, NCCL for device memory. `rank_failed_key` is where the
+// Store says a peer failed (Gloo watches it; NCCL sees failures itself).
+std::unique_ptr<Communicator> join_group(Backend& backend, common::Store& store, const std::string& name, int rank,
+                                         int size, std::chrono::milliseconds timeout,
+                                         std::shared_ptr<FlightRecorder> recorder, const std::string& rank_failed_key);
+
+}  // namespace keel::trainer
