@@ -335,6 +335,11 @@ void Config::validate() const {
         fmt::format("must be \"cpu\" or \"cuda\" (got \"{}\")", train.device));
   check(train.precision == "auto" || train.precision == "fp32" || train.precision == "bf16", "train.precision",
         fmt::format("must be \"auto\", \"fp32\" or \"bf16\" (got \"{}\")", train.precision));
+  // trainer/kernels/cuda/attention.cu holds a head in registers, 8 floats a lane.
+  check(train.device != "cuda" || model.n_head <= 0 || model.head_dim() <= 256, "model.n_head",
+        fmt::format("gives heads of n_embd / n_head = {} channels, and the CUDA attention takes at most 256; use "
+                    "more heads",
+                    model.n_head > 0 ? model.head_dim() : 0));
   check(train.precision != "bf16" || train.device == "cuda", "train.precision",
         "\"bf16\" needs train.device = \"cuda\": the CPU backend multiplies in fp32; set train.precision = "
         "\"fp32\" or \"auto\"");

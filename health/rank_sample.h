@@ -28,14 +28,20 @@ struct RankSample {
 // Samples of every rank of the job, rank 0 first (index = rank).
 using RankSamples = std::vector<RankSample>;
 
-// The board of a running rank that says it is this build's board of that
-// rank (its version and rank fields), or nullptr: a detector takes no
-// other board as evidence, so random bytes are never read as timings or
-// digests of a rank.
-inline const BoardSnapshot* trusted_board(const RankSample& sample) {
-  if (!sample.running || !sample.board) return nullptr;
+// The board that says it is this build's board of that rank (its version
+// and rank fields), running or not, or nullptr: a detector takes no other
+// board as evidence, so random bytes are never read as timings or digests
+// of a rank. What an exited rank published stays true (the digests of the
+// steps it finished); its timings no longer describe a live rank.
+inline const BoardSnapshot* published_board(const RankSample& sample) {
+  if (!sample.board) return nullptr;
   const BoardSnapshot& b = *sample.board;
   return b.version == kBoardVersion && b.rank == sample.rank ? &b : nullptr;
+}
+
+// published_board() of a running rank.
+inline const BoardSnapshot* trusted_board(const RankSample& sample) {
+  return sample.running ? published_board(sample) : nullptr;
 }
 
 }  // namespace keel::health

@@ -20,10 +20,14 @@ std::vector<DigestFinding> ReplicaDigests::observe(const RankSamples& samples, i
   // (generation, set) -> the steps some rank published and not compared yet.
   std::map<std::pair<int64_t, uint64_t>, std::set<int64_t>> open;
   for (const RankSample& sample : samples) {
-    const BoardSnapshot* board = trusted_board(sample);
+    // An exited rank's digests still vote: at the end of a run the ranks
+    // exit one by one, and a poll between two exits must not compare the
+    // last step without the replicas already gone.
+    const BoardSnapshot* board = published_board(sample);
     if (board == nullptr) continue;
     Published& p = ranks.emplace_back();
     p.rank = sample.rank;
+    p.running = sample.running;
     p.generation = board->generation;
     p.steps_done = board->steps_done;
     for (const ReplicaDigest& d : board->digests) {
@@ -71,6 +75,8 @@ ReplicaDigests::Outcome ReplicaDigests::gather(const std::vector<Published>& ran
         continue;
       }
     }
+    // An exited rank publishes nothing more: its absence holds nothing back.
+    if (!p.running) continue;
     // Without this step's digest: a member that has a newer one lost it;
     // any rank that has not finished the step may still publish it (its
     // first digest, or a second set's).

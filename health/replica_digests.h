@@ -61,6 +61,7 @@ class ReplicaDigests {
     int rank = -1;
     int64_t generation = 0;
     int64_t steps_done = 0;
+    bool running = true;
     std::map<uint64_t, std::map<int64_t, uint64_t>> sets;
   };
   enum class Outcome { kWait, kSkip, kCompare };

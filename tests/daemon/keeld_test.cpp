@@ -185,6 +185,11 @@ TEST_SUITE("integration") {
     for (const auto& rank : status.at("ranks")) {
       REQUIRE(prlimit(rank.at("pid").get<pid_t>(), RLIMIT_FSIZE, &limit, nullptr) == 0);
     }
+    // The stop must land past the newest committed step, or there is
+    // nothing left to save (seen: a stop right after step 5's commit
+    // exited 0, rightly).
+    const int64_t saved = committed_steps(job).back();
+    job.wait_for([&](const nlohmann::json& s) { return step_of(s) > saved; });
     keeld->signal(SIGTERM);
     const auto result = keeld->wait(300);
     notify.stop();

@@ -181,6 +181,20 @@ TEST_SUITE("unit") {
     CHECK(found[0].replicas == 3);
   }
 
+  TEST_CASE("a replica that exited still votes with the digests it published") {
+    // The end of a run: rank 0 has published step 40 and exited, ranks 1
+    // and 2 are still running; without rank 0 the two would be a split.
+    common::FakeClock clock;
+    SyntheticJob job(3);
+    for (int r = 0; r < 3; ++r) job.publish_digest(r, 40, kSetA, r == 1 ? kBad : kGood);
+    job.sample(0).running = false;
+    ReplicaDigests digests;
+    const auto found = digests.observe(job.samples(), clock.now_ns());
+    REQUIRE(found.size() == 1);
+    CHECK(found[0].odd_ranks == std::vector<int>{1});
+    CHECK(found[0].replicas == 3);
+  }
+
   TEST_CASE("a restarted generation's digests are compared again") {
     common::FakeClock clock;
     ReplicaDigests digests;

@@ -240,11 +240,18 @@ std::vector<KernelCase> kernel_cases() {
                      1e-4, 1e-1});
   }
   // Attention: T = 70 spans three chunks of 32 keys; head dimensions of 23
-  // (under a warp) and 40 (two channels for some lanes).
-  for (const int NH : {3, 2}) {
-    const int B = 2, T = 70, C = NH == 3 ? 69 : 80;
+  // (under a warp), 40 (two channels for some lanes) and 256 (every
+  // accumulator of a lane); then GPT-2's head of 64 over T = 1024, where
+  // rows of a thousand terms summed in other orders differ by more.
+  struct AttentionCase {
+    int B, T, C, NH;
+    double rel;
+  };
+  for (const AttentionCase a : {AttentionCase{2, 70, 69, 3, 1e-4}, AttentionCase{2, 70, 80, 2, 1e-4},
+                                AttentionCase{1, 70, 512, 2, 1e-4}, AttentionCase{1, 1024, 128, 2, 5e-4}}) {
+    const int B = a.B, T = a.T, C = a.C, NH = a.NH;
     const size_t n = static_cast<size_t>(B) * T;
-    cases.push_back({"attention, head dimension " + std::to_string(C / NH),
+    cases.push_back({"attention, T " + std::to_string(T) + ", head dimension " + std::to_string(C / NH),
                      {{"qkv", random_vec(n * 3 * C, 28, -2.0f, 2.0f)}, {"out", Vec(n * C, nan)},
                       {"lse", Vec(static_cast<size_t>(B) * NH * T, nan)}, {"dout", random_vec(n * C, 29)},
                       {"dqkv", random_vec(n * 3 * C, 30)}},
@@ -253,7 +260,7 @@ std::vector<KernelCase> kernel_cases() {
                        k.attention_forward(t.f("out"), t.f("lse"), t.f("qkv"), B, T, C, NH);
                        k.attention_backward(t.f("dqkv"), t.f("dout"), t.f("qkv"), t.f("lse"), B, T, C, NH);
                      },
-                     1e-4, 1e-2});
+                     a.rel, 1e-2});
   }
   // Cross-entropy over two vocabulary shards of 300 padded classes, V = 517
   // real ones: the second shard has padding, one target is in each.

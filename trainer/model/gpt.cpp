@@ -1,6 +1,7 @@
 #include "trainer/model/gpt.h"
 
 #include "common/error.h"
+#include "trainer/kernels/arena.h"
 
 #include <algorithm>
 #include <numeric>
@@ -64,10 +65,10 @@ OuterOffsets outer_offsets(const ParameterTable& t) {
 // which expert with what gate, grouped by expert so each expert runs one
 // GEMM over its tokens.
 struct Gpt::MoeLayer {
-  BackendArray<float> router_logits, probs;  // [N, E]
-  BackendArray<int32_t> rows;                // [N*k]: token of each dispatched slot, grouped by expert
-  BackendArray<float> gates;                 // [N*k]: its renormalised gate
-  BackendArray<float> xe, he, ge, ye;        // expert input [N*k, C], fc [N*k, 4C], gelu [N*k, 4C], output [N*k, C]
+  ArenaArray<float> router_logits, probs;  // [N, E]
+  ArenaArray<int32_t> rows;                // [N*k]: token of each dispatched slot, grouped by expert
+  ArenaArray<float> gates;                 // [N*k]: its renormalised gate
+  ArenaArray<float> xe, he, ge, ye;        // expert input [N*k, C], fc [N*k, 4C], gelu [N*k, 4C], output [N*k, C]
   std::vector<int> expert_start;             // E + 1 slot offsets
   std::vector<float> probs_host;             // [N, E]
   std::vector<int32_t> slot;                 // [N, k]: slot of the token's j-th choice
@@ -82,27 +83,28 @@ struct Gpt::MoeLayer {
 // positions and exist only with TP; without it they alias their shards.
 struct Gpt::Activations {
   struct Block {
-    BackendArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
-    BackendArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
+    ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
+    ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
     std::unique_ptr<MoeLayer> moe;
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
-  BackendArray<int32_t> inputs, targets;  // [B, T]
-  BackendArray<float> encoded;            // [Ns, C]
+  std::unique_ptr<Arena> arena;  // the memory of every array below
+  ArenaArray<int32_t> inputs, targets;  // [B, T]
+  ArenaArray<float> encoded;            // [Ns, C]
   std::vector<Block> blocks;
   std::vector<BlockOffsets> offsets;
   OuterOffsets outer;
-  BackendArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;
-  BackendArray<float> xent_stats, xent_all;  // [N, 3] of this rank, [tp, N, 3] of all
+  ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;
+  ArenaArray<float> xent_stats, xent_all;  // [N, 3] of this rank, [tp, N, 3] of all
   // [N, C] with TP: the partial sums of a row-parallel linear or of the
   // embedding (forward), a gathered output gradient and an input gradient
   // to be summed (backward).
-  BackendArray<float> partial, dwhole_out, dwhole_in;
+  ArenaArray<float> partial, dwhole_out, dwhole_in;
   // Gradient scratch, reused by every block.
-  BackendArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
+  ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
   // MoE gradient scratch.
-  BackendArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
+  ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
 };
 
 Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage, Communicator* tp)
@@ -123,75 +125,80 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
     throw common::Error(common::ErrorCode::kInternal, "TP layout not validated: B*T % tp != 0 or MoE with TP");
   }
   const size_t Ns = N / tp_size;
-  // With TP a buffer of all N positions; without, an empty one (the shard serves).
-  auto whole = [&](size_t width) { return BackendArray<float>(backend, tp_ != nullptr ? N * width : 0); };
   Activations& a = *acts_;
-  a.inputs = BackendArray<int32_t>(backend, N);
-  a.targets = BackendArray<int32_t>(backend, N);
-  a.encoded = BackendArray<float>(backend, Ns * C);
   a.outer = outer_offsets(storage.table());
-  bool any_moe = false;
-  for (int64_t i = 0; i < config.n_layer; ++i) {
-    a.offsets.push_back(block_offsets(storage.table(), config, i));
-    Activations::Block blk;
-    blk.ln1 = BackendArray<float>(backend, Ns * C);
-    blk.ln1_mean = BackendArray<float>(backend, Ns);
-    blk.ln1_rstd = BackendArray<float>(backend, Ns);
-    blk.ln1_whole = whole(C);
-    blk.qkv = BackendArray<float>(backend, N * 3 * Cl);
-    blk.attn_lse = BackendArray<float>(backend, static_cast<size_t>(B) * NHl * T);
-    blk.atty = BackendArray<float>(backend, N * Cl);
-    blk.residual2 = BackendArray<float>(backend, Ns * C);
-    blk.ln2 = BackendArray<float>(backend, Ns * C);
-    blk.ln2_mean = BackendArray<float>(backend, Ns);
-    blk.ln2_rstd = BackendArray<float>(backend, Ns);
-    blk.ln2_whole = whole(C);
-    blk.residual3 = BackendArray<float>(backend, Ns * C);
-    if (config.is_moe_layer(i)) {
-      any_moe = true;
-      auto moe = std::make_unique<MoeLayer>();
-      moe->router_logits = BackendArray<float>(backend, N * E);
-      moe->probs = BackendArray<float>(backend, N * E);
-      moe->rows = BackendArray<int32_t>(backend, N * K);
-      moe->gates = BackendArray<float>(backend, N * K);
-      moe->xe = BackendArray<float>(backend, N * K * C);
-      moe->he = BackendArray<float>(backend, N * K * 4 * C);
-      moe->ge = BackendArray<float>(backend, N * K * 4 * C);
-      moe->ye = BackendArray<float>(backend, N * K * C);
-      blk.moe = std::move(moe);
-    } else {
-      blk.fch = BackendArray<float>(backend, N * Fl);
-      blk.fch_gelu = BackendArray<float>(backend, N * Fl);
+  for (int64_t i = 0; i < config.n_layer; ++i) a.offsets.push_back(block_offsets(storage.table(), config, i));
+  // Every activation is planned here and placed in one allocation.
+  a.arena = std::make_unique<Arena>(backend, [&](Arena& arena) {
+    auto take = [&arena](size_t count) { return arena.take<float>(count); };
+    // With TP a buffer of all N positions; without, an empty one (the shard serves).
+    auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
+    a.blocks.clear();
+    a.inputs = arena.take<int32_t>(N);
+    a.targets = arena.take<int32_t>(N);
+    a.encoded = take(Ns * C);
+    bool any_moe = false;
+    for (int64_t i = 0; i < config.n_layer; ++i) {
+      Activations::Block blk;
+      blk.ln1 = take(Ns * C);
+      blk.ln1_mean = take(Ns);
+      blk.ln1_rstd = take(Ns);
+      blk.ln1_whole = whole(C);
+      blk.qkv = take(N * 3 * Cl);
+      blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
+      blk.atty = take(N * Cl);
+      blk.residual2 = take(Ns * C);
+      blk.ln2 = take(Ns * C);
+      blk.ln2_mean = take(Ns);
+      blk.ln2_rstd = take(Ns);
+      blk.ln2_whole = whole(C);
+      blk.residual3 = take(Ns * C);
+      if (config.is_moe_layer(i)) {
+        any_moe = true;
+        auto moe = std::make_unique<MoeLayer>();
+        moe->router_logits = take(N * E);
+        moe->probs = take(N * E);
+        moe->rows = arena.take<int32_t>(N * K);
+        moe->gates = take(N * K);
+        moe->xe = take(N * K * C);
+        moe->he = take(N * K * 4 * C);
+        moe->ge = take(N * K * 4 * C);
+        moe->ye = take(N * K * C);
+        blk.moe = std::move(moe);
+      } else {
+        blk.fch = take(N * Fl);
+        blk.fch_gelu = take(N * Fl);
+      }
+      a.blocks.push_back(std::move(blk));
     }
-    a.blocks.push_back(std::move(blk));
-  }
-  a.lnf = BackendArray<float>(backend, Ns * C);
-  a.lnf_mean = BackendArray<float>(backend, Ns);
-  a.lnf_rstd = BackendArray<float>(backend, Ns);
-  a.lnf_whole = whole(C);
-  a.logits = BackendArray<float>(backend, N * Vl);
-  a.losses = BackendArray<float>(backend, N);
-  a.lse = BackendArray<float>(backend, N);
-  a.xent_stats = BackendArray<float>(backend, N * 3);
-  a.xent_all = BackendArray<float>(backend, tp_ != nullptr ? tp_size * N * 3 : 0);
-  a.partial = whole(C);
-  a.dwhole_out = whole(C);
-  a.dwhole_in = whole(C);
-  a.dresidual = BackendArray<float>(backend, Ns * C);
-  a.dln = BackendArray<float>(backend, Ns * C);
-  a.datty = BackendArray<float>(backend, N * Cl);
-  a.dqkv = BackendArray<float>(backend, N * 3 * Cl);
-  a.dfch = BackendArray<float>(backend, N * Fl);
-  a.dfch_gelu = BackendArray<float>(backend, N * Fl);
-  if (any_moe) {
-    a.dye = BackendArray<float>(backend, N * K * C);
-    a.dge = BackendArray<float>(backend, N * K * 4 * C);
-    a.dhe = BackendArray<float>(backend, N * K * 4 * C);
-    a.dxe = BackendArray<float>(backend, N * K * C);
-    a.dgates = BackendArray<float>(backend, N * K);
-    a.dprobs = BackendArray<float>(backend, N * E);
-    a.drouter = BackendArray<float>(backend, N * E);
-  }
+    a.lnf = take(Ns * C);
+    a.lnf_mean = take(Ns);
+    a.lnf_rstd = take(Ns);
+    a.lnf_whole = whole(C);
+    a.logits = take(N * Vl);
+    a.losses = take(N);
+    a.lse = take(N);
+    a.xent_stats = take(N * 3);
+    a.xent_all = take(tp_ != nullptr ? tp_size * N * 3 : 0);
+    a.partial = whole(C);
+    a.dwhole_out = whole(C);
+    a.dwhole_in = whole(C);
+    a.dresidual = take(Ns * C);
+    a.dln = take(Ns * C);
+    a.datty = take(N * Cl);
+    a.dqkv = take(N * 3 * Cl);
+    a.dfch = take(N * Fl);
+    a.dfch_gelu = take(N * Fl);
+    if (any_moe) {
+      a.dye = take(N * K * C);
+      a.dge = take(N * K * 4 * C);
+      a.dhe = take(N * K * 4 * C);
+      a.dxe = take(N * K * C);
+      a.dgates = take(N * K);
+      a.dprobs = take(N * E);
+      a.drouter = take(N * E);
+    }
+  });
 }
 
 Gpt::~Gpt() = default;
@@ -228,7 +235,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
   if (blocks > 0) storage_.prefetch_parameters(1);
   // A row-parallel linear's output: partial sums to be reduce-scattered
   // with TP, the shard itself without.
-  auto partial_or = [&](BackendArray<float>& shard) { return tp_ != nullptr ? a.partial.data() : shard.data(); };
+  auto partial_or = [&](const ArenaArray<float>& shard) { return tp_ != nullptr ? a.partial.data() : shard.data(); };
 
   k.copy_from_host(a.inputs.data(), inputs, static_cast<size_t>(N) * sizeof(int32_t));
   k.copy_from_host(a.targets.data(), targets, static_cast<size_t>(N) * sizeof(int32_t));

@@ -38,15 +38,19 @@ std::vector<const void*> CudaBackend::gemm_operands(std::initializer_list<Operan
     return out;
   }
   size_t total = 0;
-  for (const Operand& op : operands) total += slot_bytes(op.count);
+  for (const Operand& op : operands) total += op.data != nullptr ? slot_bytes(op.count) : 0;
   auto* slot = static_cast<char*>(scratch(total));
   for (const Operand& op : operands) {
+    if (op.data == nullptr) {
+      out.push_back(nullptr);
+      continue;
+    }
     auto* copy = reinterpret_cast<__nv_bfloat16*>(slot);
-    if (op.data != nullptr && op.count > 0) {
+    if (op.count > 0) {
       round_to_bf16_kernel<<<grid_for(op.count), kThreads, 0, stream()>>>(copy, op.data, op.count);
       check_launch("round_to_bf16");
     }
-    out.push_back(op.data != nullptr ? copy : nullptr);
+    out.push_back(copy);
     slot += slot_bytes(op.count);
   }
   return out;
