@@ -18,13 +18,15 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace keel::trainer::cuda {
 namespace {
 
-// Head dimensions up to this fit the per-lane accumulators.
+// Head dimensions up to this fit the per-lane accumulators: kSlots floats
+// a lane, the kernels compiled for 1, 2, 4 and 8 (with_slots picks the
+// smallest that holds the head, so GPT-2's 64 runs 2).
 constexpr int kMaxHeadDim = 256;
-constexpr int kPerLane = kMaxHeadDim / kWarp;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Where a row's (b, h, t) lives, and its head's q, k and v.
@@ -47,22 +49,25 @@ __device__ inline float dot(const float* x, const float* y, int d) {
 
 // acc[i] += weight * row[lane + i * 32] for the lane's channels; `store`
 // adds (or writes) them to dst.
-__device__ inline void add_scaled(float (&acc)[kPerLane], float weight, const float* row, int d) {
+template <int kSlots>
+__device__ inline void add_scaled(float (&acc)[kSlots], float weight, const float* row, int d) {
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
+  for (int i = 0; i < kSlots; ++i) {
     const int j = lane() + i * kWarp;
     if (j < d) acc[i] += weight * row[j];
   }
 }
 
-__device__ inline void store(float* dst, const float (&acc)[kPerLane], float scale, int d, bool accumulate) {
+template <int kSlots>
+__device__ inline void store(float* dst, const float (&acc)[kSlots], float scale, int d, bool accumulate) {
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
+  for (int i = 0; i < kSlots; ++i) {
     const int j = lane() + i * kWarp;
     if (j < d) dst[j] = (accumulate ? dst[j] : 0.0f) + acc[i] * scale;
   }
 }
 
+template <int kSlots>
 __global__ void attention_forward_kernel(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
                                          float scale) {
   const size_t row = global_warp();
@@ -74,7 +79,7 @@ __global__ void attention_forward_kernel(float* out, float* lse, const float* qk
   const int len = static_cast<int>(r.t) + 1;
 
   float max = -INFINITY, sum = 0.0f;
-  float acc[kPerLane] = {};
+  float acc[kSlots] = {};
   for (int base = 0; base < len; base += kWarp) {
     const int s = base + lane();
     const float score = s < len ? dot(q, r.head + s * ld + C, d) * scale : -INFINITY;
@@ -83,7 +88,7 @@ __global__ void attention_forward_kernel(float* out, float* lse, const float* qk
     const float correction = expf(max - new_max);  // 0 on the first chunk
     sum = sum * correction + warp_sum(p);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] *= correction;
+    for (int i = 0; i < kSlots; ++i) acc[i] *= correction;
     const int count = min(kWarp, len - base);
     for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, p, k), r.head + (base + k) * ld + 2 * C, d);
     max = new_max;
@@ -102,6 +107,7 @@ __device__ inline Probability probability(const float* q, const float* dy, const
   return {expf(dot(q, key_row + C, d) * scale - lse), dot(dy, key_row + 2 * C, d)};
 }
 
+template <int kSlots>
 __global__ void attention_backward_query_kernel(float* dqkv, float* row_dots, const float* dout, const float* qkv,
                                                 const float* lse, int B, int T, int C, int NH, float scale) {
   const size_t row = global_warp();
@@ -122,7 +128,7 @@ __global__ void attention_backward_query_kernel(float* dqkv, float* row_dots, co
   const float row_dot = warp_sum(pdp);
   if (lane() == 0) row_dots[r.bh * T + r.t] = row_dot;
 
-  float acc[kPerLane] = {};
+  float acc[kSlots] = {};
   for (int base = 0; base < len; base += kWarp) {
     const int s = base + lane();
     float ds = 0.0f;
@@ -136,6 +142,7 @@ __global__ void attention_backward_query_kernel(float* dqkv, float* row_dots, co
   store(dqkv + (r.b * T + r.t) * ld + r.h * d, acc, 1.0f, d, true);
 }
 
+template <int kSlots>
 __global__ void attention_backward_key_kernel(float* dqkv, const float* row_dots, const float* dout, const float* qkv,
                                               const float* lse, int B, int T, int C, int NH, float scale) {
   const size_t row = global_warp();
@@ -147,7 +154,7 @@ __global__ void attention_backward_key_kernel(float* dqkv, const float* row_dots
   const float* key_row = r.head + s * ld;
   const float* dy_head = dout + r.b * T * C + r.h * d;
 
-  float acc_k[kPerLane] = {}, acc_v[kPerLane] = {};
+  float acc_k[kSlots] = {}, acc_v[kSlots] = {};
   for (size_t base = s; base < static_cast<size_t>(T); base += kWarp) {
     const size_t t = base + lane();
     float p = 0.0f, ds = 0.0f;
@@ -168,6 +175,21 @@ __global__ void attention_backward_key_kernel(float* dqkv, const float* row_dots
   store(dk + C, acc_v, 1.0f, d, true);
 }
 
+// Calls launch(std::integral_constant<int, kSlots>) with the smallest
+// kSlots whose 32 * kSlots channels hold a head of d.
+template <class Launch>
+void with_slots(int d, Launch&& launch) {
+  if (d <= kWarp) {
+    launch(std::integral_constant<int, 1>{});
+  } else if (d <= 2 * kWarp) {
+    launch(std::integral_constant<int, 2>{});
+  } else if (d <= 4 * kWarp) {
+    launch(std::integral_constant<int, 4>{});
+  } else {
+    launch(std::integral_constant<int, 8>{});
+  }
+}
+
 float attention_scale(int C, int NH) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(C / NH))); }
 
 void check_head_dim(int C, int NH) {
@@ -184,8 +206,10 @@ void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, in
   const size_t rows = static_cast<size_t>(B) * NH * T;
   if (rows == 0) return;
   check_head_dim(C, NH);
-  attention_forward_kernel<<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, qkv, B, T, C, NH,
-                                                                            attention_scale(C, NH));
+  with_slots(C / NH, [&](auto slots) {
+    attention_forward_kernel<decltype(slots)::value>
+        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, qkv, B, T, C, NH, attention_scale(C, NH));
+  });
   check_launch("attention_forward");
 }
 
@@ -196,12 +220,15 @@ void CudaBackend::attention_backward(float* dqkv, const float* dout, const float
   check_head_dim(C, NH);
   auto* row_dots = static_cast<float*>(scratch(rows * sizeof(float)));
   const float scale = attention_scale(C, NH);
-  attention_backward_query_kernel<<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B,
-                                                                                   T, C, NH, scale);
-  check_launch("attention_backward (queries)");
-  attention_backward_key_kernel<<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B, T,
-                                                                                 C, NH, scale);
-  check_launch("attention_backward (keys)");
+  with_slots(C / NH, [&](auto slots) {
+    constexpr int kSlots = decltype(slots)::value;
+    attention_backward_query_kernel<kSlots>
+        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B, T, C, NH, scale);
+    check_launch("attention_backward (queries)");
+    attention_backward_key_kernel<kSlots>
+        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B, T, C, NH, scale);
+    check_launch("attention_backward (keys)");
+  });
 }
 
 }  // namespace keel::trainer::cuda
