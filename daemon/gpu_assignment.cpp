@@ -42,13 +42,12 @@ NodeGpus node_gpus(const std::optional<std::string>& visible, const std::filesys
     return gpus;
   }
   gpus.source = fmt::format("the NVIDIA device nodes in {}", dev.string());
-  std::vector<int> indices;
+  size_t count = 0;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(dev, error)) {
-    if (const auto index = gpu_index(entry.path().filename().string())) indices.push_back(*index);
+    if (gpu_index(entry.path().filename().string())) ++count;
   }
-  std::sort(indices.begin(), indices.end());
-  for (int index : indices) gpus.devices.push_back(std::to_string(index));
+  for (size_t ordinal = 0; ordinal < count; ++ordinal) gpus.devices.push_back(std::to_string(ordinal));
   return gpus;
 }
 

@@ -19,9 +19,10 @@ struct NodeGpus {
 
 // `visible` is keeld's own CUDA_VISIBLE_DEVICES (nullopt: unset): when set,
 // its entries are the node's GPUs, in order (systemd or a scheduler may
-// hand keeld a subset). Otherwise every /dev/nvidiaN device node of `dev`,
-// in N order: the NVIDIA driver makes one per GPU, and a container sees
-// only those it was given.
+// hand keeld a subset). Otherwise one GPU per /dev/nvidiaN device node of
+// `dev` (the NVIDIA driver makes one per GPU, and a container sees only
+// those it was given), named by CUDA's ordinals 0..n-1: CUDA numbers the
+// devices it can open from 0, not by their node numbers.
 NodeGpus node_gpus(const std::optional<std::string>& visible, const std::filesystem::path& dev = "/dev");
 
 // The device of each of `local_ranks` ranks (local rank r gets entry r).

@@ -75,13 +75,14 @@ ReplicaDigests::Outcome ReplicaDigests::gather(const std::vector<Published>& ran
         continue;
       }
     }
-    // An exited rank publishes nothing more: its absence holds nothing back.
-    if (!p.running) continue;
     // Without this step's digest: a member that has a newer one lost it;
-    // any rank that has not finished the step may still publish it (its
-    // first digest, or a second set's).
+    // any running rank that has not finished the step may still publish it
+    // (its first digest, or a second set's); an exited one publishes
+    // nothing more, so it holds nothing back.
     if (member && own->second.rbegin()->first > step) {
       outcome = Outcome::kSkip;
+    } else if (!p.running) {
+      continue;
     } else if (p.steps_done <= step) {
       return Outcome::kWait;
     } else if (member) {

@@ -17,9 +17,11 @@
 // has finished the step without a digest of that set is no member; one that
 // has not finished it yet is waited for. When a member's ring lost the
 // step's digest (overwritten before it was read) that step is not compared:
-// a corrupted rank still differs at the next one. Only running ranks with a
-// trusted board (rank_sample.h) count, so a torn or garbage board neither
-// joins a set it names by chance nor blocks the others for long.
+// a corrupted rank still differs at the next one. Only ranks whose board is
+// theirs (published_board, rank_sample.h) count, so a torn or garbage board
+// neither joins a set it names by chance nor blocks the others for long. A
+// rank that has exited still votes with the digests it published, but is
+// never waited for.
 #pragma once
 
 #include "health/rank_sample.h"

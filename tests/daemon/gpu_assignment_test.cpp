@@ -56,14 +56,15 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("without CUDA_VISIBLE_DEVICES the GPUs are the nvidiaN device nodes in number order") {
+  TEST_CASE("without CUDA_VISIBLE_DEVICES each nvidiaN device node is a GPU numbered as CUDA numbers it from 0") {
     keel::test::TempDir dev;
     for (const char* name :
          {"nvidia10", "nvidia0", "nvidia2", "nvidiactl", "nvidia-uvm", "nvidia-modeset", "null", "nvidia3x"}) {
       dev.write(name, "");
     }
     std::filesystem::create_directory(dev / "nvidia-caps");
-    CHECK(node_gpus(std::nullopt, dev.path()).devices == std::vector<std::string>{"0", "2", "10"});
+    // A container given nvidia0, nvidia2 and nvidia10 sees CUDA devices 0, 1 and 2.
+    CHECK(node_gpus(std::nullopt, dev.path()).devices == std::vector<std::string>{"0", "1", "2"});
     CHECK(node_gpus(std::nullopt, dev / "missing").devices.empty());
   }
 

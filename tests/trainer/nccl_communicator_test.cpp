@@ -122,6 +122,11 @@ TEST_SUITE("gpu") {
       comm.all_reduce(reduced.get(), count);
       CHECK(reduced.to_host() == in);
 
+      // The step's scalars are host memory: staged through the device.
+      Vec on_host = in;
+      comm.all_reduce(on_host.data(), count);
+      CHECK(on_host == in);
+
       DeviceVec scatter_in(in), scatter_out(Vec(count, -1.0f));
       comm.reduce_scatter(scatter_in.get(), scatter_out.get(), count);
       CHECK(scatter_out.to_host() == in);

@@ -60,6 +60,10 @@ std::string cuda_message(const char* what, cudaError_t error) {
   return fmt::format("{}: {}", what, cudaGetErrorString(error));
 }
 
+void check_cuda(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) throw Error(ErrorCode::kInternal, cuda_message(what, error));
+}
+
 // Makes `device` current for its scope and then restores the caller's:
 // NCCL and the CUDA calls here act on the current device (NCCL's abort and
 // destroy even leave theirs current), and the calling thread may be driving
@@ -245,6 +249,7 @@ void NcclCommunicator::release() noexcept {
   // Failures are ignored: nothing here can be retried, and this runs in the
   // destructor.
   if (barrier_value_ != nullptr) cudaFree(barrier_value_);
+  if (host_staging_ != nullptr) cudaFree(host_staging_);
   if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
   stream_.reset();
 }
@@ -300,9 +305,35 @@ void NcclCommunicator::wait_until_done(Clock::time_point deadline) {
 }
 
 void NcclCommunicator::do_all_reduce(Buffer data, size_t count) {
+  cudaPointerAttributes attributes{};
+  const bool on_host = count > 0 && cudaPointerGetAttributes(&attributes, data.data) == cudaSuccess &&
+                       (attributes.type == cudaMemoryTypeUnregistered || attributes.type == cudaMemoryTypeHost);
+  if (!on_host) {
+    run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclAllReduce(data.data, data.data, count, nccl_type(data.dtype), ncclSum, comm, stream);
+    });
+    return;
+  }
+  const size_t bytes = count * dtype_bytes(data.dtype);
+  {
+    DeviceScope scope(device_);
+    if (bytes > host_staging_bytes_) {
+      cudaFree(host_staging_);
+      host_staging_ = nullptr;
+      host_staging_bytes_ = 0;
+      check_cuda(cudaMalloc(&host_staging_, bytes), "cudaMalloc (host all_reduce staging)");
+      host_staging_bytes_ = bytes;
+    }
+    // run() orders the collective after the legacy default stream, which
+    // this copy is on.
+    check_cuda(cudaMemcpy(host_staging_, data.data, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (all_reduce in)");
+  }
   run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclAllReduce(data.data, data.data, count, nccl_type(data.dtype), ncclSum, comm, stream);
+    return ncclAllReduce(host_staging_, host_staging_, count, nccl_type(data.dtype), ncclSum, comm, stream);
   });
+  // run() returns once the collective has completed on the device.
+  DeviceScope scope(device_);
+  check_cuda(cudaMemcpy(data.data, host_staging_, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (all_reduce out)");
 }
 
 void NcclCommunicator::do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) {

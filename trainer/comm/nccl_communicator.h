@@ -1,5 +1,9 @@
 // NcclCommunicator: the GPU communicator (docs/architecture.md "Parallel layout and communication"), NCCL from the CUDA
-// toolkit (2.28). Buffers are float32 or bfloat16 device pointers on `device`.
+// toolkit (2.28). Buffers are float32 or bfloat16 device pointers on `device`,
+// with one exception: all_reduce also takes host memory, the few floats a
+// step agrees on over the whole world (votes, norms, SDC flags), and stages
+// it through device memory of its own; NCCL itself only ever sees device
+// memory.
 //
 // One rank per GPU: NCCL refuses two ranks of a group on one device
 // ("Duplicate GPU detected", an invalid-usage error: kInternal), so a
@@ -129,6 +133,10 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t inputs_ready_ = nullptr;
   // What barrier() all-reduces.
   float* barrier_value_ = nullptr;
+  // Where a host buffer's all_reduce runs (grown on demand; the comm
+  // thread is its only user).
+  void* host_staging_ = nullptr;
+  size_t host_staging_bytes_ = 0;
 
   // NCCL's calls on one communicator are not thread-safe, and abort() frees
   // the communicator another thread may be polling, so every use of comm_

@@ -20,11 +20,18 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
   if (train.device == "cpu") return std::make_unique<CpuBackend>(static_cast<int>(train.threads));
 #ifdef KEEL_HAVE_CUDA
   std::string why;
-  if (!cuda::device_available(&why)) {
+  const cudaError_t status = cuda::device_status(&why);
+  if (status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver) {
     throw Error(ErrorCode::kBadConfig,
                 fmt::format("train.device = \"cuda\" but no GPU can be used ({}); set train.device = \"cpu\" or run "
                             "on a machine with a GPU",
                             why));
+  }
+  if (status != cudaSuccess) {
+    // A GPU that is there but failed (still held by the last generation,
+    // an Xid, an ECC error) may work again: an internal error, which keeld
+    // restarts, not a config one, which ends the job.
+    throw Error(ErrorCode::kInternal, fmt::format("the GPU failed to start: {}", why));
   }
   return std::make_unique<cuda::CudaBackend>(0, train.gemm_precision() == "bf16" ? DType::kBF16 : DType::kF32);
 #else

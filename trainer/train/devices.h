@@ -17,8 +17,9 @@ namespace keel::trainer {
 
 // "cpu": CpuBackend on train.threads threads. "cuda": CudaBackend on the
 // process's first visible GPU (keeld narrows CUDA_VISIBLE_DEVICES to one
-// GPU per rank). A build without CUDA, or a machine without a usable GPU,
-// is a kBadConfig error that says so.
+// GPU per rank). A build without CUDA, or a machine without a GPU or with
+// too old a driver, is a kBadConfig error that says so; a GPU that fails
+// to start is kInternal, which keeld retries.
 std::unique_ptr<Backend> make_backend(const common::TrainConfig& train);
 
 // Joins one process group of `size` ranks as `rank`: Gloo for a backend

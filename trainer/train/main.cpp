@@ -165,6 +165,9 @@ int main(int argc, char** argv) {
   // keeld reads this rank's progress from its board (a rank run by hand has
   // none); the communicators report to it, so it outlives them.
   std::optional<keel::health::BoardPublisher> board;
+  // The communicators wait on the backend's compute stream, so it
+  // outlives them.
+  std::unique_ptr<keel::trainer::Backend> backend;
   RankGroups groups;
   auto& dp = groups.dp;
   auto& tp = groups.tp;
@@ -190,7 +193,7 @@ int main(int argc, char** argv) {
     if (!worker.board.empty()) {
       board.emplace(keel::health::ProgressBoard::open(worker.board), worker.rank, worker.generation);
     }
-    const auto backend = keel::trainer::make_backend(config.train);
+    backend = keel::trainer::make_backend(config.train);
     log->info("backend {}", backend->name());
     // Ranks rendezvous through the Store; groups are named by generation so
     // a restarted generation never reads the addresses of the one before.

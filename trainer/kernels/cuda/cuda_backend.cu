@@ -45,19 +45,19 @@ __global__ void column_sum_kernel(float* dst, const float* src, int rows, int co
 
 }  // namespace
 
-bool device_available(std::string* why) {
+cudaError_t device_status(std::string* why) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear it so later calls do not report it again
     if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
-    return false;
+    return err;
   }
   if (count == 0) {
     if (why != nullptr) *why = "no CUDA device";
-    return false;
+    return cudaErrorNoDevice;
   }
-  return true;
+  return cudaSuccess;
 }
 
 void column_sum_accumulate(float* dst, const float* src, int rows, int cols, cudaStream_t stream) {

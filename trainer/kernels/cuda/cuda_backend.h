@@ -42,8 +42,12 @@ namespace keel::trainer::cuda {
 
 class CublasLtGemm;
 
-// Whether a CUDA device can be used; when not, *why (if non-null) says why.
-bool device_available(std::string* why);
+// cudaSuccess when a CUDA device can be used. Otherwise the error, and *why
+// (if non-null) says it in words: cudaErrorNoDevice or
+// cudaErrorInsufficientDriver when the machine has no usable GPU, anything
+// else when one failed to start.
+cudaError_t device_status(std::string* why);
+inline bool device_available(std::string* why) { return device_status(why) == cudaSuccess; }
 
 class CudaBackend final : public Backend {
  public:
