@@ -14,14 +14,6 @@ namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
-// Launches kernel(args..., n) as a grid-stride loop over n elements.
-template <typename... KernelArgs, typename... Args>
-void launch(const char* name, void (*kernel)(KernelArgs...), size_t n, cudaStream_t stream, Args... args) {
-  if (n == 0) return;  // a zero-block grid is a launch error
-  kernel<<<grid_for(n), kThreads, 0, stream>>>(args..., n);
-  check_launch(name);
-}
-
 // exp of -2u, clamped as the CPU backend clamps it, so the backward's e * s
 // stays finite instead of becoming inf * 0.
 __device__ inline float gelu_exp(float x) {

@@ -43,6 +43,15 @@ inline unsigned grid_for_warps(size_t rows) {
 // Turns a failed launch into an Error (call right after <<<>>>).
 inline void check_launch(const char* name) { check(cudaGetLastError(), name); }
 
+// Launches kernel(args..., n), a grid-stride loop over n elements, and
+// checks the launch; nothing for n = 0 (a zero-block grid is an error).
+template <typename... KernelArgs, typename... Args>
+void launch(const char* name, void (*kernel)(KernelArgs...), size_t n, cudaStream_t stream, Args... args) {
+  if (n == 0) return;
+  kernel<<<grid_for(n), kThreads, 0, stream>>>(args..., n);
+  check_launch(name);
+}
+
 __device__ inline size_t first_index() { return blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; }
 __device__ inline size_t grid_stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
 // The warp of this thread, counted over the grid, and the lane in it.

@@ -46,10 +46,7 @@ std::vector<const void*> CudaBackend::gemm_operands(std::initializer_list<Operan
       continue;
     }
     auto* copy = reinterpret_cast<__nv_bfloat16*>(slot);
-    if (op.count > 0) {
-      round_to_bf16_kernel<<<grid_for(op.count), kThreads, 0, stream()>>>(copy, op.data, op.count);
-      check_launch("round_to_bf16");
-    }
+    launch("round_to_bf16", round_to_bf16_kernel, op.count, stream(), copy, op.data);
     out.push_back(copy);
     slot += slot_bytes(op.count);
   }

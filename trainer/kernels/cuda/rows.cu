@@ -84,10 +84,8 @@ void scatter_columns(float* out, const float* inp, const int32_t* rows, int row_
 
 void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
                                     const float* wpe, int B, int T, int C) {
-  const size_t n = static_cast<size_t>(B) * T * C;
-  if (n == 0) return;
-  embedding_forward_kernel<<<grid_for(n), kThreads, 0, stream()>>>(out, tokens, wte, v_begin, Vl, wpe, T, C, n);
-  check_launch("embedding_forward");
+  launch("embedding_forward", embedding_forward_kernel, static_cast<size_t>(B) * T * C, stream(), out, tokens, wte,
+         v_begin, Vl, wpe, T, C);
 }
 
 void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int v_begin,
@@ -101,10 +99,7 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout
 }
 
 void CudaBackend::gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M, int C) {
-  const size_t n = static_cast<size_t>(M) * C;
-  if (n == 0) return;
-  gather_rows_kernel<<<grid_for(n), kThreads, 0, stream()>>>(out, inp, rows, weights, C, n);
-  check_launch("gather_rows");
+  launch("gather_rows", gather_rows_kernel, static_cast<size_t>(M) * C, stream(), out, inp, rows, weights, C);
 }
 
 void CudaBackend::scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,

@@ -112,11 +112,8 @@ void CudaBackend::crossentropy_combine(float* losses, float* lse, const float* s
 
 void CudaBackend::crossentropy_backward(float* dlogits, const float* logits, const float* lse,
                                         const int32_t* targets, float dloss, int N, int v_begin, int Vl, int V) {
-  const size_t count = static_cast<size_t>(N) * Vl;
-  if (count == 0) return;
-  crossentropy_backward_kernel<<<grid_for(count), kThreads, 0, stream()>>>(
-      dlogits, logits, lse, targets, dloss, v_begin, Vl, real_classes(V, v_begin, Vl), count);
-  check_launch("crossentropy_backward");
+  launch("crossentropy_backward", crossentropy_backward_kernel, static_cast<size_t>(N) * Vl, stream(), dlogits, logits,
+         lse, targets, dloss, v_begin, Vl, real_classes(V, v_begin, Vl));
 }
 
 void CudaBackend::softmax_forward(float* probs, const float* logits, int N, int E) {
