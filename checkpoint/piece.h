@@ -9,7 +9,7 @@
 namespace keel::checkpoint {
 
 struct Piece {
-  std::string group;                  // "model", "optim/exp_avg" or "optim/exp_avg_sq"
+  std::string group;                  // "model", "master", "optim/exp_avg" or "optim/exp_avg_sq"
   std::string global_name;            // e.g. "h.0.attn.c_attn.weight"
   std::vector<int64_t> global_shape;  // 1-D or 2-D
   int64_t row = 0;                    // where the block starts in the global tensor

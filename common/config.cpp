@@ -340,9 +340,6 @@ void Config::validate() const {
         fmt::format("gives heads of n_embd / n_head = {} channels, and the CUDA attention takes at most 256; use "
                     "more heads",
                     model.n_head > 0 ? model.head_dim() : 0));
-  check(train.precision != "bf16" || train.device == "cuda", "train.precision",
-        "\"bf16\" needs train.device = \"cuda\": the CPU backend multiplies in fp32; set train.precision = "
-        "\"fp32\" or \"auto\"");
 
   check(!daemon.socket.empty(), "daemon.socket", "must name the control socket, e.g. /run/keel/keeld.sock");
   // sockaddr_un holds 108 bytes with the terminating NUL.

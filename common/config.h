@@ -111,7 +111,7 @@ struct TrainConfig {
   int64_t log_every = 10;        // progress line every N steps
   int64_t threads = 0;           // CPU threads for kernels; 0 = OMP_NUM_THREADS, else every CPU the rank may use
   std::string device = "cpu";    // "cpu" or "cuda" (one GPU per rank): the backend every rank trains on
-  std::string precision = "auto";  // GEMM inputs: "fp32", "bf16" (cuda only) or "auto" (bf16 on cuda, else fp32)
+  std::string precision = "auto";  // GEMM inputs: "fp32", "bf16" or "auto" (bf16 on cuda, else fp32)
 
   template <class V> void visit(V& v) {
     v("steps", steps);

@@ -104,7 +104,6 @@ TEST_SUITE("unit") {
          "unknown key 'straggler_windows' in [health]"},
         {"unknown device", m, {"train.device=gpu"}, "train.device): must be \"cpu\" or \"cuda\" (got \"gpu\")"},
         {"unknown precision", m, {"train.precision=fp16"}, "must be \"auto\", \"fp32\" or \"bf16\" (got \"fp16\")"},
-        {"bf16 on the CPU", m, {"train.precision=bf16"}, "\"bf16\" needs train.device = \"cuda\""},
         {"heads too wide for the GPU", m, {"train.device=cuda", "model.n_embd=1024", "model.n_head=2"},
          "the CUDA attention takes at most 256"},
         {"overlap that is not a boolean", m + "[parallel]\noverlap_comm = 1\n", {}, "true or false"},

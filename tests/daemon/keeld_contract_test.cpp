@@ -96,7 +96,7 @@ TEST_SUITE("integration") {
   TEST_CASE("keelctl says keeld is not running with exit 3 and answers every command through a live keeld") {
     KeeldJob job;
     const std::string keelctl = keel_binary("keelctl").string();
-    for (const std::vector<std::string> command :
+    for (const std::vector<std::string>& command :
          {std::vector<std::string>{"status"}, {"events"}, {"stop"}, {"restart"}, {"checkpoint", "now"}}) {
       std::vector<std::string> argv = {keelctl, "--socket", job.socket()};
       argv.insert(argv.end(), command.begin(), command.end());

@@ -43,6 +43,7 @@ class BackendWrapper : public trainer::Backend {
                           const float* weight, const float* mean, const float* rstd, int N, int C) override {
     target_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
+  trainer::DType gemm_inputs() const override { return target_.gemm_inputs(); }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
     target_.matmul_forward(out, inp, weight, bias, N, C, OC);

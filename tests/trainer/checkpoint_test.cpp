@@ -7,6 +7,7 @@
 #include "checkpoint/paths.h"
 #include "checkpoint/reader.h"
 #include "tests/support/wait.h"
+#include "trainer/kernels/dtype.h"
 #include "tests/trainer/trainer_runs.h"
 
 #include <doctest/doctest.h>
@@ -107,6 +108,56 @@ TEST_SUITE("integration") {
       f.run(pair.a, a + "_rt", kEvery4, {"--init-from", checkpoint_of(f, b + "_rt", 6).string(), "--stop-after", "6"});
       CHECK(all_tensors(checkpoint_of(f, a + "_rt", 6)) == all_tensors(saved));
     }
+  }
+
+  TEST_CASE("a bf16 run saves float32 master weights beside their bf16 rounding and runs of either precision resume "
+            "from them") {
+    TrainerRuns f;
+    auto with = [](std::vector<std::string> sets, const std::string& precision) {
+      sets.push_back("train.precision=" + precision);
+      return sets;
+    };
+    const Layout layout{2, 1, 1};
+    const Run fp32 = f.run(layout, "fp32", with(kEvery4, "fp32"));
+    const Run whole = f.run(layout, "whole", with(kEvery4, "bf16"));
+    f.run(layout, "resumed", with(kEvery4, "bf16"), {"--stop-after", "6"}, 14);
+    const Run resumed = f.run(layout, "resumed", with(kEvery4, "bf16"));
+    CHECK(resumed.exact == whole.exact);
+    CHECK(digests(resumed) == digests(whole));
+    REQUIRE(whole.losses.size() == fp32.losses.size());
+    for (size_t s = 0; s < whole.losses.size(); ++s) {
+      CAPTURE(s);
+      CHECK(std::fabs(whole.losses[s] - fp32.losses[s]) <= 2e-2 * std::fabs(fp32.losses[s]));
+    }
+    CHECK(whole.exact != fp32.exact);  // the GEMMs really took bf16
+
+    const fs::path saved = checkpoint_of(f, "resumed", 6);
+    const auto tensors = all_tensors(saved);
+    size_t masters = 0, finer = 0;
+    for (const auto& [name, master] : tensors) {
+      if (!name.starts_with("/master/")) continue;
+      ++masters;
+      CAPTURE(name);
+      const auto& model = tensors.at("/model/" + name.substr(std::string("/master/").size()));
+      REQUIRE(model.size() == master.size());
+      for (size_t i = 0; i < master.size(); ++i) {
+        CHECK(model[i] == keel::trainer::bf16_rounded(master[i]));
+        finer += model[i] != master[i];
+      }
+    }
+    CHECK(masters == 28);
+    CHECK(finer > 0);  // /master holds bits that bf16 drops
+
+    // A float32 run takes /master, not the rounded /model, and saves what it loaded.
+    f.run(layout, "to_fp32", with(kEvery4, "fp32"), {"--init-from", saved.string(), "--stop-after", "6"});
+    const auto loaded = all_tensors(checkpoint_of(f, "to_fp32", 6));
+    for (const auto& [name, values] : loaded) {
+      CAPTURE(name);
+      CHECK_FALSE(name.starts_with("/master/"));
+      const std::string source = name.starts_with("/model/") ? "/master/" + name.substr(7) : name;
+      CHECK(values == tensors.at(source));
+    }
+    CHECK(loaded.size() + masters == tensors.size());
   }
 
   TEST_CASE("h5py reads every global tensor of index.h5 as its pieces assemble it and h5dump lists every file") {

@@ -27,6 +27,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/counter_rng.h"
@@ -477,30 +478,31 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("bf16 GEMM inputs stay within bf16 rounding of the float32 products") {
+  TEST_CASE("bf16 GEMMs match the CPU's bf16 GEMMs and stay within bf16 rounding of the float32 products") {
     if (!device_or_skip()) return;
     // Channel counts are multiples of 8, as every model's are (bf16 tensor
     // core kernels want 16-byte rows); N need not be.
     const int N = 97, C = 72, OC = 136;
-    CpuBackend cpu(2);
+    CpuBackend cpu(2), cpu_bf16(2, keel::trainer::DType::kBF16);
     CudaBackend gpu(0, keel::trainer::DType::kBF16);
     const std::map<std::string, Vec> floats = {
         {"inp", random_vec(N * C, 46)},      {"w", random_vec(OC * C, 47)},   {"bias", random_vec(OC, 48)},
         {"out", Vec(N * OC, NAN)},           {"dout", random_vec(N * OC, 49)}, {"dinp", Vec(N * C)},
         {"dw", Vec(OC * C)},                 {"dbias", Vec(OC)}};
-    Tensors on_cpu(cpu, floats, {}), on_gpu(gpu, floats, {});
-    for (auto* t : {&on_cpu, &on_gpu}) {
-      Backend& k = t == &on_cpu ? static_cast<Backend&>(cpu) : static_cast<Backend&>(gpu);
-      k.matmul_forward(t->f("out"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
-      k.matmul_backward(t->f("dinp"), t->f("dw"), t->f("dbias"), t->f("dout"), t->f("inp"), t->f("w"), N, C, OC);
+    Tensors on_cpu(cpu, floats, {}), on_cpu_bf16(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu}, {&on_cpu_bf16, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      k->matmul_forward(t->f("out"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->matmul_backward(t->f("dinp"), t->f("dw"), t->f("dbias"), t->f("dout"), t->f("inp"), t->f("w"), N, C, OC);
     }
     // Inputs rounded to 8 significant bits: about 2^-9 relative each, and
-    // the errors of a dot product's terms partly cancel.
+    // the errors of a dot product's terms partly cancel. Against the CPU's
+    // bf16 GEMMs only the float32 summation order differs.
     for (const char* name : {"out", "dinp", "dw"}) {
       CAPTURE(name);
       const double error = relative_l2(on_gpu.read(name), on_cpu.read(name));
       CHECK(error <= 1e-2);
       CHECK(error > 0.0);  // the bf16 path really ran
+      CHECK(relative_l2(on_gpu.read(name), on_cpu_bf16.read(name)) <= 1e-5);
     }
     check_close("dbias (float32 on both)", on_gpu.read("dbias"), on_cpu.read("dbias"), 1e-5, 1e-3);
   }

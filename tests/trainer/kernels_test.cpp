@@ -368,6 +368,38 @@ TEST_SUITE("unit") {
     CHECK(dinp_only == dinp_all);
   }
 
+  TEST_CASE("matmul with bf16 inputs is the float32 matmul of the operands rounded to bf16") {
+    // The big shape cuts the GEMMs into tiles, so the rounded copies are
+    // shared across tiles; dbias sums dout itself, unrounded.
+    for (auto [N, C, OC] : {std::tuple{7, 5, 3}, std::tuple{200, 400, 900}}) {
+      CAPTURE(N);
+      CpuBackend bf16(0, keel::trainer::DType::kBF16), fp32(0, keel::trainer::DType::kF32);
+      CHECK(bf16.gemm_inputs() == keel::trainer::DType::kBF16);
+      const Vec inp = random_vec(static_cast<size_t>(N) * C, 22), w = random_vec(static_cast<size_t>(OC) * C, 23);
+      const Vec bias = random_vec(OC, 24), dout = random_vec(static_cast<size_t>(N) * OC, 25);
+      auto rounded = [](Vec v) {
+        for (float& x : v) x = keel::trainer::bf16_rounded(x);
+        return v;
+      };
+      struct Result {
+        Vec out, dinp, dw, db;
+      };
+      auto run = [&](CpuBackend& cpu, const Vec& x, const Vec& weight, const Vec& dy) {
+        Result r{nan_vec(dout.size()), Vec(inp.size(), 0.5f), Vec(w.size(), 0.25f), Vec(OC, 0.0f)};
+        cpu.matmul_forward(r.out.data(), x.data(), weight.data(), bias.data(), N, C, OC);
+        cpu.matmul_backward(r.dinp.data(), r.dw.data(), r.db.data(), dy.data(), x.data(), weight.data(), N, C, OC);
+        return r;
+      };
+      const Result got = run(bf16, inp, w, dout);
+      const Result want = run(fp32, rounded(inp), rounded(w), rounded(dout));
+      CHECK(got.out == want.out);
+      CHECK(got.dinp == want.dinp);
+      CHECK(got.dw == want.dw);
+      CHECK(got.db == run(fp32, inp, w, dout).db);
+      CHECK(got.out != run(fp32, inp, w, dout).out);  // the rounding really happened
+    }
+  }
+
   TEST_CASE("attention forward matches a naive reference within and across query blocks") {
     CpuBackend cpu;
     for (AttentionShape s : {AttentionShape{2, 5, 8, 2}, AttentionShape{2, 150, 16, 2}}) {

@@ -17,6 +17,7 @@
 //   order that depends on the shapes only, never on the thread count.
 #pragma once
 
+#include "trainer/kernels/dtype.h"
 #include "trainer/kernels/stream.h"
 
 #include <cstddef>
@@ -86,6 +87,11 @@ class Backend {
                                   const float* rstd, int N, int C) = 0;
 
   // ---- linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (bias nullable) ----
+  // What the two matmul kernels multiply (docs/architecture.md "Dtypes"):
+  // kF32, or kBF16: every operand rounded to bfloat16 (nearest, ties to
+  // even) and the products summed in float32. Every buffer, and every other
+  // kernel, stays float32 either way.
+  virtual DType gemm_inputs() const = 0;
   virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                               int N, int C, int OC) = 0;
   virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,

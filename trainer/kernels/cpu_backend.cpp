@@ -210,7 +210,8 @@ double chunked_sum(size_t n, Load load) {
 
 // Unset, omp_get_max_threads() is the CPUs this process may run on;
 // OMP_NUM_THREADS (keeld sets it per rank) overrides that.
-CpuBackend::CpuBackend(int threads) : threads_(threads > 0 ? threads : omp_get_max_threads()) {
+CpuBackend::CpuBackend(int threads, DType gemm_inputs)
+    : threads_(threads > 0 ? threads : omp_get_max_threads()), gemm_inputs_(gemm_inputs) {
   // OpenBLAS itself runs single-threaded: the parallelism is ours (GEMM
   // tiles, attention heads). The OpenMP build would stay single-threaded
   // inside our parallel regions anyway, but a binary that resolves
@@ -380,19 +381,46 @@ void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, c
 
 // ---- matmul ----
 
+std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<const float*, size_t>> operands) {
+  std::vector<const float*> out;
+  if (gemm_inputs_ == DType::kF32) {
+    for (const auto& [data, count] : operands) out.push_back(data);
+    return out;
+  }
+  size_t total = 0;
+  for (const auto& [data, count] : operands) total += data != nullptr ? count : 0;
+  if (rounded_.size() < total) rounded_.resize(total);
+  float* slot = rounded_.data();
+  for (const auto& [data, count] : operands) {
+    if (data == nullptr) {
+      out.push_back(nullptr);
+      continue;
+    }
+#pragma omp parallel for schedule(static) if (count > kParallelMin)
+    for (size_t i = 0; i < count; ++i) slot[i] = bf16_rounded(data[i]);
+    out.push_back(slot);
+    slot += count;
+  }
+  return out;
+}
+
 void CpuBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                                 int OC) {
   if (bias != nullptr) {
 #pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * OC > kParallelMin)
     for (int n = 0; n < N; ++n) std::memcpy(out + static_cast<size_t>(n) * OC, bias, sizeof(float) * OC);
   }
-  gemm(false, true, N, OC, C, 1.0f, inp, C, weight, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+  const auto ops = gemm_operands({{inp, static_cast<size_t>(N) * C}, {weight, static_cast<size_t>(OC) * C}});
+  gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, out, OC);
 }
 
 void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                  const float* weight, int N, int C, int OC) {
-  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
-  if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
+                                  {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
+                                  {dweight != nullptr ? inp : nullptr, static_cast<size_t>(N) * C}});
+  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, ops[0], OC, ops[1], C, 1.0f, dinp, C);
+  if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, ops[0], OC, ops[2], C, 1.0f, dweight, C);
   if (dbias != nullptr) column_sum_accumulate(dbias, dout, N, OC);
 }
 

@@ -8,15 +8,23 @@
 
 #include "trainer/kernels/backend.h"
 
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
 namespace keel::trainer {
 
 class CpuBackend final : public Backend {
  public:
   // threads <= 0: every core. Sets the process's OpenMP thread count and
   // keeps OpenBLAS single-threaded (keel's tiles supply the parallelism).
-  explicit CpuBackend(int threads = 0);
+  // gemm_inputs kBF16 rounds the operands into buffers of this backend
+  // before the fp32 sgemm: what tensor cores compute, so CPU runs are the
+  // reference and the test bed for bf16 training too.
+  explicit CpuBackend(int threads = 0, DType gemm_inputs = DType::kF32);
   const char* name() const override { return "cpu"; }
   int threads() const { return threads_; }
+  DType gemm_inputs() const override { return gemm_inputs_; }
 
   void* alloc(size_t bytes) override;
   void free(void* ptr) override;
@@ -63,7 +71,13 @@ class CpuBackend final : public Backend {
   double sum(const float* x, size_t n) override;
 
  private:
+  // The operands of one matmul call as the GEMMs take them: the pointers
+  // themselves, or bf16-rounded copies in rounded_ (a null operand stays null).
+  std::vector<const float*> gemm_operands(std::initializer_list<std::pair<const float*, size_t>> operands);
+
   int threads_;
+  DType gemm_inputs_;
+  std::vector<float> rounded_;  // grows to the largest call's operands, then stays
   HostStream stream_;
 };
 

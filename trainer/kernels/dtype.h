@@ -40,6 +40,10 @@ inline float to_float(bf16 value) {
   return out;
 }
 
+// The float32 that holds value rounded to bfloat16: what a bf16 GEMM
+// multiplies, kept in float32 storage.
+inline float bf16_rounded(float value) { return to_float(to_bf16(value)); }
+
 // A buffer of `dtype` elements. The constructors are implicit on purpose: a
 // float* is a float32 buffer and a bf16* a bfloat16 one, so callers pass
 // their typed pointers and the type travels with them.

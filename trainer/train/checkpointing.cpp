@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
+#include "trainer/kernels/dtype.h"
 #include "trainer/train/train_loop.h"
 
 #include <fmt/format.h>
@@ -20,15 +21,29 @@
 namespace keel::trainer {
 namespace {
 
-constexpr const char* kGroups[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
+// The groups of a checkpoint (docs/architecture.md "Checkpoints"). /model
+// holds the weights the model computes with; a run whose GEMMs take bf16
+// also saves its float32 master weights as /master, which is then what any
+// run loads (/model being their bf16 rounding).
+constexpr const char* kModel = "model";
+constexpr const char* kMaster = "master";
+constexpr const char* kExpAvg = "optim/exp_avg";
+constexpr const char* kExpAvgSq = "optim/exp_avg_sq";
+
+bool holds_weights(const std::string& group) { return group == kModel || group == kMaster; }
 
 }  // namespace
+
+std::vector<std::string> TrainLoop::saved_groups() const {
+  if (backend_.gemm_inputs() == DType::kBF16) return {kModel, kMaster, kExpAvg, kExpAvgSq};
+  return {kModel, kExpAvg, kExpAvgSq};
+}
 
 bool TrainLoop::checkpoints_enabled() const {
   return config_.checkpoint.every_steps > 0 || config_.checkpoint.every_seconds > 0;
 }
 
-std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
+std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std::vector<std::string>& groups) {
   // Saves split every tensor over the DP group whatever the ZeRO stage, so
   // that the ranks share the writing.
   const ShardLayout save_split(table_, dp_size_);
@@ -38,8 +53,8 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
     if (saved && spec.split == TpSplit::kReplicated && tp_rank_ != 0) continue;
     const int64_t row_numel = spec.row_numel();
     const int64_t owned_begin = storage_.owned_row_begin(t);
-    for (const char* group : kGroups) {
-      const bool model = std::string(group) == "model";
+    for (const std::string& group : groups) {
+      const bool model = holds_weights(group);
       int64_t begin = 0, end = spec.rows();
       if (saved) {
         begin = static_cast<int64_t>(save_split.shard_begin(t, dp_rank_)) / row_numel;
@@ -55,7 +70,7 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
         base = storage_.params() + spec.offset + begin * row_numel;
       } else {
         float* owned = model ? storage_.owned_parameters(t)
-                             : (std::string(group) == "optim/exp_avg" ? optimizer_.exp_avg(t) : optimizer_.exp_avg_sq(t));
+                             : (group == kExpAvg ? optimizer_.exp_avg(t) : optimizer_.exp_avg_sq(t));
         base = owned + (begin - owned_begin) * row_numel;
       }
       for (const GlobalBlock& b : spec.global_blocks(begin, end)) {
@@ -69,7 +84,7 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved) {
 
 void TrainLoop::save_checkpoint(int64_t steps_done) {
   board_.set_phase(health::Phase::kCheckpoint);
-  const auto blocks = state_blocks(true);
+  const auto blocks = state_blocks(true, saved_groups());
   std::vector<checkpoint::Piece> pieces;
   for (const auto& b : blocks) pieces.push_back(b.piece);
   // Waits for the previous save; the copy below is all training pays.
@@ -82,6 +97,14 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
     std::vector<Backend::HostCopy> copies;
     for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
     backend_.snapshot_to_host(copies);
+  }
+  if (backend_.gemm_inputs() == DType::kBF16) {
+    // /model gets what the GEMMs multiply; /master keeps the float32 bits.
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (blocks[i].piece.group != kModel) continue;
+      auto* values = static_cast<float*>(staging[i]);
+      for (size_t j = 0; j < blocks[i].piece.numel(); ++j) values[j] = bf16_rounded(values[j]);
+    }
   }
   faults_.slow_down("checkpoint", last_step_s_);
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
@@ -146,12 +169,22 @@ nlohmann::json TrainLoop::choose_start() {
   }
 }
 
+std::vector<std::string> TrainLoop::loaded_groups(const checkpoint::CheckpointReader& reader) const {
+  const auto stored = reader.tensors();
+  const bool master =
+      std::any_of(stored.begin(), stored.end(), [](const std::string& path) { return path.starts_with("/master/"); });
+  return {master ? kMaster : kModel, kExpAvg, kExpAvgSq};
+}
+
 void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
   std::vector<std::string> problems;
   std::set<std::string> expected;
   const auto stored = reader.tensors();
+  auto groups = loaded_groups(reader);
+  // /model is checked beside /master too: a bf16 checkpoint holds both.
+  if (groups.front() == kMaster) groups.push_back(kModel);
   for (const ParamSpec& spec : table_.specs()) {
-    for (const char* group : kGroups) {
+    for (const std::string& group : groups) {
       const std::string path = fmt::format("/{}/{}", group, spec.name);
       expected.insert(path);
       if (!std::binary_search(stored.begin(), stored.end(), path)) {
@@ -201,7 +234,7 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
     }
   }
   // Host memory is read into directly; other backends through a host copy.
-  const auto blocks = state_blocks(false);
+  const auto blocks = state_blocks(false, loaded_groups(reader));
   std::vector<std::vector<float>> host(backend_.host_memory() ? 0 : blocks.size());
   std::vector<checkpoint::CheckpointReader::Request> requests;
   for (size_t i = 0; i < blocks.size(); ++i) {

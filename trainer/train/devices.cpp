@@ -17,7 +17,8 @@ using common::Error;
 using common::ErrorCode;
 
 std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
-  if (train.device == "cpu") return std::make_unique<CpuBackend>(static_cast<int>(train.threads));
+  const DType gemm_inputs = train.gemm_precision() == "bf16" ? DType::kBF16 : DType::kF32;
+  if (train.device == "cpu") return std::make_unique<CpuBackend>(static_cast<int>(train.threads), gemm_inputs);
 #ifdef KEEL_HAVE_CUDA
   std::string why;
   const cudaError_t status = cuda::device_status(&why);
@@ -33,7 +34,7 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
     // restarts, not a config one, which ends the job.
     throw Error(ErrorCode::kInternal, fmt::format("the GPU failed to start: {}", why));
   }
-  return std::make_unique<cuda::CudaBackend>(0, train.gemm_precision() == "bf16" ? DType::kBF16 : DType::kF32);
+  return std::make_unique<cuda::CudaBackend>(0, gemm_inputs);
 #else
   throw Error(ErrorCode::kBadConfig, "train.device = \"cuda\" but this keel-trainer was built without CUDA "
                                      "(no nvcc at build time); set train.device = \"cpu\" or rebuild with the "

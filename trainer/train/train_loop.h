@@ -179,7 +179,10 @@ class TrainLoop {
   // Saved: each DP rank its dim-0 shard of every tensor, a tensor
   // replicated over TP from TP rank 0 only, so every element is written
   // once. Held: everything this rank keeps (all it needs on a load).
-  std::vector<StateBlock> state_blocks(bool saved);
+  std::vector<StateBlock> state_blocks(bool saved, const std::vector<std::string>& groups);
+  // The checkpoint groups this run saves, and those it loads from `reader`.
+  std::vector<std::string> saved_groups() const;
+  std::vector<std::string> loaded_groups(const checkpoint::CheckpointReader& reader) const;
   void save_checkpoint(int64_t steps_done);
   // Rank 0's choice for resume(): {"dir", "verified"} or {"error"}.
   nlohmann::json choose_start();

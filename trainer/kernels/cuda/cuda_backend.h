@@ -63,7 +63,7 @@ class CudaBackend final : public Backend {
 
   const char* name() const override { return "cuda"; }
   int device() const { return device_; }
-  DType gemm_inputs() const { return gemm_inputs_; }
+  DType gemm_inputs() const override { return gemm_inputs_; }
   cudaStream_t stream() const { return stream_->get(); }
 
   void* alloc(size_t bytes) override;
