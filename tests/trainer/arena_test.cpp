@@ -1,11 +1,13 @@
-// The activation arena (trainer/kernels/arena.h): one allocation for all of
-// a model's activations, made when the model is built, and none in a
-// training step, which on a GPU means no cudaMalloc in the step.
+// The arena (trainer/kernels/arena.h): one allocation for a rank's
+// parameters, gradients, optimizer state and activations, planned before
+// any of it is used, and none in a training step, which on a GPU means no
+// cudaMalloc in the step.
 #include "common/counter_rng.h"
 #include "tests/trainer/backend_wrapper.h"
 #include "trainer/kernels/arena.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/model/gpt.h"
+#include "trainer/optim/adamw.h"
 #include "trainer/parallel/zero_storage.h"
 
 #include <doctest/doctest.h>
@@ -69,7 +71,7 @@ TEST_SUITE("unit") {
     CHECK_THROWS_AS(Arena(cpu, [&](Arena& arena) { a = arena.take<float>(++calls * 100); }), keel::common::Error);
   }
 
-  TEST_CASE("a model's activations are one allocation and a training step allocates nothing") {
+  TEST_CASE("storage and optimizer state and activations are one allocation and a training step allocates nothing") {
     keel::common::ModelConfig m;
     m.vocab_size = 50;
     m.seq_len = 8;
@@ -78,14 +80,18 @@ TEST_SUITE("unit") {
     m.n_embd = 16;
     m.n_expert = 4;
     m.moe_every = 2;
+    keel::common::TrainConfig t;
     CpuBackend cpu(1);
     CountingBackend backend(cpu);
     keel::trainer::ParameterTable table(m);
     keel::trainer::ZeroStorage storage(backend, table);
-    storage.init(3);
-    const int before = backend.allocations;
     keel::trainer::Gpt gpt(m, backend, 2, storage);
-    CHECK(backend.allocations == before + 1);
+    keel::trainer::AdamW optimizer(backend, table, t);
+    CHECK(backend.allocations == 0);  // planned, not placed
+    const auto memory = keel::trainer::lay_out(backend, storage, optimizer, gpt);
+    storage.init(3);
+    CHECK(backend.allocations == 1);
+    CHECK(memory->bytes() >= storage.parameter_bytes() + storage.gradient_bytes() + optimizer.state_bytes());
     std::vector<int32_t> tokens(16);
     for (size_t i = 0; i < tokens.size(); ++i) {
       tokens[i] = static_cast<int32_t>(keel::common::counter_uniform_below(9, i, 50));
@@ -94,7 +100,10 @@ TEST_SUITE("unit") {
       storage.zero_gradients();
       gpt.forward(tokens.data(), tokens.data(), 2);
       gpt.backward(1.0f);
+      for (size_t i = 0; i < table.specs().size(); ++i) {
+        optimizer.update(i, storage.owned_parameters(i), storage.owned_gradients(i), 1e-3f, 1.0f, step);
+      }
     }
-    CHECK(backend.allocations == before + 1);
+    CHECK(backend.allocations == 1);
   }
 }

@@ -359,11 +359,12 @@ Ints sample_tokens(int count, int vocab, uint64_t salt) {
 struct Trainee {
   Trainee(const keel::common::ModelConfig& config, Backend& backend, int batch)
       : table(config), storage(backend, table), gpt(config, backend, batch, storage), batch(batch) {
-    storage.init(7);
     train.steps = 20;
     train.warmup_steps = 0;
     train.lr = 3e-3;
     optimizer.emplace(backend, table, train);
+    memory = keel::trainer::lay_out(backend, storage, gpt, *optimizer);
+    storage.init(7);
   }
 
   float step(int index, const Ints& inputs, const Ints& targets) {
@@ -387,6 +388,7 @@ struct Trainee {
     return host;
   }
 
+  std::unique_ptr<keel::trainer::Arena> memory;  // freed last
   keel::trainer::ParameterTable table;
   keel::trainer::ZeroStorage storage;
   keel::trainer::Gpt gpt;

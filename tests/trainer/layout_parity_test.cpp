@@ -116,6 +116,8 @@ void check_memory(const Fixture& f, const Layout& layout, const Run& run, const 
     CHECK(relative(memory.at("params_bytes").get<double>(), params) <= 0.05);
     CHECK(relative(memory.at("grads_bytes").get<double>(), grads) <= 0.05);
     CHECK(relative(memory.at("optimizer_bytes").get<double>(), optimizer) <= 0.05);
+    // The one allocation holds all three and the activations.
+    CHECK(memory.at("total_bytes").get<double>() > params + grads + optimizer);
   }
 }
 

@@ -42,8 +42,10 @@ std::vector<int32_t> sample_tokens(int count, int vocab, uint64_t salt) {
 struct TestModel {
   TestModel(const ModelConfig& config, CpuBackend& backend, int max_batch, uint64_t seed)
       : table(config), storage(backend, table), gpt(config, backend, max_batch, storage) {
+    memory = keel::trainer::lay_out(backend, storage, gpt);
     storage.init(seed);
   }
+  std::unique_ptr<keel::trainer::Arena> memory;  // freed last
   ParameterTable table;
   ZeroStorage storage;
   Gpt gpt;
@@ -275,6 +277,7 @@ TEST_SUITE("unit") {
     t.warmup_steps = 0;
     t.lr = 1e-2;
     keel::trainer::AdamW optimizer(backend, model.table(), t);
+    const auto optimizer_memory = keel::trainer::lay_out(backend, optimizer);
     auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
     float first = 0, last = 0;
     for (int step = 0; step < t.steps; ++step) {

@@ -44,6 +44,7 @@ TEST_SUITE("unit") {
       GlooCommunicator comm(store, "dp", 0, 2, 60s, nullptr);
       CpuBackend backend(1);
       std::optional<ZeroStorage> storage(std::in_place, backend, table, 2, &comm);
+      const auto memory = keel::trainer::lay_out(backend, *storage);
       storage->zero_gradients();
       storage->unit_gradients(1);
       storage->gradients_ready(1);  // starts the unit's reduce-scatter, which the peer never joins

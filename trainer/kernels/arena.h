@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace keel::trainer {
 
@@ -77,5 +78,12 @@ class Arena {
   size_t used_ = 0;
   size_t planned_ = 0;
 };
+
+// One Arena for every array of `parts`, each a component with a
+// lay_out(Arena&) that takes its arrays: how components used on their own
+// (tests, benchmarks) get what TrainLoop gives them in its single plan.
+template <class... Parts> std::unique_ptr<Arena> lay_out(Backend& backend, Parts&... parts) {
+  return std::make_unique<Arena>(backend, [&](Arena& arena) { (parts.lay_out(arena), ...); });
+}
 
 }  // namespace keel::trainer

@@ -89,7 +89,6 @@ struct Gpt::Activations {
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
-  std::unique_ptr<Arena> arena;  // the memory of every array below
   ArenaArray<int32_t> inputs, targets;  // [B, T]
   ArenaArray<float> encoded;            // [Ns, C]
   std::vector<Block> blocks;
@@ -116,89 +115,91 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
       tp_size_(tp_ != nullptr ? tp_->size() : 1),
       max_batch_(max_batch),
       acts_(std::make_unique<Activations>()) {
-  const size_t B = static_cast<size_t>(max_batch), T = static_cast<size_t>(config.seq_len);
-  const size_t C = static_cast<size_t>(config.n_embd), tp_size = static_cast<size_t>(tp_size_);
-  const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
-  const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T;
-  const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
-  if (N % tp_size != 0 || (tp_ != nullptr && config.n_expert > 0)) {
+  const size_t N = static_cast<size_t>(max_batch) * static_cast<size_t>(config.seq_len);
+  if (N % static_cast<size_t>(tp_size_) != 0 || (tp_ != nullptr && config.n_expert > 0)) {
     throw common::Error(common::ErrorCode::kInternal, "TP layout not validated: B*T % tp != 0 or MoE with TP");
   }
-  const size_t Ns = N / tp_size;
   Activations& a = *acts_;
   a.outer = outer_offsets(storage.table());
   for (int64_t i = 0; i < config.n_layer; ++i) a.offsets.push_back(block_offsets(storage.table(), config, i));
-  // Every activation is planned here and placed in one allocation.
-  a.arena = std::make_unique<Arena>(backend, [&](Arena& arena) {
-    auto take = [&arena](size_t count) { return arena.take<float>(count); };
-    // With TP a buffer of all N positions; without, an empty one (the shard serves).
-    auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
-    a.blocks.clear();
-    a.inputs = arena.take<int32_t>(N);
-    a.targets = arena.take<int32_t>(N);
-    a.encoded = take(Ns * C);
-    bool any_moe = false;
-    for (int64_t i = 0; i < config.n_layer; ++i) {
-      Activations::Block blk;
-      blk.ln1 = take(Ns * C);
-      blk.ln1_mean = take(Ns);
-      blk.ln1_rstd = take(Ns);
-      blk.ln1_whole = whole(C);
-      blk.qkv = take(N * 3 * Cl);
-      blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
-      blk.atty = take(N * Cl);
-      blk.residual2 = take(Ns * C);
-      blk.ln2 = take(Ns * C);
-      blk.ln2_mean = take(Ns);
-      blk.ln2_rstd = take(Ns);
-      blk.ln2_whole = whole(C);
-      blk.residual3 = take(Ns * C);
-      if (config.is_moe_layer(i)) {
-        any_moe = true;
-        auto moe = std::make_unique<MoeLayer>();
-        moe->router_logits = take(N * E);
-        moe->probs = take(N * E);
-        moe->rows = arena.take<int32_t>(N * K);
-        moe->gates = take(N * K);
-        moe->xe = take(N * K * C);
-        moe->he = take(N * K * 4 * C);
-        moe->ge = take(N * K * 4 * C);
-        moe->ye = take(N * K * C);
-        blk.moe = std::move(moe);
-      } else {
-        blk.fch = take(N * Fl);
-        blk.fch_gelu = take(N * Fl);
-      }
-      a.blocks.push_back(std::move(blk));
+}
+
+void Gpt::lay_out(Arena& arena) {
+  const common::ModelConfig& config = config_;
+  const size_t B = static_cast<size_t>(max_batch_), T = static_cast<size_t>(config.seq_len);
+  const size_t C = static_cast<size_t>(config.n_embd), tp_size = static_cast<size_t>(tp_size_);
+  const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
+  const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T, Ns = N / tp_size;
+  const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
+  Activations& a = *acts_;
+  auto take = [&arena](size_t count) { return arena.take<float>(count); };
+  // With TP a buffer of all N positions; without, an empty one (the shard serves).
+  auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
+  a.blocks.clear();
+  a.inputs = arena.take<int32_t>(N);
+  a.targets = arena.take<int32_t>(N);
+  a.encoded = take(Ns * C);
+  bool any_moe = false;
+  for (int64_t i = 0; i < config.n_layer; ++i) {
+    Activations::Block blk;
+    blk.ln1 = take(Ns * C);
+    blk.ln1_mean = take(Ns);
+    blk.ln1_rstd = take(Ns);
+    blk.ln1_whole = whole(C);
+    blk.qkv = take(N * 3 * Cl);
+    blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
+    blk.atty = take(N * Cl);
+    blk.residual2 = take(Ns * C);
+    blk.ln2 = take(Ns * C);
+    blk.ln2_mean = take(Ns);
+    blk.ln2_rstd = take(Ns);
+    blk.ln2_whole = whole(C);
+    blk.residual3 = take(Ns * C);
+    if (config.is_moe_layer(i)) {
+      any_moe = true;
+      auto moe = std::make_unique<MoeLayer>();
+      moe->router_logits = take(N * E);
+      moe->probs = take(N * E);
+      moe->rows = arena.take<int32_t>(N * K);
+      moe->gates = take(N * K);
+      moe->xe = take(N * K * C);
+      moe->he = take(N * K * 4 * C);
+      moe->ge = take(N * K * 4 * C);
+      moe->ye = take(N * K * C);
+      blk.moe = std::move(moe);
+    } else {
+      blk.fch = take(N * Fl);
+      blk.fch_gelu = take(N * Fl);
     }
-    a.lnf = take(Ns * C);
-    a.lnf_mean = take(Ns);
-    a.lnf_rstd = take(Ns);
-    a.lnf_whole = whole(C);
-    a.logits = take(N * Vl);
-    a.losses = take(N);
-    a.lse = take(N);
-    a.xent_stats = take(N * 3);
-    a.xent_all = take(tp_ != nullptr ? tp_size * N * 3 : 0);
-    a.partial = whole(C);
-    a.dwhole_out = whole(C);
-    a.dwhole_in = whole(C);
-    a.dresidual = take(Ns * C);
-    a.dln = take(Ns * C);
-    a.datty = take(N * Cl);
-    a.dqkv = take(N * 3 * Cl);
-    a.dfch = take(N * Fl);
-    a.dfch_gelu = take(N * Fl);
-    if (any_moe) {
-      a.dye = take(N * K * C);
-      a.dge = take(N * K * 4 * C);
-      a.dhe = take(N * K * 4 * C);
-      a.dxe = take(N * K * C);
-      a.dgates = take(N * K);
-      a.dprobs = take(N * E);
-      a.drouter = take(N * E);
-    }
-  });
+    a.blocks.push_back(std::move(blk));
+  }
+  a.lnf = take(Ns * C);
+  a.lnf_mean = take(Ns);
+  a.lnf_rstd = take(Ns);
+  a.lnf_whole = whole(C);
+  a.logits = take(N * Vl);
+  a.losses = take(N);
+  a.lse = take(N);
+  a.xent_stats = take(N * 3);
+  a.xent_all = take(tp_ != nullptr ? tp_size * N * 3 : 0);
+  a.partial = whole(C);
+  a.dwhole_out = whole(C);
+  a.dwhole_in = whole(C);
+  a.dresidual = take(Ns * C);
+  a.dln = take(Ns * C);
+  a.datty = take(N * Cl);
+  a.dqkv = take(N * 3 * Cl);
+  a.dfch = take(N * Fl);
+  a.dfch_gelu = take(N * Fl);
+  if (any_moe) {
+    a.dye = take(N * K * C);
+    a.dge = take(N * K * 4 * C);
+    a.dhe = take(N * K * 4 * C);
+    a.dxe = take(N * K * C);
+    a.dgates = take(N * K);
+    a.dprobs = take(N * E);
+    a.drouter = take(N * E);
+  }
 }
 
 Gpt::~Gpt() = default;
@@ -214,6 +215,9 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
 }
 
 float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
+  if (acts_->inputs.data() == nullptr) {
+    throw common::Error(common::ErrorCode::kInternal, "Gpt::forward before lay_out() placed the activations");
+  }
   if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0) {
     throw common::Error(common::ErrorCode::kInternal,
                         "forward batch " + std::to_string(B) + " outside [1, " + std::to_string(max_batch_) +

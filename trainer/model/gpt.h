@@ -15,7 +15,7 @@
 #include "common/config.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/kernels/backend.h"
-#include "trainer/kernels/backend_array.h"
+#include "trainer/kernels/arena.h"
 #include "trainer/model/model_storage.h"
 
 #include <cstdint>
@@ -34,6 +34,8 @@ class Gpt {
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
       Communicator* tp = nullptr);
   ~Gpt();
+  // Places every activation (in the run's one Arena) before the first forward().
+  void lay_out(Arena& arena);
 
   const common::ModelConfig& config() const { return config_; }
   const ParameterTable& table() const { return storage_.table(); }

@@ -37,9 +37,12 @@ AdamW::AdamW(Backend& backend, const ParameterTable& table, const common::TrainC
       table_(table),
       train_(train),
       owned_numel_(every_element(table, std::move(owned_numel))),
-      state_offset_(prefix_sums(owned_numel_)),
-      m_(backend, state_offset_.back()),
-      v_(backend, state_offset_.back()) {}
+      state_offset_(prefix_sums(owned_numel_)) {}
+
+void AdamW::lay_out(Arena& arena) {
+  m_ = arena.take<float>(state_offset_.back());
+  v_ = arena.take<float>(state_offset_.back());
+}
 
 float AdamW::clip_scale(double norm) const {
   if (train_.grad_clip <= 0) return 1.0f;

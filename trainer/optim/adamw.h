@@ -4,7 +4,7 @@
 
 #include "common/config.h"
 #include "trainer/kernels/backend.h"
-#include "trainer/kernels/backend_array.h"
+#include "trainer/kernels/arena.h"
 #include "trainer/model/parameters.h"
 
 #include <cstdint>
@@ -17,11 +17,13 @@ double learning_rate(const common::TrainConfig& train, int64_t step);
 
 class AdamW {
  public:
-  // Allocates the first and second moments, zeroed, in backend memory for
-  // owned_numel[t] elements of every tensor t: the part of it this rank
-  // updates (all of it without ZeRO). Empty: every element of every tensor.
+  // Plans the first and second moments for owned_numel[t] elements of
+  // every tensor t: the part of it this rank updates (all of it without
+  // ZeRO). Empty: every element of every tensor. lay_out() places them,
+  // zeroed, before any other call.
   AdamW(Backend& backend, const ParameterTable& table, const common::TrainConfig& train,
         std::vector<size_t> owned_numel = {});
+  void lay_out(Arena& arena);
 
   // The factor that clips gradients of global norm `norm` to
   // train.grad_clip, as torch.nn.utils.clip_grad_norm_ computes it.
@@ -45,7 +47,7 @@ class AdamW {
   common::TrainConfig train_;
   std::vector<size_t> owned_numel_;
   std::vector<size_t> state_offset_;
-  BackendArray<float> m_, v_;
+  ArenaArray<float> m_, v_;
 };
 
 }  // namespace keel::trainer

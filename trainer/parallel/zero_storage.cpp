@@ -27,8 +27,8 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
   if (stage < 0 || stage > 3) {
     throw common::Error(common::ErrorCode::kInternal, "ZeRO stage " + std::to_string(stage) + " outside 0-3");
   }
-  const size_t tensors = table.specs().size();
   if (stage_ >= 1) {
+    const size_t tensors = table.specs().size();
     dp_rank_ = dp_->rank();
     shards_.emplace(table, dp_->size());
     size_t offset = 0;
@@ -36,33 +36,38 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
       packed_offset_.push_back(offset);
       offset += shards_->packed_numel(t, t + 1);
     }
-    size_t max_unit = 0, max_block = 0;
     for (int u = 0; u < table.unit_count(); ++u) {
-      max_unit = std::max(max_unit, unit_packed_numel(u));
-      if (u > 0) max_block = std::max(max_block, table.unit_end(u) - table.unit_begin(u));
+      max_unit_ = std::max(max_unit_, unit_packed_numel(u));
+      if (u > 0) max_block_ = std::max(max_block_, table.unit_end(u) - table.unit_begin(u));
     }
-    // Stage 1 uses one slot, for its gathers; stages 2 and 3 alternate two
-    // for the gradients' reduce-scatters.
-    for (size_t slot = 0; slot < (stage_ >= 2 ? 2u : 1u); ++slot) {
-      exchange_[slot] = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
-      packed_unit_[slot] = BackendArray<float>(backend, max_unit);
-    }
-    const size_t unit0 = table.unit_end(0) - table.unit_begin(0);
-    if (stage_ >= 2) {
-      unit0_grads_ = BackendArray<float>(backend, unit0);
-      block_grads_ = BackendArray<float>(backend, max_block);
-    }
-    if (stage_ == 3) {
-      gather_exchange_ = BackendArray<float>(backend, max_unit * static_cast<size_t>(dp_->size()));
-      unit0_params_ = BackendArray<float>(backend, unit0);
-      block_params_ = BackendArray<float>(backend, max_block);
-    }
-    const size_t shard = shards_->packed_numel(0, tensors);
-    params_ = BackendArray<float>(backend, stage_ == 3 ? shard : table.total());
-    grads_ = BackendArray<float>(backend, stage_ >= 2 ? shard : table.total());
-  } else {
-    params_ = BackendArray<float>(backend, table.total());
-    grads_ = BackendArray<float>(backend, table.total());
+  }
+}
+
+void ZeroStorage::lay_out(Arena& arena) {
+  if (stage_ == 0) {
+    params_ = arena.take<float>(table_.total());
+    grads_ = arena.take<float>(table_.total());
+    return;
+  }
+  const size_t shard = shards_->packed_numel(0, table_.specs().size());
+  params_ = arena.take<float>(stage_ == 3 ? shard : table_.total());
+  grads_ = arena.take<float>(stage_ >= 2 ? shard : table_.total());
+  // Stage 1 uses one slot, for its gathers; stages 2 and 3 alternate two
+  // for the gradients' reduce-scatters.
+  const size_t every_rank = max_unit_ * static_cast<size_t>(dp_->size());
+  for (size_t slot = 0; slot < (stage_ >= 2 ? 2u : 1u); ++slot) {
+    exchange_[slot] = arena.take<float>(every_rank);
+    packed_unit_[slot] = arena.take<float>(max_unit_);
+  }
+  const size_t unit0 = table_.unit_end(0) - table_.unit_begin(0);
+  if (stage_ >= 2) {
+    unit0_grads_ = arena.take<float>(unit0);
+    block_grads_ = arena.take<float>(max_block_);
+  }
+  if (stage_ == 3) {
+    gather_exchange_ = arena.take<float>(every_rank);
+    unit0_params_ = arena.take<float>(unit0);
+    block_params_ = arena.take<float>(max_block_);
   }
 }
 
@@ -89,9 +94,13 @@ void ZeroStorage::init(uint64_t seed) {
     backend_.copy_from_host(params_.data(), host.data(), host.size() * sizeof(float));
     return;
   }
-  BackendArray<float> whole(backend_, host.size());
-  backend_.copy_from_host(whole.data(), host.data(), host.size() * sizeof(float));
-  shards_->pack(backend_, whole.data(), dp_rank_, 0, table_.specs().size(), params_.data());
+  // Only the shard travels: the whole model never sits in backend memory.
+  // The packed padding stays as the arena zeroed it.
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    backend_.copy_from_host(params_.data() + packed_offset_[t],
+                            host.data() + table_.specs()[t].offset + shards_->shard_begin(t, dp_rank_),
+                            shards_->shard_numel(t, dp_rank_) * sizeof(float));
+  }
   unit0_params_valid_ = false;
   block_params_unit_ = -1;
 }
@@ -225,7 +234,7 @@ void ZeroStorage::prefetch_parameters(int unit) {
 
 float* ZeroStorage::unit_gradients(int unit) {
   if (stage_ < 2) return grads_.data() + table_.unit_begin(unit);
-  BackendArray<float>& buffer = unit == 0 ? unit0_grads_ : block_grads_;
+  const ArenaArray<float>& buffer = unit == 0 ? unit0_grads_ : block_grads_;
   if (!grads_open_[unit]) {
     backend_.zero(buffer.data(), (table_.unit_end(unit) - table_.unit_begin(unit)) * sizeof(float));
     grads_open_[unit] = true;

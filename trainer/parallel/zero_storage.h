@@ -30,7 +30,7 @@
 
 #include "trainer/comm/communicator.h"
 #include "trainer/kernels/backend.h"
-#include "trainer/kernels/backend_array.h"
+#include "trainer/kernels/arena.h"
 #include "trainer/model/model_storage.h"
 #include "trainer/parallel/shard_layout.h"
 
@@ -43,6 +43,8 @@ namespace keel::trainer {
 
 class ZeroStorage final : public ModelStorage {
  public:
+  // Plans the buffers; lay_out() places them (in the run's one Arena), and
+  // nothing below but the shard arithmetic may run before it has.
   ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr,
               bool overlap = true);
   // Aborts the DP group when a collective is still in flight (the rank is
@@ -53,6 +55,7 @@ class ZeroStorage final : public ModelStorage {
 
   const ParameterTable& table() const override { return table_; }
   int stage() const { return stage_; }
+  void lay_out(Arena& arena);
 
   // This rank's part of the initial model (see init_parameters). At
   // stage 3 it draws the whole TP-local model once, then keeps its shard.
@@ -135,15 +138,17 @@ class ZeroStorage final : public ModelStorage {
   int dp_rank_ = 0;
   std::optional<ShardLayout> shards_;
   std::vector<size_t> packed_offset_;  // tensor t's shard in the packed buffers
-  BackendArray<float> params_;         // flat (stages 0-2) or packed shard (3)
-  BackendArray<float> grads_;          // flat (stages 0-1) or packed shard (2, 3)
+  size_t max_unit_ = 0;                // the largest unit's packed shard (stages 1-3)
+  size_t max_block_ = 0;               // the largest block's numel
+  ArenaArray<float> params_;           // flat (stages 0-2) or packed shard (3)
+  ArenaArray<float> grads_;            // flat (stages 0-1) or packed shard (2, 3)
   // Working buffers: two slots of every rank's packed shard of one unit
   // (reduce-scatter input) and of this rank's packed shard (its output or
   // an all-gather's input), so one unit's sum runs while backward fills the
   // next; what the parameter gathers receive; the gathered parameters and
   // pending gradients of unit 0 and of one block.
-  BackendArray<float> exchange_[2], packed_unit_[2], gather_exchange_;
-  BackendArray<float> unit0_params_, block_params_, unit0_grads_, block_grads_;
+  ArenaArray<float> exchange_[2], packed_unit_[2], gather_exchange_;
+  ArenaArray<float> unit0_params_, block_params_, unit0_grads_, block_grads_;
   bool unit0_params_valid_ = false;
   int block_params_unit_ = -1;  // the unit block_params_ holds, -1: none
   std::vector<bool> grads_open_;

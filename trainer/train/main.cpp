@@ -99,7 +99,8 @@ void print_summary(const keel::trainer::RunSummary& s, bool json) {
                           {"memory",
                            {{"params_bytes", s.memory.params},
                             {"grads_bytes", s.memory.grads},
-                            {"optimizer_bytes", s.memory.optimizer}}}};
+                            {"optimizer_bytes", s.memory.optimizer},
+                            {"total_bytes", s.memory.total}}}};
     out["final_val_loss"] = s.final_val_loss ? nlohmann::json(*s.final_val_loss) : nlohmann::json(nullptr);
     std::cout << out.dump() << std::endl;
     return;

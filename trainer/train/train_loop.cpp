@@ -46,6 +46,17 @@ size_t tp_partial_numel(const ZeroStorage& storage) {
 
 }  // namespace
 
+ArenaArray<float> TrainLoop::lay_out_memory(size_t tp_partial) {
+  ArenaArray<float> partial;
+  state_memory_ = std::make_unique<Arena>(backend_, [&](Arena& arena) {
+    storage_.lay_out(arena);
+    optimizer_.lay_out(arena);
+    model_.lay_out(arena);
+    partial = arena.take<float>(tp_partial);
+  });
+  return partial;
+}
+
 TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp, Communicator* tp,
                      RankContext rank)
     : config_(config),
@@ -61,7 +72,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicato
       storage_(backend, table_, static_cast<int>(config.parallel.zero), dp, config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, tp),
-      tp_partial_grads_(backend, tp != nullptr ? tp_partial_numel(storage_) : 0),
+      tp_partial_grads_(lay_out_memory(tp != nullptr ? tp_partial_numel(storage_) : 0)),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
       faults_(config, rank.rank, rank.generation),
@@ -370,7 +381,7 @@ void TrainLoop::write_gradients(int64_t step) {
 
 MemoryUse TrainLoop::memory() const {
   return MemoryUse{storage_.parameter_bytes(), storage_.gradient_bytes(), optimizer_.state_bytes(),
-                   storage_.working_bytes() + tp_partial_grads_.bytes()};
+                   storage_.working_bytes() + tp_partial_grads_.bytes(), state_memory_->bytes()};
 }
 
 float TrainLoop::validate() {

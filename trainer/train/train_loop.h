@@ -46,6 +46,7 @@ struct MemoryUse {
   size_t grads = 0;
   size_t optimizer = 0;
   size_t working = 0;
+  size_t total = 0;  // the one allocation: all of the above and the activations
 };
 
 struct RunSummary {
@@ -201,6 +202,9 @@ class TrainLoop {
   // Clips by `norm` and applies AdamW to the owned parts.
   void apply_update(float lr, double norm, int64_t step);
   void write_gradients(int64_t step);
+  // Places the storage, the optimizer and the model in state_memory_, and
+  // returns the array of `tp_partial` floats that follows them.
+  ArenaArray<float> lay_out_memory(size_t tp_partial);
 
   common::Config config_;
   Backend& backend_;
@@ -213,11 +217,16 @@ class TrainLoop {
   std::optional<TokenDataset> val_;
   int micro_batch_;
   ParameterTable table_;
+  // The memory of everything below, placed once (docs/architecture.md
+  // "Memory") by lay_out_memory() when the last of it is initialised.
+  // Declared first so it is freed last: ZeroStorage's destructor may still
+  // be aborting collectives that write into it.
+  std::unique_ptr<Arena> state_memory_;
   ZeroStorage storage_;
   AdamW optimizer_;
   Gpt model_;
   // The norms' gradients, summed over TP in one all-reduce (sequence parallelism).
-  BackendArray<float> tp_partial_grads_;
+  ArenaArray<float> tp_partial_grads_;
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;
