@@ -39,6 +39,10 @@ class BackendWrapper : public trainer::Backend {
                          int N, int C) override {
     target_.layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
   }
+  void add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+                             const float* weight, const float* bias, int N, int C) override {
+    target_.add_layernorm_forward(sum, addend, out, mean, rstd, weight, bias, N, C);
+  }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int N, int C) override {
     target_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);

@@ -222,6 +222,15 @@ std::vector<KernelCase> kernel_cases() {
                                             t.f("mean"), t.f("rstd"), N, C);
                      },
                      1e-4, 1e-2});
+    cases.push_back({"add_layernorm",
+                     {{"sum", random_vec(n, 21, -3.0f, 3.0f)}, {"addend", random_vec(n, 22)}, {"w", random_vec(C, 15)},
+                      {"b", random_vec(C, 16)}, {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}},
+                     {}, {"sum", "out", "mean", "rstd"},
+                     [=](Backend& k, Tensors& t) {
+                       k.add_layernorm_forward(t.f("sum"), t.f("addend"), t.f("out"), t.f("mean"), t.f("rstd"),
+                                               t.f("w"), t.f("b"), N, C);
+                     },
+                     1e-4, 1e-2});
   }
   // Matmul, with and without bias, and a weight at an odd offset (the
   // parameters are offsets into one buffer).

@@ -289,6 +289,25 @@ TEST_SUITE("unit") {
     check_close("rstd", rstd, want_rstd, 1e-6);
   }
 
+  TEST_CASE("add_layernorm_forward is accumulate then layernorm_forward bit for bit") {
+    CpuBackend cpu;
+    const int N = 9, C = 40;
+    const Vec addend = random_vec(static_cast<size_t>(N) * C, 8, -2.0f, 2.0f);
+    const Vec w = random_vec(C, 9, 0.5f, 1.5f), b = random_vec(C, 10);
+    Vec fused_sum = random_vec(addend.size(), 11, -3.0f, 5.0f), apart_sum = fused_sum;
+    Vec fused_out = nan_vec(addend.size()), fused_mean = nan_vec(N), fused_rstd = nan_vec(N);
+    Vec apart_out = nan_vec(addend.size()), apart_mean = nan_vec(N), apart_rstd = nan_vec(N);
+    cpu.add_layernorm_forward(fused_sum.data(), addend.data(), fused_out.data(), fused_mean.data(), fused_rstd.data(),
+                              w.data(), b.data(), N, C);
+    cpu.accumulate(apart_sum.data(), addend.data(), apart_sum.size());
+    cpu.layernorm_forward(apart_out.data(), apart_mean.data(), apart_rstd.data(), apart_sum.data(), w.data(), b.data(),
+                          N, C);
+    CHECK(fused_sum == apart_sum);
+    CHECK(fused_out == apart_out);
+    CHECK(fused_mean == apart_mean);
+    CHECK(fused_rstd == apart_rstd);
+  }
+
   TEST_CASE("layernorm backward matches finite differences") {
     CpuBackend cpu;
     const int N = 10, C = 8;

@@ -82,6 +82,11 @@ class Backend {
   // ---- layernorm over the last dim, eps 1e-5; saves mean[N] and rstd[N] ----
   virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
                                  const float* weight, const float* bias, int N, int C) = 0;
+  // The residual add before a LayerNorm in one pass over the rows:
+  // sum += addend, then layernorm_forward(out, mean, rstd, sum, ...). Bit for
+  // bit what accumulate() followed by layernorm_forward() gives.
+  virtual void add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+                                     const float* weight, const float* bias, int N, int C) = 0;
   virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                   const float* inp, const float* weight, const float* mean,
                                   const float* rstd, int N, int C) = 0;

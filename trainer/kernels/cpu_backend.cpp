@@ -303,24 +303,44 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
 
 // ---- layernorm ----
 
+namespace {
+
+void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
+  const float mu = row_sum(x, C) / static_cast<float>(C);
+  // Two passes: the variance from centred values does not cancel.
+  const float var = fixed_order_sum<float>(C, [x, mu](size_t i) {
+                      const float dx = x[i] - mu;
+                      return dx * dx;
+                    }) /
+                    static_cast<float>(C);
+  const float rs = 1.0f / std::sqrt(var + kLayernormEps);
+#pragma omp simd
+  for (int c = 0; c < C; ++c) o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
+  *mean = mu;
+  *rstd = rs;
+}
+
+}  // namespace
+
 void CpuBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                                    const float* bias, int N, int C) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const float* x = inp + static_cast<size_t>(n) * C;
-    float* o = out + static_cast<size_t>(n) * C;
-    const float mu = row_sum(x, C) / static_cast<float>(C);
-    // Two passes: the variance from centred values does not cancel.
-    const float var = fixed_order_sum<float>(C, [x, mu](size_t i) {
-                        const float dx = x[i] - mu;
-                        return dx * dx;
-                      }) /
-                      static_cast<float>(C);
-    const float rs = 1.0f / std::sqrt(var + kLayernormEps);
+    const size_t row = static_cast<size_t>(n) * C;
+    layernorm_row(out + row, mean + n, rstd + n, inp + row, weight, bias, C);
+  }
+}
+
+void CpuBackend::add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+                                       const float* weight, const float* bias, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const size_t row = static_cast<size_t>(n) * C;
+    float* x = sum + row;
+    const float* a = addend + row;
 #pragma omp simd
-    for (int c = 0; c < C; ++c) o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
-    mean[n] = mu;
-    rstd[n] = rs;
+    for (int c = 0; c < C; ++c) x[c] += a[c];
+    layernorm_row(out + row, mean + n, rstd + n, x, weight, bias, C);
   }
 }
 

@@ -41,6 +41,8 @@ class CpuBackend final : public Backend {
                           int B, int T, int C) override;
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, int N, int C) override;
+  void add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+                             const float* weight, const float* bias, int N, int C) override;
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int N, int C) override;
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,

@@ -267,10 +267,11 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
     sum_into_positions(a.partial.data(), blk.residual2.data(), NsC);
-    k.accumulate(blk.residual2.data(), residual, NsC);
-    // MLP (or MoE) branch.
-    k.layernorm_forward(blk.ln2.data(), blk.ln2_mean.data(), blk.ln2_rstd.data(), blk.residual2.data(),
-                        p + o.ln2_w, p + o.ln2_b, Ns, C);
+    // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
+    // residual add. (The block's output add stays apart: the activation
+    // hook must see it before the next block reads it.)
+    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.data(), blk.ln2_mean.data(),
+                            blk.ln2_rstd.data(), p + o.ln2_w, p + o.ln2_b, Ns, C);
     if (blk.moe) {
       moe_forward(static_cast<int>(i), p, blk.ln2.data(), blk.residual3.data(), N);
     } else {

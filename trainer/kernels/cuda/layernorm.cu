@@ -13,12 +13,19 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int kRowChunk = 32;
 
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                                         const float* bias, int N, int C) {
+// With kAdd, inp is `sum`: each lane first adds the addend into the
+// elements it later reads, so the row needs no synchronisation.
+template <bool kAdd>
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* addend,
+                                         const float* weight, const float* bias, int N, int C) {
   const size_t n = global_warp();
   if (n >= static_cast<size_t>(N)) return;
   const float* x = inp + n * C;
   float* o = out + n * C;
+  if constexpr (kAdd) {
+    float* sum = const_cast<float*>(x);
+    for (int c = lane(); c < C; c += kWarp) sum[c] += addend[n * C + c];
+  }
   float s = 0.0f;
   for (int c = lane(); c < C; c += kWarp) s += x[c];
   const float mu = warp_sum(s) / static_cast<float>(C);
@@ -83,8 +90,17 @@ __global__ void layernorm_param_partials_kernel(float* partial_w, float* partial
 void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                                     const float* bias, int N, int C) {
   if (N <= 0) return;
-  layernorm_forward_kernel<<<grid_for_warps(N), kThreads, 0, stream()>>>(out, mean, rstd, inp, weight, bias, N, C);
+  layernorm_forward_kernel<false>
+      <<<grid_for_warps(N), kThreads, 0, stream()>>>(out, mean, rstd, inp, nullptr, weight, bias, N, C);
   check_launch("layernorm_forward");
+}
+
+void CudaBackend::add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+                                        const float* weight, const float* bias, int N, int C) {
+  if (N <= 0) return;
+  layernorm_forward_kernel<true>
+      <<<grid_for_warps(N), kThreads, 0, stream()>>>(out, mean, rstd, sum, addend, weight, bias, N, C);
+  check_launch("add_layernorm_forward");
 }
 
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
