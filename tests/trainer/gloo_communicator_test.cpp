@@ -8,6 +8,7 @@
 
 #include "tests/support/failure.h"
 #include "tests/support/memory_store.h"
+#include "tests/support/thread_ranks.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/wait.h"
 
@@ -36,6 +37,7 @@ namespace fs = std::filesystem;
 using keel::common::Error;
 using keel::common::ErrorCode;
 using keel::test::MemoryStore;
+using keel::test::run_ranks;
 using keel::test::TempDir;
 using namespace keel::trainer;
 using namespace std::chrono_literals;
@@ -43,25 +45,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kTimeout = 10000ms;       // healthy groups: never reached
 constexpr auto kFailureTimeout = 1500ms;  // groups whose failure is the point
-
-// Runs body(rank) on `size` threads and returns what each rank threw (null
-// when it did not): no exception escapes a thread, and assertions run on the
-// test's own thread.
-std::vector<std::exception_ptr> run_ranks(int size, const std::function<void(int)>& body) {
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        body(rank);
-      } catch (...) {
-        errors[static_cast<size_t>(rank)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  return errors;
-}
 
 // Waits until `recorder` holds `calls` calls and the newest is in flight:
 // its rank is inside that call. False when that never happens.

@@ -93,7 +93,7 @@ Mesh::Mesh(Layout layout, int rank) : layout_(layout), rank_(rank) {
 
 std::vector<Group> Mesh::all_groups(Axis axis) const {
   const AxisRule& r = rule(axis);
-  const int size = r.size(layout_);
+  const int size = group_size(layout_, axis);
   std::vector<Group> groups;
   // Ranks within a group ascend with position, so position 0 is the lowest
   // rank and walking the world in rank order meets groups in name order.
@@ -110,6 +110,8 @@ std::vector<Group> Mesh::all_groups(Axis axis) const {
   }
   return groups;
 }
+
+int Mesh::group_size(const Layout& layout, Axis axis) { return rule(axis).size(layout); }
 
 Coords Mesh::coords_of(const Layout& l, int rank) {
   Coords c;

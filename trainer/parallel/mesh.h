@@ -56,6 +56,10 @@ inline constexpr std::size_t kAxisCount = 7;
 inline constexpr std::array<Axis, kAxisCount> kAxes = {Axis::kTp, Axis::kCp,       Axis::kDp,  Axis::kPp,
                                                        Axis::kEp, Axis::kExpertDp, Axis::kDpCp};
 
+// The axes that are coordinates of the grid: their groups tile the world,
+// so a sum over each of them in turn is a sum over every rank.
+inline constexpr std::array<Axis, 4> kGridAxes = {Axis::kTp, Axis::kCp, Axis::kDp, Axis::kPp};
+
 // "tp", "cp", "dp", "pp", "ep", "expert_dp", "dp_cp".
 const char* axis_name(Axis axis);
 
@@ -88,6 +92,8 @@ class Mesh {
   // exactly once, and all have the same size.
   std::vector<Group> all_groups(Axis axis) const;
 
+  // How many ranks each group along `axis` has.
+  static int group_size(const Layout& layout, Axis axis);
   // Requires 0 <= rank < layout.world_size().
   static Coords coords_of(const Layout& layout, int rank);
   static int rank_of(const Layout& layout, Coords coords);

@@ -43,22 +43,23 @@ bool TrainLoop::checkpoints_enabled() const {
   return config_.checkpoint.every_steps > 0 || config_.checkpoint.every_seconds > 0;
 }
 
-std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std::vector<std::string>& groups) {
-  // Saves split every tensor over the DP group whatever the ZeRO stage, so
-  // that the ranks share the writing.
-  const ShardLayout save_split(table_, dp_size_);
+std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std::vector<std::string>& sections) {
+  // Saves split every tensor over the ranks that hold the same TP slice
+  // whatever the ZeRO stage, so that they share the writing.
+  const int writer = groups_.rank(Axis::kDpCp);
+  const ShardLayout save_split(table_, groups_.size(Axis::kDpCp));
   std::vector<StateBlock> blocks;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
     const ParamSpec& spec = table_.specs()[t];
     if (saved && spec.split == TpSplit::kReplicated && tp_rank_ != 0) continue;
     const int64_t row_numel = spec.row_numel();
     const int64_t owned_begin = storage_.owned_row_begin(t);
-    for (const std::string& group : groups) {
+    for (const std::string& group : sections) {
       const bool model = holds_weights(group);
       int64_t begin = 0, end = spec.rows();
       if (saved) {
-        begin = static_cast<int64_t>(save_split.shard_begin(t, dp_rank_)) / row_numel;
-        end = begin + static_cast<int64_t>(save_split.shard_numel(t, dp_rank_)) / row_numel;
+        begin = static_cast<int64_t>(save_split.shard_begin(t, writer)) / row_numel;
+        end = begin + static_cast<int64_t>(save_split.shard_numel(t, writer)) / row_numel;
       } else if (!model || storage_.stage() == 3) {
         begin = owned_begin;
         end = begin + storage_.owned_rows(t);

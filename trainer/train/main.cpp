@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/tcp_store.h"
 #include "trainer/parallel/mesh.h"
+#include "trainer/parallel/process_groups.h"
 #include "trainer/train/devices.h"
 #include "trainer/train/train_loop.h"
 #include "trainer/train/worker_env.h"
@@ -17,7 +18,6 @@
 
 #include <atomic>
 #include <csignal>
-#include <initializer_list>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -39,52 +39,6 @@ void dump_flight_recorder(const keel::trainer::FlightRecorder& recorder, const s
               << std::endl;
   }
 }
-
-// Tells every group this rank belongs to that it is leaving, so that ranks
-// sharing no group with the failure stop at once too. Best effort: nothing
-// here may replace the exit code the rank is about to report.
-void leave_groups(std::initializer_list<keel::trainer::Communicator*> groups, const std::string& cause) {
-  for (auto* group : groups) {
-    if (group == nullptr) continue;
-    try {
-      group->leave(cause);
-    } catch (const std::exception& e) {
-      std::cerr << "keel-trainer: could not tell group " << group->name() << " that this rank leaves: " << e.what()
-                << std::endl;
-    }
-  }
-}
-
-// The rank's communicators. The peer-failure handlers reach from one to
-// the others, so they are cleared (waiting for a call in progress) before
-// any communicator is destroyed.
-struct RankGroups {
-  std::unique_ptr<keel::trainer::Communicator> dp, tp;
-  ~RankGroups() {
-    for (auto* group : {dp.get(), tp.get()}) {
-      if (group != nullptr) group->set_peer_failure_handler(nullptr);
-    }
-  }
-  // A peer failure seen in one group makes this rank leave the others,
-  // which wakes it if it is blocked there and tells their ranks, and
-  // cancels `loop`'s checkpoint commit (nullptr: no loop).
-  void inject_faults(const keel::health::FaultInjector* faults) {
-    for (auto* group : {dp.get(), tp.get()}) {
-      if (group != nullptr) group->set_fault_injector(faults);
-    }
-  }
-  void on_peer_failure(keel::trainer::TrainLoop* loop) {
-    for (auto* group : {dp.get(), tp.get()}) {
-      if (group == nullptr) continue;
-      group->set_peer_failure_handler([this, group, loop](const std::string& cause) {
-        if (loop != nullptr) loop->cancel_checkpoint("a peer failed: " + cause);
-        for (auto* other : {dp.get(), tp.get()}) {
-          if (other != nullptr && other != group) leave_groups({other}, cause);
-        }
-      });
-    }
-  }
-};
 
 void print_summary(const keel::trainer::RunSummary& s, bool json) {
   if (json) {
@@ -169,9 +123,7 @@ int main(int argc, char** argv) {
   // The communicators wait on the backend's compute stream, so it
   // outlives them.
   std::unique_ptr<keel::trainer::Backend> backend;
-  RankGroups groups;
-  auto& dp = groups.dp;
-  auto& tp = groups.tp;
+  std::unique_ptr<keel::trainer::ProcessGroups> groups = std::make_unique<keel::trainer::ProcessGroups>();
   try {
     const auto worker = keel::trainer::WorkerEnv::from_process();
     keel::common::init_logging(worker.rank);
@@ -202,39 +154,33 @@ int main(int argc, char** argv) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
       store = keel::common::connect_store(worker.store, worker.store_secret, timeout);
       keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
-      // Every rank joins its groups in the same axis order, so no two ranks
-      // wait for each other in different rendezvous.
-      auto join = [&](keel::trainer::Axis axis) -> std::unique_ptr<keel::trainer::Communicator> {
-        const auto& group = mesh.group(axis);
-        if (group.ranks.size() < 2) return nullptr;
+      groups = std::make_unique<keel::trainer::ProcessGroups>(mesh, [&](const keel::trainer::Group& group) {
         log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
         return keel::trainer::join_group(*backend, *store, fmt::format("g{}.{}", worker.generation, group.name),
                                          group.index_in_group, static_cast<int>(group.ranks.size()), timeout,
                                          recorder, keel::common::rank_failed_key(worker.generation));
-      };
-      dp = join(keel::trainer::Axis::kDp);
-      tp = join(keel::trainer::Axis::kTp);
-      for (auto* group : {dp.get(), tp.get()}) {
-        if (group == nullptr) continue;
-        if (board) group->set_progress_board(&*board);
-        group->set_compute_stream(&backend->compute_stream());
+      });
+      for (const auto& group : groups->communicators()) {
+        if (board) group.comm->set_progress_board(&*board);
+        group.comm->set_compute_stream(&backend->compute_stream());
       }
-      groups.on_peer_failure(nullptr);
+      groups->on_peer_failure();
     }
-    keel::trainer::TrainLoop loop(config, *backend, dp.get(), tp.get(),
+    keel::trainer::TrainLoop loop(config, *backend, *groups,
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
                                                              worker.generation, board ? &*board : nullptr});
     // While the loop lives, a peer's failure also cancels its checkpoint
-    // commit: the dead rank's report will never come.
-    struct CancelsCheckpoints {
-      RankGroups& groups;
-      ~CancelsCheckpoints() {
-        groups.on_peer_failure(nullptr);
-        groups.inject_faults(nullptr);
+    // commit (the dead rank's report will never come), and its fault
+    // injector reaches the communicators.
+    struct LoopHooks {
+      keel::trainer::ProcessGroups& groups;
+      ~LoopHooks() {
+        groups.on_peer_failure();
+        for (const auto& group : groups.communicators()) group.comm->set_fault_injector(nullptr);
       }
-    } cancels{groups};
-    groups.on_peer_failure(&loop);
-    groups.inject_faults(&loop.faults());
+    } hooks{*groups};
+    groups->on_peer_failure([&loop](const std::string& cause) { loop.cancel_checkpoint("a peer failed: " + cause); });
+    for (const auto& group : groups->communicators()) group.comm->set_fault_injector(&loop.faults());
     if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
     if (!eval_dir.empty()) {
       if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");
@@ -261,12 +207,12 @@ int main(int argc, char** argv) {
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
     std::cerr << "keel-trainer: " << keel::common::error_code_name(e.code()) << ": " << e.what() << std::endl;
-    leave_groups({dp.get(), tp.get()}, e.what());
+    groups->leave_all(e.what());
     dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(e.code());
   } catch (const std::exception& e) {
     std::cerr << "keel-trainer: internal error: " << e.what() << std::endl;
-    leave_groups({dp.get(), tp.get()}, e.what());
+    groups->leave_all(e.what());
     dump_flight_recorder(*recorder, flight_path);
     return keel::common::exit_code(ErrorCode::kInternal);
   }

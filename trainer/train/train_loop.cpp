@@ -57,33 +57,34 @@ ArenaArray<float> TrainLoop::lay_out_memory(size_t tp_partial) {
   return partial;
 }
 
-TrainLoop::TrainLoop(const common::Config& config, Backend& backend, Communicator* dp, Communicator* tp,
-                     RankContext rank)
+TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const ProcessGroups& groups, RankContext rank)
     : config_(config),
       backend_(backend),
-      dp_(dp),
-      tp_(tp),
-      dp_rank_(dp != nullptr ? dp->rank() : 0),
-      dp_size_(dp != nullptr ? dp->size() : 1),
-      tp_rank_(tp != nullptr ? tp->rank() : 0),
+      groups_(groups),
+      dp_rank_(groups.rank(Axis::kDp)),
+      dp_size_(groups.size(Axis::kDp)),
+      tp_rank_(groups.rank(Axis::kTp)),
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
-      table_(config.model, tp_rank_, tp != nullptr ? tp->size() : 1),
-      storage_(backend, table_, static_cast<int>(config.parallel.zero), dp, config.parallel.overlap_comm),
+      table_(config.model, tp_rank_, groups.size(Axis::kTp)),
+      storage_(backend, table_, static_cast<int>(config.parallel.zero), groups.get(Axis::kDpCp),
+               config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
-      model_(config.model, backend, micro_batch_, storage_, tp),
-      tp_partial_grads_(lay_out_memory(tp != nullptr ? tp_partial_numel(storage_) : 0)),
+      model_(config.model, backend, micro_batch_, storage_, groups.get(Axis::kTp)),
+      tp_partial_grads_(lay_out_memory(groups.get(Axis::kTp) != nullptr ? tp_partial_numel(storage_) : 0)),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
       faults_(config, rank.rank, rank.generation),
       sdc_(config, backend, rank.rank, rank.world_size, rank.generation, board_,
            [this](float* values, size_t count) { sum_over_world(values, count); }, replicated_state()),
       checkpoint_faults_(checkpoint::FileSystem::real(), faults_) {
-  const int tp_size = tp != nullptr ? tp->size() : 1;
-  if (dp_size_ != config.parallel.dp || tp_size != config.parallel.tp) {
-    throw common::Error(common::ErrorCode::kInternal,
-                        fmt::format("groups of dp={} tp={} ranks but parallel.dp = {} and parallel.tp = {}", dp_size_,
-                                    tp_size, config.parallel.dp, config.parallel.tp));
+  const Layout layout = Layout::from(config.parallel);
+  for (Axis axis : kAxes) {
+    if (groups.size(axis) != Mesh::group_size(layout, axis)) {
+      throw common::Error(common::ErrorCode::kInternal,
+                          fmt::format("the {} group has {} ranks but the layout gives it {}", axis_name(axis),
+                                      groups.size(axis), Mesh::group_size(layout, axis)));
+    }
   }
   if (!config.data.val.empty()) {
     val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
@@ -214,7 +215,7 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
 
 int64_t TrainLoop::collective_wait_ns() const {
   int64_t ns = 0;
-  for (const Communicator* group : {dp_, tp_}) ns += group != nullptr ? group->stats().wait_ns : 0;
+  for (const auto& group : groups_.communicators()) ns += group.comm->stats().wait_ns;
   return ns;
 }
 
@@ -268,7 +269,7 @@ void TrainLoop::describe_flip_sites() {
 }
 
 ReplicatedState TrainLoop::replicated_state() {
-  if (dp_size_ == 1) return {0, {}, "one DP rank holds no replica of another"};
+  if (groups_.size(Axis::kDpCp) == 1) return {0, {}, "one DP rank holds no replica of another"};
   if (storage_.stage() == 3) {
     return {0, {}, "ZeRO-3 shards parameters and optimizer state over DP, so no rank holds a replica; the rerun and "
                    "the known-answer test cover them"};
@@ -290,14 +291,16 @@ ReplicatedState TrainLoop::replicated_state() {
 }
 
 void TrainLoop::sum_over_world(float* values, size_t count) {
-  if (tp_ != nullptr) tp_->all_reduce(values, count);
-  if (dp_ != nullptr) dp_->all_reduce(values, count);
+  for (Axis axis : kGridAxes) {
+    if (Communicator* group = groups_.get(axis)) group->all_reduce(values, count);
+  }
 }
 
 void TrainLoop::sum_norm_gradients_over_tp() {
   // Under sequence parallelism each TP rank holds the norms' gradient of
   // its own positions: sum them, every tensor in one all-reduce.
-  if (tp_ == nullptr || tp_partial_grads_.size() == 0) return;
+  Communicator* tp = groups_.get(Axis::kTp);
+  if (tp == nullptr || tp_partial_grads_.size() == 0) return;
   auto for_each_partial = [&](auto&& visit) {
     size_t at = 0;
     for (size_t t = 0; t < table_.specs().size(); ++t) {
@@ -308,7 +311,7 @@ void TrainLoop::sum_norm_gradients_over_tp() {
     }
   };
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(packed, owned, bytes); });
-  tp_->all_reduce(tp_partial_grads_.data(), tp_partial_grads_.size());
+  tp->all_reduce(tp_partial_grads_.data(), tp_partial_grads_.size());
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
 }
 
@@ -327,17 +330,17 @@ TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum)
   // activation squares and, where ZeRO shards the gradients, the norm's
   // squares (below that every DP rank holds the whole sum already).
   StepSums sums{loss_sum, aux_sum, squares, sdc_.local_activation_squares()};
-  if (tp_ != nullptr) {
+  if (Communicator* tp = groups_.get(Axis::kTp)) {
     float over_tp[2] = {static_cast<float>(sums.grad_squares), static_cast<float>(sums.activation_squares)};
-    tp_->all_reduce(over_tp, 2);
+    tp->all_reduce(over_tp, 2);
     sums.grad_squares = over_tp[0];
     sums.activation_squares = over_tp[1];
   }
-  if (dp_ != nullptr) {
+  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
     const bool sharded = storage_.stage() >= 1;
     float over_dp[4] = {static_cast<float>(sums.loss), static_cast<float>(sums.aux_loss),
                         static_cast<float>(sums.activation_squares), static_cast<float>(sums.grad_squares)};
-    dp_->all_reduce(over_dp, sharded ? 4 : 3);
+    dp->all_reduce(over_dp, sharded ? 4 : 3);
     sums.loss = over_dp[0];
     sums.aux_loss = over_dp[1];
     sums.activation_squares = over_dp[2];
@@ -400,9 +403,9 @@ float TrainLoop::validate() {
       sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
     }
   }
-  if (dp_ != nullptr) {
+  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
     float total = static_cast<float>(sum);
-    dp_->all_reduce(&total, 1);
+    dp->all_reduce(&total, 1);
     sum = total;
   }
   return static_cast<float>(sum / (config_.train.val_batches * micro_batches * dp_size_));
@@ -436,9 +439,9 @@ TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int
     if (++batch == micro_batch_) flush();
   }
   flush();
-  if (dp_ != nullptr) {
+  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
     float total = static_cast<float>(loss_sum);
-    dp_->all_reduce(&total, 1);
+    dp->all_reduce(&total, 1);
     loss_sum = total;
   }
   return Evaluation{static_cast<float>(loss_sum / static_cast<double>(sequences)), sequences};
@@ -490,9 +493,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     if (const auto request = board_.take_fault_request()) faults_.apply(*request, step);
     faults_.before_step(step);
     board_.begin_step(step);
-    for (Communicator* group : {dp_, tp_}) {
-      if (group != nullptr) group->reset_stats();
-    }
+    for (const auto& group : groups_.communicators()) group.comm->reset_stats();
     StepStats stats = train_step(step);
     board_.record_step_timing();
     summary.steps_done = step + 1;
@@ -531,16 +532,15 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     // and how long the group's collectives ran against how long training
     // was blocked on them (the rest overlapped compute).
     nlohmann::json comm = nlohmann::json::object(), comm_ms = nlohmann::json::object();
-    for (Communicator* group : {dp_, tp_}) {
-      if (group == nullptr) continue;
-      const CommStats group_stats = group->stats();
+    for (const auto& group : groups_.communicators()) {
+      const CommStats group_stats = group.comm->stats();
       nlohmann::json ops = nlohmann::json::object();
       for (size_t op = 0; op < kCollectiveOpCount; ++op) {
         if (group_stats.calls[op] == 0) continue;
         ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group_stats.bytes[op]},
                                                                   {"calls", group_stats.calls[op]}};
       }
-      const char* name = group == dp_ ? "dp" : "tp";
+      const char* name = axis_name(group.axis);
       comm[name] = ops;
       comm_ms[name] = {{"busy", static_cast<double>(group_stats.busy_ns) / 1e6},
                        {"exposed", static_cast<double>(group_stats.wait_ns) / 1e6}};

@@ -15,6 +15,7 @@
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
+#include "trainer/parallel/process_groups.h"
 #include "trainer/parallel/zero_storage.h"
 #include "trainer/train/fault_hooks.h"
 #include "trainer/train/metrics.h"
@@ -78,12 +79,12 @@ class TrainLoop {
  public:
   // Opens the datasets (Error kDataError on bad shards), builds and
   // initialises this rank's part of the model from job.seed.
-  // `dp` is the data-parallel group (nullptr: none): each DP rank trains its
-  // slice of every global batch and the gradients are summed over the
-  // group, as parallel.zero says (see ZeroStorage), so every replica applies
-  // the same update. `tp` is the tensor-parallel group (nullptr: none; see
-  // Gpt): its ranks train the same sequences on their slices of the model.
-  TrainLoop(const common::Config& config, Backend& backend, Communicator* dp = nullptr, Communicator* tp = nullptr,
+  // `groups` are the rank's process groups (none: a single rank), which
+  // must outlive the loop. Each DP rank trains its slice of every global
+  // batch and the gradients are summed over dp x cp, as parallel.zero says
+  // (see ZeroStorage), so every replica applies the same update; the TP
+  // ranks train the same sequences on their slices of the model (see Gpt).
+  TrainLoop(const common::Config& config, Backend& backend, const ProcessGroups& groups = ProcessGroups::none(),
             RankContext rank = {});
 
   Gpt& model() { return model_; }
@@ -180,7 +181,8 @@ class TrainLoop {
   // Saved: each DP rank its dim-0 shard of every tensor, a tensor
   // replicated over TP from TP rank 0 only, so every element is written
   // once. Held: everything this rank keeps (all it needs on a load).
-  std::vector<StateBlock> state_blocks(bool saved, const std::vector<std::string>& groups);
+  // `sections`: the checkpoint groups ("model", "optim/exp_avg", ...).
+  std::vector<StateBlock> state_blocks(bool saved, const std::vector<std::string>& sections);
   // The checkpoint groups this run saves, and those it loads from `reader`.
   std::vector<std::string> saved_groups() const;
   std::vector<std::string> loaded_groups(const checkpoint::CheckpointReader& reader) const;
@@ -208,8 +210,7 @@ class TrainLoop {
 
   common::Config config_;
   Backend& backend_;
-  Communicator* dp_;
-  Communicator* tp_;
+  const ProcessGroups& groups_;
   int dp_rank_;
   int dp_size_;
   int tp_rank_;
