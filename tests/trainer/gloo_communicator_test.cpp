@@ -26,6 +26,7 @@
 #include <functional>
 #include <latch>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
@@ -298,6 +299,65 @@ TEST_SUITE("unit") {
         CHECK_MESSAGE(results[static_cast<size_t>(rank)] == expect, "rank " << rank);
       }
     }
+  }
+
+  TEST_CASE("all_to_all_v delivers blocks of uneven and empty sizes for world sizes one to four") {
+    // Rank s sends (s + 2d) % 3 elements to rank d: some blocks are empty,
+    // and a rank of a two-rank group sends and receives nothing at all.
+    auto count_of = [](int s, int d) { return static_cast<size_t>((s + 2 * d) % 3); };
+    auto element = [](int s, int d, size_t i) {
+      return static_cast<float>(s * 10000 + d * 1000) + static_cast<float>(i);
+    };
+    for (int size = 1; size <= 4; ++size) {
+      CAPTURE(size);
+      MemoryStore store;
+      std::vector<std::vector<float>> results(static_cast<size_t>(size));
+      std::vector<uint64_t> bytes(static_cast<size_t>(size));
+      run_group(store, "ep", size, [&](GlooCommunicator& comm) {
+        std::vector<size_t> send_counts, recv_counts;
+        std::vector<float> in;
+        for (int d = 0; d < size; ++d) {
+          send_counts.push_back(count_of(comm.rank(), d));
+          recv_counts.push_back(count_of(d, comm.rank()));
+          for (size_t i = 0; i < send_counts.back(); ++i) in.push_back(element(comm.rank(), d, i));
+        }
+        std::vector<float> out(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}), -1.0f);
+        comm.all_to_all_v(in.empty() ? nullptr : in.data(), send_counts, out.empty() ? nullptr : out.data(),
+                          recv_counts);
+        results[static_cast<size_t>(comm.rank())] = std::move(out);
+        bytes[static_cast<size_t>(comm.rank())] = comm.stats().bytes_of(CollectiveOp::kAllToAll);
+      });
+      for (int rank = 0; rank < size; ++rank) {
+        CAPTURE(rank);
+        std::vector<float> expect;
+        uint64_t sent = 0;
+        for (int s = 0; s < size; ++s) {
+          for (size_t i = 0; i < count_of(s, rank); ++i) expect.push_back(element(s, rank, i));
+          sent += count_of(rank, s) * sizeof(float);
+        }
+        CHECK(results[static_cast<size_t>(rank)] == expect);
+        CHECK(bytes[static_cast<size_t>(rank)] == sent);
+      }
+    }
+  }
+
+  TEST_CASE("all_to_all_v refuses counts that do not fit the group before any rank waits") {
+    MemoryStore store;
+    std::vector<std::string> errors(2);
+    run_group(store, "ep", 2, [&](GlooCommunicator& comm) {
+      std::vector<float> data(4, 1.0f);
+      const std::vector<size_t> three = {1, 1, 1}, two = {1, 1}, other_self = {2, 2};
+      const auto short_counts = keel::test::failure_of([&] { comm.all_to_all_v(data.data(), three, data.data(), two); });
+      const auto self_mismatch =
+          keel::test::failure_of([&] { comm.all_to_all_v(data.data(), two, data.data(), other_self); });
+      CHECK(short_counts.code == ErrorCode::kInternal);
+      CHECK(self_mismatch.code == ErrorCode::kInternal);
+      errors[static_cast<size_t>(comm.rank())] = short_counts.message + " | " + self_mismatch.message;
+      CHECK(comm.stats().calls_of(CollectiveOp::kAllToAll) == 0);
+      comm.all_to_all_v(data.data(), two, data.data() + 2, two);  // the group still works
+    });
+    CHECK(keel::test::contains(errors[0], "3 send and 2 receive counts for 2 ranks"));
+    CHECK(keel::test::contains(errors[1], "rank 1 sends itself 1 elements but expects 2"));
   }
 
   TEST_CASE("barrier lets no rank through before every rank has arrived for world sizes one to four") {

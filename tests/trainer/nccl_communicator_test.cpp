@@ -143,6 +143,10 @@ TEST_SUITE("gpu") {
       DeviceVec exchange_in(in), exchange_out(Vec(count, -1.0f));
       comm.all_to_all(exchange_in.get(), exchange_out.get(), count);
       CHECK(exchange_out.to_host() == in);
+
+      DeviceVec exchange_v(Vec(count, -1.0f));
+      comm.all_to_all_v(exchange_in.get(), {count}, exchange_v.get(), {count});
+      CHECK(exchange_v.to_host() == in);
     }
     DeviceVec untouched(Vec(3, 7.0f));
     comm.all_reduce(untouched.get(), 0);

@@ -8,6 +8,7 @@
 #include <boost/asio/thread_pool.hpp>
 
 #include <chrono>
+#include <numeric>
 #include <utility>
 
 namespace keel::trainer {
@@ -203,9 +204,10 @@ void Communicator::check_buffer(const char* op, ConstBuffer buffer, size_t count
   }
 }
 
-void Communicator::check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t count) const {
-  check_buffer(op, in, count);
-  check_buffer(op, out, count);
+void Communicator::check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t in_count,
+                                 size_t out_count) const {
+  check_buffer(op, in, in_count);
+  check_buffer(op, out, out_count);
   if (in.dtype != out.dtype) {
     throw Error(ErrorCode::kInternal, fmt::format("group '{}' {}: input {} but output {}", name_, op,
                                                   dtype_name(in.dtype), dtype_name(out.dtype)));
@@ -239,10 +241,32 @@ void Communicator::recv(Buffer data, size_t count, int peer) {
   issue(CollectiveOp::kRecv, count * dtype_bytes(data.dtype), peer, true, [=, this] { do_recv(data, count, peer); });
 }
 
+void Communicator::all_to_all_v(ConstBuffer in, std::vector<size_t> send_counts, Buffer out,
+                                std::vector<size_t> recv_counts) {
+  const auto ranks = static_cast<size_t>(size_);
+  if (send_counts.size() != ranks || recv_counts.size() != ranks) {
+    throw Error(ErrorCode::kInternal,
+                fmt::format("group '{}' all_to_all: {} send and {} receive counts for {} ranks", name_,
+                            send_counts.size(), recv_counts.size(), size_));
+  }
+  const auto self = static_cast<size_t>(rank_);
+  if (send_counts[self] != recv_counts[self]) {
+    throw Error(ErrorCode::kInternal,
+                fmt::format("group '{}' all_to_all: rank {} sends itself {} elements but expects {}", name_, rank_,
+                            send_counts[self], recv_counts[self]));
+  }
+  const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+  const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+  check_buffers("all_to_all", in, out, sent, received);
+  issue(CollectiveOp::kAllToAll, sent * dtype_bytes(in.dtype), -1, true,
+        [=, this, send_counts = std::move(send_counts), recv_counts = std::move(recv_counts)] {
+          do_all_to_all(in, send_counts, out, recv_counts);
+        });
+}
+
 void Communicator::all_to_all(ConstBuffer in, Buffer out, size_t count) {
-  check_buffers("all_to_all", in, out, count);
-  issue(CollectiveOp::kAllToAll, static_cast<uint64_t>(size_) * count * dtype_bytes(in.dtype), -1, true,
-        [=, this] { do_all_to_all(in, out, count); });
+  const std::vector<size_t> counts(static_cast<size_t>(size_), count);
+  all_to_all_v(in, counts, out, counts);
 }
 
 void Communicator::barrier() {
@@ -266,13 +290,13 @@ CommWork Communicator::issue_all_reduce(Buffer data, size_t count, bool blocking
 }
 
 CommWork Communicator::issue_reduce_scatter(ConstBuffer in, Buffer out, size_t count, bool blocking) {
-  check_buffers("reduce_scatter", in, out, count);
+  check_buffers("reduce_scatter", in, out, static_cast<size_t>(size_) * count, count);
   return issue(CollectiveOp::kReduceScatter, static_cast<uint64_t>(size_) * count * dtype_bytes(in.dtype), -1, blocking,
                [=, this] { do_reduce_scatter(in, out, count); });
 }
 
 CommWork Communicator::issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking) {
-  check_buffers("all_gather", in, out, count);
+  check_buffers("all_gather", in, out, count, static_cast<size_t>(size_) * count);
   return issue(CollectiveOp::kAllGather, count * dtype_bytes(in.dtype), -1, blocking,
                [=, this] { do_all_gather(in, out, count); });
 }

@@ -45,6 +45,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace boost::asio {
 class thread_pool;
@@ -145,8 +146,13 @@ class Communicator {
   // Point to point; the peer must post the matching call.
   void send(ConstBuffer data, size_t count, int peer);
   void recv(Buffer data, size_t count, int peer);
-  // in[size * count]: block r goes to rank r; out[size * count]: block r
-  // came from rank r. Payload: size * count elements.
+  // in: the blocks for ranks 0..size-1 back to back, send_counts[r]
+  // elements for rank r; out: the blocks from ranks 0..size-1 back to back,
+  // recv_counts[r] elements from rank r, which must be what rank r sends
+  // this rank (MoE dispatch exchanges the counts first). Every rank takes
+  // part, even one that moves nothing. Payload: the sum of send_counts.
+  void all_to_all_v(ConstBuffer in, std::vector<size_t> send_counts, Buffer out, std::vector<size_t> recv_counts);
+  // all_to_all_v with `count` elements to and from every rank.
   void all_to_all(ConstBuffer in, Buffer out, size_t count);
   void barrier();
 
@@ -196,7 +202,8 @@ class Communicator {
   virtual void do_broadcast(Buffer data, size_t count, int root) = 0;
   virtual void do_send(ConstBuffer data, size_t count, int peer) = 0;
   virtual void do_recv(Buffer data, size_t count, int peer) = 0;
-  virtual void do_all_to_all(ConstBuffer in, Buffer out, size_t count) = 0;
+  virtual void do_all_to_all(ConstBuffer in, const std::vector<size_t>& send_counts, Buffer out,
+                             const std::vector<size_t>& recv_counts) = 0;
   virtual void do_barrier() = 0;
 
   // For backends: reports a peer failure to the handler, if one is set.
@@ -212,7 +219,7 @@ class Communicator {
   // buffer with elements, a dtype this backend does not carry, or in and
   // out of different dtypes.
   void check_buffer(const char* op, ConstBuffer buffer, size_t count) const;
-  void check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t count) const;
+  void check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t in_count, size_t out_count) const;
   CommWork issue_all_reduce(Buffer data, size_t count, bool blocking);
   CommWork issue_reduce_scatter(ConstBuffer in, Buffer out, size_t count, bool blocking);
   CommWork issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking);

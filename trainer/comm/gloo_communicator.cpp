@@ -5,7 +5,7 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
-#include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
@@ -414,18 +414,21 @@ void GlooCommunicator::do_recv(Buffer buffer, size_t count, int peer) {
   });
 }
 
-void GlooCommunicator::do_all_to_all(ConstBuffer in_buffer, Buffer out_buffer, size_t count) {
-  const float* in = static_cast<const float*>(in_buffer.data);
-  float* out = static_cast<float*>(out_buffer.data);
+void GlooCommunicator::do_all_to_all(ConstBuffer in_buffer, const std::vector<size_t>& send_counts,
+                                     Buffer out_buffer, const std::vector<size_t>& recv_counts) {
+  // Gloo exchanges a message with every peer, empty ones too, so a rank
+  // that moves nothing still takes part, through a buffer of its own.
+  float nothing = 0.0f;
+  auto* in = const_cast<float*>(in_buffer.data != nullptr ? static_cast<const float*>(in_buffer.data) : &nothing);
+  float* out = out_buffer.data != nullptr ? static_cast<float*>(out_buffer.data) : &nothing;
   const uint32_t tag = next_collective_tag();
   guarded([&] {
-    if (count == 0) return;
-    gloo::AlltoallOptions opts(context_);
-    opts.setInput(const_cast<float*>(in), static_cast<size_t>(size()) * count);
-    opts.setOutput(out, static_cast<size_t>(size()) * count);
+    gloo::AlltoallvOptions opts(context_);
+    opts.setInput(in, std::vector<int64_t>(send_counts.begin(), send_counts.end()));
+    opts.setOutput(out, std::vector<int64_t>(recv_counts.begin(), recv_counts.end()));
     opts.setTag(tag);
     opts.setTimeout(timeout_);
-    gloo::alltoall(opts);
+    gloo::alltoallv(opts);
   });
 }
 

@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <string_view>
 #include <thread>
 #include <utility>
@@ -367,18 +369,28 @@ void NcclCommunicator::do_recv(Buffer data, size_t count, int peer) {
 }
 
 // One group of a send and a receive per rank (itself included), which all
-// progress together. all_to_all(v) will need exactly this with per-rank
-// counts, which NCCL's ncclAlltoAll (equal counts only) cannot give.
-void NcclCommunicator::do_all_to_all(ConstBuffer in, Buffer out, size_t count) {
-  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
+// progress together: ncclAlltoAll takes equal counts only. An empty block
+// is skipped on both sides, which agree on its size.
+void NcclCommunicator::do_all_to_all(ConstBuffer in, const std::vector<size_t>& send_counts, Buffer out,
+                                     const std::vector<size_t>& recv_counts) {
+  const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
+  const size_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
+  run(std::max(sent, received), [&](ncclComm_t comm, cudaStream_t stream) {
     const ncclDataType_t type = nccl_type(in.dtype);
-    const size_t block_bytes = count * dtype_bytes(in.dtype);
+    const size_t element = dtype_bytes(in.dtype);
     ncclResult_t result = ncclGroupStart();
     if (result != ncclSuccess) return result;
+    size_t send_offset = 0, recv_offset = 0;
     for (int r = 0; r < size() && result == ncclSuccess; ++r) {
-      const size_t offset = static_cast<size_t>(r) * block_bytes;
-      result = ncclSend(static_cast<const char*>(in.data) + offset, count, type, r, comm, stream);
-      if (result == ncclSuccess) result = ncclRecv(static_cast<char*>(out.data) + offset, count, type, r, comm, stream);
+      const size_t send_count = send_counts[static_cast<size_t>(r)], recv_count = recv_counts[static_cast<size_t>(r)];
+      if (send_count > 0) {
+        result = ncclSend(static_cast<const char*>(in.data) + send_offset * element, send_count, type, r, comm, stream);
+      }
+      if (result == ncclSuccess && recv_count > 0) {
+        result = ncclRecv(static_cast<char*>(out.data) + recv_offset * element, recv_count, type, r, comm, stream);
+      }
+      send_offset += send_count;
+      recv_offset += recv_count;
     }
     // The group must be closed even after a failed call inside it; NCCL
     // then reports that failure from ncclGroupEnd too.
