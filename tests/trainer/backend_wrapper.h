@@ -56,12 +56,16 @@ class BackendWrapper : public trainer::Backend {
                        const float* weight, int N, int C, int OC) override {
     target_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
-    target_.attention_forward(out, lse, qkv, B, T, C, NH);
+  void attention_forward(float* out, float* lse, const AttentionInputs& in) override {
+    target_.attention_forward(out, lse, in);
   }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T, int C,
-                          int NH) override {
-    target_.attention_backward(dqkv, dout, qkv, lse, B, T, C, NH);
+  void attention_backward(const AttentionGrads& grads, const float* dout, const float* out, const float* lse,
+                          const AttentionInputs& in) override {
+    target_.attention_backward(grads, dout, out, lse, in);
+  }
+  void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int B, int T, int C,
+                       int NH) override {
+    target_.attention_merge(out, lse, part_out, part_lse, B, T, C, NH);
   }
   void gelu_forward(float* out, const float* inp, size_t n) override { target_.gelu_forward(out, inp, n); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override {

@@ -267,10 +267,34 @@ std::vector<KernelCase> kernel_cases() {
                       {"dqkv", random_vec(n * 3 * C, 30)}},
                      {}, {"out", "lse", "dqkv"},
                      [=](Backend& k, Tensors& t) {
-                       k.attention_forward(t.f("out"), t.f("lse"), t.f("qkv"), B, T, C, NH);
-                       k.attention_backward(t.f("dqkv"), t.f("dout"), t.f("qkv"), t.f("lse"), B, T, C, NH);
+                       k.attention_forward(t.f("out"), t.f("lse"), Backend::self_attention(t.f("qkv"), B, T, C, NH));
+                       k.attention_backward(Backend::self_attention_grads(t.f("dqkv"), C), t.f("dout"), t.f("out"),
+                                            t.f("lse"), Backend::self_attention(t.f("qkv"), B, T, C, NH));
                      },
                      a.rel, 1e-2});
+  }
+  // A chunk of queries against a chunk of keys that starts after some of
+  // them (ring attention): queries 40..59 see no key, then the merge with a
+  // second part, then the backward with the merged out and lse.
+  {
+    const int B = 2, NH = 2, C = 64, Tq = 70, Tk = 50;
+    const size_t q_n = static_cast<size_t>(B) * Tq * C, kv_n = static_cast<size_t>(B) * Tk * C;
+    const size_t lse_n = static_cast<size_t>(B) * NH * Tq;
+    cases.push_back({"attention of a query chunk against a later key chunk, merged",
+                     {{"q", random_vec(q_n, 90, -2.0f, 2.0f)}, {"k", random_vec(kv_n, 91, -2.0f, 2.0f)},
+                      {"v", random_vec(kv_n, 92)}, {"out", Vec(q_n, nan)}, {"lse", Vec(lse_n, nan)},
+                      {"part_out", random_vec(q_n, 93)}, {"part_lse", random_vec(lse_n, 94, -1.0f, 3.0f)},
+                      {"dout", random_vec(q_n, 95)}, {"dq", random_vec(q_n, 96)}, {"dk", random_vec(kv_n, 97)},
+                      {"dv", random_vec(kv_n, 98)}},
+                     {}, {"out", "lse", "dq", "dk", "dv"},
+                     [=](Backend& k, Tensors& t) {
+                       const Backend::AttentionInputs in{t.f("q"), t.f("k"), t.f("v"), C, C, B, Tq, Tk, C, NH, 40, 60};
+                       k.attention_forward(t.f("out"), t.f("lse"), in);
+                       k.attention_merge(t.f("out"), t.f("lse"), t.f("part_out"), t.f("part_lse"), B, Tq, C, NH);
+                       k.attention_backward({t.f("dq"), t.f("dk"), t.f("dv")}, t.f("dout"), t.f("out"), t.f("lse"),
+                                            in);
+                     },
+                     1e-4, 1e-2});
   }
   // Cross-entropy over two vocabulary shards of 300 padded classes, V = 517
   // real ones: the second shard has padding, one target is in each.

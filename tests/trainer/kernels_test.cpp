@@ -16,6 +16,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -214,12 +215,13 @@ void check_attention_gradient(const AttentionShape& s, uint64_t seed) {
   Vec out(s.out());
   Vec lse(s.lse());
   auto loss = [&] {
-    cpu.attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+    cpu.attention_forward(out.data(), lse.data(), CpuBackend::self_attention(qkv.data(), s.B, s.T, s.C, s.NH));
     return weighted_sum(out, r);
   };
   loss();
   Vec dqkv(s.qkv(), 0.0f);
-  cpu.attention_backward(dqkv.data(), r.data(), qkv.data(), lse.data(), s.B, s.T, s.C, s.NH);
+  cpu.attention_backward(CpuBackend::self_attention_grads(dqkv.data(), s.C), r.data(), out.data(), lse.data(),
+                         CpuBackend::self_attention(qkv.data(), s.B, s.T, s.C, s.NH));
   check_gradient("dqkv", qkv, dqkv, loss);
 }
 
@@ -426,11 +428,74 @@ TEST_SUITE("unit") {
       const Vec qkv = random_vec(s.qkv(), 22, -2.0f, 2.0f);
       Vec out = nan_vec(s.out());
       Vec lse = nan_vec(s.lse());
-      cpu.attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+      cpu.attention_forward(out.data(), lse.data(), CpuBackend::self_attention(qkv.data(), s.B, s.T, s.C, s.NH));
       Ref want_out, want_lse;
       attention_ref(want_out, want_lse, qkv, s.B, s.T, s.C, s.NH);
       check_close("out", out, want_out, 1e-5);
       check_close("lse", lse, want_lse, 1e-5);
+    }
+  }
+
+  TEST_CASE("attention over two chunks of keys merged equals attention over all of them forward and backward") {
+    // Queries at positions 40..149 (three query blocks); keys 0..69 in one
+    // chunk and 70..149 in the other, so queries 40..69 see nothing of the
+    // second (out 0, lse -inf) and the merge must leave them alone.
+    CpuBackend cpu;
+    const int B = 2, NH = 2, C = 16, T = 150, q0 = 40, split = 70;
+    const Vec q = random_vec(static_cast<size_t>(B) * T * C, 81, -2.0f, 2.0f);
+    const Vec k = random_vec(q.size(), 82, -2.0f, 2.0f), v = random_vec(q.size(), 83, -2.0f, 2.0f);
+    // Positions [begin, end) of every batch of a [B, T, C] tensor, as their own [B, end - begin, C] tensor.
+    auto rows = [&](const Vec& x, int begin, int end) {
+      Vec out;
+      for (int b = 0; b < B; ++b) {
+        out.insert(out.end(), x.begin() + (static_cast<ptrdiff_t>(b) * T + begin) * C,
+                   x.begin() + (static_cast<ptrdiff_t>(b) * T + end) * C);
+      }
+      return out;
+    };
+    const int Tq = T - q0;
+    const Vec q_chunk = rows(q, q0, T), dout = random_vec(static_cast<size_t>(B) * Tq * C, 84);
+    struct Keys {
+      Vec k, v;
+      int offset, count;
+    };
+    const Keys all{rows(k, 0, T), rows(v, 0, T), 0, T};
+    const Keys first{rows(k, 0, split), rows(v, 0, split), 0, split};
+    const Keys second{rows(k, split, T), rows(v, split, T), split, T - split};
+    auto inputs = [&](const Keys& keys) {
+      return CpuBackend::AttentionInputs{q_chunk.data(), keys.k.data(), keys.v.data(), C, C, B, Tq, keys.count, C, NH,
+                                         q0, keys.offset};
+    };
+    const size_t out_n = static_cast<size_t>(B) * Tq * C, lse_n = static_cast<size_t>(B) * NH * Tq;
+    Vec whole_out = nan_vec(out_n), whole_lse = nan_vec(lse_n), out = nan_vec(out_n), lse = nan_vec(lse_n);
+    Vec part_out = nan_vec(out_n), part_lse = nan_vec(lse_n);
+    cpu.attention_forward(whole_out.data(), whole_lse.data(), inputs(all));
+    cpu.attention_forward(out.data(), lse.data(), inputs(first));
+    cpu.attention_forward(part_out.data(), part_lse.data(), inputs(second));
+    CHECK(part_lse[0] == -INFINITY);  // query 40 sees no key of 70..149
+    CHECK(part_out[0] == 0.0f);
+    cpu.attention_merge(out.data(), lse.data(), part_out.data(), part_lse.data(), B, Tq, C, NH);
+    check_close("merged out", out, Ref(whole_out.begin(), whole_out.end()), 1e-6);
+    check_close("merged lse", lse, Ref(whole_lse.begin(), whole_lse.end()), 1e-6);
+
+    struct Grads {
+      Vec dq, dk, dv;
+    };
+    auto backward = [&](const Keys& keys, Vec& dq) {
+      Grads g{{}, Vec(keys.k.size(), 0.0f), Vec(keys.v.size(), 0.0f)};
+      cpu.attention_backward({dq.data(), g.dk.data(), g.dv.data()}, dout.data(), whole_out.data(), whole_lse.data(),
+                             inputs(keys));
+      return g;
+    };
+    Vec whole_dq(q_chunk.size(), 0.0f), chunked_dq(q_chunk.size(), 0.0f);
+    const Grads whole = backward(all, whole_dq);
+    const Grads a = backward(first, chunked_dq), b = backward(second, chunked_dq);
+    check_close("dq summed over the chunks", chunked_dq, Ref(whole_dq.begin(), whole_dq.end()), 1e-5);
+    for (const auto& [name, got, want] : {std::tuple{"dk of the first chunk", a.dk, rows(whole.dk, 0, split)},
+                                          std::tuple{"dk of the second chunk", b.dk, rows(whole.dk, split, T)},
+                                          std::tuple{"dv of the first chunk", a.dv, rows(whole.dv, 0, split)},
+                                          std::tuple{"dv of the second chunk", b.dv, rows(whole.dv, split, T)}}) {
+      check_close(name, got, Ref(want.begin(), want.end()), 1e-5);
     }
   }
 
@@ -816,9 +881,10 @@ TEST_SUITE("unit") {
 
     const Vec qkv = random_vec(static_cast<size_t>(N) * 3 * C, 63);
     Vec out(static_cast<size_t>(N) * C), lse(static_cast<size_t>(B) * NH * T);
-    cpu.attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    cpu.attention_forward(out.data(), lse.data(), CpuBackend::self_attention(qkv.data(), B, T, C, NH));
     check_doubles("attention dqkv", [&](float* g) {
-      cpu.attention_backward(g, dy.data(), qkv.data(), lse.data(), B, T, C, NH);
+      cpu.attention_backward(CpuBackend::self_attention_grads(g, C), dy.data(), out.data(), lse.data(),
+                             CpuBackend::self_attention(qkv.data(), B, T, C, NH));
     }, qkv.size());
 
     check_doubles("gelu dinp", [&](float* g) { cpu.gelu_backward(g, x.data(), dy.data(), x.size()); }, x.size());
@@ -912,8 +978,9 @@ TEST_SUITE("unit") {
       results.insert(results.end(), {out, mm_dinp, mm_dw, mm_db});
 
       Vec att_out(x.size()), lse(static_cast<size_t>(B) * NH * T), dqkv(qkv.size(), 0.0f);
-      cpu.attention_forward(att_out.data(), lse.data(), qkv.data(), B, T, C, NH);
-      cpu.attention_backward(dqkv.data(), dy.data(), qkv.data(), lse.data(), B, T, C, NH);
+      cpu.attention_forward(att_out.data(), lse.data(), CpuBackend::self_attention(qkv.data(), B, T, C, NH));
+      cpu.attention_backward(CpuBackend::self_attention_grads(dqkv.data(), C), dy.data(), att_out.data(), lse.data(),
+                             CpuBackend::self_attention(qkv.data(), B, T, C, NH));
       results.insert(results.end(), {att_out, lse, dqkv});
 
       Vec dwte(static_cast<size_t>(V) * C, 0.0f), dwpe(static_cast<size_t>(T) * C, 0.0f);

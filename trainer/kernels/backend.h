@@ -102,16 +102,52 @@ class Backend {
   virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                const float* inp, const float* weight, int N, int C, int OC) = 0;
 
-  // ---- causal self-attention, flash style ----
-  // qkv[B,T,3C]: per position q (C), then k (C), then v (C); head h owns
-  // channels h*d..(h+1)*d of each, d = C/NH. out[B,T,C] holds the heads side
-  // by side. Scores are scaled by 1/sqrt(d); query t sees keys 0..t.
-  // lse[B,NH,T] saves each query row's log-sum-exp of its scores: all the
-  // backward needs to recompute the probabilities, so no [T, T] matrix is
-  // ever kept (the probabilities of a row are exp(score - lse)).
-  virtual void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) = 0;
-  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T,
-                                  int C, int NH) = 0;
+  // ---- causal attention, flash style ----
+  // Queries and keys live in separate views, so the same kernels serve
+  // self-attention (q, k and v side by side in one qkv buffer) and ring
+  // attention (a chunk of queries against another rank's chunk of keys).
+  // Rows are positions: q[b, t] is row b*Tq + t of `q`, ld_q floats after
+  // the row before it; k and v likewise over Tk rows with ld_kv. Head h owns
+  // channels h*d..(h+1)*d of every row, d = C / NH. Query row t sits at
+  // position q_offset + t and key row j at k_offset + j; a query sees the
+  // keys at or before its own position. Scores are scaled by 1/sqrt(d).
+  struct AttentionInputs {
+    const float* q;
+    const float* k;
+    const float* v;
+    int ld_q, ld_kv;
+    int B, Tq, Tk, C, NH;
+    int q_offset = 0, k_offset = 0;
+  };
+  // The gradients of q, k and v, laid out as the inputs.
+  struct AttentionGrads {
+    float* dq;
+    float* dk;
+    float* dv;
+  };
+  // Self-attention over qkv[B, T, 3C]: q, then k, then v at every position.
+  static AttentionInputs self_attention(const float* qkv, int B, int T, int C, int NH) {
+    return {qkv, qkv + C, qkv + 2 * C, 3 * C, 3 * C, B, T, T, C, NH};
+  }
+  static AttentionGrads self_attention_grads(float* dqkv, int C) { return {dqkv, dqkv + C, dqkv + 2 * C}; }
+
+  // out[B, Tq, C] holds the heads side by side; lse[B, NH, Tq] each query
+  // row's log-sum-exp of its scores: all the backward needs to recompute
+  // the probabilities (exp(score - lse)), so no [Tq, Tk] matrix is ever
+  // kept. A query row that sees no key gets out = 0 and lse = -inf.
+  virtual void attention_forward(float* out, float* lse, const AttentionInputs& in) = 0;
+  // Accumulates into the gradients of the keys in `in` and of its queries.
+  // out and lse are those of the query rows over EVERY key they see (after
+  // attention_merge, in ring attention), so each chunk of keys is exact on
+  // its own: P = exp(score - lse), and D_t = dout_t . out_t stands for the
+  // row sum of P dP over all keys.
+  virtual void attention_backward(const AttentionGrads& grads, const float* dout, const float* out, const float* lse,
+                                  const AttentionInputs& in) = 0;
+  // Joins attention over two sets of keys for the same queries: (out, lse)
+  // over the first and (part_out, part_lse) over the second become, in
+  // place, out and lse over both. Shapes as attention_forward's outputs.
+  virtual void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int B, int T,
+                               int C, int NH) = 0;
 
   // ---- GELU, tanh form ----
   virtual void gelu_forward(float* out, const float* inp, size_t n) = 0;

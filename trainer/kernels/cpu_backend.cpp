@@ -179,6 +179,10 @@ void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
 // Softmax of row[0..len) in place, zeros in row[len..width); returns the
 // log-sum-exp of the scores it replaced.
 inline float causal_softmax_row(float* row, int len, int width) {
+  if (len == 0) {  // a query before every key of a chunk
+    std::fill(row, row + width, 0.0f);
+    return -INFINITY;
+  }
   const float max = row_max(row, len);
 #pragma omp simd
   for (int i = 0; i < len; ++i) row[i] = exp_approx(row[i] - max);
@@ -446,100 +450,141 @@ void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, cons
 
 // ---- attention ----
 
-void CpuBackend::attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
-  const int d = C / NH;
-  const int ld = 3 * C;
+namespace {
+
+// The keys query row t of `in` sees: rows [0, visible_keys(in, t)).
+int visible_keys(const Backend::AttentionInputs& in, int t) {
+  return std::clamp(in.q_offset + t - in.k_offset + 1, 0, in.Tk);
+}
+
+}  // namespace
+
+void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
+  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
+  const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   // Every (batch, head, query block) is independent, so dynamic scheduling
   // balances the uneven triangle without touching the results. A block's
-  // probabilities live in a buffer of its thread, never in the output.
+  // probabilities live in a buffer of its thread, never in the output; its
+  // scores stop at the last key its last query sees.
 #pragma omp parallel
   {
-    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * T);
+    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * Tk);
 #pragma omp for schedule(dynamic)
     for (int unit = 0; unit < B * NH * blocks; ++unit) {
       const int bh = unit / blocks;
       const int b = bh / NH;
       const int h = bh % NH;
       const int r0 = unit % blocks * kQueryBlock;
-      const int r1 = std::min(T, r0 + kQueryBlock);
-      const float* q = qkv + static_cast<size_t>(b) * T * ld + h * d;
-      const float* k = q + C;
-      const float* v = q + 2 * C;
+      const int r1 = std::min(Tq, r0 + kQueryBlock);
+      const int keys = visible_keys(in, r1 - 1);
+      const float* q = in.q + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+      const float* k = in.k + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* v = in.v + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      float* o = out + (static_cast<size_t>(b) * Tq + r0) * C + h * d;
       float* a = probs.data();
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, r1, d, scale, q + static_cast<size_t>(r0) * ld,
-                  ld, k, ld, 0.0f, a, T);
-      for (int t = r0; t < r1; ++t) {
-        lse[static_cast<size_t>(bh) * T + t] = causal_softmax_row(a + static_cast<size_t>(t - r0) * T, t + 1, r1);
+      if (keys == 0) {
+        for (int t = r0; t < r1; ++t) {
+          std::fill(o + static_cast<size_t>(t - r0) * C, o + static_cast<size_t>(t - r0) * C + d, 0.0f);
+          lse[static_cast<size_t>(bh) * Tq + t] = -INFINITY;
+        }
+        continue;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, r1, 1.0f, a, T, v, ld, 0.0f,
-                  out + (static_cast<size_t>(b) * T + r0) * C + h * d, C);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, keys, d, scale,
+                  q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, k, in.ld_kv, 0.0f, a, Tk);
+      for (int t = r0; t < r1; ++t) {
+        lse[static_cast<size_t>(bh) * Tq + t] =
+            causal_softmax_row(a + static_cast<size_t>(t - r0) * Tk, visible_keys(in, t), keys);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, keys, 1.0f, a, Tk, v, in.ld_kv, 0.0f, o, C);
     }
   }
 }
 
-void CpuBackend::attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T,
-                                    int C, int NH) {
-  const int d = C / NH;
-  const int ld = 3 * C;
+void CpuBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
+                                    const float* lse, const AttentionInputs& in) {
+  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-  const int blocks = (T + kQueryBlock - 1) / kQueryBlock;
+  const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   // One (batch, head) per work item: dK and dV gather from every query
   // block, so the blocks of a head run in order on one thread.
 #pragma omp parallel
   {
-    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * T);
-    std::vector<float> dscores(static_cast<size_t>(kQueryBlock) * T);
+    std::vector<float> probs(static_cast<size_t>(kQueryBlock) * Tk);
+    std::vector<float> dscores(static_cast<size_t>(kQueryBlock) * Tk);
 #pragma omp for schedule(dynamic)
     for (int bh = 0; bh < B * NH; ++bh) {
       const int b = bh / NH;
       const int h = bh % NH;
-      const size_t head = static_cast<size_t>(b) * T * ld + h * d;
-      const float* q = qkv + head;
-      const float* k = q + C;
-      const float* v = q + 2 * C;
-      float* dq = dqkv + head;
-      float* dk = dq + C;
-      float* dv = dq + 2 * C;
+      const size_t q_head = static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+      const size_t kv_head = static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* q = in.q + q_head;
+      const float* k = in.k + kv_head;
+      const float* v = in.v + kv_head;
+      float* dq = grads.dq + q_head;
+      float* dk = grads.dk + kv_head;
+      float* dv = grads.dv + kv_head;
       for (int blk = 0; blk < blocks; ++blk) {
         const int r0 = blk * kQueryBlock;
-        const int r1 = std::min(T, r0 + kQueryBlock);
+        const int r1 = std::min(Tq, r0 + kQueryBlock);
         const int rows = r1 - r0;
+        const int keys = visible_keys(in, r1 - 1);
+        if (keys == 0) continue;
         float* p = probs.data();
         float* ds = dscores.data();
-        const float* dy = dout + (static_cast<size_t>(b) * T + r0) * C + h * d;
+        const size_t first_row = (static_cast<size_t>(b) * Tq + r0) * C + h * d;
+        const float* dy = dout + first_row;
+        const float* o = out + first_row;
         // P again from the scores and the saved log-sum-exp.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, scale, q + static_cast<size_t>(r0) * ld, ld,
-                    k, ld, 0.0f, p, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, scale,
+                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, k, in.ld_kv, 0.0f, p, Tk);
         for (int t = r0; t < r1; ++t) {
-          float* p_row = p + static_cast<size_t>(t - r0) * T;
-          const float shift = lse[static_cast<size_t>(bh) * T + t];
-          const int len = t + 1;
+          float* p_row = p + static_cast<size_t>(t - r0) * Tk;
+          const float shift = lse[static_cast<size_t>(bh) * Tq + t];
+          const int len = visible_keys(in, t);
 #pragma omp simd
           for (int j = 0; j < len; ++j) p_row[j] = exp_approx(p_row[j] - shift);
-          std::fill(p_row + len, p_row + r1, 0.0f);
+          std::fill(p_row + len, p_row + keys, 0.0f);
         }
         // dP = dO V^T, then dV += P^T dO.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, r1, d, 1.0f, dy, C, v, ld, 0.0f, ds, T);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, p, T, dy, C, 1.0f, dv, ld);
-        // dS = P * (dP - rowsum(dP * P)) * scale, zero above the diagonal.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, dy, C, v, in.ld_kv, 0.0f, ds, Tk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy, C, 1.0f, dv, in.ld_kv);
+        // dS = P * (dP - D) * scale with D = dO . O, zero past the visible keys.
         for (int t = r0; t < r1; ++t) {
-          const float* p_row = p + static_cast<size_t>(t - r0) * T;
-          float* ds_row = ds + static_cast<size_t>(t - r0) * T;
-          const int len = t + 1;
-          const float dot = row_dot(p_row, ds_row, len);
+          const float* p_row = p + static_cast<size_t>(t - r0) * Tk;
+          float* ds_row = ds + static_cast<size_t>(t - r0) * Tk;
+          const int len = visible_keys(in, t);
+          const float row_d = row_dot(dy + static_cast<size_t>(t - r0) * C, o + static_cast<size_t>(t - r0) * C, d);
 #pragma omp simd
-          for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - dot) * scale;
-          std::fill(ds_row + len, ds_row + r1, 0.0f);
+          for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d) * scale;
+          std::fill(ds_row + len, ds_row + keys, 0.0f);
         }
         // dQ += dS K, dK += dS^T Q.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, r1, 1.0f, ds, T, k, ld, 1.0f,
-                    dq + static_cast<size_t>(r0) * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, d, rows, 1.0f, ds, T,
-                    q + static_cast<size_t>(r0) * ld, ld, 1.0f, dk, ld);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, ds, Tk, k, in.ld_kv, 1.0f,
+                    dq + static_cast<size_t>(r0) * in.ld_q, in.ld_q);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, ds, Tk,
+                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, in.ld_kv);
       }
     }
+  }
+}
+
+void CpuBackend::attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int B, int T,
+                                 int C, int NH) {
+  const int d = C / NH;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(B) * NH * T * d > kParallelMin)
+  for (int row = 0; row < B * NH * T; ++row) {
+    const int b = row / (NH * T), h = row / T % NH, t = row % T;
+    const float a = lse[row], c = part_lse[row];
+    if (c == -INFINITY) continue;  // the second set of keys adds nothing
+    const float max = std::max(a, c);
+    const float wa = a == -INFINITY ? 0.0f : std::exp(a - max), wc = std::exp(c - max);
+    const float sum = wa + wc, mine = wa / sum, part = wc / sum;
+    float* o = out + (static_cast<size_t>(b) * T + t) * C + h * d;
+    const float* po = part_out + (static_cast<size_t>(b) * T + t) * C + h * d;
+#pragma omp simd
+    for (int j = 0; j < d; ++j) o[j] = mine * o[j] + part * po[j];
+    lse[row] = max + std::log(sum);
   }
 }
 

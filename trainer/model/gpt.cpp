@@ -263,7 +263,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
                         p + o.ln1_b, Ns, C);
     gather_positions(blk.ln1.data(), blk.ln1_whole.data(), NsC);
     k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
-    k.attention_forward(blk.atty.data(), blk.attn_lse.data(), blk.qkv.data(), B, T, Cl, NHl);
+    k.attention_forward(blk.atty.data(), blk.attn_lse.data(), Backend::self_attention(blk.qkv.data(), B, T, Cl, NHl));
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
     sum_into_positions(a.partial.data(), blk.residual2.data(), NsC);
@@ -366,7 +366,8 @@ void Gpt::backward(float loss_scale) {
     k.matmul_backward(a.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(),
                       p + o.attproj_w, N, Cl, C);
     a.dqkv.zero();
-    k.attention_backward(a.dqkv.data(), a.datty.data(), blk.qkv.data(), blk.attn_lse.data(), B, T, Cl, NHl);
+    k.attention_backward(Backend::self_attention_grads(a.dqkv.data(), Cl), a.datty.data(), blk.atty.data(),
+                         blk.attn_lse.data(), Backend::self_attention(blk.qkv.data(), B, T, Cl, NHl));
     k.zero(din_all, din_numel * sizeof(float));
     k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, a.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
     sum_into_positions(din_all, a.dln.data(), NsC);

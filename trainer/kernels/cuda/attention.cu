@@ -1,14 +1,16 @@
-// Causal self-attention, flash style (backend.h): the probabilities are
-// never stored, only each query row's log-sum-exp, and the backward
-// recomputes them. One warp per row throughout. In the score passes each
-// lane owns one key (or query) of a chunk of 32 and computes its whole
-// d-long dot product; in the value passes each lane owns head channels and
-// the chunk's probabilities reach it by shuffles.
-// * forward, per query row: an online softmax over the chunks (running
-//   max, running sum, running output), then lse = max + log(sum);
-// * backward, per query row t: D_t = sum_s P_ts dP_ts, then dQ_t;
-// * backward, per key row s: dK_s and dV_s over the queries t >= s, with
-//   D_t from the first pass.
+// Causal attention, flash style (backend.h): the probabilities are never
+// stored, only each query row's log-sum-exp, and the backward recomputes
+// them. One warp per row throughout. In the score passes each lane owns one
+// key (or query) of a chunk of 32 and computes its whole d-long dot
+// product; in the value passes each lane owns head channels and the chunk's
+// probabilities reach it by shuffles.
+// * forward, per query row: an online softmax over the chunks of the keys
+//   it sees (running max, running sum, running output), then
+//   lse = max + log(sum);
+// * backward, per query row t: D_t = dO_t . O_t, then dQ_t;
+// * backward, per key row s: dK_s and dV_s over the queries that see it,
+//   with D_t from the first pass;
+// * merge: a thread per channel of a query row, then one per row.
 // Every output row has one writer and every sum runs in order: no atomics.
 // CUDA cores only; the tensor-core tiling is [GPU performance]'s.
 #include "trainer/kernels/cuda/cuda_backend.h"
@@ -23,23 +25,32 @@
 namespace keel::trainer::cuda {
 namespace {
 
+using Inputs = Backend::AttentionInputs;
+
 // Head dimensions up to this fit the per-lane accumulators: kSlots floats
 // a lane, the kernels compiled for 1, 2, 4 and 8 (with_slots picks the
 // smallest that holds the head, so GPT-2's 64 runs 2).
 constexpr int kMaxHeadDim = 256;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// Where a row's (b, h, t) lives, and its head's q, k and v.
+// A row (b, h, t) of `rows` per (batch, head), and where its head starts
+// in the query, key and value views.
 struct Row {
   size_t b, h, t, bh;
-  int d;              // head dimension
-  size_t ld;          // floats from one position's qkv to the next's
-  const float* head;  // q of position 0; k at +C, v at +2C
-  __device__ Row(size_t row, const float* qkv, int T, int C, int NH)
-      : b(row / T / NH), h(row / T % NH), t(row % T), bh(row / T), d(C / NH), ld(3 * static_cast<size_t>(C)) {
-    head = qkv + b * T * ld + h * d;
-  }
+  int d;  // head dimension
+  __device__ Row(size_t row, int rows, const Inputs& in)
+      : b(row / rows / in.NH), h(row / rows % in.NH), t(row % rows), bh(row / rows), d(in.C / in.NH) {}
+  __device__ const float* q(const Inputs& in, size_t t_q) const { return in.q + (b * in.Tq + t_q) * in.ld_q + h * d; }
+  __device__ const float* k(const Inputs& in, size_t s) const { return in.k + (b * in.Tk + s) * in.ld_kv + h * d; }
+  __device__ const float* v(const Inputs& in, size_t s) const { return in.v + (b * in.Tk + s) * in.ld_kv + h * d; }
+  // Where query row t_q starts in a dense [B, Tq, C] tensor (out, dout).
+  __device__ size_t dense(const Inputs& in, size_t t_q) const { return (b * in.Tq + t_q) * in.C + h * d; }
 };
+
+// The keys query row t sees: rows [0, visible_keys(in, t)).
+__device__ inline int visible_keys(const Inputs& in, int t) {
+  return max(0, min(in.q_offset + t - in.k_offset + 1, in.Tk));
+}
 
 __device__ inline float dot(const float* x, const float* y, int d) {
   float acc = 0.0f;
@@ -68,21 +79,19 @@ __device__ inline void store(float* dst, const float (&acc)[kSlots], float scale
 }
 
 template <int kSlots>
-__global__ void attention_forward_kernel(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
-                                         float scale) {
+__global__ void attention_forward_kernel(float* out, float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
-  if (row >= static_cast<size_t>(B) * NH * T) return;
-  const Row r(row, qkv, T, C, NH);
+  if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
+  const Row r(row, in.Tq, in);
   const int d = r.d;
-  const size_t ld = r.ld;
-  const float* q = r.head + r.t * ld;
-  const int len = static_cast<int>(r.t) + 1;
+  const float* q = r.q(in, r.t);
+  const int len = visible_keys(in, static_cast<int>(r.t));
 
   float max = -INFINITY, sum = 0.0f;
   float acc[kSlots] = {};
   for (int base = 0; base < len; base += kWarp) {
     const int s = base + lane();
-    const float score = s < len ? dot(q, r.head + s * ld + C, d) * scale : -INFINITY;
+    const float score = s < len ? dot(q, r.k(in, s), d) * scale : -INFINITY;
     const float new_max = fmaxf(max, warp_max(score));
     const float p = s < len ? expf(score - new_max) : 0.0f;
     const float correction = expf(max - new_max);  // 0 on the first chunk
@@ -90,11 +99,12 @@ __global__ void attention_forward_kernel(float* out, float* lse, const float* qk
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) acc[i] *= correction;
     const int count = min(kWarp, len - base);
-    for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, p, k), r.head + (base + k) * ld + 2 * C, d);
+    for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, p, k), r.v(in, base + k), d);
     max = new_max;
   }
-  store(out + (r.b * T + r.t) * C + r.h * d, acc, 1.0f / sum, d, false);
-  if (lane() == 0) lse[r.bh * T + r.t] = max + logf(sum);
+  // A query before every key of the chunk sees nothing: out 0, lse -inf.
+  store(out + r.dense(in, r.t), acc, len > 0 ? 1.0f / sum : 0.0f, d, false);
+  if (lane() == 0) lse[r.bh * in.Tq + r.t] = len > 0 ? max + logf(sum) : -INFINITY;
 }
 
 // P_ts and dP_ts of query t and key s, the same expressions in both passes
@@ -102,77 +112,105 @@ __global__ void attention_forward_kernel(float* out, float* lse, const float* qk
 struct Probability {
   float p, dp;
 };
-__device__ inline Probability probability(const float* q, const float* dy, const float* key_row, int C, int d,
+__device__ inline Probability probability(const float* q, const float* dy, const float* k, const float* v, int d,
                                           float scale, float lse) {
-  return {expf(dot(q, key_row + C, d) * scale - lse), dot(dy, key_row + 2 * C, d)};
+  return {expf(dot(q, k, d) * scale - lse), dot(dy, v, d)};
 }
 
 template <int kSlots>
-__global__ void attention_backward_query_kernel(float* dqkv, float* row_dots, const float* dout, const float* qkv,
-                                                const float* lse, int B, int T, int C, int NH, float scale) {
+__global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, float* row_dots, const float* dout,
+                                                const float* out, const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
-  if (row >= static_cast<size_t>(B) * NH * T) return;
-  const Row r(row, qkv, T, C, NH);
+  if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
+  const Row r(row, in.Tq, in);
   const int d = r.d;
-  const size_t ld = r.ld;
-  const float* q = r.head + r.t * ld;
-  const float* dy = dout + (r.b * T + r.t) * C + r.h * d;
-  const float shift = lse[r.bh * T + r.t];
-  const int len = static_cast<int>(r.t) + 1;
+  const float* q = r.q(in, r.t);
+  const float* dy = dout + r.dense(in, r.t);
+  const float* o = out + r.dense(in, r.t);
+  const float shift = lse[r.bh * in.Tq + r.t];
+  const int len = visible_keys(in, static_cast<int>(r.t));
 
-  float pdp = 0.0f;
-  for (int s = lane(); s < len; s += kWarp) {
-    const Probability pr = probability(q, dy, r.head + s * ld, C, d, scale, shift);
-    pdp += pr.p * pr.dp;
-  }
-  const float row_dot = warp_sum(pdp);
-  if (lane() == 0) row_dots[r.bh * T + r.t] = row_dot;
+  float partial = 0.0f;
+  for (int j = lane(); j < d; j += kWarp) partial += dy[j] * o[j];
+  const float row_d = warp_sum(partial);
+  if (lane() == 0) row_dots[r.bh * in.Tq + r.t] = row_d;
 
   float acc[kSlots] = {};
   for (int base = 0; base < len; base += kWarp) {
     const int s = base + lane();
     float ds = 0.0f;
     if (s < len) {
-      const Probability pr = probability(q, dy, r.head + s * ld, C, d, scale, shift);
-      ds = pr.p * (pr.dp - row_dot) * scale;
+      const Probability pr = probability(q, dy, r.k(in, s), r.v(in, s), d, scale, shift);
+      ds = pr.p * (pr.dp - row_d) * scale;
     }
     const int count = min(kWarp, len - base);
-    for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, ds, k), r.head + (base + k) * ld + C, d);
+    for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, ds, k), r.k(in, base + k), d);
   }
-  store(dqkv + (r.b * T + r.t) * ld + r.h * d, acc, 1.0f, d, true);
+  store(grads.dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, true);
 }
 
 template <int kSlots>
-__global__ void attention_backward_key_kernel(float* dqkv, const float* row_dots, const float* dout, const float* qkv,
-                                              const float* lse, int B, int T, int C, int NH, float scale) {
+__global__ void attention_backward_key_kernel(Backend::AttentionGrads grads, const float* row_dots, const float* dout,
+                                              const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
-  if (row >= static_cast<size_t>(B) * NH * T) return;
-  const Row r(row, qkv, T, C, NH);
+  if (row >= static_cast<size_t>(in.B) * in.NH * in.Tk) return;
+  const Row r(row, in.Tk, in);
   const int d = r.d;
-  const size_t ld = r.ld;
   const size_t s = r.t;
-  const float* key_row = r.head + s * ld;
-  const float* dy_head = dout + r.b * T * C + r.h * d;
+  const float* k = r.k(in, s);
+  const float* v = r.v(in, s);
+  const size_t Tq = static_cast<size_t>(in.Tq);
+  // The first query that sees key s.
+  const size_t first = static_cast<size_t>(max(0, in.k_offset + static_cast<int>(s) - in.q_offset));
 
   float acc_k[kSlots] = {}, acc_v[kSlots] = {};
-  for (size_t base = s; base < static_cast<size_t>(T); base += kWarp) {
+  for (size_t base = first; base < Tq; base += kWarp) {
     const size_t t = base + lane();
     float p = 0.0f, ds = 0.0f;
-    if (t < static_cast<size_t>(T)) {
-      const Probability pr =
-          probability(r.head + t * ld, dy_head + t * C, key_row, C, d, scale, lse[r.bh * T + t]);
+    if (t < Tq) {
+      const Probability pr = probability(r.q(in, t), dout + r.dense(in, t), k, v, d, scale, lse[r.bh * Tq + t]);
       p = pr.p;
-      ds = pr.p * (pr.dp - row_dots[r.bh * T + t]) * scale;
+      ds = pr.p * (pr.dp - row_dots[r.bh * Tq + t]) * scale;
     }
-    const int count = min(kWarp, static_cast<int>(T - base));
-    for (int k = 0; k < count; ++k) {
-      add_scaled(acc_k, __shfl_sync(kFullWarp, ds, k), r.head + (base + k) * ld, d);
-      add_scaled(acc_v, __shfl_sync(kFullWarp, p, k), dy_head + (base + k) * C, d);
+    const int count = min(kWarp, static_cast<int>(Tq - base));
+    for (int j = 0; j < count; ++j) {
+      add_scaled(acc_k, __shfl_sync(kFullWarp, ds, j), r.q(in, base + j), d);
+      add_scaled(acc_v, __shfl_sync(kFullWarp, p, j), dout + r.dense(in, base + j), d);
     }
   }
-  float* dk = dqkv + (r.b * T + s) * ld + C + r.h * d;
-  store(dk, acc_k, 1.0f, d, true);
-  store(dk + C, acc_v, 1.0f, d, true);
+  const size_t at = (r.b * in.Tk + s) * in.ld_kv + r.h * d;
+  store(grads.dk + at, acc_k, 1.0f, d, true);
+  store(grads.dv + at, acc_v, 1.0f, d, true);
+}
+
+// The weights of (out, lse) and of (part_out, part_lse) in their merge, and
+// the merged log-sum-exp.
+struct MergeWeights {
+  float mine, part, lse;
+};
+__device__ inline MergeWeights merge_weights(float lse, float part_lse) {
+  const float m = fmaxf(lse, part_lse);
+  const float mine = lse == -INFINITY ? 0.0f : expf(lse - m), part = expf(part_lse - m);
+  return {mine / (mine + part), part / (mine + part), m + logf(mine + part)};
+}
+
+// A thread per element of out; the log-sum-exps change after, in their own kernel.
+__global__ void attention_merge_kernel(float* out, const float* lse, const float* part_out, const float* part_lse,
+                                       int T, int C, int NH, size_t n) {
+  const int d = C / NH;
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const size_t bt = i / C, h = i % C / d;
+    const size_t row = (bt / T * NH + h) * T + bt % T;
+    if (part_lse[row] == -INFINITY) continue;  // the second set of keys adds nothing
+    const MergeWeights w = merge_weights(lse[row], part_lse[row]);
+    out[i] = w.mine * out[i] + w.part * part_out[i];
+  }
+}
+
+__global__ void attention_merge_lse_kernel(float* lse, const float* part_lse, size_t rows) {
+  for (size_t row = first_index(); row < rows; row += grid_stride()) {
+    if (part_lse[row] != -INFINITY) lse[row] = merge_weights(lse[row], part_lse[row]).lse;
+  }
 }
 
 // Calls launch(std::integral_constant<int, kSlots>) with the smallest
@@ -202,33 +240,42 @@ void check_head_dim(int C, int NH) {
 
 }  // namespace
 
-void CudaBackend::attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
-  const size_t rows = static_cast<size_t>(B) * NH * T;
+void CudaBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
+  const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   if (rows == 0) return;
-  check_head_dim(C, NH);
-  with_slots(C / NH, [&](auto slots) {
+  check_head_dim(in.C, in.NH);
+  with_slots(in.C / in.NH, [&](auto slots) {
     attention_forward_kernel<decltype(slots)::value>
-        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, qkv, B, T, C, NH, attention_scale(C, NH));
+        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, in, attention_scale(in.C, in.NH));
   });
   check_launch("attention_forward");
 }
 
-void CudaBackend::attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T,
-                                     int C, int NH) {
-  const size_t rows = static_cast<size_t>(B) * NH * T;
-  if (rows == 0) return;
-  check_head_dim(C, NH);
-  auto* row_dots = static_cast<float*>(scratch(rows * sizeof(float)));
-  const float scale = attention_scale(C, NH);
-  with_slots(C / NH, [&](auto slots) {
+void CudaBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
+                                     const float* lse, const AttentionInputs& in) {
+  const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
+  const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
+  if (query_rows == 0 || key_rows == 0) return;
+  check_head_dim(in.C, in.NH);
+  auto* row_dots = static_cast<float*>(scratch(query_rows * sizeof(float)));
+  const float scale = attention_scale(in.C, in.NH);
+  with_slots(in.C / in.NH, [&](auto slots) {
     constexpr int kSlots = decltype(slots)::value;
     attention_backward_query_kernel<kSlots>
-        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B, T, C, NH, scale);
+        <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, out, lse, in, scale);
     check_launch("attention_backward (queries)");
     attention_backward_key_kernel<kSlots>
-        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(dqkv, row_dots, dout, qkv, lse, B, T, C, NH, scale);
+        <<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, lse, in, scale);
     check_launch("attention_backward (keys)");
   });
+}
+
+void CudaBackend::attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int B, int T,
+                                  int C, int NH) {
+  launch("attention_merge", attention_merge_kernel, static_cast<size_t>(B) * T * C, stream(), out, lse, part_out,
+         part_lse, T, C, NH);
+  launch("attention_merge (lse)", attention_merge_lse_kernel, static_cast<size_t>(B) * NH * T, stream(), lse,
+         part_lse);
 }
 
 }  // namespace keel::trainer::cuda

@@ -91,9 +91,11 @@ class CudaBackend final : public Backend {
                       int OC) override;
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) override;
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override;
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* lse, int B, int T, int C,
-                          int NH) override;
+  void attention_forward(float* out, float* lse, const AttentionInputs& in) override;
+  void attention_backward(const AttentionGrads& grads, const float* dout, const float* out, const float* lse,
+                          const AttentionInputs& in) override;
+  void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int B, int T, int C,
+                       int NH) override;
   void gelu_forward(float* out, const float* inp, size_t n) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
   void accumulate(float* dst, const float* src, size_t n) override;
