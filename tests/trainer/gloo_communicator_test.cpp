@@ -15,6 +15,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -270,6 +271,89 @@ TEST_SUITE("unit") {
         }
       }
     }
+  }
+
+  TEST_CASE("exchanges around a ring deliver every message where every rank sends before it receives") {
+    // Every rank sends to both neighbours and receives from both in one
+    // exchange, twice (the second started and waited for), then ranks 0
+    // and 1 trade once more with plain send and recv: the messages pair up
+    // in issue order across all three. As blocking sends first on every
+    // rank, the ring would wait for ever.
+    MemoryStore store;
+    const int size = 4;
+    const size_t count = 1000;
+    auto message = [&](int from, int to, int k) {
+      std::vector<float> m(count);
+      for (size_t i = 0; i < count; ++i) m[i] = static_cast<float>(from * 100000 + to * 1000 + k * 100 + i % 100);
+      return m;
+    };
+    // got[rank][k]: what `rank` received from its previous and next neighbour in round k.
+    std::vector<std::vector<std::array<std::vector<float>, 2>>> got(size);
+    std::vector<std::vector<float>> plain(size);
+    std::vector<CommStats> stats(size);
+    std::vector<std::shared_ptr<FlightRecorder>> recorders;
+    for (int rank = 0; rank < size; ++rank) recorders.push_back(std::make_shared<FlightRecorder>());
+    run_group(
+        store, "ring", size,
+        [&](GlooCommunicator& comm) {
+          const int me = comm.rank(), prev = (me + size - 1) % size, next = (me + 1) % size;
+          for (int k = 0; k < 2; ++k) {
+            const auto to_next = message(me, next, k), to_prev = message(me, prev, k);
+            std::array<std::vector<float>, 2> in = {std::vector<float>(count, -1.0f), std::vector<float>(count, -1.0f)};
+            std::vector<Communicator::Send> sends = {{to_next.data(), count, next}, {to_prev.data(), count, prev}};
+            std::vector<Communicator::Recv> recvs = {{in[0].data(), count, prev}, {in[1].data(), count, next}};
+            if (k == 0) {
+              comm.exchange(sends, recvs);
+            } else {
+              CommWork work = comm.start_exchange(sends, recvs);
+              work.wait();
+            }
+            got[static_cast<size_t>(me)].push_back(std::move(in));
+          }
+          if (me < 2) {
+            auto out = message(me, 1 - me, 2);
+            std::vector<float> in(count, -1.0f);
+            if (me == 0) {
+              comm.send(out.data(), count, 1);
+              comm.recv(in.data(), count, 1);
+            } else {
+              comm.recv(in.data(), count, 0);
+              comm.send(out.data(), count, 0);
+            }
+            plain[static_cast<size_t>(me)] = std::move(in);
+          }
+          stats[static_cast<size_t>(me)] = comm.stats();
+        },
+        recorders);
+    for (int rank = 0; rank < size; ++rank) {
+      CAPTURE(rank);
+      const int prev = (rank + size - 1) % size, next = (rank + 1) % size;
+      REQUIRE(got[static_cast<size_t>(rank)].size() == 2);
+      for (int k = 0; k < 2; ++k) {
+        CAPTURE(k);
+        CHECK(got[static_cast<size_t>(rank)][static_cast<size_t>(k)][0] == message(prev, rank, k));
+        CHECK(got[static_cast<size_t>(rank)][static_cast<size_t>(k)][1] == message(next, rank, k));
+      }
+      if (rank < 2) CHECK(plain[static_cast<size_t>(rank)] == message(1 - rank, rank, 2));
+      const CommStats& s = stats[static_cast<size_t>(rank)];
+      CHECK(s.calls_of(CollectiveOp::kExchange) == 2);
+      CHECK(s.bytes_of(CollectiveOp::kExchange) == 2 * 2 * count * sizeof(float));  // what it sent
+      const auto entries = recorders[static_cast<size_t>(rank)]->snapshot();
+      REQUIRE(entries.size() == (rank < 2 ? 4u : 2u));
+      CHECK(entries[0].op == "exchange");
+      CHECK(entries[0].peer == -1);
+    }
+  }
+
+  TEST_CASE("an exchange refuses a transfer with itself or outside the group before it takes a number") {
+    MemoryStore store;
+    auto recorder = std::make_shared<FlightRecorder>();
+    GlooCommunicator comm(store, "solo-exchange", 0, 1, kTimeout, recorder);
+    std::vector<float> data(4, 1.0f);
+    CHECK(failure_of([&] { comm.exchange({{data.data(), 4, 0}}, {}); }).code == ErrorCode::kInternal);
+    CHECK(failure_of([&] { comm.exchange({}, {{data.data(), 4, 3}}); }).code == ErrorCode::kInternal);
+    CHECK(failure_of([&] { comm.exchange({}, {{nullptr, 4, 0}}); }).code == ErrorCode::kInternal);
+    CHECK(recorder->snapshot().empty());
   }
 
   TEST_CASE("all_to_all delivers block r of every rank to rank r for world sizes one to four") {

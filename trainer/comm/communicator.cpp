@@ -29,6 +29,7 @@ const char* collective_op_name(CollectiveOp op) {
     case CollectiveOp::kRecv: return "recv";
     case CollectiveOp::kAllToAll: return "all_to_all";
     case CollectiveOp::kBarrier: return "barrier";
+    case CollectiveOp::kExchange: return "exchange";
   }
   return "unknown";
 }
@@ -230,15 +231,40 @@ void Communicator::broadcast(Buffer data, size_t count, int root) {
 }
 
 void Communicator::send(ConstBuffer data, size_t count, int peer) {
-  check_buffer("send", data, count);
-  check_peer(name_, "send", peer, rank_, size_);
-  issue(CollectiveOp::kSend, count * dtype_bytes(data.dtype), peer, true, [=, this] { do_send(data, count, peer); });
+  issue_exchange(CollectiveOp::kSend, {{data, count, peer}}, {}, true);
 }
 
 void Communicator::recv(Buffer data, size_t count, int peer) {
-  check_buffer("recv", data, count);
-  check_peer(name_, "recv", peer, rank_, size_);
-  issue(CollectiveOp::kRecv, count * dtype_bytes(data.dtype), peer, true, [=, this] { do_recv(data, count, peer); });
+  issue_exchange(CollectiveOp::kRecv, {}, {{data, count, peer}}, true);
+}
+
+void Communicator::exchange(std::vector<Send> sends, std::vector<Recv> recvs) {
+  issue_exchange(CollectiveOp::kExchange, std::move(sends), std::move(recvs), true);
+}
+
+CommWork Communicator::start_exchange(std::vector<Send> sends, std::vector<Recv> recvs) {
+  return issue_exchange(CollectiveOp::kExchange, std::move(sends), std::move(recvs), false);
+}
+
+CommWork Communicator::issue_exchange(CollectiveOp op, std::vector<Send> sends, std::vector<Recv> recvs,
+                                      bool blocking) {
+  const char* name = collective_op_name(op);
+  uint64_t bytes = 0;
+  for (const Send& s : sends) {
+    check_buffer(name, s.data, s.count);
+    check_peer(name_, name, s.peer, rank_, size_);
+    bytes += s.count * dtype_bytes(s.data.dtype);
+  }
+  for (const Recv& r : recvs) {
+    check_buffer(name, r.data, r.count);
+    check_peer(name_, name, r.peer, rank_, size_);
+    if (op == CollectiveOp::kRecv) bytes += r.count * dtype_bytes(r.data.dtype);
+  }
+  // The recorder and the board name the peer of a lone send or receive.
+  const int peer = sends.size() + recvs.size() == 1 ? (sends.empty() ? recvs[0].peer : sends[0].peer) : -1;
+  return issue(op, bytes, peer, blocking, [this, sends = std::move(sends), recvs = std::move(recvs)] {
+    do_exchange(sends, recvs);
+  });
 }
 
 void Communicator::all_to_all_v(ConstBuffer in, std::vector<size_t> send_counts, Buffer out,

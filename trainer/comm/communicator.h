@@ -62,8 +62,9 @@ enum class CollectiveOp : int {
   kRecv,
   kAllToAll,
   kBarrier,
+  kExchange,
 };
-inline constexpr size_t kCollectiveOpCount = 8;
+inline constexpr size_t kCollectiveOpCount = 9;
 const char* collective_op_name(CollectiveOp op);
 
 // Payload bytes this rank handed to each operation: the logical size of the
@@ -143,9 +144,30 @@ class Communicator {
   void all_gather(ConstBuffer in, Buffer out, size_t count);
   // data[count] from `root` to every rank. Payload: count elements.
   void broadcast(Buffer data, size_t count, int root);
-  // Point to point; the peer must post the matching call.
+  // Point to point; the peer must post the matching call (a receive, in
+  // an exchange or alone).
   void send(ConstBuffer data, size_t count, int peer);
   void recv(Buffer data, size_t count, int peer);
+  // Sends and receives with any peers, posted together and done together:
+  // one call on the board and in the recorder. A pipeline stage sends an
+  // activation on while it receives a gradient back; as separate blocking
+  // calls issued in the same order on both sides, the two would wait for
+  // each other. Between two ranks, transfers pair up in the order each
+  // issues them (exchanges, sends and receives alike), so two ranks must
+  // issue theirs in matching orders; a transfer and its partner have the
+  // same count. Payload: the elements sent.
+  struct Send {
+    ConstBuffer data;
+    size_t count;
+    int peer;
+  };
+  struct Recv {
+    Buffer data;
+    size_t count;
+    int peer;
+  };
+  void exchange(std::vector<Send> sends, std::vector<Recv> recvs);
+  [[nodiscard]] CommWork start_exchange(std::vector<Send> sends, std::vector<Recv> recvs);
   // in: the blocks for ranks 0..size-1 back to back, send_counts[r]
   // elements for rank r; out: the blocks from ranks 0..size-1 back to back,
   // recv_counts[r] elements from rank r, which must be what rank r sends
@@ -200,8 +222,8 @@ class Communicator {
   virtual void do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) = 0;
   virtual void do_all_gather(ConstBuffer in, Buffer out, size_t count) = 0;
   virtual void do_broadcast(Buffer data, size_t count, int root) = 0;
-  virtual void do_send(ConstBuffer data, size_t count, int peer) = 0;
-  virtual void do_recv(Buffer data, size_t count, int peer) = 0;
+  // Posts every transfer, then waits for all of them.
+  virtual void do_exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs) = 0;
   virtual void do_all_to_all(ConstBuffer in, const std::vector<size_t>& send_counts, Buffer out,
                              const std::vector<size_t>& recv_counts) = 0;
   virtual void do_barrier() = 0;
@@ -220,6 +242,7 @@ class Communicator {
   // out of different dtypes.
   void check_buffer(const char* op, ConstBuffer buffer, size_t count) const;
   void check_buffers(const char* op, ConstBuffer in, ConstBuffer out, size_t in_count, size_t out_count) const;
+  CommWork issue_exchange(CollectiveOp op, std::vector<Send> sends, std::vector<Recv> recvs, bool blocking);
   CommWork issue_all_reduce(Buffer data, size_t count, bool blocking);
   CommWork issue_reduce_scatter(ConstBuffer in, Buffer out, size_t count, bool blocking);
   CommWork issue_all_gather(ConstBuffer in, Buffer out, size_t count, bool blocking);

@@ -394,23 +394,25 @@ void GlooCommunicator::do_broadcast(Buffer buffer, size_t count, int root) {
   });
 }
 
-void GlooCommunicator::do_send(ConstBuffer buffer, size_t count, int peer) {
-  const float* data = static_cast<const float*>(buffer.data);
-  const auto tag = static_cast<uint32_t>(sent_to_[static_cast<size_t>(peer)]++);
+void GlooCommunicator::do_exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs) {
+  // Each pair of ranks numbers its messages in each direction, so a
+  // transfer meets the partner its peer issued in the same place.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> posted_sends, posted_recvs;
   guarded([&] {
-    auto buffer = context_->createUnboundBuffer(const_cast<float*>(data), count * sizeof(float));
-    buffer->send(peer, gloo::Slot::build(kPointToPointSlotPrefix, tag));
-    buffer->waitSend(timeout_);
-  });
-}
-
-void GlooCommunicator::do_recv(Buffer buffer, size_t count, int peer) {
-  float* data = static_cast<float*>(buffer.data);  // carries() admits float32 only
-  const auto tag = static_cast<uint32_t>(received_from_[static_cast<size_t>(peer)]++);
-  guarded([&] {
-    auto buffer = context_->createUnboundBuffer(data, count * sizeof(float));
-    buffer->recv(peer, gloo::Slot::build(kPointToPointSlotPrefix, tag));
-    buffer->waitRecv(timeout_);
+    for (const Send& send : sends) {  // carries() admits float32 only
+      auto* data = const_cast<float*>(static_cast<const float*>(send.data.data));
+      const auto tag = static_cast<uint32_t>(sent_to_[static_cast<size_t>(send.peer)]++);
+      posted_sends.push_back(context_->createUnboundBuffer(data, send.count * sizeof(float)));
+      posted_sends.back()->send(send.peer, gloo::Slot::build(kPointToPointSlotPrefix, tag));
+    }
+    for (const Recv& recv : recvs) {
+      const auto tag = static_cast<uint32_t>(received_from_[static_cast<size_t>(recv.peer)]++);
+      posted_recvs.push_back(
+          context_->createUnboundBuffer(static_cast<float*>(recv.data.data), recv.count * sizeof(float)));
+      posted_recvs.back()->recv(recv.peer, gloo::Slot::build(kPointToPointSlotPrefix, tag));
+    }
+    for (auto& buffer : posted_recvs) buffer->waitRecv(timeout_);
+    for (auto& buffer : posted_sends) buffer->waitSend(timeout_);
   });
 }
 

@@ -356,15 +356,29 @@ void NcclCommunicator::do_broadcast(Buffer data, size_t count, int root) {
   });
 }
 
-void NcclCommunicator::do_send(ConstBuffer data, size_t count, int peer) {
-  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclSend(data.data, count, nccl_type(data.dtype), peer, comm, stream);
-  });
-}
-
-void NcclCommunicator::do_recv(Buffer data, size_t count, int peer) {
-  run(count, [&](ncclComm_t comm, cudaStream_t stream) {
-    return ncclRecv(data.data, count, nccl_type(data.dtype), peer, comm, stream);
+// One group of every send and receive, which progress together. An empty
+// transfer is skipped on both sides, which agree on its size.
+void NcclCommunicator::do_exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs) {
+  size_t largest = 0;
+  for (const Send& send : sends) largest = std::max(largest, send.count);
+  for (const Recv& recv : recvs) largest = std::max(largest, recv.count);
+  run(largest, [&](ncclComm_t comm, cudaStream_t stream) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    for (const Send& send : sends) {
+      if (result == ncclSuccess && send.count > 0) {
+        result = ncclSend(send.data.data, send.count, nccl_type(send.data.dtype), send.peer, comm, stream);
+      }
+    }
+    for (const Recv& recv : recvs) {
+      if (result == ncclSuccess && recv.count > 0) {
+        result = ncclRecv(recv.data.data, recv.count, nccl_type(recv.data.dtype), recv.peer, comm, stream);
+      }
+    }
+    // The group must be closed even after a failed call inside it; NCCL
+    // then reports that failure from ncclGroupEnd too.
+    const ncclResult_t end = ncclGroupEnd();
+    return result != ncclSuccess ? result : end;
   });
 }
 

@@ -98,8 +98,7 @@ class NcclCommunicator final : public Communicator {
   void do_reduce_scatter(ConstBuffer in, Buffer out, size_t count) override;
   void do_all_gather(ConstBuffer in, Buffer out, size_t count) override;
   void do_broadcast(Buffer data, size_t count, int root) override;
-  void do_send(ConstBuffer data, size_t count, int peer) override;
-  void do_recv(Buffer data, size_t count, int peer) override;
+  void do_exchange(const std::vector<Send>& sends, const std::vector<Recv>& recvs) override;
   void do_all_to_all(ConstBuffer in, const std::vector<size_t>& send_counts, Buffer out,
                      const std::vector<size_t>& recv_counts) override;
   void do_barrier() override;
