@@ -1,0 +1,115 @@
+// Pipeline schedules (trainer/parallel/schedule.h), held to what they
+// promise by running every stage's actions in the simulator: no deadlock
+// under rendezvous transfers, each microbatch forwarded and backwarded once
+// per stage, the activation memory bound and the bubble formula.
+#include "trainer/parallel/schedule.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+using keel::trainer::Action;
+using keel::trainer::ActionKind;
+using keel::trainer::one_f_one_b;
+using keel::trainer::simulate;
+
+std::vector<std::vector<Action>> all_stages(int stages, int microbatches) {
+  std::vector<std::vector<Action>> out;
+  for (int s = 0; s < stages; ++s) out.push_back(one_f_one_b(stages, s, microbatches));
+  return out;
+}
+
+std::string listing(const std::vector<Action>& actions) {
+  std::string out;
+  for (const Action& a : actions) out += describe(a) + "; ";
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("1F1B on one stage is forward then backward for each microbatch with no transfers") {
+    const std::vector<Action> want = {{ActionKind::kForward, 0}, {ActionKind::kBackward, 0},
+                                      {ActionKind::kForward, 1}, {ActionKind::kBackward, 1},
+                                      {ActionKind::kForward, 2}, {ActionKind::kBackward, 2}};
+    CHECK(one_f_one_b(1, 0, 3) == want);
+  }
+
+  TEST_CASE("1F1B pairs each forward output with the oldest gradient and each gradient with the next input") {
+    // Stage 1 of 4 over 4 microbatches: two warmup forwards, then steady state.
+    const auto got = listing(one_f_one_b(4, 1, 4));
+    CHECK(got ==
+          "recv act 0; F0; send act 0; recv act 1; F1; send act 1; recv act 2; "
+          "F2; send act 2; recv grad 0; B0; send grad 0; recv act 3; "
+          "F3; send act 3; recv grad 1; B1; send grad 1; "
+          "recv grad 2; B2; send grad 2; recv grad 3; B3; send grad 3; ");
+  }
+
+  TEST_CASE("every stage of 1F1B forwards and then backwards each microbatch once and in order") {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 10; ++m) {
+        for (int s = 0; s < p; ++s) {
+          CAPTURE(p);
+          CAPTURE(m);
+          CAPTURE(s);
+          std::vector<int> forwards, backwards;
+          for (const Action& a : one_f_one_b(p, s, m)) {
+            if (a.kind == ActionKind::kForward) forwards.push_back(a.microbatch);
+            if (a.kind == ActionKind::kBackward) {
+              // Only a microbatch this stage has forwarded.
+              CHECK(a.microbatch < static_cast<int>(forwards.size()));
+              backwards.push_back(a.microbatch);
+            }
+          }
+          std::vector<int> in_order(static_cast<size_t>(m));
+          for (int i = 0; i < m; ++i) in_order[static_cast<size_t>(i)] = i;
+          CHECK(forwards == in_order);
+          CHECK(backwards == in_order);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("1F1B never deadlocks keeps at most p - s microbatches alive and idles (p - 1) / (m + p - 1)") {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 12; ++m) {
+        CAPTURE(p);
+        CAPTURE(m);
+        const auto run = simulate(all_stages(p, m));
+        REQUIRE_MESSAGE(run.completed, run.stuck);
+        // Forward 1 and backward 2 time units: every stage computes 3m of
+        // a makespan of 3(m + p - 1).
+        CHECK(run.makespan == doctest::Approx(3.0 * (m + p - 1)));
+        for (int s = 0; s < p; ++s) {
+          CAPTURE(s);
+          CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(p - s, m));
+          CHECK(run.idle[static_cast<size_t>(s)] == doctest::Approx(static_cast<double>(p - 1) / (m + p - 1)));
+        }
+      }
+    }
+  }
+
+  TEST_CASE("the simulator finds two stages that each wait to receive before they send") {
+    const std::vector<std::vector<Action>> stages = {
+        {{ActionKind::kForward, 0}, {ActionKind::kRecvGradient, 0}, {ActionKind::kBackward, 0},
+         {ActionKind::kSendActivation, 0}},
+        {{ActionKind::kRecvActivation, 0}, {ActionKind::kForward, 0}, {ActionKind::kBackward, 0},
+         {ActionKind::kSendGradient, 0}}};
+    const auto run = simulate(stages);
+    CHECK_FALSE(run.completed);
+    CHECK(run.stuck == "stage 0 waits in [recv grad 0]");
+  }
+
+  TEST_CASE("the simulator refuses transfers that pair different microbatches") {
+    const std::vector<std::vector<Action>> stages = {
+        {{ActionKind::kForward, 0}, {ActionKind::kSendActivation, 0}},
+        {{ActionKind::kRecvActivation, 1}, {ActionKind::kForward, 1}}};
+    const auto run = simulate(stages);
+    CHECK_FALSE(run.completed);
+    CHECK(run.stuck.find("microbatch") != std::string::npos);
+  }
+}
