@@ -1,10 +1,11 @@
 // Arrays planned together and allocated once (docs/architecture.md
 // "Memory"). A component describes its arrays in one function, which the
 // arena calls twice: first to add up their sizes, then, after the single
-// allocation, to place each at its offset. So a GPU run makes one
-// cudaMalloc for all of a model's activations, at construction, and none
-// in the step. Each array starts on a 256-byte boundary, which coalesced
-// loads and cuBLASLt's fastest kernels want.
+// allocation, to place each at its offset. So a GPU rank makes one
+// cudaMalloc for its parameters, gradients, optimizer state and
+// activations, before the first step, and none in the step. Each array
+// starts on a 256-byte boundary, which coalesced loads and cuBLASLt's
+// fastest kernels want.
 #pragma once
 
 #include "common/error.h"

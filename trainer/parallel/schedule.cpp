@@ -161,7 +161,7 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
         // Done once every partner has been posted.
         double done = clock[s];
         bool ready = true;
-        for (size_t i = 0; i < step.actions.size() && ready; ++i) {
+        for (size_t i = 0; i < step.actions.size(); ++i) {
           const Channel c = channel_of(s, step.actions[i]);
           const auto& theirs = c.sender ? receives[c.key] : sends[c.key];
           if (theirs.size() <= slots[s][i]) {
