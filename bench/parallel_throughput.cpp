@@ -1,13 +1,15 @@
-// keel-bench-parallel: data- and tensor-parallel training throughput on this
+// keel-bench-parallel: training throughput of each parallel axis on this
 // machine. Trains the train_throughput.py model (L=4, C=256, H=4, T=256,
-// global batch 8, V=256, fp32) as DP1, DP2 at ZeRO 0-3, TP2 and DP2 x TP2,
-// with the machine's cores split evenly between the ranks, and prints one
-// JSON object per run: tokens/s, and the bytes and calls each rank handed to
+// global batch 8, V=256, fp32) as DP1, DP2 at ZeRO 0-3, TP2, DP2 x TP2,
+// PP2 and PP4 (1F1B, 8 microbatches), CP2, CP4 and PP2 x CP2, with the
+// machine's cores split evenly between the ranks, and prints one JSON
+// object per run: tokens/s, and the bytes and calls each rank handed to
 // each collective of each group in a step next to the formulas of
 // tests/trainer/comm_formulas.h, and per group how long its collectives ran
-// against how long training was blocked on them (exposed). Every layout
-// with a DP group runs twice, with its collectives overlapped with compute
-// and without (the reference), side by side. Ranks are real keel-trainer
+// against how long training was blocked on them (exposed). Pipelines also
+// report each stage's idle fraction against (p - 1) / (m + p - 1). Every
+// layout with a DP group runs twice, with its collectives overlapped with
+// compute and without (the reference), side by side. Ranks are real keel-trainer
 // processes rendezvousing through an embedded Store, started by the test
 // launcher (keeld does this in production).
 #include "bench/metrics_rows.h"
@@ -56,7 +58,7 @@ Measured read_metrics(const std::filesystem::path& path, int warmup) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"keel-bench-parallel: DP1, DP2 (ZeRO 0-3), TP2 and DP2 x TP2 training throughput and bytes per step"};
+  CLI::App app{"keel-bench-parallel: DP, TP, PP, CP and their compositions: training throughput and bytes per step"};
   int steps = 12, warmup = 2;
   int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("--steps", steps, "steps per run");
@@ -76,24 +78,33 @@ int main(int argc, char** argv) {
   struct Run {
     int dp, tp, zero;
     bool overlap = true;
+    int pp = 1, cp = 1;
   };
   std::vector<Run> runs;
-  for (const Run layout :
-       {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0}, Run{2, 2, 1}}) {
+  for (const Run layout : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
+                           Run{2, 2, 1}, Run{1, 1, 0, true, 2}, Run{1, 1, 0, true, 4}, Run{1, 1, 0, true, 1, 2},
+                           Run{1, 1, 0, true, 1, 4}, Run{1, 1, 0, true, 2, 2}}) {
     runs.push_back(layout);
     if (layout.dp > 1) runs.push_back(Run{layout.dp, layout.tp, layout.zero, false});
   }
   for (const Run& run : runs) {
-    const int world = run.dp * run.tp;
-    const std::string name = "dp" + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) + "_zero" +
-                             std::to_string(run.zero) + (run.overlap ? "" : "_serial");
+    const int world = run.dp * run.tp * run.pp * run.cp;
+    // A pipeline runs 8 microbatches; the others one, as the formulas assume.
+    const int micro_batches = run.pp > 1 ? 8 : 1;
+    const std::string name = "dp" + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
+                             (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
+                             (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") + "_zero" + std::to_string(run.zero) +
+                             (run.overlap ? "" : "_serial");
     const int threads = std::max(1, cores / world);
-    std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config",
-                                     config_path.string()};
-    for (const std::string& set : {"job.run_dir=" + (dir / name).string(), "train.steps=" + std::to_string(steps),
-                                   "train.threads=" + std::to_string(threads), "parallel.dp=" + std::to_string(run.dp),
-                                   "parallel.tp=" + std::to_string(run.tp), "parallel.zero=" + std::to_string(run.zero),
-                                   std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
+    std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config", config_path.string(),
+                                     "--json"};
+    for (const std::string& set :
+         {"job.run_dir=" + (dir / name).string(), "train.steps=" + std::to_string(steps),
+          "train.threads=" + std::to_string(threads), "parallel.dp=" + std::to_string(run.dp),
+          "parallel.tp=" + std::to_string(run.tp), "parallel.pp=" + std::to_string(run.pp),
+          "parallel.cp=" + std::to_string(run.cp), "parallel.micro_batches=" + std::to_string(micro_batches),
+          "parallel.zero=" + std::to_string(run.zero),
+          std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
     }
     std::vector<keel::test::ProcessResult> results;
@@ -111,21 +122,53 @@ int main(int argc, char** argv) {
     }
     const Measured m = read_metrics(dir / name / "metrics.jsonl", warmup);
 
-    const nlohmann::json formula = keel::test::step_comm_formula(config, run.dp, run.tp, run.zero);
     nlohmann::json out = {{"bench", "parallel_throughput"},
                           {"run", name},
                           {"dp", run.dp},
                           {"tp", run.tp},
+                          {"pp", run.pp},
+                          {"cp", run.cp},
                           {"zero", run.zero},
+                          {"micro_batches", micro_batches},
                           {"overlap_comm", run.overlap},
                           {"threads_per_rank", threads},
                           {"steps_timed", steps - warmup},
                           {"tokens_per_s", m.tokens_per_s},
                           {"comm_per_step", m.comm_per_step},
-                          {"formula_comm_per_step", formula},
-                          {"comm_matches_formula", m.comm_per_step == formula},
                           {"comm_ms_per_step", m.comm_ms_per_step},
                           {"machine", {{"cores", std::thread::hardware_concurrency()}}}};
+    if (run.pp == 1 && run.cp == 1) {
+      const nlohmann::json formula = keel::test::step_comm_formula(config, run.dp, run.tp, run.zero);
+      out["formula_comm_per_step"] = formula;
+      out["comm_matches_formula"] = m.comm_per_step == formula;
+    } else {
+      // The stage and ring transfers; the groups' other collectives are
+      // the DP formulas' scalars and votes.
+      const nlohmann::json formula = keel::test::pipeline_comm_formula(config, run.pp, run.cp, micro_batches);
+      bool matches = true;
+      for (const auto& [group, exchange] : formula.items()) {
+        matches = matches && m.comm_per_step.contains(group) && m.comm_per_step.at(group).contains("exchange") &&
+                  m.comm_per_step.at(group).at("exchange") == exchange;
+      }
+      out["formula_exchange_per_step"] = formula;
+      out["exchange_matches_formula"] = matches;
+    }
+    if (run.pp > 1) {
+      // Every rank's idle share of the pipeline (ranks in order: stage
+      // outermost) against 1F1B's bubble: the first stage's schedule spans it.
+      const double bubble = static_cast<double>(run.pp - 1) / (micro_batches + run.pp - 1);
+      const double span = keel::test::last_json_line(results.front().output).at("schedules").at("total_s");
+      nlohmann::json idle = nlohmann::json::array();
+      double worst = 0;
+      for (const auto& r : results) {
+        const double compute = keel::test::last_json_line(r.output).at("schedules").at("compute_s");
+        idle.push_back(1.0 - compute / span);
+        worst = std::max(worst, 1.0 - compute / span);
+      }
+      out["pipeline_idle_per_rank"] = idle;
+      out["pipeline_bubble_formula"] = bubble;
+      out["worst_idle_over_formula"] = worst / bubble;
+    }
     std::cout << out.dump() << std::endl;
   }
   return 0;

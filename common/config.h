@@ -76,6 +76,9 @@ struct ParallelConfig {
   int64_t ep = 1;              // expert-parallel degree (carved out of dp x cp)
   int64_t zero = 0;            // ZeRO stage 0-3
   int64_t micro_batches = 1;   // gradient-accumulation microbatches per step and DP rank
+  // Blocks per pipeline stage, first stage first: "3,3,2"; empty = as even
+  // as possible (see common::stage_layers).
+  std::string pp_layers = "";
   double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
   bool overlap_comm = true;    // DP gradient sums and ZeRO-3 gathers run while compute goes on
 
@@ -90,6 +93,7 @@ struct ParallelConfig {
     v("ep", ep);
     v("zero", zero);
     v("micro_batches", micro_batches);
+    v("pp_layers", pp_layers);
     v("timeout_s", timeout_s);
     v("overlap_comm", overlap_comm);
   }

@@ -5,6 +5,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <exception>
+#include <string>
 #include <utility>
 
 namespace keel::common {
@@ -15,7 +18,63 @@ namespace {
 // instead of an overflow.
 constexpr int64_t kMaxDegree = 32768;
 
+// n_layer blocks over pp stages, the earlier stages taking the remainder.
+std::vector<int64_t> even_split(int64_t pp, int64_t n_layer) {
+  std::vector<int64_t> counts;
+  for (int64_t s = 0; s < pp; ++s) counts.push_back(n_layer / pp + (s < n_layer % pp ? 1 : 0));
+  return counts;
+}
+
+// parallel.pp_layers as numbers, or the sentence saying why it is not a
+// list of pp positive block counts that add up to n_layer.
+std::vector<int64_t> parse_pp_layers(const Config& config, std::string* problem) {
+  const ParallelConfig& p = config.parallel;
+  const int64_t n_layer = config.model.n_layer;
+  std::vector<int64_t> counts;
+  const std::string example = fmt::format("\"{}\"", fmt::join(even_split(p.pp, n_layer), ","));
+  size_t at = 0;
+  while (at <= p.pp_layers.size()) {
+    const size_t comma = std::min(p.pp_layers.find(',', at), p.pp_layers.size());
+    const std::string item = p.pp_layers.substr(at, comma - at);
+    int64_t value = 0;
+    size_t used = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || value < 1) {
+      *problem = fmt::format(
+          "pp_layers=\"{}\" is not a comma-separated list of positive block counts: write one count per stage, such "
+          "as {}, or leave it empty for an even split",
+          p.pp_layers, example);
+      return {};
+    }
+    counts.push_back(value);
+    at = comma + 1;
+  }
+  int64_t total = 0;
+  for (int64_t count : counts) total += count;
+  if (static_cast<int64_t>(counts.size()) != p.pp || total != n_layer) {
+    *problem = fmt::format(
+        "pp_layers=\"{}\" gives {} stages {} blocks but the layout has pp={} stages and the model n_layer={} blocks: "
+        "write {} counts that add up to {}, or leave it empty for an even split",
+        p.pp_layers, counts.size(), total, p.pp, n_layer, p.pp, n_layer);
+    return {};
+  }
+  return counts;
+}
+
 }  // namespace
+
+std::vector<int64_t> stage_layers(const Config& config) {
+  const int64_t pp = config.parallel.pp, n_layer = config.model.n_layer;
+  if (config.parallel.pp_layers.empty()) return even_split(pp, n_layer);
+  std::string problem;
+  auto counts = parse_pp_layers(config, &problem);
+  if (!problem.empty()) throw Error(ErrorCode::kBadConfig, "invalid parallel layout: " + problem);
+  return counts;
+}
 
 std::vector<std::string> layout_problems(const Config& config, int64_t world_size) {
   const ParallelConfig& p = config.parallel;
@@ -75,6 +134,11 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
         "pp={} exceeds n_layer={}: every pipeline stage needs at least one block, so use pp <= {}", p.pp, m.n_layer,
         m.n_layer));
   }
+  if (!p.pp_layers.empty() && p.pp <= m.n_layer) {
+    std::string problem;
+    parse_pp_layers(config, &problem);
+    if (!problem.empty()) problems.push_back(problem);
+  }
   if (p.pp > 1 && p.micro_batches < p.pp) {
     problems.push_back(fmt::format(
         "micro_batches={} is fewer than pp={}: 1F1B needs at least pp microbatches to fill the pipeline, so use "
@@ -106,16 +170,16 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
         m.n_expert, p.ep, m.n_expert));
   }
 
-  // Sequence parallelism gives every TP rank an equal run of a
-  // microbatch's positions.
-  if (config.train.batch_size % (p.dp * p.micro_batches) == 0) {
-    const int64_t positions = config.train.batch_size / (p.dp * p.micro_batches) * m.seq_len;
+  // Sequence parallelism gives every TP rank an equal run of a CP rank's
+  // positions of a microbatch.
+  if (config.train.batch_size % (p.dp * p.micro_batches) == 0 && m.seq_len % p.cp == 0) {
+    const int64_t positions = config.train.batch_size / (p.dp * p.micro_batches) * (m.seq_len / p.cp);
     if (positions % p.tp != 0) {
       problems.push_back(fmt::format(
-          "tp={} does not divide the {} positions of a microbatch (batch_size/(dp*micro_batches) * seq_len = "
-          "{}/({}*{}) * {}): sequence parallelism splits them evenly over the TP ranks, so make that product a "
-          "multiple of {}",
-          p.tp, positions, config.train.batch_size, p.dp, p.micro_batches, m.seq_len, p.tp));
+          "tp={} does not divide the {} positions a rank holds of a microbatch (batch_size/(dp*micro_batches) * "
+          "seq_len/cp = {}/({}*{}) * {}/{}): sequence parallelism splits them evenly over the TP ranks, so make that "
+          "product a multiple of {}",
+          p.tp, positions, config.train.batch_size, p.dp, p.micro_batches, m.seq_len, p.cp, p.tp));
     }
   }
   if (config.train.batch_size % (p.dp * p.micro_batches) != 0) {
@@ -130,13 +194,8 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
 std::vector<std::string> unbuilt_layout_problems(const Config& config) {
   const ParallelConfig& p = config.parallel;
   std::vector<std::string> problems;
-  if (p.pp != 1 || p.cp != 1 || p.ep != 1) {
-    problems.push_back(fmt::format(
-        "this build trains DP x TP layouts only (pp={} cp={} ep={}): set pp, cp and ep to 1", p.pp, p.cp, p.ep));
-  }
-  if (p.tp > 1 && config.model.n_expert > 0) {
-    problems.push_back(fmt::format("tp={} with a MoE model (n_expert={}) is not built yet: use tp=1 for MoE models",
-                                   p.tp, config.model.n_expert));
+  if (p.ep != 1) {
+    problems.push_back(fmt::format("this build trains DP x TP x PP x CP layouts only (ep={}): set ep to 1", p.ep));
   }
   return problems;
 }

@@ -21,9 +21,14 @@ namespace keel::common {
 std::vector<std::string> layout_problems(const Config& config, int64_t world_size);
 
 // One sentence per part of a valid layout this build cannot train yet
-// (docs/architecture.md "Not built yet"): pipeline, context and expert
-// parallelism, and MoE with TP.
+// (docs/architecture.md "Not built yet"): expert parallelism.
 std::vector<std::string> unbuilt_layout_problems(const Config& config);
+
+// The blocks each pipeline stage runs, first stage first: parallel.pp_layers
+// when set, otherwise n_layer split as evenly as possible with the earlier
+// stages taking the remainder. Call it on a validated layout; it throws
+// Error(kBadConfig) on a pp_layers that layout_problems refuses.
+std::vector<int64_t> stage_layers(const Config& config);
 
 // Throws Error(kBadConfig) listing every problem of both kinds, so a user
 // fixes them all in one go rather than one per attempt.

@@ -42,9 +42,14 @@ std::optional<CatalogEntry> pick(const CheckpointTarget& target, std::ostream& e
   return std::nullopt;
 }
 
+// "dp2 tp1 pp2 cp2 zero1 (8 ranks)": dp and tp always, the other axes
+// where the layout uses them.
 std::string layout_text(const nlohmann::json& layout) {
-  return fmt::format("dp{} tp{} zero{} ({} ranks)", layout.value("dp", 1), layout.value("tp", 1),
-                     layout.value("zero", 0), layout.value("world_size", 1));
+  std::string axes = fmt::format("dp{} tp{}", layout.value("dp", 1), layout.value("tp", 1));
+  for (const char* axis : {"pp", "cp", "ep"}) {
+    if (layout.value(axis, 1) > 1) axes += fmt::format(" {}{}", axis, layout.value(axis, 1));
+  }
+  return fmt::format("{} zero{} ({} ranks)", axes, layout.value("zero", 0), layout.value("world_size", 1));
 }
 
 }  // namespace
@@ -127,11 +132,18 @@ int checkpoint_inspect(const CheckpointTarget& target, const std::string& tensor
       for (const auto& name : reader.tensors()) {
         tensors.push_back({{"name", name.substr(1)}, {"shape", reader.global_shape(name)}, {"dtype", "float32"}});
       }
+      const auto& layout = reader.manifest().layout;
       if (target.json) {
-        out << nlohmann::json{{"step", entry->step}, {"dir", entry->dir.string()}, {"tensors", tensors}}.dump() << "\n";
+        out << nlohmann::json{{"step", entry->step},
+                              {"dir", entry->dir.string()},
+                              {"layout", layout},
+                              {"tensors", tensors}}
+                   .dump()
+            << "\n";
         return 0;
       }
-      out << fmt::format("checkpoint {} (step {}), {} tensors\n", entry->dir.string(), entry->step, tensors.size());
+      out << fmt::format("checkpoint {} (step {}), saved by {}, {} tensors\n", entry->dir.string(), entry->step,
+                         layout_text(layout), tensors.size());
       for (const auto& t : tensors) out << fmt::format("  {:<48} {:<14} float32\n", t["name"].get<std::string>(), t["shape"].dump());
       return 0;
     }

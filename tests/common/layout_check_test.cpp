@@ -105,6 +105,32 @@ TEST_SUITE("unit") {
          "pp=5 exceeds n_layer=4"},
         {"too few microbatches for 1F1B", 4, [](Config& c) { c.parallel.pp = 4; },
          "micro_batches=1 is fewer than pp=4"},
+        {"pp_layers not numbers", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = 2;
+           c.parallel.pp_layers = "3/1";
+         },
+         "pp_layers=\"3/1\" is not a comma-separated list of positive block counts: write one count per stage, "
+         "such as \"2,2\""},
+        {"pp_layers with an empty stage", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = 2;
+           c.parallel.pp_layers = "4,0";
+         },
+         "pp_layers=\"4,0\" is not a comma-separated list of positive block counts"},
+        {"pp_layers for other stages", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = 2;
+           c.parallel.pp_layers = "1,1,2";
+         },
+         "pp_layers=\"1,1,2\" gives 3 stages 4 blocks but the layout has pp=2 stages"},
+        {"pp_layers for another model", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = 2;
+           c.parallel.pp_layers = "2,3";
+         },
+         "gives 2 stages 5 blocks but the layout has pp=2 stages and the model n_layer=4 blocks: write 2 counts that "
+         "add up to 4"},
         {"cp chunks against sequence", 3, [](Config& c) { c.parallel.cp = 3; },
          "2*cp = 6 does not divide seq_len=256 (cp=3)"},
         {"cp halves against odd chunks", 2,
@@ -145,7 +171,7 @@ TEST_SUITE("unit") {
            c.train.batch_size = 1;
            c.model.seq_len = 6;
          },
-         "tp=4 does not divide the 6 positions of a microbatch"},
+         "tp=4 does not divide the 6 positions a rank holds of a microbatch"},
     };
     for (const LayoutCase& bad : cases) check_refused(bad, layout_problems);
   }
@@ -191,26 +217,13 @@ TEST_SUITE("unit") {
 
   TEST_CASE("validate_layout refuses what this build cannot train with the same sentences for keeld and the ranks") {
     const std::vector<LayoutCase> cases = {
-        {"pipeline", 2,
-         [](Config& c) {
-           c.parallel.pp = 2;
-           c.parallel.micro_batches = 2;
-         },
-         "this build trains DP x TP layouts only (pp=2 cp=1 ep=1)"},
-        {"context", 2, [](Config& c) { c.parallel.cp = 2; }, "this build trains DP x TP layouts only (pp=1 cp=2 ep=1)"},
         {"experts over ranks", 2,
          [](Config& c) {
            c.parallel.dp = 2;
            c.parallel.ep = 2;
            c.model.n_expert = 4;
          },
-         "this build trains DP x TP layouts only (pp=1 cp=1 ep=2)"},
-        {"MoE with TP", 2,
-         [](Config& c) {
-           c.parallel.tp = 2;
-           c.model.n_expert = 4;
-         },
-         "tp=2 with a MoE model (n_expert=4) is not built yet"},
+         "this build trains DP x TP x PP x CP layouts only (ep=2)"},
     };
     for (const LayoutCase& unbuilt : cases) {
       check_refused(unbuilt, [](const Config& config, int64_t world_size) {
@@ -218,10 +231,21 @@ TEST_SUITE("unit") {
         return unbuilt_layout_problems(config);
       });
     }
-    Config dp_tp = valid_config();
-    dp_tp.parallel.dp = dp_tp.parallel.tp = 2;
-    CHECK(unbuilt_layout_problems(dp_tp).empty());
-    CHECK_NOTHROW(validate_layout(dp_tp, 4));
+    Config built = valid_config();
+    built.parallel.dp = built.parallel.tp = built.parallel.pp = built.parallel.cp = built.parallel.micro_batches = 2;
+    CHECK(unbuilt_layout_problems(built).empty());
+    CHECK_NOTHROW(validate_layout(built, 16));
+  }
+
+  TEST_CASE("the blocks split over pipeline stages as pp_layers says or as evenly as possible") {
+    Config config = valid_config();  // n_layer = 4
+    config.model.n_layer = 7;
+    config.parallel.pp = 3;
+    CHECK(stage_layers(config) == std::vector<int64_t>{3, 2, 2});
+    config.parallel.pp_layers = "1,2,4";
+    CHECK(stage_layers(config) == std::vector<int64_t>{1, 2, 4});
+    config.parallel.pp_layers = "1,2";
+    CHECK_THROWS_AS(stage_layers(config), Error);
   }
 
   TEST_CASE("validate_layout throws kBadConfig naming every problem") {

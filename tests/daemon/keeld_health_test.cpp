@@ -167,7 +167,7 @@ TEST_SUITE("integration") {
         {"validation", {"train.val_every=10", "train.val_batches=2"}},
     };
     for (const auto& c : cases) {
-      INFO("slowed " << c.phase);
+      INFO("slowed " << std::string(c.phase));
       KeeldJob job;
       write_pattern_shard(job.dir() / "val.bin", 5000);
       auto sets = with(with(kFastHealth, {"health.hang_timeout_ceiling_s=25"}), c.sets);

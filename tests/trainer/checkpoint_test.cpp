@@ -69,7 +69,8 @@ std::vector<fs::path> partial_dirs(const fs::path& root) {
 
 TEST_SUITE("integration") {
   TEST_CASE("a run stopped and resumed is bit-identical to one that never stopped") {
-    for (const Layout& layout : {Layout{}, Layout{2, 2, 1}, Layout{2, 1, 3}, Layout{2, 2, 3, 2}}) {
+    for (const Layout& layout : {Layout{}, Layout{2, 2, 1}, Layout{2, 1, 3}, Layout{2, 2, 3, 2},
+                                 Layout{.dp = 2, .zero = 1, .micro_batches = 2, .pp = 2}}) {
       CAPTURE(layout.name());
       TrainerRuns f;
       const Run whole = f.run(layout, "whole", kEvery4);
@@ -89,7 +90,12 @@ TEST_SUITE("integration") {
     };
     const Pair pairs[] = {{Layout{}, Layout{2, 1, 1}},          {Layout{2, 1, 0}, Layout{1, 2, 0}},
                           {Layout{1, 2, 0}, Layout{2, 2, 3}},   {Layout{2, 2, 1}, Layout{}},
-                          {Layout{4, 1, 3}, Layout{2, 1, 2}},   {Layout{2, 1, 2}, Layout{1, 4, 0}}};
+                          {Layout{4, 1, 3}, Layout{2, 1, 2}},   {Layout{2, 1, 2}, Layout{1, 4, 0}},
+                          // Across pipeline stages: the tied embedding saved once, loaded by both ends.
+                          {Layout{.micro_batches = 2, .pp = 2}, Layout{}},
+                          {Layout{2, 1, 3}, Layout{.tp = 2, .micro_batches = 2, .pp = 2}},
+                          // Across context parallelism, whose ranks split the positions, not the state.
+                          {Layout{.zero = 2, .cp = 2}, Layout{.micro_batches = 2, .pp = 2}}};
     TrainerRuns f;
     const Run single = f.run(Layout{}, "single", kEvery4);
     for (const Pair& pair : pairs) {
@@ -108,6 +114,15 @@ TEST_SUITE("integration") {
       f.run(pair.a, a + "_rt", kEvery4, {"--init-from", checkpoint_of(f, b + "_rt", 6).string(), "--stop-after", "6"});
       CHECK(all_tensors(checkpoint_of(f, a + "_rt", 6)) == all_tensors(saved));
     }
+    // keelctl names the layout a checkpoint was saved in.
+    const std::string pipeline_run = "a_" + Layout{.micro_batches = 2, .pp = 2}.name() + "_" + Layout{}.name();
+    const std::vector<std::string> inspect = {keel::test::keel_binary("keelctl").string(), "checkpoint", "inspect",
+                                              "--run-dir", (f.dir() / pipeline_run).string(), "--step", "6"};
+    const auto text = keel::test::run_process(inspect);
+    CHECK(text.output.find("saved by dp1 tp1 pp2 zero0 (2 ranks)") != std::string::npos);
+    auto as_json = inspect;
+    as_json.push_back("--json");
+    CHECK(keel::test::last_json_line(keel::test::run_process(as_json).output).at("layout").at("pp") == 2);
   }
 
   TEST_CASE("a bf16 run saves float32 master weights beside their bf16 rounding and runs of either precision resume "

@@ -88,4 +88,35 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
   return comm;
 }
 
+// The exchanges one rank of a PP x CP layout (dp = tp = 1, ZeRO-0, no
+// validation) hands its groups in a training step of m microbatches, from
+// docs/architecture.md "Pipeline parallelism" and "Context parallelism",
+// in the shape of the "comm" field: for the pipeline's last stage (the
+// rank that writes metrics.jsonl) under "pp", and its ring under "cp".
+//   pp: 1F1B on the last stage posts [recv act 0], then [send grad i,
+//       recv act i + 1] for each i < m - 1, then [send grad m - 1]: m + 1
+//       exchanges sending m gradients of one rank's [B/m * T/cp, C]; plus
+//       the tied embedding's gradient, [Vp, C], with the first stage.
+//   cp: per block and microbatch, the forward ring's cp - 1 steps each send
+//       this rank's q, k and v ([B/m * T/cp, 3C]); the backward's cp - 1
+//       steps send them with their gradient accumulator, and a last step
+//       sends the accumulator home.
+inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp, int cp, int m) {
+  const uint64_t C = static_cast<uint64_t>(config.model.n_embd);
+  const uint64_t positions = static_cast<uint64_t>(config.train.batch_size / m * config.model.seq_len / cp);
+  const uint64_t last_stage_blocks = static_cast<uint64_t>(config.model.n_layer / pp);  // an even split
+  auto op = [](uint64_t floats, uint64_t calls) { return nlohmann::json{{"bytes", 4 * floats}, {"calls", calls}}; };
+  nlohmann::json comm = nlohmann::json::object();
+  if (pp > 1) {
+    const uint64_t tied = static_cast<uint64_t>(config.model.padded_vocab()) * C;
+    comm["pp"] = op(static_cast<uint64_t>(m) * positions * C + tied, static_cast<uint64_t>(m) + 2);
+  }
+  if (cp > 1) {
+    const uint64_t qkv = positions * 3 * C, per_block = static_cast<uint64_t>(3 * cp - 2) * qkv;
+    comm["cp"] = op(last_stage_blocks * static_cast<uint64_t>(m) * per_block,
+                    last_stage_blocks * static_cast<uint64_t>(m) * static_cast<uint64_t>(2 * cp - 1));
+  }
+  return comm;
+}
+
 }  // namespace keel::test

@@ -14,7 +14,9 @@ namespace {
 
 using keel::trainer::Action;
 using keel::trainer::ActionKind;
+using keel::trainer::forward_only;
 using keel::trainer::one_f_one_b;
+using keel::trainer::plan_slots;
 using keel::trainer::simulate;
 
 std::vector<std::vector<Action>> all_stages(int stages, int microbatches) {
@@ -89,6 +91,36 @@ TEST_SUITE("unit") {
           CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(p - s, m));
           CHECK(run.idle[static_cast<size_t>(s)] == doctest::Approx(static_cast<double>(p - 1) / (m + p - 1)));
         }
+      }
+    }
+  }
+
+  TEST_CASE("activation slots are never shared by two live microbatches and 1F1B needs min(p - s m) of them") {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = p; m <= 12; ++m) {
+        for (int s = 0; s < p; ++s) {
+          CAPTURE(p);
+          CAPTURE(m);
+          CAPTURE(s);
+          const auto actions = one_f_one_b(p, s, m);
+          const auto plan = plan_slots(actions, m);
+          CHECK(plan.slots == std::min(p - s, m));
+          // A microbatch holds its slot from its first action to its last;
+          // the next holder may take it only after that.
+          std::vector<int> holder(static_cast<size_t>(plan.slots), -1);
+          std::vector<size_t> last(static_cast<size_t>(m), 0);
+          for (size_t i = 0; i < actions.size(); ++i) last[static_cast<size_t>(actions[i].microbatch)] = i;
+          for (size_t i = 0; i < actions.size(); ++i) {
+            const int mb = actions[i].microbatch, slot = plan.slot[static_cast<size_t>(mb)];
+            REQUIRE(slot >= 0);
+            REQUIRE(slot < plan.slots);
+            int& owner = holder[static_cast<size_t>(slot)];
+            CHECK((owner == -1 || owner == mb));
+            owner = mb;
+            if (last[static_cast<size_t>(mb)] == i) owner = -1;
+          }
+        }
+        CHECK(plan_slots(forward_only(p, p - 1, m), m).slots == 1);
       }
     }
   }

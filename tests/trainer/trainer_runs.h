@@ -1,5 +1,5 @@
 // Real keel-trainer runs of one small model in a temporary directory, in
-// any DP x TP x ZeRO layout, with their metrics read back: the fixture of
+// any DP x TP x PP x CP x ZeRO layout, with their metrics read back: the fixture of
 // the layout parity and checkpoint tests.
 #pragma once
 
@@ -47,16 +47,23 @@ struct Layout {
   int tp = 1;
   int zero = 0;
   int micro_batches = 1;
+  int pp = 1;
+  int cp = 1;
 
-  int world() const { return dp * tp; }
+  int world() const { return dp * tp * pp * cp; }
   std::string name() const {
-    return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + "z" + std::to_string(zero) + "m" +
-           std::to_string(micro_batches);
+    return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + (pp > 1 ? "pp" + std::to_string(pp) : "") +
+           (cp > 1 ? "cp" + std::to_string(cp) : "") + "z" + std::to_string(zero) + "m" + std::to_string(micro_batches);
   }
   std::vector<std::string> sets() const {
-    return {"parallel.dp=" + std::to_string(dp), "parallel.tp=" + std::to_string(tp),
+    return {"parallel.dp=" + std::to_string(dp),     "parallel.tp=" + std::to_string(tp),
+            "parallel.pp=" + std::to_string(pp),     "parallel.cp=" + std::to_string(cp),
             "parallel.zero=" + std::to_string(zero), "parallel.micro_batches=" + std::to_string(micro_batches)};
   }
+  // Rank r's coordinates (docs/architecture.md "Parallel layout and
+  // communication": TP innermost, PP outermost).
+  int tp_rank(int r) const { return r % tp; }
+  int pp_rank(int r) const { return r / (dp * cp * tp); }
 };
 
 struct Run {

@@ -18,9 +18,10 @@ struct BlockOffsets {
   std::vector<size_t> expert_fc_w, expert_fc_b, expert_proj_w, expert_proj_b;
 };
 
-BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i) {
+// Block i of the model, unit `unit` of this stage's table.
+BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i, int unit) {
   const std::string h = "h." + std::to_string(i);
-  const size_t origin = t.unit_begin(static_cast<int>(i) + 1);
+  const size_t origin = t.unit_begin(unit);
   auto at = [&](const std::string& name) { return t.find(h + name).offset - origin; };
   BlockOffsets o;
   o.ln1_w = at(".ln_1.weight");
@@ -49,14 +50,23 @@ BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m
   return o;
 }
 
-// Unit 0: the embeddings and the final norm.
+// Unit 0: the embeddings (first stage) and the final norm and the tied LM
+// head (last stage). The token embedding serves both where one stage is both.
 struct OuterOffsets {
   size_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
 };
 
 OuterOffsets outer_offsets(const ParameterTable& t) {
+  const ModelStage& stage = t.stage();
   auto at = [&](const std::string& name) { return t.find(name).offset - t.unit_begin(0); };
-  return OuterOffsets{at("wte"), at("wpe"), at("ln_f.weight"), at("ln_f.bias")};
+  OuterOffsets o;
+  if (stage.first() || stage.last()) o.wte = at("wte");
+  if (stage.first()) o.wpe = at("wpe");
+  if (stage.last()) {
+    o.lnf_w = at("ln_f.weight");
+    o.lnf_b = at("ln_f.bias");
+  }
+  return o;
 }
 
 }  // namespace
@@ -75,13 +85,17 @@ struct Gpt::MoeLayer {
   std::vector<int32_t> choice;               // [N, k]: expert of the token's j-th choice
   std::vector<float> gates_host;             // [N*k] by slot
   std::vector<double> load;                  // [E]: f_e, the fraction of slots routed to e
+  std::vector<double> tokens;                // [E]: the slots routed to e on all dp x cp ranks
 };
 
 // Shapes: N = B*T positions, Ns = N / tp of them in this rank's position
 // shard, and per rank Cl = C / tp attention channels, Fl = 4C / tp MLP
 // channels and Vl = Vp / tp vocabulary rows. "whole" buffers hold all N
 // positions and exist only with TP; without it they alias their shards.
-struct Gpt::Activations {
+//
+// A Slot is one microbatch in flight: everything its backward reads. The
+// Scratch serves one pass at a time, whichever slot it runs.
+struct Gpt::Slot {
   struct Block {
     ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
     ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
@@ -89,122 +103,170 @@ struct Gpt::Activations {
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
+  int batch = 0;                        // B of its forward
   ArenaArray<int32_t> inputs, targets;  // [B, T]
-  ArenaArray<float> encoded;            // [Ns, C]
+  // [Ns, C]: the stage's input (the embedding's output on the first stage,
+  // the previous stage's output otherwise) and, on stages before the last,
+  // the gradient of the stage's output.
+  ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
-  std::vector<BlockOffsets> offsets;
+  ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;  // last stage
+};
+
+struct Gpt::Scratch {
+  std::vector<BlockOffsets> offsets;  // of the stage's blocks
   OuterOffsets outer;
-  ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;
   ArenaArray<float> xent_stats, xent_all;  // [N, 3] of this rank, [tp, N, 3] of all
   // [N, C] with TP: the partial sums of a row-parallel linear or of the
   // embedding (forward), a gathered output gradient and an input gradient
   // to be summed (backward).
   ArenaArray<float> partial, dwhole_out, dwhole_in;
-  // Gradient scratch, reused by every block.
+  // Gradient scratch, reused by every block. dresidual ends a backward as
+  // the gradient of the stage's input.
   ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
   // MoE gradient scratch.
   ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
+  // CP's ring: the q, k and v [N, 3Cl] another rank sent, two so one is
+  // read while the next arrives, and the gradients of its k and v that
+  // travel with it; one chunk's partial output and log-sum-exp.
+  ArenaArray<float> ring[2], ring_grads[2], part_out, part_lse;
 };
 
-Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage, Communicator* tp)
+Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
+         const ProcessGroups& groups, int slots)
     : config_(config),
       backend_(backend),
       storage_(storage),
-      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
-      tp_rank_(tp_ != nullptr ? tp_->rank() : 0),
-      tp_size_(tp_ != nullptr ? tp_->size() : 1),
+      tp_(groups.get(Axis::kTp)),
+      tp_rank_(groups.rank(Axis::kTp)),
+      tp_size_(groups.size(Axis::kTp)),
+      cp_(groups.get(Axis::kCp)),
+      batch_group_(groups.get(Axis::kDpCp)),
+      context_{groups.size(Axis::kCp), groups.rank(Axis::kCp), static_cast<int>(config.seq_len)},
       max_batch_(max_batch),
-      acts_(std::make_unique<Activations>()) {
-  const size_t N = static_cast<size_t>(max_batch) * static_cast<size_t>(config.seq_len);
-  if (N % static_cast<size_t>(tp_size_) != 0 || (tp_ != nullptr && config.n_expert > 0)) {
-    throw common::Error(common::ErrorCode::kInternal, "TP layout not validated: B*T % tp != 0 or MoE with TP");
+      slots_(static_cast<size_t>(slots)),
+      scratch_(std::make_unique<Scratch>()) {
+  const size_t N = static_cast<size_t>(max_batch) * static_cast<size_t>(context_.local_len());
+  if (N % static_cast<size_t>(tp_size_) != 0 || slots < 1 || stage().layers() < 1 ||
+      context_.chunk_len() * context_.chunks() * context_.cp != config.seq_len) {
+    throw common::Error(common::ErrorCode::kInternal,
+                        "Gpt layout not validated: B*T % tp != 0, no slot, a stage without blocks or 2*cp not "
+                        "dividing seq_len");
   }
-  Activations& a = *acts_;
-  a.outer = outer_offsets(storage.table());
-  for (int64_t i = 0; i < config.n_layer; ++i) a.offsets.push_back(block_offsets(storage.table(), config, i));
+  Scratch& x = *scratch_;
+  x.outer = outer_offsets(storage.table());
+  for (int64_t i = stage().layer_begin; i < stage().layer_end; ++i) {
+    x.offsets.push_back(block_offsets(storage.table(), config, i, static_cast<int>(i - stage().layer_begin) + 1));
+  }
 }
 
 void Gpt::lay_out(Arena& arena) {
   const common::ModelConfig& config = config_;
-  const size_t B = static_cast<size_t>(max_batch_), T = static_cast<size_t>(config.seq_len);
+  const size_t B = static_cast<size_t>(max_batch_), T = static_cast<size_t>(context_.local_len());
   const size_t C = static_cast<size_t>(config.n_embd), tp_size = static_cast<size_t>(tp_size_);
   const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
   const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T, Ns = N / tp_size;
   const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
-  Activations& a = *acts_;
+  const bool first = stage().first(), last = stage().last();
   auto take = [&arena](size_t count) { return arena.take<float>(count); };
   // With TP a buffer of all N positions; without, an empty one (the shard serves).
   auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
-  a.blocks.clear();
-  a.inputs = arena.take<int32_t>(N);
-  a.targets = arena.take<int32_t>(N);
-  a.encoded = take(Ns * C);
   bool any_moe = false;
-  for (int64_t i = 0; i < config.n_layer; ++i) {
-    Activations::Block blk;
-    blk.ln1 = take(Ns * C);
-    blk.ln1_mean = take(Ns);
-    blk.ln1_rstd = take(Ns);
-    blk.ln1_whole = whole(C);
-    blk.qkv = take(N * 3 * Cl);
-    blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
-    blk.atty = take(N * Cl);
-    blk.residual2 = take(Ns * C);
-    blk.ln2 = take(Ns * C);
-    blk.ln2_mean = take(Ns);
-    blk.ln2_rstd = take(Ns);
-    blk.ln2_whole = whole(C);
-    blk.residual3 = take(Ns * C);
-    if (config.is_moe_layer(i)) {
-      any_moe = true;
-      auto moe = std::make_unique<MoeLayer>();
-      moe->router_logits = take(N * E);
-      moe->probs = take(N * E);
-      moe->rows = arena.take<int32_t>(N * K);
-      moe->gates = take(N * K);
-      moe->xe = take(N * K * C);
-      moe->he = take(N * K * 4 * C);
-      moe->ge = take(N * K * 4 * C);
-      moe->ye = take(N * K * C);
-      blk.moe = std::move(moe);
-    } else {
-      blk.fch = take(N * Fl);
-      blk.fch_gelu = take(N * Fl);
+  for (Slot& s : slots_) {
+    s.blocks.clear();
+    s.inputs = arena.take<int32_t>(first ? N : 0);
+    s.targets = arena.take<int32_t>(last ? N : 0);
+    s.input = take(Ns * C);
+    s.output_grad = take(last ? 0 : Ns * C);
+    for (int64_t i = stage().layer_begin; i < stage().layer_end; ++i) {
+      Slot::Block blk;
+      blk.ln1 = take(Ns * C);
+      blk.ln1_mean = take(Ns);
+      blk.ln1_rstd = take(Ns);
+      blk.ln1_whole = whole(C);
+      blk.qkv = take(N * 3 * Cl);
+      blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
+      blk.atty = take(N * Cl);
+      blk.residual2 = take(Ns * C);
+      blk.ln2 = take(Ns * C);
+      blk.ln2_mean = take(Ns);
+      blk.ln2_rstd = take(Ns);
+      blk.ln2_whole = whole(C);
+      blk.residual3 = take(Ns * C);
+      if (config.is_moe_layer(i)) {
+        any_moe = true;
+        auto moe = std::make_unique<MoeLayer>();
+        moe->router_logits = take(N * E);
+        moe->probs = take(N * E);
+        moe->rows = arena.take<int32_t>(N * K);
+        moe->gates = take(N * K);
+        moe->xe = take(N * K * C);
+        moe->he = take(N * K * Fl);
+        moe->ge = take(N * K * Fl);
+        moe->ye = take(N * K * C);
+        blk.moe = std::move(moe);
+      } else {
+        blk.fch = take(N * Fl);
+        blk.fch_gelu = take(N * Fl);
+      }
+      s.blocks.push_back(std::move(blk));
     }
-    a.blocks.push_back(std::move(blk));
+    if (last) {
+      s.lnf = take(Ns * C);
+      s.lnf_mean = take(Ns);
+      s.lnf_rstd = take(Ns);
+      s.lnf_whole = whole(C);
+      s.logits = take(N * Vl);
+      s.losses = take(N);
+      s.lse = take(N);
+    }
   }
-  a.lnf = take(Ns * C);
-  a.lnf_mean = take(Ns);
-  a.lnf_rstd = take(Ns);
-  a.lnf_whole = whole(C);
-  a.logits = take(N * Vl);
-  a.losses = take(N);
-  a.lse = take(N);
-  a.xent_stats = take(N * 3);
-  a.xent_all = take(tp_ != nullptr ? tp_size * N * 3 : 0);
-  a.partial = whole(C);
-  a.dwhole_out = whole(C);
-  a.dwhole_in = whole(C);
-  a.dresidual = take(Ns * C);
-  a.dln = take(Ns * C);
-  a.datty = take(N * Cl);
-  a.dqkv = take(N * 3 * Cl);
-  a.dfch = take(N * Fl);
-  a.dfch_gelu = take(N * Fl);
+  Scratch& x = *scratch_;
+  x.xent_stats = take(last ? N * 3 : 0);
+  x.xent_all = take(last && tp_ != nullptr ? tp_size * N * 3 : 0);
+  x.partial = whole(C);
+  x.dwhole_out = whole(C);
+  x.dwhole_in = whole(C);
+  x.dresidual = take(Ns * C);
+  x.dln = take(Ns * C);
+  x.datty = take(N * Cl);
+  x.dqkv = take(N * 3 * Cl);
+  x.dfch = take(N * Fl);
+  x.dfch_gelu = take(N * Fl);
   if (any_moe) {
-    a.dye = take(N * K * C);
-    a.dge = take(N * K * 4 * C);
-    a.dhe = take(N * K * 4 * C);
-    a.dxe = take(N * K * C);
-    a.dgates = take(N * K);
-    a.dprobs = take(N * E);
-    a.drouter = take(N * E);
+    x.dye = take(N * K * C);
+    x.dge = take(N * K * Fl);
+    x.dhe = take(N * K * Fl);
+    x.dxe = take(N * K * C);
+    x.dgates = take(N * K);
+    x.dprobs = take(N * E);
+    x.drouter = take(N * E);
   }
+  const size_t ring = cp_ != nullptr ? N * 3 * Cl : 0, chunk = cp_ != nullptr ? B * context_.chunk_len() : 0;
+  for (size_t i = 0; i < 2; ++i) {
+    x.ring[i] = take(ring);
+    x.ring_grads[i] = take(ring);
+  }
+  x.part_out = take(chunk * Cl);
+  x.part_lse = take(chunk * NHl);
 }
 
 Gpt::~Gpt() = default;
 
-const float* Gpt::logits() const { return acts_->logits.data(); }
+int Gpt::slots() const { return static_cast<int>(slots_.size()); }
+
+const float* Gpt::logits(int slot) const { return slots_[static_cast<size_t>(slot)].logits.data(); }
+
+size_t Gpt::boundary_numel(int B) const {
+  return static_cast<size_t>(B) * static_cast<size_t>(context_.local_len()) / static_cast<size_t>(tp_size_) *
+         static_cast<size_t>(config_.n_embd);
+}
+float* Gpt::stage_input(int slot) { return slots_[static_cast<size_t>(slot)].input.data(); }
+const float* Gpt::stage_output(int slot) const {
+  return slots_[static_cast<size_t>(slot)].blocks.back().residual3.data();
+}
+float* Gpt::output_gradient(int slot) { return slots_[static_cast<size_t>(slot)].output_grad.data(); }
+const float* Gpt::input_gradient() const { return scratch_->dresidual.data(); }
 
 void Gpt::gather_positions(const float* shard, float* whole, size_t shard_numel) {
   if (tp_ != nullptr) tp_->all_gather(shard, whole, shard_numel);
@@ -214,48 +276,69 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
   if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
 }
 
-float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
-  if (acts_->inputs.data() == nullptr) {
+float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot) {
+  if (scratch_->dresidual.data() == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::forward before lay_out() placed the activations");
   }
-  if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0) {
-    throw common::Error(common::ErrorCode::kInternal,
-                        "forward batch " + std::to_string(B) + " outside [1, " + std::to_string(max_batch_) +
-                            "] or not splittable over " + std::to_string(tp_size_) + " TP ranks");
+  if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0 || slot < 0 || slot >= slots() ||
+      (stage().first() && inputs == nullptr) || (stage().last() && targets == nullptr)) {
+    throw common::Error(common::ErrorCode::kInternal, "forward batch " + std::to_string(B) + " outside [1, " +
+                                                          std::to_string(max_batch_) + "], not splittable over " +
+                                                          std::to_string(tp_size_) +
+                                                          " TP ranks, slot out of range or tokens missing");
   }
-  batch_ = B;
-  const int T = static_cast<int>(config_.seq_len), C = static_cast<int>(config_.n_embd);
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  s.batch = B;
+  const int T = context_.local_len(), C = static_cast<int>(config_.n_embd);
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
   const int NHl = static_cast<int>(config_.n_head) / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
   const int v_begin = tp_rank_ * Vl;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   const bool first_tp_rank = tp_rank_ == 0;
-  Activations& a = *acts_;
+  Scratch& x = *scratch_;
   Backend& k = backend_;
-  const OuterOffsets& outer = a.outer;
-  const float* p0 = storage_.acquire_parameters(0);
-  const int blocks = static_cast<int>(a.blocks.size());
-  if (blocks > 0) storage_.prefetch_parameters(1);
+  const OuterOffsets& outer = x.outer;
+  const bool ends = stage().first() || stage().last();
+  const float* p0 = ends ? storage_.acquire_parameters(0) : nullptr;
+  const int blocks = static_cast<int>(s.blocks.size());
+  storage_.prefetch_parameters(1);
   // A row-parallel linear's output: partial sums to be reduce-scattered
   // with TP, the shard itself without.
-  auto partial_or = [&](const ArenaArray<float>& shard) { return tp_ != nullptr ? a.partial.data() : shard.data(); };
+  auto partial_or = [&](const ArenaArray<float>& shard) { return tp_ != nullptr ? x.partial.data() : shard.data(); };
 
-  k.copy_from_host(a.inputs.data(), inputs, static_cast<size_t>(N) * sizeof(int32_t));
-  k.copy_from_host(a.targets.data(), targets, static_cast<size_t>(N) * sizeof(int32_t));
-  // The vocabulary shards each embed their own tokens; the position rows
-  // and the row-parallel biases are added by TP rank 0 alone, so that the
-  // sum over the group counts them once.
-  k.embedding_forward(partial_or(a.encoded), a.inputs.data(), p0 + outer.wte, v_begin, Vl,
-                      first_tp_rank ? p0 + outer.wpe : nullptr, B, T, C);
-  sum_into_positions(a.partial.data(), a.encoded.data(), NsC);
+  // This rank's positions of the batch's tokens, in backend memory.
+  auto upload = [&](const int32_t* tokens, ArenaArray<int32_t>& to) {
+    if (cp_ != nullptr) {
+      local_tokens_.resize(static_cast<size_t>(N));
+      context_.take(tokens, B, local_tokens_.data());
+      tokens = local_tokens_.data();
+    }
+    k.copy_from_host(to.data(), tokens, static_cast<size_t>(N) * sizeof(int32_t));
+  };
+  if (stage().first()) {
+    upload(inputs, s.inputs);
+    // The vocabulary shards each embed their own tokens; the position rows
+    // and the row-parallel biases are added by TP rank 0 alone, so that the
+    // sum over the group counts them once. Each chunk of positions takes
+    // its own rows of wpe.
+    const int Tc = context_.chunk_len();
+    const size_t chunk_rows = static_cast<size_t>(B) * Tc;
+    for (int c = 0; c < context_.chunks(); ++c) {
+      k.embedding_forward(
+          partial_or(s.input) + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, p0 + outer.wte, v_begin, Vl,
+          first_tp_rank ? p0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C : nullptr, B, Tc,
+          C);
+    }
+    sum_into_positions(x.partial.data(), s.input.data(), NsC);
+  }
 
   aux_loss_ = 0.0f;
-  const float* residual = a.encoded.data();
-  for (size_t i = 0; i < a.blocks.size(); ++i) {
-    Activations::Block& blk = a.blocks[i];
-    const BlockOffsets& o = a.offsets[i];
-    const int unit = static_cast<int>(i) + 1;
+  const float* residual = s.input.data();
+  for (int i = 0; i < blocks; ++i) {
+    Slot::Block& blk = s.blocks[static_cast<size_t>(i)];
+    const BlockOffsets& o = x.offsets[static_cast<size_t>(i)];
+    const int unit = i + 1;
     const float* p = storage_.acquire_parameters(unit);
     if (unit < blocks) storage_.prefetch_parameters(unit + 1);
     // Attention branch.
@@ -263,133 +346,248 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B) {
                         p + o.ln1_b, Ns, C);
     gather_positions(blk.ln1.data(), blk.ln1_whole.data(), NsC);
     k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
-    k.attention_forward(blk.atty.data(), blk.attn_lse.data(), Backend::self_attention(blk.qkv.data(), B, T, Cl, NHl));
+    attend(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
-    sum_into_positions(a.partial.data(), blk.residual2.data(), NsC);
+    sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
     // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
     // residual add. (The block's output add stays apart: the activation
     // hook must see it before the next block reads it.)
     k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.data(), blk.ln2_mean.data(),
                             blk.ln2_rstd.data(), p + o.ln2_w, p + o.ln2_b, Ns, C);
     if (blk.moe) {
-      moe_forward(static_cast<int>(i), p, blk.ln2.data(), blk.residual3.data(), N);
+      // Every TP rank routes all N tokens alike and runs its slice of each
+      // expert, like the dense MLP; the row-parallel partials sum into the shards.
+      gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
+      moe_forward(s, i, p, blk.ln2_all(), partial_or(blk.residual3), N);
+      sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
       k.matmul_forward(blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
       k.gelu_forward(blk.fch_gelu.data(), blk.fch.data(), static_cast<size_t>(N) * Fl);
       k.matmul_forward(partial_or(blk.residual3), blk.fch_gelu.data(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
-      sum_into_positions(a.partial.data(), blk.residual3.data(), NsC);
+      sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     }
     k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
-    if (activation_hook_) activation_hook_(static_cast<int>(i), blk.residual3.data(), NsC);
+    if (activation_hook_) activation_hook_(static_cast<int>(stage().layer_begin) + i, blk.residual3.data(), NsC);
     residual = blk.residual3.data();
   }
-  k.layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), residual, p0 + outer.lnf_w,
-                      p0 + outer.lnf_b, Ns, C);
-  gather_positions(a.lnf.data(), a.lnf_whole.data(), NsC);
+  if (!stage().last()) return 0.0f;
+
+  upload(targets, s.targets);
+  k.layernorm_forward(s.lnf.data(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0 + outer.lnf_w, p0 + outer.lnf_b,
+                      Ns, C);
+  gather_positions(s.lnf.data(), s.lnf_whole.data(), NsC);
   // The LM head is tied to the token embedding: each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
-  const float* lnf_all = tp_ != nullptr ? a.lnf_whole.data() : a.lnf.data();
-  k.matmul_forward(a.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
+  const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
+  k.matmul_forward(s.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
   if (activation_hook_) {
-    activation_hook_(static_cast<int>(a.blocks.size()), a.logits.data(), static_cast<size_t>(N) * Vl);
+    activation_hook_(static_cast<int>(config_.n_layer), s.logits.data(), static_cast<size_t>(N) * Vl);
   }
-  k.crossentropy_stats(a.xent_stats.data(), a.logits.data(), a.targets.data(), N, v_begin, Vl, V);
-  if (tp_ != nullptr) tp_->all_gather(a.xent_stats.data(), a.xent_all.data(), static_cast<size_t>(N) * 3);
-  k.crossentropy_combine(a.losses.data(), a.lse.data(), tp_ != nullptr ? a.xent_all.data() : a.xent_stats.data(),
+  k.crossentropy_stats(x.xent_stats.data(), s.logits.data(), s.targets.data(), N, v_begin, Vl, V);
+  if (tp_ != nullptr) tp_->all_gather(x.xent_stats.data(), x.xent_all.data(), static_cast<size_t>(N) * 3);
+  k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
                          tp_size_, N);
-  return static_cast<float>(k.sum(a.losses.data(), static_cast<size_t>(N)) / N);
+  return static_cast<float>(k.sum(s.losses.data(), static_cast<size_t>(N)) / N);
 }
 
-void Gpt::backward(float loss_scale) {
-  const int B = batch_, T = static_cast<int>(config_.seq_len), C = static_cast<int>(config_.n_embd);
+void Gpt::backward(float loss_scale, int slot) {
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
+  if (B == 0) throw common::Error(common::ErrorCode::kInternal, "Gpt::backward of a slot with no forward");
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
   const int NHl = static_cast<int>(config_.n_head) / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
   const int v_begin = tp_rank_ * Vl;
   const size_t NsC = static_cast<size_t>(Ns) * C;
-  Activations& a = *acts_;
+  Scratch& x = *scratch_;
   Backend& k = backend_;
-  const OuterOffsets& outer = a.outer;
-  const float* p0 = storage_.acquire_parameters(0);
-  float* g0 = storage_.unit_gradients(0);
+  const OuterOffsets& outer = x.outer;
+  const bool ends = stage().first() || stage().last();
+  const float* p0 = ends ? storage_.acquire_parameters(0) : nullptr;
+  float* g0 = ends ? storage_.unit_gradients(0) : nullptr;
   // The gradient of a sequence-parallel boundary, both ways: the shards of
   // an output gradient gathered (all-gather's backward is a reduce-scatter
   // and vice versa), and an input gradient summed into the shards.
-  float* dout_all = tp_ != nullptr ? a.dwhole_out.data() : a.dresidual.data();
-  float* din_all = tp_ != nullptr ? a.dwhole_in.data() : a.dln.data();
+  float* dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
+  float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
   const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
 
-  // Softmax cross-entropy gradient, written over the logits in place.
-  k.crossentropy_backward(a.logits.data(), a.logits.data(), a.lse.data(), a.targets.data(),
-                          loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
-  k.zero(din_all, din_numel * sizeof(float));
-  const float* lnf_all = tp_ != nullptr ? a.lnf_whole.data() : a.lnf.data();
-  k.matmul_backward(din_all, g0 + outer.wte, nullptr, a.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
-  sum_into_positions(din_all, a.dln.data(), NsC);
-  const float* last_residual = a.blocks.back().residual3.data();
-  a.dresidual.zero();
-  k.layernorm_backward(a.dresidual.data(), g0 + outer.lnf_w, g0 + outer.lnf_b, a.dln.data(), last_residual,
-                       p0 + outer.lnf_w, a.lnf_mean.data(), a.lnf_rstd.data(), Ns, C);
+  if (stage().last()) {
+    // Softmax cross-entropy gradient, written over the logits in place.
+    k.crossentropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(),
+                            loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
+    k.zero(din_all, din_numel * sizeof(float));
+    const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
+    k.matmul_backward(din_all, g0 + outer.wte, nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
+    sum_into_positions(din_all, x.dln.data(), NsC);
+    x.dresidual.zero();
+    k.layernorm_backward(x.dresidual.data(), g0 + outer.lnf_w, g0 + outer.lnf_b, x.dln.data(),
+                         s.blocks.back().residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(), Ns,
+                         C);
+  } else {
+    k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
+  }
 
   // dresidual holds the gradient of this rank's shard of the residual
   // stream; each branch adds its input's gradient into it on the way down.
-  for (size_t i = a.blocks.size(); i-- > 0;) {
-    Activations::Block& blk = a.blocks[i];
-    const BlockOffsets& o = a.offsets[i];
+  for (size_t i = s.blocks.size(); i-- > 0;) {
+    Slot::Block& blk = s.blocks[i];
+    const BlockOffsets& o = x.offsets[i];
     const int unit = static_cast<int>(i) + 1;
     const float* p = storage_.acquire_parameters(unit);
     if (unit > 1) storage_.prefetch_parameters(unit - 1);
     float* g = storage_.unit_gradients(unit);
-    const float* residual = i == 0 ? a.encoded.data() : a.blocks[i - 1].residual3.data();
+    const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
     k.zero(din_all, din_numel * sizeof(float));
     if (blk.moe) {
-      moe_backward(static_cast<int>(i), p, g, a.dln.data(), a.dresidual.data(), loss_scale, N);
+      gather_positions(x.dresidual.data(), dout_all, NsC);
+      moe_backward(s, static_cast<int>(i), p, g, din_all, dout_all, loss_scale, N);
+      sum_into_positions(din_all, x.dln.data(), NsC);
     } else {
-      gather_positions(a.dresidual.data(), dout_all, NsC);
-      a.dfch_gelu.zero();
-      k.matmul_backward(a.dfch_gelu.data(), g + o.proj_w, g + o.proj_b, dout_all, blk.fch_gelu.data(),
-                        p + o.proj_w, N, Fl, C);
-      a.dfch.zero();
-      k.gelu_backward(a.dfch.data(), blk.fch.data(), a.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
-      k.matmul_backward(din_all, g + o.fc_w, g + o.fc_b, a.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
-      sum_into_positions(din_all, a.dln.data(), NsC);
+      gather_positions(x.dresidual.data(), dout_all, NsC);
+      x.dfch_gelu.zero();
+      k.matmul_backward(x.dfch_gelu.data(), g + o.proj_w, g + o.proj_b, dout_all, blk.fch_gelu.data(), p + o.proj_w, N,
+                        Fl, C);
+      x.dfch.zero();
+      k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
+      k.matmul_backward(din_all, g + o.fc_w, g + o.fc_b, x.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
+      sum_into_positions(din_all, x.dln.data(), NsC);
     }
-    k.layernorm_backward(a.dresidual.data(), g + o.ln2_w, g + o.ln2_b, a.dln.data(), blk.residual2.data(),
-                         p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
+    k.layernorm_backward(x.dresidual.data(), g + o.ln2_w, g + o.ln2_b, x.dln.data(), blk.residual2.data(), p + o.ln2_w,
+                         blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
 
-    gather_positions(a.dresidual.data(), dout_all, NsC);
-    a.datty.zero();
-    k.matmul_backward(a.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(),
-                      p + o.attproj_w, N, Cl, C);
-    a.dqkv.zero();
-    k.attention_backward(Backend::self_attention_grads(a.dqkv.data(), Cl), a.datty.data(), blk.atty.data(),
-                         blk.attn_lse.data(), Backend::self_attention(blk.qkv.data(), B, T, Cl, NHl));
+    gather_positions(x.dresidual.data(), dout_all, NsC);
+    x.datty.zero();
+    k.matmul_backward(x.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(), p + o.attproj_w, N,
+                      Cl, C);
+    x.dqkv.zero();
+    attend_backward(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
     k.zero(din_all, din_numel * sizeof(float));
-    k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, a.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
-    sum_into_positions(din_all, a.dln.data(), NsC);
-    k.layernorm_backward(a.dresidual.data(), g + o.ln1_w, g + o.ln1_b, a.dln.data(), residual, p + o.ln1_w,
+    k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, x.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
+    sum_into_positions(din_all, x.dln.data(), NsC);
+    k.layernorm_backward(x.dresidual.data(), g + o.ln1_w, g + o.ln1_b, x.dln.data(), residual, p + o.ln1_w,
                          blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
     storage_.gradients_ready(unit);
   }
-  gather_positions(a.dresidual.data(), dout_all, NsC);
-  k.embedding_backward(g0 + outer.wte, g0 + outer.wpe, dout_all, a.inputs.data(), v_begin, Vl, B, T, C);
-  storage_.gradients_ready(0);
+  if (stage().first()) {
+    gather_positions(x.dresidual.data(), dout_all, NsC);
+    const int Tc = context_.chunk_len();
+    const size_t chunk_rows = static_cast<size_t>(B) * Tc;
+    for (int c = 0; c < context_.chunks(); ++c) {
+      k.embedding_backward(g0 + outer.wte, g0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C,
+                           dout_all + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, v_begin, Vl, B, Tc, C);
+    }
+  }
+  if (ends) storage_.gradients_ready(0);
+  s.batch = 0;
+}
+
+void Gpt::visible_pairs(const float* qkv, const float* held, int owner, int B,
+                        const std::function<void(int, size_t, const Backend::AttentionInputs&)>& visit) {
+  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int Tc = context_.chunk_len(), rank = context_.rank;
+  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl);
+  for (int qc = 0; qc < 2; ++qc) {
+    for (int kc = 0; kc < 2; ++kc) {
+      if (causal_mask(context_.global_chunk(qc, rank), context_.global_chunk(kc, owner)) == ChunkMask::kNone) continue;
+      const float* keys = held + kc * rows * width;
+      visit(qc, kc * rows * width,
+            {qkv + qc * rows * width, keys + Cl, keys + 2 * Cl, 3 * Cl, 3 * Cl, B, Tc, Tc, Cl, NHl,
+             context_.start(qc, rank), context_.start(kc, owner)});
+    }
+  }
+}
+
+void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
+  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  Backend& k = backend_;
+  if (cp_ == nullptr) {
+    k.attention_forward(out, lse, Backend::self_attention(qkv, B, context_.local_len(), Cl, NHl));
+    return;
+  }
+  // Ring attention: step t holds the q, k and v of CP rank r - t and passes
+  // them on to r + 1. Each local query chunk computes its first chunk of
+  // keys in place (its own diagonal, at step 0) and merges every later one
+  // (online softmax); chunk pairs the causal mask hides are skipped, which
+  // is where causal load balancing evens the ranks out.
+  Scratch& x = *scratch_;
+  const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
+  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl);
+  bool started[2] = {false, false};
+  const float* held = qkv;
+  for (int step = 0; step < cp; ++step) {
+    if (step > 0) {
+      float* next = x.ring[step % 2].data();
+      cp_->exchange({{held, rows * 2 * width, (rank + 1) % cp}}, {{next, rows * 2 * width, (rank + cp - 1) % cp}});
+      held = next;
+    }
+    visible_pairs(qkv, held, (rank + cp - step) % cp, B, [&](int qc, size_t, const Backend::AttentionInputs& in) {
+      float* chunk_out = out + qc * rows * Cl;
+      float* chunk_lse = lse + qc * rows * NHl;
+      if (!started[qc]) {
+        k.attention_forward(chunk_out, chunk_lse, in);
+        started[qc] = true;
+      } else {
+        k.attention_forward(x.part_out.data(), x.part_lse.data(), in);
+        k.attention_merge(chunk_out, chunk_lse, x.part_out.data(), x.part_lse.data(), B, Tc, Cl, NHl);
+      }
+    });
+  }
+}
+
+void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, int B) {
+  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  Backend& k = backend_;
+  Scratch& x = *scratch_;
+  if (cp_ == nullptr) {
+    k.attention_backward(Backend::self_attention_grads(x.dqkv.data(), Cl), x.datty.data(), out, lse,
+                         Backend::self_attention(qkv, B, context_.local_len(), Cl, NHl));
+    return;
+  }
+  // The ring again: the gradients of each rank's k and v travel with them,
+  // gathering every rank's share, and one last step brings them home.
+  const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
+  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl), numel = rows * 2 * width;
+  const float* held = qkv;
+  float* held_grads = x.ring_grads[0].data();
+  k.zero(held_grads, numel * sizeof(float));
+  for (int step = 0; step < cp; ++step) {
+    if (step > 0) {
+      float* next = x.ring[step % 2].data();
+      float* next_grads = x.ring_grads[step % 2].data();
+      const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
+      cp_->exchange({{held, numel, to}, {held_grads, numel, to}}, {{next, numel, from}, {next_grads, numel, from}});
+      held = next;
+      held_grads = next_grads;
+    }
+    visible_pairs(
+        qkv, held, (rank + cp - step) % cp, B, [&](int qc, size_t key_chunk, const Backend::AttentionInputs& in) {
+          float* key_grads = held_grads + key_chunk;
+          k.attention_backward({x.dqkv.data() + qc * rows * width, key_grads + Cl, key_grads + 2 * Cl},
+                               x.datty.data() + qc * rows * Cl, out + qc * rows * Cl, lse + qc * rows * NHl, in);
+        });
+  }
+  // Step cp - 1 held rank r + 1's gradients: they go home, and only their
+  // k and v columns were ever written.
+  float* home = x.ring_grads[cp % 2].data();
+  const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
+  cp_->exchange({{held_grads, numel, to}}, {{home, numel, from}});
+  k.accumulate(x.dqkv.data(), home, numel);
 }
 
 // Dropless top-k routing: every token reaches all k of its experts, each
 // expert runs one GEMM over the tokens routed to it, and the outputs are
 // combined with the renormalised gates.
-void Gpt::moe_forward(int layer, const float* p, const float* inp, float* out, int N) {
-  Activations& a = *acts_;
-  MoeLayer& moe = *a.blocks[layer].moe;
-  const BlockOffsets& o = a.offsets[layer];
+void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, float* out, int N) {
+  MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
+  const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(block)];
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
-  const int K = static_cast<int>(config_.top_k), M = N * K;
+  const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
 
   k.matmul_forward(moe.router_logits.data(), inp, p + o.router_w, nullptr, N, C, E);
   k.softmax_forward(moe.probs.data(), moe.router_logits.data(), N, E);
@@ -438,61 +636,84 @@ void Gpt::moe_forward(int layer, const float* p, const float* inp, float* out, i
     const int start = moe.expert_start[e], n_e = moe.expert_start[e + 1] - start;
     if (n_e == 0) continue;
     const size_t r = static_cast<size_t>(start);
-    k.matmul_forward(moe.he.data() + r * 4 * C, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e],
-                     n_e, C, 4 * C);
-    k.gelu_forward(moe.ge.data() + r * 4 * C, moe.he.data() + r * 4 * C, static_cast<size_t>(n_e) * 4 * C);
-    k.matmul_forward(moe.ye.data() + r * C, moe.ge.data() + r * 4 * C, p + o.expert_proj_w[e],
-                     p + o.expert_proj_b[e], n_e, 4 * C, C);
+    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e], n_e, C,
+                     Fl);
+    k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(n_e) * Fl);
+    // The row-parallel bias once over the TP group, on its rank 0.
+    k.matmul_forward(moe.ye.data() + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e],
+                     tp_rank_ == 0 ? p + o.expert_proj_b[e] : nullptr, n_e, Fl, C);
   }
   k.zero(out, static_cast<size_t>(N) * C * sizeof(float));
   k.scatter_add_rows(out, moe.ye.data(), moe.rows.data(), moe.gates.data(), M, C);
 
   // Switch load-balancing loss: coef * E * sum_e f_e * P_e, with f_e the
-  // fraction of slots routed to e (no gradient) and P_e its mean probability.
+  // fraction of slots routed to e (no gradient) and P_e its mean
+  // probability, both over the microbatch's tokens on every dp x cp rank,
+  // so that every layout computes the single rank's loss.
+  std::vector<double> totals(2 * static_cast<size_t>(E), 0.0);  // slots, then probabilities, per expert
+  for (int e = 0; e < E; ++e) {
+    totals[e] = count[e];
+    for (int n = 0; n < N; ++n) totals[E + e] += moe.probs_host[static_cast<size_t>(n) * E + e];
+  }
+  if (batch_group_ != nullptr) {
+    std::vector<float> sums(totals.begin(), totals.end());
+    batch_group_->all_reduce(sums.data(), sums.size());
+    totals.assign(sums.begin(), sums.end());
+  }
+  const double ranks = batch_group_ != nullptr ? batch_group_->size() : 1;
   moe.load.assign(static_cast<size_t>(E), 0.0);
+  moe.tokens.assign(totals.begin(), totals.begin() + E);
   double aux = 0.0;
   for (int e = 0; e < E; ++e) {
-    moe.load[e] = static_cast<double>(count[e]) / M;
-    double mean_prob = 0.0;
-    for (int n = 0; n < N; ++n) mean_prob += moe.probs_host[static_cast<size_t>(n) * E + e];
-    aux += moe.load[e] * mean_prob / N;
+    moe.load[e] = totals[e] / (M * ranks);
+    aux += moe.load[e] * totals[E + e] / (N * ranks);
   }
   aux_loss_ += static_cast<float>(config_.aux_loss_coef * E * aux);
 }
 
-void Gpt::moe_backward(int layer, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
+std::vector<std::vector<double>> Gpt::expert_tokens(int slot) const {
+  std::vector<std::vector<double>> tokens;
+  for (const Slot::Block& blk : slots_[static_cast<size_t>(slot)].blocks) {
+    if (blk.moe) tokens.push_back(blk.moe->tokens);
+  }
+  return tokens;
+}
+
+void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
                        int N) {
-  Activations& a = *acts_;
-  MoeLayer& moe = *a.blocks[layer].moe;
-  const BlockOffsets& o = a.offsets[layer];
+  Scratch& x = *scratch_;
+  MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
+  const BlockOffsets& o = x.offsets[static_cast<size_t>(block)];
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
-  const int K = static_cast<int>(config_.top_k), M = N * K;
+  const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
 
-  // Combine: out[n] = sum_j gate * y. Gate gradients first, then each
-  // expert's output gradient is the gated dout of its token.
-  k.gathered_row_dot(a.dgates.data(), dout, moe.rows.data(), moe.ye.data(), M, C);
-  k.gather_rows(a.dye.data(), dout, moe.rows.data(), moe.gates.data(), M, C);
-  a.dxe.zero();
-  a.dge.zero();
-  a.dhe.zero();
+  // Combine: out[n] = sum_j gate * y. Gate gradients first (with TP each
+  // rank's y is a partial sum, so are they), then each expert's output
+  // gradient is the gated dout of its token.
+  k.gathered_row_dot(x.dgates.data(), dout, moe.rows.data(), moe.ye.data(), M, C);
+  if (tp_ != nullptr) tp_->all_reduce(x.dgates.data(), static_cast<size_t>(M));
+  k.gather_rows(x.dye.data(), dout, moe.rows.data(), moe.gates.data(), M, C);
+  x.dxe.zero();
+  x.dge.zero();
+  x.dhe.zero();
   for (int e = 0; e < E; ++e) {
     const int start = moe.expert_start[e], n_e = moe.expert_start[e + 1] - start;
     if (n_e == 0) continue;
     const size_t r = static_cast<size_t>(start);
-    k.matmul_backward(a.dge.data() + r * 4 * C, g + o.expert_proj_w[e], g + o.expert_proj_b[e], a.dye.data() + r * C,
-                      moe.ge.data() + r * 4 * C, p + o.expert_proj_w[e], n_e, 4 * C, C);
-    k.gelu_backward(a.dhe.data() + r * 4 * C, moe.he.data() + r * 4 * C, a.dge.data() + r * 4 * C,
-                    static_cast<size_t>(n_e) * 4 * C);
-    k.matmul_backward(a.dxe.data() + r * C, g + o.expert_fc_w[e], g + o.expert_fc_b[e], a.dhe.data() + r * 4 * C,
-                      moe.xe.data() + r * C, p + o.expert_fc_w[e], n_e, C, 4 * C);
+    k.matmul_backward(x.dge.data() + r * Fl, g + o.expert_proj_w[e], g + o.expert_proj_b[e], x.dye.data() + r * C,
+                      moe.ge.data() + r * Fl, p + o.expert_proj_w[e], n_e, Fl, C);
+    k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
+                    static_cast<size_t>(n_e) * Fl);
+    k.matmul_backward(x.dxe.data() + r * C, g + o.expert_fc_w[e], g + o.expert_fc_b[e], x.dhe.data() + r * Fl,
+                      moe.xe.data() + r * C, p + o.expert_fc_w[e], n_e, C, Fl);
   }
-  k.scatter_add_rows(dinp, a.dxe.data(), moe.rows.data(), nullptr, M, C);
+  k.scatter_add_rows(dinp, x.dxe.data(), moe.rows.data(), nullptr, M, C);
 
   // Router: through the gate renormalisation w_j = p_j / sum_i p_i, plus the
   // aux loss's d/dp[n, e] = coef * E * f_e / N.
   std::vector<float> dgates(static_cast<size_t>(M));
-  k.copy_to_host(dgates.data(), a.dgates.data(), dgates.size() * sizeof(float));
+  k.copy_to_host(dgates.data(), x.dgates.data(), dgates.size() * sizeof(float));
   std::vector<float> dprobs(static_cast<size_t>(N) * E);
   for (int n = 0; n < N; ++n) {
     const size_t base = static_cast<size_t>(n) * K;
@@ -509,10 +730,14 @@ void Gpt::moe_backward(int layer, const float* p, float* g, float* dinp, const f
     }
     for (int j = 0; j < K; ++j) dp[moe.choice[base + j]] += (dgates[moe.slot[base + j]] - weighted) / total;
   }
-  k.copy_from_host(a.dprobs.data(), dprobs.data(), dprobs.size() * sizeof(float));
-  a.drouter.zero();
-  k.softmax_backward(a.drouter.data(), a.dprobs.data(), moe.probs.data(), N, E);
-  k.matmul_backward(dinp, g + o.router_w, nullptr, a.drouter.data(), a.blocks[layer].ln2.data(), p + o.router_w, N, C, E);
+  k.copy_from_host(x.dprobs.data(), dprobs.data(), dprobs.size() * sizeof(float));
+  x.drouter.zero();
+  k.softmax_backward(x.drouter.data(), x.dprobs.data(), moe.probs.data(), N, E);
+  // Every TP rank computed the router alike: its input gradient joins the
+  // partial sums on TP rank 0 only, or the sum over the group would count it
+  // tp times.
+  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, g + o.router_w, nullptr, x.drouter.data(),
+                    s.blocks[static_cast<size_t>(block)].ln2_all(), p + o.router_w, N, C, E);
 }
 
 }  // namespace keel::trainer

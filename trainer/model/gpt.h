@@ -2,6 +2,16 @@
 // layer by layer: forward() keeps every activation backward() needs, and
 // backward() walks the same layers in reverse. There is no autograd.
 //
+// With a pipeline (docs/architecture.md "Pipeline parallelism") a rank
+// runs one stage: a range of blocks, the embedding if it is the first and
+// the head and loss if it is the last, and keeps the activations of each
+// microbatch in flight in a slot of its own.
+//
+// With context parallelism (docs/architecture.md "Context parallelism")
+// the ranks of a CP group run the same sequences, each its ContextSplit
+// share of their positions, and attention passes queries' keys and values
+// around the group as a ring.
+//
 // With a tensor-parallel group (docs/architecture.md "Parallel layout and communication", Megatron-style) every rank of
 // it runs the same sequences on its slice of the weights: attention heads
 // and MLP columns are split, the token embedding and the cross-entropy are
@@ -17,6 +27,8 @@
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/arena.h"
 #include "trainer/model/model_storage.h"
+#include "trainer/parallel/context_split.h"
+#include "trainer/parallel/process_groups.h"
 
 #include <cstdint>
 #include <functional>
@@ -27,47 +39,86 @@ namespace keel::trainer {
 
 class Gpt {
  public:
-  // Runs on the parameters and gradients of `storage`, whose table is this
-  // TP rank's slice of the model, for batches of up to max_batch sequences
-  // of config.seq_len tokens. `tp` is the tensor-parallel group (nullptr:
-  // none); MoE blocks run without one.
+  // Runs pipeline stage storage.table().stage() (the whole model with one
+  // stage) on the parameters and gradients of `storage`, whose table is
+  // this TP rank's slice of that stage, for batches of up to max_batch
+  // sequences of config.seq_len tokens, with `slots` microbatches in flight
+  // at once (each keeps its activations until its backward). It talks to
+  // the TP and CP groups of `groups`; MoE blocks run without TP.
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
-      Communicator* tp = nullptr);
+      const ProcessGroups& groups = ProcessGroups::none(), int slots = 1);
   ~Gpt();
   // Places every activation (in the run's one Arena) before the first forward().
   void lay_out(Arena& arena);
 
   const common::ModelConfig& config() const { return config_; }
   const ParameterTable& table() const { return storage_.table(); }
+  const ModelStage& stage() const { return storage_.table().stage(); }
   Backend& backend() { return backend_; }
+  int slots() const;
 
-  // Runs B sequences (host tokens, [B, seq_len] each) and returns the mean
-  // cross-entropy. aux_loss() then holds the MoE load-balancing loss.
-  float forward(const int32_t* inputs, const int32_t* targets, int B);
+  // Runs this stage on B sequences into activation slot `slot`: the first
+  // stage embeds `inputs` (host tokens, [B, seq_len]), the others start
+  // from stage_input(slot); the last stage scores `targets` (host tokens,
+  // [B, seq_len]) and returns the mean cross-entropy over this rank's
+  // positions, the others leave stage_output(slot) and return 0. With CP
+  // each rank takes its own positions of the sequences. Either token pointer may be null on a stage that does
+  // not read it. aux_loss() then holds this stage's MoE load-balancing loss.
+  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0);
   float aux_loss() const { return aux_loss_; }
 
   // Accumulates the gradient of loss_scale * (cross-entropy + aux loss) of
-  // the last forward() into the storage's gradients. Overwrites logits().
-  void backward(float loss_scale);
+  // the forward in `slot` into the storage's gradients and frees the slot.
+  // A stage other than the last starts from output_gradient(slot); one
+  // other than the first leaves input_gradient(). Overwrites logits(slot).
+  void backward(float loss_scale, int slot = 0);
 
-  // [B, seq_len, this rank's vocabulary slice] after forward(), in backend memory.
-  const float* logits() const;
+  // The residual stream where stages meet: this rank's [B*T/tp, C] shard
+  // of positions (T = seq_len/cp), in backend memory. boundary_numel(B) floats each.
+  size_t boundary_numel(int B) const;
+  float* stage_input(int slot);               // the previous stage's output (not on the first stage)
+  const float* stage_output(int slot) const;  // the last block's output (not on the last stage)
+  float* output_gradient(int slot);           // its gradient, from the next stage (not on the last)
+  const float* input_gradient() const;        // after backward(): stage_input's gradient (not on the first)
+
+  // Per MoE block of this stage, in order: the tokens the router sent to
+  // each expert in the last forward of `slot`, over the whole microbatch
+  // (every dp x cp rank's share), counting each of a token's k choices.
+  std::vector<std::vector<double>> expert_tokens(int slot = 0) const;
+
+  // [B, seq_len/cp, this rank's vocabulary slice] after forward() on the
+  // last stage, in backend memory (with CP in ContextSplit's order).
+  const float* logits(int slot = 0) const;
 
   // `hook` (nullptr: none) sees activations of every forward(), which it
   // may change (fault injection flips a bit there, and the SDC guard sums
   // the squares of the last two; docs/architecture.md "Health"): site
-  // i < n_layer is the output of block i, this rank's [N/tp, C] shard of
-  // the residual stream that the next block reads; site n_layer is the
-  // logits, [N, this rank's vocabulary slice].
+  // i < n_layer is the output of block i (on the stage that runs it), this
+  // rank's [N/tp, C] shard of the residual stream that the next block
+  // reads; site n_layer is the logits (last stage), [N, this rank's
+  // vocabulary slice].
   using ActivationHook = std::function<void(int site, float* data, size_t numel)>;
   void on_activation(ActivationHook hook) { activation_hook_ = std::move(hook); }
 
  private:
-  struct Activations;
+  struct Slot;
+  struct Scratch;
   struct MoeLayer;
 
-  void moe_forward(int layer, const float* p, const float* inp, float* out, int N);
-  void moe_backward(int layer, const float* p, float* g, float* dinp, const float* dout, float loss_scale, int N);
+  // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
+  // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v
+  // around the group and merge what each chunk of keys gives.
+  void attend(const float* qkv, float* out, float* lse, int B);
+  // Its gradient from the scratch datty into the scratch dqkv.
+  void attend_backward(const float* qkv, const float* out, const float* lse, int B);
+  // Calls visit(query chunk, offset of the key chunk in `held`, inputs)
+  // for each pair of this rank's query chunks in qkv and CP rank owner's
+  // key chunks in `held` that the causal mask does not hide entirely.
+  void visible_pairs(const float* qkv, const float* held, int owner, int B,
+                     const std::function<void(int, size_t, const Backend::AttentionInputs&)>& visit);
+  void moe_forward(Slot& slot, int block, const float* p, const float* inp, float* out, int N);
+  void moe_backward(Slot& slot, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
+                    int N);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the
@@ -81,9 +132,14 @@ class Gpt {
   Communicator* tp_;
   int tp_rank_;
   int tp_size_;
+  Communicator* cp_;
+  // The ranks that split a batch (dp x cp), over which MoE's load statistics sum.
+  Communicator* batch_group_;
+  ContextSplit context_;
+  std::vector<int32_t> local_tokens_;  // this rank's positions of a batch (CP)
   int max_batch_;
-  std::unique_ptr<Activations> acts_;
-  int batch_ = 0;  // B of the last forward()
+  std::vector<Slot> slots_;
+  std::unique_ptr<Scratch> scratch_;
   float aux_loss_ = 0.0f;
   ActivationHook activation_hook_;
 };

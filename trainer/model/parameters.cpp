@@ -44,8 +44,15 @@ std::vector<GlobalBlock> ParamSpec::global_blocks(int64_t row_begin, int64_t row
   return blocks;
 }
 
-ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size)
-    : tp_rank_(tp_rank), tp_size_(tp_size) {
+ModelStage ModelStage::of(const std::vector<int64_t>& layers_per_stage, int index) {
+  ModelStage stage{index, static_cast<int>(layers_per_stage.size()), 0, 0};
+  for (int s = 0; s < index; ++s) stage.layer_begin += layers_per_stage[static_cast<size_t>(s)];
+  stage.layer_end = stage.layer_begin + layers_per_stage[static_cast<size_t>(index)];
+  return stage;
+}
+
+ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size, const ModelStage& stage)
+    : tp_rank_(tp_rank), tp_size_(tp_size), stage_(stage) {
   const int64_t C = m.n_embd;
   // GPT-2 scales the init of every projection into the residual stream by
   // 1/sqrt(2L) so the stream's variance does not grow with depth.
@@ -68,10 +75,19 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
   };
 
   unit_first_tensor_.push_back(0);
-  add("wte", {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal);
-  add("wpe", {m.seq_len, C}, TpSplit::kReplicated, InitKind::kNormal);
-  layernorm("ln_f");
-  for (int64_t i = 0; i < m.n_layer; ++i) {
+  auto token_embedding = [&] { add("wte", {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal); };
+  if (stage.first()) {
+    token_embedding();
+    add("wpe", {m.seq_len, C}, TpSplit::kReplicated, InitKind::kNormal);
+  }
+  if (stage.last()) {
+    layernorm("ln_f");
+    if (!stage.first()) {
+      token_embedding();
+      specs_.back().tied_copy = true;
+    }
+  }
+  for (int64_t i = stage.layer_begin; i < stage.layer_end; ++i) {
     unit_first_tensor_.push_back(specs_.size());
     const std::string h = "h." + std::to_string(i);
     layernorm(h + ".ln_1");

@@ -37,6 +37,24 @@ struct GlobalBlock {
   int64_t col = 0;
 };
 
+// The part of the model one pipeline stage runs (docs/architecture.md
+// "Pipeline parallelism"): blocks [layer_begin, layer_end), the embedding
+// on the first stage and the head (final norm, LM head tied to the token
+// embedding, loss) on the last. One stage alone is the whole model.
+struct ModelStage {
+  int index = 0;
+  int count = 1;
+  int64_t layer_begin = 0;
+  int64_t layer_end = 0;
+
+  bool first() const { return index == 0; }
+  bool last() const { return index == count - 1; }
+  int64_t layers() const { return layer_end - layer_begin; }
+  static ModelStage whole(const common::ModelConfig& model) { return {0, 1, 0, model.n_layer}; }
+  // Stage `index` of a pipeline whose stage s runs layers_per_stage[s] blocks.
+  static ModelStage of(const std::vector<int64_t>& layers_per_stage, int index);
+};
+
 struct ParamSpec {
   std::string name;                   // nanoGPT name, e.g. "h.0.attn.c_attn.weight"
   std::vector<int64_t> global_shape;  // PyTorch layout
@@ -51,6 +69,11 @@ struct ParamSpec {
   // Its gradient on one TP rank covers that rank's sequence shard only and
   // must be summed over the TP group (the norms, under sequence parallelism).
   bool grad_partial_over_tp = false;
+  // The last stage's copy of the token embedding, which its LM head reads
+  // while the first stage embeds with the original: the two gradients are
+  // summed so both copies stay equal, and only the first stage's is saved
+  // and counted in the gradient norm.
+  bool tied_copy = false;
 
   // AdamW decays 2-D tensors only (weights and embeddings, not biases or norms).
   bool weight_decay() const { return shape.size() == 2; }
@@ -62,10 +85,16 @@ struct ParamSpec {
 
 class ParameterTable {
  public:
-  // Every tensor of the GPT described by `model`, in a fixed order, as TP
-  // rank `tp_rank` of `tp_size` holds it. Callers validate the layout first
-  // (tp divides n_head, n_embd and the padded vocabulary).
-  explicit ParameterTable(const common::ModelConfig& model, int tp_rank = 0, int tp_size = 1);
+  // Every tensor of pipeline stage `stage` of the GPT described by `model`,
+  // in a fixed order, as TP rank `tp_rank` of `tp_size` holds it. Callers
+  // validate the layout first (tp divides n_head, n_embd and the padded
+  // vocabulary).
+  ParameterTable(const common::ModelConfig& model, int tp_rank, int tp_size, const ModelStage& stage);
+  // The whole model.
+  explicit ParameterTable(const common::ModelConfig& model, int tp_rank = 0, int tp_size = 1)
+      : ParameterTable(model, tp_rank, tp_size, ModelStage::whole(model)) {}
+
+  const ModelStage& stage() const { return stage_; }
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   // Floats in the flat buffer, alignment gaps between tensors included.
@@ -76,9 +105,10 @@ class ParameterTable {
   const ParamSpec& find(const std::string& name) const;
 
   // The model runs in units, each a run of consecutive tensors and of the
-  // flat buffer: unit 0 holds the embeddings and the final norm (used at
-  // both ends of the model), unit 1 + i block i. ZeRO-3 gathers and ZeRO-2
-  // reduces one unit at a time.
+  // flat buffer: unit 0 holds the stage's ends (the embeddings on the first
+  // stage, the final norm and the tied LM head on the last; empty on a
+  // middle stage), unit 1 + i the stage's i-th block. ZeRO-3 gathers and
+  // ZeRO-2 reduces one unit at a time.
   int unit_count() const { return static_cast<int>(unit_first_tensor_.size()) - 1; }
   size_t unit_first_tensor(int unit) const { return unit_first_tensor_[unit]; }
   size_t unit_end_tensor(int unit) const { return unit_first_tensor_[unit + 1]; }
@@ -90,6 +120,7 @@ class ParameterTable {
   void add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init, float init_std = 0.02f);
   int tp_rank_;
   int tp_size_;
+  ModelStage stage_;
   std::vector<ParamSpec> specs_;
   std::vector<size_t> unit_first_tensor_;
   size_t total_ = 0;

@@ -71,6 +71,38 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches) {
   return actions;
 }
 
+std::vector<Action> forward_only(int stages, int stage, int microbatches) {
+  std::vector<Action> actions;
+  for (int mb = 0; mb < microbatches; ++mb) {
+    if (stage > 0) actions.push_back({ActionKind::kRecvActivation, mb});
+    actions.push_back({ActionKind::kForward, mb});
+    if (stage < stages - 1) actions.push_back({ActionKind::kSendActivation, mb});
+  }
+  return actions;
+}
+
+SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches) {
+  SlotPlan plan{0, std::vector<int>(static_cast<size_t>(microbatches), -1)};
+  // A slot is taken by a microbatch's first action and given back after
+  // its last. A transfer posted in the same exchange as that last action
+  // may take it again: slots hold a stage's input and activations, while
+  // what leaves (the last block's output, the input's gradient) is read
+  // from the slot's last block or from scratch before anything is received.
+  std::vector<size_t> last(static_cast<size_t>(microbatches), 0);
+  for (size_t i = 0; i < actions.size(); ++i) last.at(static_cast<size_t>(actions[i].microbatch)) = i;
+  std::vector<int> free;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    int& slot = plan.slot[static_cast<size_t>(actions[i].microbatch)];
+    if (slot < 0) {
+      if (free.empty()) free.push_back(plan.slots++);
+      slot = free.back();
+      free.pop_back();
+    }
+    if (last[static_cast<size_t>(actions[i].microbatch)] == i) free.push_back(slot);
+  }
+  return plan;
+}
+
 namespace {
 
 // A stage's actions as steps: one compute action, or the transfers that

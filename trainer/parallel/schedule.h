@@ -38,6 +38,19 @@ std::string describe(const Action& action);
 // With one stage it is forward, backward, forward, ... with no transfers.
 std::vector<Action> one_f_one_b(int stages, int stage, int microbatches);
 
+// Forwards alone (validation): each microbatch received, run and passed on.
+std::vector<Action> forward_only(int stages, int stage, int microbatches);
+
+// Which activation slot each microbatch of `actions` uses (Gpt keeps a
+// microbatch's activations in its slot from its forward, or the receive of
+// its input, to its backward): slot[mb], and how many slots the stage
+// needs, the most microbatches alive at once.
+struct SlotPlan {
+  int slots = 0;
+  std::vector<int> slot;
+};
+SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches);
+
 // What running every stage's actions gives, transfers taking no time and a
 // transfer done once both sides have posted theirs (Gloo's sends wait for
 // their receive). Forward takes `forward_time`, backward `backward_time`.

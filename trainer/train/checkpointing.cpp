@@ -51,7 +51,9 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std
   std::vector<StateBlock> blocks;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
     const ParamSpec& spec = table_.specs()[t];
-    if (saved && spec.split == TpSplit::kReplicated && tp_rank_ != 0) continue;
+    // Saved once: from TP rank 0 when replicated over TP, from the first
+    // stage when tied across the pipeline. Every holder loads it.
+    if (saved && ((spec.split == TpSplit::kReplicated && tp_rank_ != 0) || spec.tied_copy)) continue;
     const int64_t row_numel = spec.row_numel();
     const int64_t owned_begin = storage_.owned_row_begin(t);
     for (const std::string& group : sections) {
@@ -184,7 +186,9 @@ void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
   auto groups = loaded_groups(reader);
   // /model is checked beside /master too: a bf16 checkpoint holds both.
   if (groups.front() == kMaster) groups.push_back(kModel);
-  for (const ParamSpec& spec : table_.specs()) {
+  // Against the whole model: the checkpoint holds every stage's tensors.
+  const ParameterTable whole(config_.model);
+  for (const ParamSpec& spec : whole.specs()) {
     for (const std::string& group : groups) {
       const std::string path = fmt::format("/{}/{}", group, spec.name);
       expected.insert(path);

@@ -3,6 +3,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/human_format.h"
+#include "common/layout_check.h"
 #include "common/log.h"
 
 #include <fmt/format.h>
@@ -44,17 +45,47 @@ size_t tp_partial_numel(const ZeroStorage& storage) {
   return numel;
 }
 
+// The token embedding where a pipeline ties it across its first and last
+// stage: the original on the first, the copy on the last; none otherwise.
+std::optional<size_t> tied_tensor(const ParameterTable& table) {
+  const ModelStage& stage = table.stage();
+  if (stage.count == 1 || (!stage.first() && !stage.last())) return std::nullopt;
+  const auto& specs = table.specs();
+  for (size_t t = 0; t < specs.size(); ++t) {
+    if (specs[t].name == "wte") return t;
+  }
+  return std::nullopt;
+}
+
+ModelStage stage_of(const common::Config& config, const ProcessGroups& groups) {
+  return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp));
+}
+
+// How many microbatches the stage's schedule keeps alive, and so how many
+// activation slots its model needs (validation's forwards need one).
+int slots_for(const std::vector<Action>& schedule, int microbatches) {
+  return std::max(1, plan_slots(schedule, microbatches).slots);
+}
+
 }  // namespace
 
-ArenaArray<float> TrainLoop::lay_out_memory(size_t tp_partial) {
-  ArenaArray<float> partial;
+int64_t TrainLoop::moe_layers_before(int64_t layer) const {
+  int64_t count = 0;
+  for (int64_t i = 0; i < layer; ++i) count += config_.model.is_moe_layer(i) ? 1 : 0;
+  return count;
+}
+
+TrainLoop::Buffers TrainLoop::lay_out_memory() {
+  Buffers buffers;
+  const auto tied = tied_tensor(table_);
   state_memory_ = std::make_unique<Arena>(backend_, [&](Arena& arena) {
     storage_.lay_out(arena);
     optimizer_.lay_out(arena);
     model_.lay_out(arena);
-    partial = arena.take<float>(tp_partial);
+    buffers.tp_partial_grads = arena.take<float>(groups_.get(Axis::kTp) != nullptr ? tp_partial_numel(storage_) : 0);
+    buffers.tied_grads = arena.take<float>(tied ? storage_.owned_numel(*tied) : 0);
   });
-  return partial;
+  return buffers;
 }
 
 TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const ProcessGroups& groups, RankContext rank)
@@ -66,17 +97,21 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       tp_rank_(groups.rank(Axis::kTp)),
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
-      table_(config.model, tp_rank_, groups.size(Axis::kTp)),
+      stage_(stage_of(config, groups)),
+      schedule_(one_f_one_b(stage_.count, stage_.index, static_cast<int>(config.parallel.micro_batches))),
+      table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_),
       storage_(backend, table_, static_cast<int>(config.parallel.zero), groups.get(Axis::kDpCp),
                config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
-      model_(config.model, backend, micro_batch_, storage_, groups.get(Axis::kTp)),
-      tp_partial_grads_(lay_out_memory(groups.get(Axis::kTp) != nullptr ? tp_partial_numel(storage_) : 0)),
+      model_(config.model, backend, micro_batch_, storage_, groups,
+             slots_for(schedule_, static_cast<int>(config.parallel.micro_batches))),
+      buffers_(lay_out_memory()),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
       faults_(config, rank.rank, rank.generation),
-      sdc_(config, backend, rank.rank, rank.world_size, rank.generation, board_,
-           [this](float* values, size_t count) { sum_over_world(values, count); }, replicated_state()),
+      sdc_(
+          config, backend, rank.rank, rank.world_size, rank.generation, board_,
+          [this](float* values, size_t count) { sum_over_world(values, count); }, replicated_state()),
       checkpoint_faults_(checkpoint::FileSystem::real(), faults_) {
   const Layout layout = Layout::from(config.parallel);
   for (Axis axis : kAxes) {
@@ -93,8 +128,11 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
   describe_flip_sites();
   storage_.on_local_gradients([this](int unit, float* grads, size_t numel) { on_local_gradients(unit, grads, numel); });
   model_.on_activation([this](int site, float* data, size_t numel) {
+    // Site i of the model is this stage's site i - layer_begin; the logits come last.
+    const size_t local =
+        site == config_.model.n_layer ? activation_sites_.size() - 1 : static_cast<size_t>(site - stage_.layer_begin);
     flip_if_due(backend_, faults_, "activation", activation_sites_,
-                [&](size_t s) { return s == static_cast<size_t>(site) ? data : nullptr; });
+                [&](size_t s) { return s == local ? data : nullptr; });
     // The last block's output and the logits of a training forward:
     // StepSignals says why these; validation's are not judged.
     if (judging_activations_ && site >= config_.model.n_layer - 1) {
@@ -168,9 +206,10 @@ StepStats TrainLoop::train_step(int64_t step) {
 TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   const int T = static_cast<int>(config_.model.seq_len);
   const int64_t micro_batches = config_.parallel.micro_batches;
-  // Each rank's gradient is its share of the global mean: summing over the
-  // DP group then gives the gradient of the whole batch.
-  const float loss_scale = 1.0f / static_cast<float>(micro_batches * dp_size_);
+  // Each rank's gradient is its share of the global mean: summing over
+  // dp x cp (a CP rank's loss is the mean over its share of the positions)
+  // then gives the gradient of the whole batch.
+  const float loss_scale = 1.0f / static_cast<float>(micro_batches * groups_.size(Axis::kDpCp));
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
 
   const auto start = Clock::now();
@@ -179,21 +218,42 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   sdc_.begin_attempt();
   storage_.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    const bool last = m + 1 == micro_batches;
-    storage_.begin_microbatch(last);
+  const int64_t experts = config_.model.n_expert;
+  std::vector<float> expert_tokens(static_cast<size_t>(moe_layers_before(config_.model.n_layer) * experts), 0.0f);
+  StageWork work;
+  work.batch = [this](int) { return micro_batch_; };
+  work.forward = [&](int mb, int slot) {
     board_.set_phase(health::Phase::kData);
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
-                     first_sample + m * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
+                     first_sample + mb * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
     board_.set_phase(health::Phase::kForward);
     judging_activations_ = sdc_.fingerprinting();
-    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
+    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_, slot);
     judging_activations_ = false;
     aux_sum += model_.aux_loss();
+    // This stage's MoE blocks, each microbatch's counts over dp x cp already.
+    size_t at = static_cast<size_t>(moe_layers_before(stage_.layer_begin) * experts);
+    for (const auto& layer : model_.expert_tokens(slot)) {
+      for (double count : layer) expert_tokens[at++] += static_cast<float>(count);
+    }
+  };
+  work.backward = [&](int mb, int slot) {
+    // Schedules run the backwards in microbatch order.
+    const bool last = mb + 1 == micro_batches;
+    storage_.begin_microbatch(last);
     board_.set_phase(health::Phase::kBackward);
-    // Poisoned as backward hands unit 0 over: its sum over DP may start then.
+    // Poisoned as backward hands its first unit over: its sum over DP may start then.
     poison_gradient_ = last && faults_.poisons(step, "gradient");
-    model_.backward(loss_scale);
+    model_.backward(loss_scale, slot);
+  };
+  schedule_time_ += run_stage(schedule_, static_cast<int>(micro_batches), model_, groups_.get(Axis::kPp), work);
+  if (Communicator* pp = groups_.get(Axis::kPp); pp != nullptr && !expert_tokens.empty()) {
+    pp->all_reduce(expert_tokens.data(), expert_tokens.size());
+  }
+  step_expert_tokens_ = nlohmann::json::array();
+  for (size_t layer = 0; experts > 0 && layer < expert_tokens.size() / static_cast<size_t>(experts); ++layer) {
+    step_expert_tokens_.push_back(
+        std::vector<float>(expert_tokens.begin() + layer * experts, expert_tokens.begin() + (layer + 1) * experts));
   }
   // A slow rank's forward and backward take longer; its peers then wait
   // for it in the gradient sums below. Stretched is the rank's own work, as
@@ -205,10 +265,11 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
   sum_norm_gradients_over_tp();
+  sum_tied_gradients();
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   board_.set_phase(health::Phase::kOptimizer);
   const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
-  const double batches = static_cast<double>(micro_batches * dp_size_);
+  const double batches = static_cast<double>(micro_batches * groups_.size(Axis::kDpCp));
   return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},
                    static_cast<float>(sums.aux_loss / batches)};
 }
@@ -221,7 +282,7 @@ int64_t TrainLoop::collective_wait_ns() const {
 
 void TrainLoop::on_local_gradients(int unit, float* grads, size_t numel) {
   const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
-  if (unit == 0 && poison_gradient_) {
+  if (poison_gradient_ && numel > 0) {
     const float nan = std::nanf("");  // into the unit's first element
     backend_.copy_from_host(grads, &nan, sizeof(float));
     poison_gradient_ = false;
@@ -248,23 +309,32 @@ void TrainLoop::describe_flip_sites() {
     tensor_sites_.push_back({table_.specs()[t].name, table_.specs()[t].numel});
     owned_sites_.push_back({table_.specs()[t].name, storage_.owned_numel(t)});
   }
-  // Gpt's activation sites: each block's output shard, then the logits.
-  const size_t positions = static_cast<size_t>(micro_batch_ * config_.model.seq_len);
+  // Gpt's activation sites on this stage: each block's output shard, then
+  // the logits on the last stage.
+  const size_t positions = static_cast<size_t>(micro_batch_ * config_.model.seq_len / config_.parallel.cp);
   const size_t shard = positions / static_cast<size_t>(config_.parallel.tp) * static_cast<size_t>(config_.model.n_embd);
-  for (int64_t i = 0; i < config_.model.n_layer; ++i) {
+  for (int64_t i = stage_.layer_begin; i < stage_.layer_end; ++i) {
     activation_sites_.push_back({fmt::format("h.{}.output", i), shard});
   }
   const size_t vocabulary = static_cast<size_t>(config_.model.padded_vocab() / config_.parallel.tp);
-  activation_sites_.push_back({"logits", positions * vocabulary});
+  if (stage_.last()) activation_sites_.push_back({"logits", positions * vocabulary});
   const auto& f = config_.faults;
   if (f.bitflip_tensor.empty()) return;
-  const auto& sites = f.bitflip_target == "activation" ? activation_sites_ : tensor_sites_;
-  if (std::none_of(sites.begin(), sites.end(), [&](const auto& s) { return s.name == f.bitflip_tensor; })) {
-    throw common::Error(common::ErrorCode::kBadConfig,
-                        fmt::format("faults.bitflip_tensor = \"{}\" names no {} of this model; name one such as "
-                                    "\"{}\", or leave it empty to draw one",
-                                    f.bitflip_tensor,
-                                    f.bitflip_target == "activation" ? "activation" : "tensor", sites.front().name));
+  // The name must be one of the whole model's; a stage without it never flips.
+  std::vector<std::string> names;
+  if (f.bitflip_target == "activation") {
+    for (int64_t i = 0; i < config_.model.n_layer; ++i) names.push_back(fmt::format("h.{}.output", i));
+    names.push_back("logits");
+  } else {
+    const ParameterTable whole(config_.model);
+    for (const ParamSpec& spec : whole.specs()) names.push_back(spec.name);
+  }
+  if (std::find(names.begin(), names.end(), f.bitflip_tensor) == names.end()) {
+    throw common::Error(
+        common::ErrorCode::kBadConfig,
+        fmt::format("faults.bitflip_tensor = \"{}\" names no {} of this model; name one such as "
+                    "\"{}\", or leave it empty to draw one",
+                    f.bitflip_tensor, f.bitflip_target == "activation" ? "activation" : "tensor", names.front()));
   }
 }
 
@@ -283,10 +353,11 @@ ReplicatedState TrainLoop::replicated_state() {
     spans.push_back({optimizer_.exp_avg(0), params});
     spans.push_back({optimizer_.exp_avg_sq(0), params});
   }
-  // Only ranks holding the same slice of the same model at the same stage
-  // compare (pipeline coordinates join this once pipelines exist).
-  const std::string set = fmt::format("tp {} of {}, zero {}, model {}", tp_rank_, config_.parallel.tp,
-                                      storage_.stage(), config_.to_json().at("model").dump());
+  // Only ranks holding the same slice of the same model at the same ZeRO
+  // stage compare.
+  const std::string set =
+      fmt::format("tp {} of {}, pipeline stage {} of {}, zero {}, model {}", tp_rank_, config_.parallel.tp,
+                  stage_.index, stage_.count, storage_.stage(), config_.to_json().at("model").dump());
   return {XXH3_64bits(set.data(), set.size()), std::move(spans), ""};
 }
 
@@ -300,27 +371,42 @@ void TrainLoop::sum_norm_gradients_over_tp() {
   // Under sequence parallelism each TP rank holds the norms' gradient of
   // its own positions: sum them, every tensor in one all-reduce.
   Communicator* tp = groups_.get(Axis::kTp);
-  if (tp == nullptr || tp_partial_grads_.size() == 0) return;
+  ArenaArray<float>& packed_partials = buffers_.tp_partial_grads;
+  if (tp == nullptr || packed_partials.size() == 0) return;
   auto for_each_partial = [&](auto&& visit) {
     size_t at = 0;
     for (size_t t = 0; t < table_.specs().size(); ++t) {
       if (!table_.specs()[t].grad_partial_over_tp) continue;
       const size_t bytes = storage_.owned_numel(t) * sizeof(float);
-      visit(tp_partial_grads_.data() + at, storage_.owned_gradients(t), bytes);
+      visit(packed_partials.data() + at, storage_.owned_gradients(t), bytes);
       at += storage_.owned_numel(t);
     }
   };
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(packed, owned, bytes); });
-  tp->all_reduce(tp_partial_grads_.data(), tp_partial_grads_.size());
+  tp->all_reduce(packed_partials.data(), packed_partials.size());
   for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
+}
+
+void TrainLoop::sum_tied_gradients() {
+  // Megatron's embedding group is the PP group's two ends; each adds the
+  // other's gradient to its own, and a + b == b + a bit for bit, so both
+  // copies take the same update.
+  const auto tied = tied_tensor(table_);
+  if (!tied) return;
+  float* owned = storage_.owned_gradients(*tied);
+  const size_t numel = storage_.owned_numel(*tied);
+  const int peer = stage_.first() ? stage_.count - 1 : 0;
+  groups_.get(Axis::kPp)->exchange({{owned, numel, peer}}, {{buffers_.tied_grads.data(), numel, peer}});
+  backend_.accumulate(owned, buffers_.tied_grads.data(), numel);
 }
 
 TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum) {
   const auto& specs = table_.specs();
-  // Every owned part once, a tensor replicated over TP counted on TP rank 0 only.
+  // Every owned part once: a tensor replicated over TP counted on TP rank
+  // 0 only, the tied embedding on the first stage only.
   double squares = 0;
   for (size_t t = 0; t < specs.size(); ++t) {
-    if (tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) continue;
+    if ((tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
     squares += backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
   }
   // The scalars share one small all-reduce per group instead of one each.
@@ -345,6 +431,14 @@ TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum)
     sums.aux_loss = over_dp[1];
     sums.activation_squares = over_dp[2];
     if (sharded) sums.grad_squares = over_dp[3];
+  }
+  // Over PP: each stage has its own tensors and activations, and the last
+  // the loss (the others add 0).
+  if (Communicator* pp = groups_.get(Axis::kPp)) {
+    float over_pp[4] = {static_cast<float>(sums.loss), static_cast<float>(sums.aux_loss),
+                        static_cast<float>(sums.activation_squares), static_cast<float>(sums.grad_squares)};
+    pp->all_reduce(over_pp, 4);
+    sums = StepSums{over_pp[0], over_pp[1], over_pp[3], over_pp[2]};
   }
   return sums;
 }
@@ -384,7 +478,8 @@ void TrainLoop::write_gradients(int64_t step) {
 
 MemoryUse TrainLoop::memory() const {
   return MemoryUse{storage_.parameter_bytes(), storage_.gradient_bytes(), optimizer_.state_bytes(),
-                   storage_.working_bytes() + tp_partial_grads_.bytes(), state_memory_->bytes()};
+                   storage_.working_bytes() + buffers_.tp_partial_grads.bytes() + buffers_.tied_grads.bytes(),
+                   state_memory_->bytes()};
 }
 
 float TrainLoop::validate() {
@@ -397,18 +492,37 @@ float TrainLoop::validate() {
   faults_.slow_down("validation", last_step_s_);
   double sum = 0;
   for (int64_t i = 0; i < config_.train.val_batches; ++i) {
-    for (int64_t m = 0; m < micro_batches; ++m) {
-      fill_val_batch(*val_, i, config_.train.batch_size, T, first_sample + m * micro_batch_, micro_batch_,
-                     inputs_.data(), targets_.data());
-      sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_);
-    }
+    sum += forward_pass(
+               static_cast<int>(micro_batches), [this](int) { return micro_batch_; },
+               [&](int mb) {
+                 fill_val_batch(*val_, i, config_.train.batch_size, T, first_sample + mb * micro_batch_, micro_batch_,
+                                inputs_.data(), targets_.data());
+               }) /
+           micro_batch_;
   }
-  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
-    float total = static_cast<float>(sum);
-    dp->all_reduce(&total, 1);
-    sum = total;
+  sum_over_pipeline_and_dp(&sum);
+  return static_cast<float>(sum / (config_.train.val_batches * micro_batches * groups_.size(Axis::kDpCp)));
+}
+
+double TrainLoop::forward_pass(int microbatches, const std::function<int(int mb)>& batch,
+                               const std::function<void(int mb)>& fill) {
+  double sum = 0;
+  StageWork work;
+  work.batch = batch;
+  work.forward = [&](int mb, int slot) {
+    fill(mb);
+    sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch(mb), slot)) * batch(mb);
+  };
+  run_stage(forward_only(stage_.count, stage_.index, microbatches), microbatches, model_, groups_.get(Axis::kPp), work);
+  return sum;
+}
+
+void TrainLoop::sum_over_pipeline_and_dp(double* value) {
+  float total = static_cast<float>(*value);
+  for (Axis axis : {Axis::kPp, Axis::kDpCp}) {
+    if (Communicator* group = groups_.get(axis)) group->all_reduce(&total, 1);
   }
-  return static_cast<float>(sum / (config_.train.val_batches * micro_batches * dp_size_));
+  *value = total;
 }
 
 TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int64_t sequences) {
@@ -423,28 +537,22 @@ TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int
                                     path.string(), available, T + 1, sequences, available));
   }
   // DP rank d takes windows d, d + dp, d + 2dp, ... in microbatches; the TP
-  // ranks of a DP rank take the same ones.
+  // ranks and pipeline stages of a DP rank take the same ones.
+  const int64_t mine = sequences > dp_rank_ ? (sequences - dp_rank_ + dp_size_ - 1) / dp_size_ : 0;
+  const int microbatches = static_cast<int>((mine + micro_batch_ - 1) / micro_batch_);
+  auto batch = [&](int mb) { return static_cast<int>(std::min<int64_t>(micro_batch_, mine - mb * micro_batch_)); };
   std::vector<int32_t> window(static_cast<size_t>(T) + 1);
-  double loss_sum = 0;
-  int batch = 0;
-  auto flush = [&] {
-    if (batch == 0) return;
-    loss_sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch)) * batch;
-    batch = 0;
-  };
-  for (int64_t i = dp_rank_; i < sequences; i += dp_size_) {
-    data.copy(i * (T + 1), T + 1, window.data());
-    std::copy(window.begin(), window.end() - 1, inputs_.begin() + static_cast<ptrdiff_t>(batch) * T);
-    std::copy(window.begin() + 1, window.end(), targets_.begin() + static_cast<ptrdiff_t>(batch) * T);
-    if (++batch == micro_batch_) flush();
-  }
-  flush();
-  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
-    float total = static_cast<float>(loss_sum);
-    dp->all_reduce(&total, 1);
-    loss_sum = total;
-  }
-  return Evaluation{static_cast<float>(loss_sum / static_cast<double>(sequences)), sequences};
+  double loss_sum = forward_pass(microbatches, batch, [&](int mb) {
+    for (int b = 0; b < batch(mb); ++b) {
+      const int64_t i = dp_rank_ + (static_cast<int64_t>(mb) * micro_batch_ + b) * dp_size_;
+      data.copy(i * (T + 1), T + 1, window.data());
+      std::copy(window.begin(), window.end() - 1, inputs_.begin() + static_cast<ptrdiff_t>(b) * T);
+      std::copy(window.begin() + 1, window.end(), targets_.begin() + static_cast<ptrdiff_t>(b) * T);
+    }
+  });
+  sum_over_pipeline_and_dp(&loss_sum);
+  // The CP ranks of a window each hold the mean over their share of it.
+  return Evaluation{static_cast<float>(loss_sum / static_cast<double>(sequences * groups_.size(Axis::kCp))), sequences};
 }
 
 RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
@@ -466,9 +574,11 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
   const auto& train = config_.train;
   const int64_t tokens_per_step = train.batch_size * config_.model.seq_len;
   std::filesystem::path run_dir(config_.job.run_dir);
-  // Every DP rank computes the same step records; rank 0 writes them.
+  // Every DP and TP rank computes the same step records, and the pipeline
+  // passes its loss back from the last stage: the last stage's first rank
+  // writes them.
   std::optional<MetricsWriter> metrics;
-  if (dp_rank_ == 0 && tp_rank_ == 0) metrics.emplace(run_dir, start_step_);
+  if (groups_.rank(Axis::kDpCp) == 0 && tp_rank_ == 0 && stage_.last()) metrics.emplace(run_dir, start_step_);
   log->info(
       "training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters on this rank (tp={}, "
       "zero={}); run_dir {}",
@@ -507,7 +617,10 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
                              {"tokens", summary.tokens},
                              {"tokens_per_s", tokens_per_step / (stats.step_ms / 1e3)},
                              {"step_ms", stats.step_ms}};
-    if (config_.model.n_expert > 0) record["aux_loss"] = stats.aux_loss;
+    if (config_.model.n_expert > 0) {
+      record["aux_loss"] = stats.aux_loss;
+      record["expert_tokens"] = step_expert_tokens_;
+    }
     if (stats.skipped) record["skipped"] = true;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.
@@ -593,6 +706,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
   summary.wall_s = seconds_since(run_start);
   summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;
   summary.memory = memory();
+  summary.schedules = schedule_time_;
   return summary;
 }
 

@@ -16,13 +16,16 @@
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/process_groups.h"
+#include "trainer/parallel/schedule.h"
 #include "trainer/parallel/zero_storage.h"
 #include "trainer/train/fault_hooks.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/sdc_guard.h"
+#include "trainer/train/stage_executor.h"
 
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -62,6 +65,11 @@ struct RunSummary {
   int64_t first_step = 0;          // where training started (a resumed run: the checkpoint's step)
   bool final_checkpoint_failed = false;
   std::string parameter_digest;    // XXH3 of the parameters this rank holds, after the last step
+  // This rank's training schedules over the run: time computing and time
+  // in all. Every stage starts a step's schedule together and the first
+  // stage ends it (its last backward is the pipeline's last), so a stage's
+  // idle share of the pipeline is 1 - compute_s / the first stage's total_s.
+  StageTime schedules;
 };
 
 // Who this rank is in the run, for checkpoints: its global rank and the
@@ -170,8 +178,22 @@ class TrainLoop {
   void describe_flip_sites();
   // What this rank's DP replicas hold identically (SdcGuard's digests).
   ReplicatedState replicated_state();
-  // Sums `values` over the world in place: over the TP group, then the DP group.
+  // Sums `values` over the world in place, one grid axis after another.
   void sum_over_world(float* values, size_t count);
+  // Runs the forwards of `microbatches` through the pipeline (validation,
+  // evaluation): fill(mb) puts microbatch mb's tokens in inputs_ and
+  // targets_, batch(mb) says how many sequences it has. Returns the sum of
+  // each microbatch's mean loss times its sequences on the last stage, 0
+  // on the others.
+  double forward_pass(int microbatches, const std::function<int(int mb)>& batch,
+                      const std::function<void(int mb)>& fill);
+  // How many MoE blocks come before block `layer`.
+  int64_t moe_layers_before(int64_t layer) const;
+  // Sums a loss over the pipeline (only the last stage's is not 0) and the DP ranks.
+  void sum_over_pipeline_and_dp(double* value);
+  // Gives both copies of the tied token embedding (first and last stage)
+  // the sum of their gradients.
+  void sum_tied_gradients();
   // A block of a global tensor this rank saves or loads, and where its rows
   // live in this rank's memory.
   struct StateBlock {
@@ -204,9 +226,15 @@ class TrainLoop {
   // Clips by `norm` and applies AdamW to the owned parts.
   void apply_update(float lr, double norm, int64_t step);
   void write_gradients(int64_t step);
-  // Places the storage, the optimizer and the model in state_memory_, and
-  // returns the array of `tp_partial` floats that follows them.
-  ArenaArray<float> lay_out_memory(size_t tp_partial);
+  // The loop's own working arrays, placed after the model's.
+  struct Buffers {
+    // The norms' gradients, summed over TP in one all-reduce (sequence parallelism).
+    ArenaArray<float> tp_partial_grads;
+    // The other stage's gradient of the tied token embedding (pipelines).
+    ArenaArray<float> tied_grads;
+  };
+  // Places the storage, the optimizer, the model and the Buffers in state_memory_.
+  Buffers lay_out_memory();
 
   common::Config config_;
   Backend& backend_;
@@ -217,6 +245,9 @@ class TrainLoop {
   TokenDataset train_;
   std::optional<TokenDataset> val_;
   int micro_batch_;
+  ModelStage stage_;
+  // This stage's actions in a training step.
+  std::vector<Action> schedule_;
   ParameterTable table_;
   // The memory of everything below, placed once (docs/architecture.md
   // "Memory") by lay_out_memory() when the last of it is initialised.
@@ -226,8 +257,7 @@ class TrainLoop {
   ZeroStorage storage_;
   AdamW optimizer_;
   Gpt model_;
-  // The norms' gradients, summed over TP in one all-reduce (sequence parallelism).
-  ArenaArray<float> tp_partial_grads_;
+  Buffers buffers_;
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;
@@ -246,6 +276,10 @@ class TrainLoop {
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;
   double last_step_s_ = 0;  // the last step's wall time, what slowed phases are measured in
+  StageTime schedule_time_;  // the training schedules' time over the run
+  // The last step's tokens per expert of each MoE block of the model, over
+  // the whole batch (metrics.jsonl's expert_tokens).
+  nlohmann::json step_expert_tokens_ = nlohmann::json::array();
 };
 
 }  // namespace keel::trainer

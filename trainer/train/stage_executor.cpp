@@ -1,0 +1,72 @@
+#include "trainer/train/stage_executor.h"
+
+#include "common/error.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+
+namespace keel::trainer {
+
+StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& model, Communicator* pp,
+                    const StageWork& work) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  const auto start = Clock::now();
+  StageTime time;
+  auto timed = [&](const std::function<void(int, int)>& compute, int mb, int slot) {
+    const auto begin = Clock::now();
+    compute(mb, slot);
+    time.compute_s += seconds(Clock::now() - begin);
+  };
+  const SlotPlan plan = plan_slots(actions, microbatches);
+  if (plan.slots > model.slots()) {
+    throw common::Error(
+        common::ErrorCode::kInternal,
+        fmt::format("the schedule keeps {} microbatches alive but the model has {} slots", plan.slots, model.slots()));
+  }
+  const int stage = model.stage().index;
+  int alive = 0;
+  std::vector<Communicator::Send> sends;
+  std::vector<Communicator::Recv> recvs;
+  auto flush = [&] {
+    if (sends.empty() && recvs.empty()) return;
+    if (pp == nullptr) throw common::Error(common::ErrorCode::kInternal, "a pipeline transfer without a PP group");
+    pp->exchange(std::move(sends), std::move(recvs));
+    sends.clear();
+    recvs.clear();
+  };
+  for (const Action& action : actions) {
+    const int mb = action.microbatch, slot = plan.slot[static_cast<size_t>(mb)];
+    const size_t count = model.boundary_numel(work.batch(mb));
+    switch (action.kind) {
+      case ActionKind::kForward:
+        flush();
+        timed(work.forward, mb, slot);
+        time.peak_alive = std::max(time.peak_alive, ++alive);
+        break;
+      case ActionKind::kBackward:
+        flush();
+        timed(work.backward, mb, slot);
+        --alive;
+        break;
+      case ActionKind::kSendActivation:
+        sends.push_back({model.stage_output(slot), count, stage + 1});
+        break;
+      case ActionKind::kRecvActivation:
+        recvs.push_back({model.stage_input(slot), count, stage - 1});
+        break;
+      case ActionKind::kSendGradient:
+        sends.push_back({model.input_gradient(), count, stage - 1});
+        break;
+      case ActionKind::kRecvGradient:
+        recvs.push_back({model.output_gradient(slot), count, stage + 1});
+        break;
+    }
+  }
+  flush();
+  time.total_s = seconds(Clock::now() - start);
+  return time;
+}
+
+}  // namespace keel::trainer

@@ -1,0 +1,52 @@
+// Runs one pipeline stage's schedule (trainer/parallel/schedule.h) on this
+// rank's model stage (docs/architecture.md "Pipeline schedules"): compute
+// actions call back into the training loop, which feeds the model its
+// tokens; each run of consecutive transfers is one exchange with the
+// neighbouring stages over the PP group, posted together and done
+// together. With one stage the schedule holds no transfers and this is
+// gradient accumulation.
+#pragma once
+
+#include "trainer/comm/communicator.h"
+#include "trainer/model/gpt.h"
+#include "trainer/parallel/schedule.h"
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+namespace keel::trainer {
+
+struct StageWork {
+  // Sequences in microbatch mb: every stage knows it without being told,
+  // so that the transfers' counts agree.
+  std::function<int(int mb)> batch;
+  // Runs the model's forward (or backward) of mb in activation slot `slot`.
+  std::function<void(int mb, int slot)> forward;
+  std::function<void(int mb, int slot)> backward;
+};
+
+// Where a stage's time went: computing (its forwards and backwards, data
+// included) or waiting for and moving what the other stages send. The
+// difference is the pipeline bubble plus the transfers. And the most
+// microbatches it held activations for at once, what its memory grows with
+// (1F1B: min(p - s, m) on stage s; all forwards first would hold m).
+struct StageTime {
+  double compute_s = 0;
+  double total_s = 0;
+  int peak_alive = 0;
+  StageTime& operator+=(const StageTime& other) {
+    compute_s += other.compute_s;
+    total_s += other.total_s;
+    peak_alive = std::max(peak_alive, other.peak_alive);
+    return *this;
+  }
+};
+
+// `pp` is the PP group (nullptr with one stage), in which stage s is rank
+// s; `model` must have at least plan_slots(actions).slots slots. Throws
+// what the communicator throws (a peer failure, a hang).
+StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& model, Communicator* pp,
+                    const StageWork& work);
+
+}  // namespace keel::trainer
