@@ -43,7 +43,7 @@ TEST_SUITE("unit") {
     {
       GlooCommunicator comm(store, "dp", 0, 2, 60s, nullptr);
       CpuBackend backend(1);
-      std::optional<ZeroStorage> storage(std::in_place, backend, table, 2, &comm);
+      std::optional<ZeroStorage> storage(std::in_place, backend, table, 2, ReduceGroups{&comm, &comm});
       const auto memory = keel::trainer::lay_out(backend, *storage);
       storage->zero_gradients();
       storage->unit_gradients(1);

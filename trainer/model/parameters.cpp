@@ -51,8 +51,13 @@ ModelStage ModelStage::of(const std::vector<int64_t>& layers_per_stage, int inde
   return stage;
 }
 
-ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size, const ModelStage& stage)
-    : tp_rank_(tp_rank), tp_size_(tp_size), stage_(stage) {
+ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size, const ModelStage& stage,
+                               int ep_rank, int ep_size)
+    : tp_rank_(tp_rank),
+      tp_size_(tp_size),
+      stage_(stage),
+      expert_begin_(ep_rank * m.n_expert / ep_size),
+      local_experts_(m.n_expert / ep_size) {
   const int64_t C = m.n_embd;
   // GPT-2 scales the init of every projection into the residual stream by
   // 1/sqrt(2L) so the stream's variance does not grow with depth.
@@ -96,10 +101,12 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
     layernorm(h + ".ln_2");
     if (m.is_moe_layer(i)) {
       add(h + ".moe.router.weight", {m.n_expert, C}, TpSplit::kReplicated, InitKind::kNormal);
-      for (int64_t e = 0; e < m.n_expert; ++e) {
+      for (int64_t e = expert_begin_; e < expert_begin_ + local_experts_; ++e) {
         const std::string expert = h + ".moe.experts." + std::to_string(e);
+        const size_t first = specs_.size();
         column_parallel(expert + ".c_fc", 4 * C, C, TpSplit::kRows);
         row_parallel(expert + ".c_proj", C, 4 * C);
+        for (size_t t = first; t < specs_.size(); ++t) specs_[t].expert = true;
       }
     } else {
       column_parallel(h + ".mlp.c_fc", 4 * C, C, TpSplit::kRows);

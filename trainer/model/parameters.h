@@ -74,6 +74,11 @@ struct ParamSpec {
   // summed so both copies stay equal, and only the first stage's is saved
   // and counted in the gradient norm.
   bool tied_copy = false;
+  // One of this EP rank's experts (docs/architecture.md "Expert
+  // parallelism"): the ranks of its expert-DP group hold the same one, so
+  // its gradient sums over that group where every other tensor's sums
+  // over dp x cp.
+  bool expert = false;
 
   // AdamW decays 2-D tensors only (weights and embeddings, not biases or norms).
   bool weight_decay() const { return shape.size() == 2; }
@@ -86,15 +91,21 @@ struct ParamSpec {
 class ParameterTable {
  public:
   // Every tensor of pipeline stage `stage` of the GPT described by `model`,
-  // in a fixed order, as TP rank `tp_rank` of `tp_size` holds it. Callers
-  // validate the layout first (tp divides n_head, n_embd and the padded
-  // vocabulary).
-  ParameterTable(const common::ModelConfig& model, int tp_rank, int tp_size, const ModelStage& stage);
+  // in a fixed order, as TP rank `tp_rank` of `tp_size` and EP rank
+  // `ep_rank` of `ep_size` hold it: the MoE blocks keep experts
+  // [ep_rank, ep_rank + 1) * n_expert / ep_size under their global names.
+  // Callers validate the layout first (tp divides n_head, n_embd and the
+  // padded vocabulary, ep divides n_expert).
+  ParameterTable(const common::ModelConfig& model, int tp_rank, int tp_size, const ModelStage& stage, int ep_rank = 0,
+                 int ep_size = 1);
   // The whole model.
   explicit ParameterTable(const common::ModelConfig& model, int tp_rank = 0, int tp_size = 1)
       : ParameterTable(model, tp_rank, tp_size, ModelStage::whole(model)) {}
 
   const ModelStage& stage() const { return stage_; }
+  // The experts of each MoE block this rank holds: [expert_begin(), + local_experts()).
+  int64_t expert_begin() const { return expert_begin_; }
+  int64_t local_experts() const { return local_experts_; }
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   // Floats in the flat buffer, alignment gaps between tensors included.
@@ -121,6 +132,8 @@ class ParameterTable {
   int tp_rank_;
   int tp_size_;
   ModelStage stage_;
+  int64_t expert_begin_ = 0;
+  int64_t local_experts_ = 0;
   std::vector<ParamSpec> specs_;
   std::vector<size_t> unit_first_tensor_;
   size_t total_ = 0;

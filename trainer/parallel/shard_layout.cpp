@@ -4,11 +4,15 @@
 
 namespace keel::trainer {
 
-ShardLayout::ShardLayout(const ParameterTable& table, int size) : size_(size) {
+ShardLayout::ShardLayout(const ParameterTable& table, int size)
+    : ShardLayout(table, [size](const ParamSpec&) { return size; }) {}
+
+ShardLayout::ShardLayout(const ParameterTable& table, const std::function<int(const ParamSpec&)>& group_size) {
   for (const ParamSpec& spec : table.specs()) {
     const size_t rows = static_cast<size_t>(spec.shape[0]);
     const size_t row_numel = spec.numel / rows;
-    tensors_.push_back(Tensor{spec.offset, rows, row_numel, (rows + size - 1) / size});
+    const int size = group_size(spec);
+    tensors_.push_back(Tensor{spec.offset, rows, row_numel, (rows + size - 1) / size, size});
   }
 }
 
@@ -45,7 +49,7 @@ void ShardLayout::pack(Backend& backend, const float* flat, int rank, size_t fir
 void ShardLayout::unpack(Backend& backend, const float* gathered, size_t first, size_t last, float* flat,
                          size_t origin) const {
   const size_t block = packed_numel(first, last);
-  for (int rank = 0; rank < size_; ++rank) {
+  for (int rank = 0; first < last && rank < tensors_[first].size; ++rank) {
     const float* packed = gathered + static_cast<size_t>(rank) * block;
     for (size_t t = first; t < last; ++t) {
       const Tensor& x = tensors_[t];

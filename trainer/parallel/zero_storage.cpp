@@ -13,31 +13,49 @@ namespace {
 // model size.
 constexpr size_t kAllReduceBucketFloats = size_t{4} << 20;
 
-int effective_stage(int stage, const Communicator* dp) { return dp != nullptr && dp->size() > 1 ? stage : 0; }
+// Without a dp x cp group of two ranks or more nothing is sharded (and
+// there is no expert-DP group either: it lies within dp x cp).
+int effective_stage(int stage, const ReduceGroups& groups) { return groups.dense != nullptr ? stage : 0; }
 
 }  // namespace
 
-ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stage, Communicator* dp, bool overlap)
+ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stage, ReduceGroups groups, bool overlap)
     : backend_(backend),
       table_(table),
-      dp_(dp != nullptr && dp->size() > 1 ? dp : nullptr),
-      stage_(effective_stage(stage, dp)),
+      groups_(groups),
+      stage_(effective_stage(stage, groups)),
       overlap_(overlap),
       grads_open_(static_cast<size_t>(table.unit_count()), false) {
   if (stage < 0 || stage > 3) {
     throw common::Error(common::ErrorCode::kInternal, "ZeRO stage " + std::to_string(stage) + " outside 0-3");
   }
+  const auto& specs = table.specs();
+  for (int u = 0; u < table.unit_count(); ++u) {
+    std::vector<Run> runs;
+    for (size_t t = table.unit_first_tensor(u); t < table.unit_end_tensor(u); ++t) {
+      Communicator* comm = groups_.of(specs[t]);
+      if (runs.empty() || runs.back().comm != comm) runs.push_back(Run{t, t, comm, groups_.rank(specs[t])});
+      runs.back().last = t + 1;
+    }
+    runs_.push_back(std::move(runs));
+  }
   if (stage_ >= 1) {
-    const size_t tensors = table.specs().size();
-    dp_rank_ = dp_->rank();
-    shards_.emplace(table, dp_->size());
+    shards_.emplace(table, [this](const ParamSpec& spec) { return groups_.size(spec); });
     size_t offset = 0;
-    for (size_t t = 0; t < tensors; ++t) {
+    for (size_t t = 0; t < specs.size(); ++t) {
       packed_offset_.push_back(offset);
       offset += shards_->packed_numel(t, t + 1);
     }
     for (int u = 0; u < table.unit_count(); ++u) {
-      max_unit_ = std::max(max_unit_, unit_packed_numel(u));
+      size_t packed = 0, exchange = 0;
+      for (Run& run : runs_[static_cast<size_t>(u)]) {
+        run.packed_at = packed;
+        run.exchange_at = exchange;
+        packed += packed_numel(run);
+        exchange += packed_numel(run) * static_cast<size_t>(run.size());
+      }
+      max_unit_ = std::max(max_unit_, packed);
+      max_exchange_ = std::max(max_exchange_, exchange);
       if (u > 0) max_block_ = std::max(max_block_, table.unit_end(u) - table.unit_begin(u));
     }
   }
@@ -54,9 +72,8 @@ void ZeroStorage::lay_out(Arena& arena) {
   grads_ = arena.take<float>(stage_ >= 2 ? shard : table_.total());
   // Stage 1 uses one slot, for its gathers; stages 2 and 3 alternate two
   // for the gradients' reduce-scatters.
-  const size_t every_rank = max_unit_ * static_cast<size_t>(dp_->size());
   for (size_t slot = 0; slot < (stage_ >= 2 ? 2u : 1u); ++slot) {
-    exchange_[slot] = arena.take<float>(every_rank);
+    exchange_[slot] = arena.take<float>(max_exchange_);
     packed_unit_[slot] = arena.take<float>(max_unit_);
   }
   const size_t unit0 = table_.unit_end(0) - table_.unit_begin(0);
@@ -65,7 +82,7 @@ void ZeroStorage::lay_out(Arena& arena) {
     block_grads_ = arena.take<float>(max_block_);
   }
   if (stage_ == 3) {
-    gather_exchange_ = arena.take<float>(every_rank);
+    gather_exchange_ = arena.take<float>(max_exchange_);
     unit0_params_ = arena.take<float>(unit0);
     block_params_ = arena.take<float>(max_block_);
   }
@@ -74,10 +91,13 @@ void ZeroStorage::lay_out(Arena& arena) {
 ZeroStorage::~ZeroStorage() {
   std::vector<CommWork*> works;
   for (CommWork& work : pending_sums_) works.push_back(&work);
-  for (PendingScatter& scatter : scatters_) works.push_back(&scatter.work);
-  works.push_back(&gather_);
+  for (PendingScatter& scatter : scatters_) {
+    for (CommWork& work : scatter.works) works.push_back(&work);
+  }
+  for (CommWork& work : gather_) works.push_back(&work);
   if (std::none_of(works.begin(), works.end(), [](const CommWork* w) { return w->pending(); })) return;
-  dp_->abort();
+  groups_.dense->abort();
+  if (groups_.experts != nullptr && groups_.experts != groups_.dense) groups_.experts->abort();
   for (CommWork* work : works) {
     try {
       work->wait();
@@ -98,8 +118,8 @@ void ZeroStorage::init(uint64_t seed) {
   // The packed padding stays as the arena zeroed it.
   for (size_t t = 0; t < table_.specs().size(); ++t) {
     backend_.copy_from_host(params_.data() + packed_offset_[t],
-                            host.data() + table_.specs()[t].offset + shards_->shard_begin(t, dp_rank_),
-                            shards_->shard_numel(t, dp_rank_) * sizeof(float));
+                            host.data() + table_.specs()[t].offset + shards_->shard_begin(t, rank_of(t)),
+                            shards_->shard_numel(t, rank_of(t)) * sizeof(float));
   }
   unit0_params_valid_ = false;
   block_params_unit_ = -1;
@@ -128,22 +148,33 @@ void ZeroStorage::reduce_gradients() {
   for (size_t slot = 0; slot < 2; ++slot) finish_scatter(slot);
 }
 
+size_t ZeroStorage::run_begin(int unit, const Run& run) const {
+  return run.first == table_.unit_first_tensor(unit) ? table_.unit_begin(unit) : table_.specs()[run.first].offset;
+}
+
+size_t ZeroStorage::run_end(int unit, const Run& run) const {
+  return run.last == table_.unit_end_tensor(unit) ? table_.unit_end(unit) : table_.specs()[run.last].offset;
+}
+
 void ZeroStorage::sum_unit_gradients(int unit) {
   float* grads = grads_.data();
-  const size_t end = table_.unit_end(unit);
-  for (size_t offset = table_.unit_begin(unit); offset < end; offset += kAllReduceBucketFloats) {
-    CommWork work = dp_->start_all_reduce(grads + offset, std::min(kAllReduceBucketFloats, end - offset));
-    if (overlap_) {
-      pending_sums_.push_back(std::move(work));
-    } else {
-      work.wait();
+  for (const Run& run : runs_[static_cast<size_t>(unit)]) {
+    if (run.comm == nullptr) continue;
+    const size_t end = run_end(unit, run);
+    for (size_t offset = run_begin(unit, run); offset < end; offset += kAllReduceBucketFloats) {
+      CommWork work = run.comm->start_all_reduce(grads + offset, std::min(kAllReduceBucketFloats, end - offset));
+      if (overlap_) {
+        pending_sums_.push_back(std::move(work));
+      } else {
+        work.wait();
+      }
     }
   }
 }
 
 int64_t ZeroStorage::owned_row_begin(size_t t) const {
   if (stage_ == 0) return 0;
-  return static_cast<int64_t>(shards_->shard_begin(t, dp_rank_)) / table_.specs()[t].row_numel();
+  return static_cast<int64_t>(shards_->shard_begin(t, rank_of(t))) / table_.specs()[t].row_numel();
 }
 
 int64_t ZeroStorage::owned_rows(size_t t) const {
@@ -151,36 +182,39 @@ int64_t ZeroStorage::owned_rows(size_t t) const {
 }
 
 size_t ZeroStorage::owned_numel(size_t t) const {
-  return stage_ == 0 ? table_.specs()[t].numel : shards_->shard_numel(t, dp_rank_);
+  return stage_ == 0 ? table_.specs()[t].numel : shards_->shard_numel(t, rank_of(t));
 }
 
 float* ZeroStorage::owned_parameters(size_t t) {
   if (stage_ == 3) return params_.data() + packed_offset_[t];
-  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, dp_rank_);
+  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, rank_of(t));
   return params_.data() + table_.specs()[t].offset + begin;
 }
 
 float* ZeroStorage::owned_gradients(size_t t) {
   if (stage_ >= 2) return grads_.data() + packed_offset_[t];
-  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, dp_rank_);
+  const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, rank_of(t));
   return grads_.data() + table_.specs()[t].offset + begin;
 }
 
 void ZeroStorage::publish_parameters() {
   if (stage_ == 3) {
     // A gather still in flight would read shards the optimizer just changed.
-    gather_.wait();
+    for (CommWork& work : gather_) work.wait();
     gather_unit_ = -1;
     unit0_params_valid_ = false;
     block_params_unit_ = -1;
     return;
   }
   if (stage_ == 0) return;
-  for (int u = 0; u < table_.unit_count(); ++u) {
-    const size_t first = table_.unit_first_tensor(u), last = table_.unit_end_tensor(u);
-    shards_->pack(backend_, params_.data(), dp_rank_, first, last, packed_unit_[0].data());
-    dp_->all_gather(packed_unit_[0].data(), exchange_[0].data(), unit_packed_numel(u));
-    shards_->unpack(backend_, exchange_[0].data(), first, last, params_.data());
+  for (const auto& runs : runs_) {
+    for (const Run& run : runs) {
+      // A group of one updated its tensors whole, in place.
+      if (run.comm == nullptr) continue;
+      shards_->pack(backend_, params_.data(), run.rank, run.first, run.last, packed_unit_[0].data());
+      run.comm->all_gather(packed_unit_[0].data(), exchange_[0].data(), packed_numel(run));
+      shards_->unpack(backend_, exchange_[0].data(), run.first, run.last, params_.data());
+    }
   }
 }
 
@@ -196,20 +230,30 @@ size_t ZeroStorage::unit_packed_numel(int unit) const {
 
 void ZeroStorage::start_gather(int unit) {
   // A gather still in flight owns gather_exchange_ until it is done.
-  gather_.wait();
+  for (CommWork& work : gather_) work.wait();
+  gather_.clear();
   gather_unit_ = unit;
-  gather_ = dp_->start_all_gather(params_.data() + packed_offset_[table_.unit_first_tensor(unit)],
-                                  gather_exchange_.data(), unit_packed_numel(unit));
-  if (!overlap_) gather_.wait();
+  for (const Run& run : runs_[static_cast<size_t>(unit)]) {
+    const float* shard = params_.data() + packed_offset_[run.first];
+    float* every_rank = gather_exchange_.data() + run.exchange_at;
+    if (run.comm == nullptr) {
+      backend_.copy(every_rank, shard, packed_numel(run) * sizeof(float));
+      continue;
+    }
+    gather_.push_back(run.comm->start_all_gather(shard, every_rank, packed_numel(run)));
+    if (!overlap_) gather_.back().wait();
+  }
 }
 
 void ZeroStorage::finish_gather(int unit, float* dst) {
   // A prefetch of another unit (a caller that changed its mind) is wasted.
   if (gather_unit_ != unit) start_gather(unit);
-  gather_.wait();
+  for (CommWork& work : gather_) work.wait();
   gather_unit_ = -1;
-  shards_->unpack(backend_, gather_exchange_.data(), table_.unit_first_tensor(unit), table_.unit_end_tensor(unit),
-                  dst, table_.unit_begin(unit));
+  for (const Run& run : runs_[static_cast<size_t>(unit)]) {
+    shards_->unpack(backend_, gather_exchange_.data() + run.exchange_at, run.first, run.last, dst,
+                    table_.unit_begin(unit));
+  }
 }
 
 const float* ZeroStorage::acquire_parameters(int unit) {
@@ -246,7 +290,7 @@ void ZeroStorage::gradients_ready(int unit) {
   float* unit_grads = stage_ < 2 ? grads_.data() + table_.unit_begin(unit)
                                  : (unit == 0 ? unit0_grads_.data() : block_grads_.data());
   if (gradient_hook_) gradient_hook_(unit, unit_grads, table_.unit_end(unit) - table_.unit_begin(unit));
-  if (dp_ == nullptr) return;
+  if (groups_.dense == nullptr) return;
   if (stage_ < 2) {
     if (last_microbatch_) sum_unit_gradients(unit);
     return;
@@ -256,13 +300,22 @@ void ZeroStorage::gradients_ready(int unit) {
   const size_t slot = next_slot_;
   next_slot_ = 1 - next_slot_;
   finish_scatter(slot);
-  const size_t first = table_.unit_first_tensor(unit), last = table_.unit_end_tensor(unit);
-  const size_t count = unit_packed_numel(unit);
-  for (int r = 0; r < shards_->size(); ++r) {
-    shards_->pack(backend_, unit_grads, r, first, last, exchange_[slot].data() + static_cast<size_t>(r) * count,
-                  table_.unit_begin(unit));
+  scatters_[slot].unit = unit;
+  for (const Run& run : runs_[static_cast<size_t>(unit)]) {
+    const size_t count = packed_numel(run);
+    float* every_rank = exchange_[slot].data() + run.exchange_at;
+    float* own = packed_unit_[slot].data() + run.packed_at;
+    if (run.comm == nullptr) {
+      // A group of one: its shard is the whole sum.
+      shards_->pack(backend_, unit_grads, 0, run.first, run.last, own, table_.unit_begin(unit));
+      continue;
+    }
+    for (int r = 0; r < run.size(); ++r) {
+      shards_->pack(backend_, unit_grads, r, run.first, run.last, every_rank + static_cast<size_t>(r) * count,
+                    table_.unit_begin(unit));
+    }
+    scatters_[slot].works.push_back(run.comm->start_reduce_scatter(every_rank, own, count));
   }
-  scatters_[slot] = {dp_->start_reduce_scatter(exchange_[slot].data(), packed_unit_[slot].data(), count), unit};
   grads_open_[unit] = false;
   if (!overlap_) finish_scatter(slot);
 }
@@ -270,7 +323,8 @@ void ZeroStorage::gradients_ready(int unit) {
 void ZeroStorage::finish_scatter(size_t slot) {
   PendingScatter& pending = scatters_[slot];
   if (pending.unit < 0) return;
-  pending.work.wait();
+  for (CommWork& work : pending.works) work.wait();
+  pending.works.clear();
   backend_.accumulate(grads_.data() + packed_offset_[table_.unit_first_tensor(pending.unit)],
                       packed_unit_[slot].data(), unit_packed_numel(pending.unit));
   pending.unit = -1;

@@ -1,5 +1,10 @@
 // One rank's model state under ZeRO stage 0-3 over its data-parallel group
 // (docs/architecture.md "Parallel layout and communication"), behind the ModelStorage interface the model runs on.
+// Each tensor belongs to a reduce group (ReduceGroups): the dp x cp ranks,
+// or for an expert under expert parallelism the expert-DP ranks that hold
+// the same expert. Everything below happens per group: a unit's tensors
+// form one run per group (two in a MoE block under EP, one otherwise),
+// and each run is summed, sharded and gathered over its own group.
 //
 //   stage 0  parameters and gradients whole; in the step's last microbatch
 //            each unit's gradients are all-reduced (in 16 MiB buckets) as
@@ -25,13 +30,16 @@
 //
 // Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
 // lays the tensors out in table order, so a unit's shard is a contiguous
-// run of it. Without a DP group (or with one rank) every stage is stage 0.
+// run of it. Without a DP group (or with one rank) every stage is stage 0;
+// a run whose group is the rank alone (expert-DP of one rank) keeps its
+// tensors whole and talks to no one.
 #pragma once
 
 #include "trainer/comm/communicator.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/arena.h"
 #include "trainer/model/model_storage.h"
+#include "trainer/parallel/process_groups.h"
 #include "trainer/parallel/shard_layout.h"
 
 #include <cstdint>
@@ -41,14 +49,28 @@
 
 namespace keel::trainer {
 
+// The groups gradients are summed in (docs/architecture.md "Expert
+// parallelism"): an expert's over expert_dp, every other tensor's over
+// dp x cp. nullptr: the rank alone. Without EP the two are one group.
+struct ReduceGroups {
+  Communicator* dense = nullptr;
+  Communicator* experts = nullptr;
+
+  static ReduceGroups of(const ProcessGroups& groups) { return {groups.get(Axis::kDpCp), groups.get(Axis::kExpertDp)}; }
+  Communicator* of(const ParamSpec& spec) const { return spec.expert ? experts : dense; }
+  // The rank's position in, and the size of, tensor `spec`'s group.
+  int rank(const ParamSpec& spec) const { return of(spec) != nullptr ? of(spec)->rank() : 0; }
+  int size(const ParamSpec& spec) const { return of(spec) != nullptr ? of(spec)->size() : 1; }
+};
+
 class ZeroStorage final : public ModelStorage {
  public:
   // Plans the buffers; lay_out() places them (in the run's one Arena), and
   // nothing below but the shard arithmetic may run before it has.
-  ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, Communicator* dp = nullptr,
+  ZeroStorage(Backend& backend, const ParameterTable& table, int stage = 0, ReduceGroups groups = {},
               bool overlap = true);
-  // Aborts the DP group when a collective is still in flight (the rank is
-  // failing mid-step): it would write into buffers freed here.
+  // Aborts the reduce groups when a collective is still in flight (the rank
+  // is failing mid-step): it would write into buffers freed here.
   ~ZeroStorage() override;
   ZeroStorage(const ZeroStorage&) = delete;
   ZeroStorage& operator=(const ZeroStorage&) = delete;
@@ -71,13 +93,15 @@ class ZeroStorage final : public ModelStorage {
   // Before each microbatch's forward: whether its backward is the step's
   // last, whose units stages 0 and 1 sum over the DP group as they come.
   void begin_microbatch(bool last);
-  // After the last microbatch's backward: completes the sums over the DP
-  // group, so that owned_gradients() holds the gradient of the whole batch
-  // (as far as the DP group goes: sums over other groups are the caller's).
+  // After the last microbatch's backward: completes the sums over the
+  // reduce groups, so that owned_gradients() holds the gradient of the
+  // whole batch (as far as they go: sums over other groups are the caller's).
   void reduce_gradients();
 
+  const ReduceGroups& groups() const { return groups_; }
   // The part of tensor t this rank updates: all of it at stage 0, its dim-0
-  // shard otherwise, as local rows [begin, begin + count) of the tensor.
+  // shard over its reduce group otherwise, as local rows [begin, begin +
+  // count) of the tensor.
   int64_t owned_row_begin(size_t t) const;
   int64_t owned_rows(size_t t) const;
   size_t owned_numel(size_t t) const;
@@ -110,14 +134,30 @@ class ZeroStorage final : public ModelStorage {
   void gradients_ready(int unit) override;
 
  private:
-  // A reduce-scatter of one unit's gradients in flight, from exchange slot
-  // `slot` into packed_unit_[slot].
+  // A unit's tensors [first, last) of one reduce group `comm`, which this
+  // rank is rank `rank` of. Its packed shard starts packed_at floats into
+  // the unit's, and every rank's packed shards exchange_at floats into the
+  // exchange buffers.
+  struct Run {
+    size_t first = 0, last = 0;
+    Communicator* comm = nullptr;
+    int rank = 0;
+    size_t packed_at = 0, exchange_at = 0;
+    int size() const { return comm != nullptr ? comm->size() : 1; }
+  };
+  // The reduce-scatters of one unit's gradients in flight, from exchange
+  // slot `slot` into packed_unit_[slot].
   struct PendingScatter {
-    CommWork work;
+    std::vector<CommWork> works;
     int unit = -1;
   };
 
   size_t unit_packed_numel(int unit) const;
+  size_t packed_numel(const Run& run) const { return shards_->packed_numel(run.first, run.last); }
+  // The run's floats in the flat buffer.
+  size_t run_begin(int unit, const Run& run) const;
+  size_t run_end(int unit, const Run& run) const;
+  int rank_of(size_t t) const { return groups_.rank(table_.specs()[t]); }
   // Stages 0 and 1: sums the unit's gradients over DP, bucket by bucket.
   void sum_unit_gradients(int unit);
   // Stages 2 and 3: waits for the reduce-scatter in `slot`, if any, and
@@ -132,13 +172,14 @@ class ZeroStorage final : public ModelStorage {
 
   Backend& backend_;
   const ParameterTable& table_;
-  Communicator* dp_;
+  ReduceGroups groups_;
   int stage_;
   bool overlap_;
-  int dp_rank_ = 0;
+  std::vector<std::vector<Run>> runs_;  // per unit
   std::optional<ShardLayout> shards_;
   std::vector<size_t> packed_offset_;  // tensor t's shard in the packed buffers
   size_t max_unit_ = 0;                // the largest unit's packed shard (stages 1-3)
+  size_t max_exchange_ = 0;            // the largest unit's packed shards of every rank
   size_t max_block_ = 0;               // the largest block's numel
   ArenaArray<float> params_;           // flat (stages 0-2) or packed shard (3)
   ArenaArray<float> grads_;            // flat (stages 0-1) or packed shard (2, 3)
@@ -157,7 +198,7 @@ class ZeroStorage final : public ModelStorage {
   std::vector<CommWork> pending_sums_;  // stages 0 and 1
   PendingScatter scatters_[2];          // stages 2 and 3
   size_t next_slot_ = 0;
-  CommWork gather_;        // stage 3: the gather in flight
+  std::vector<CommWork> gather_;  // stage 3: the gathers in flight, one per run
   int gather_unit_ = -1;   // the unit it gathers, -1: none
 };
 

@@ -45,9 +45,10 @@ bool TrainLoop::checkpoints_enabled() const {
 
 std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std::vector<std::string>& sections) {
   // Saves split every tensor over the ranks that hold the same TP slice
-  // whatever the ZeRO stage, so that they share the writing.
-  const int writer = groups_.rank(Axis::kDpCp);
-  const ShardLayout save_split(table_, groups_.size(Axis::kDpCp));
+  // (of the same experts) whatever the ZeRO stage, so that they share the
+  // writing: its reduce group.
+  const ReduceGroups& holders = storage_.groups();
+  const ShardLayout save_split(table_, [&](const ParamSpec& spec) { return holders.size(spec); });
   std::vector<StateBlock> blocks;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
     const ParamSpec& spec = table_.specs()[t];
@@ -60,6 +61,7 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std
       const bool model = holds_weights(group);
       int64_t begin = 0, end = spec.rows();
       if (saved) {
+        const int writer = holders.rank(spec);
         begin = static_cast<int64_t>(save_split.shard_begin(t, writer)) / row_numel;
         end = begin + static_cast<int64_t>(save_split.shard_numel(t, writer)) / row_numel;
       } else if (!model || storage_.stage() == 3) {

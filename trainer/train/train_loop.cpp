@@ -99,8 +99,8 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       micro_batch_(sequences_per_microbatch(config)),
       stage_(stage_of(config, groups)),
       schedule_(one_f_one_b(stage_.count, stage_.index, static_cast<int>(config.parallel.micro_batches))),
-      table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_),
-      storage_(backend, table_, static_cast<int>(config.parallel.zero), groups.get(Axis::kDpCp),
+      table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_, groups.rank(Axis::kEp), groups.size(Axis::kEp)),
+      storage_(backend, table_, static_cast<int>(config.parallel.zero), ReduceGroups::of(groups),
                config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, groups,
@@ -345,7 +345,7 @@ ReplicatedState TrainLoop::replicated_state() {
                    "the known-answer test cover them"};
   }
   // Below ZeRO-3 the parameters of a TP rank are whole and the same on
-  // every DP rank; at ZeRO-0 so are the optimizer moments, so a flip there
+  // every DP rank of one EP rank; at ZeRO-0 so are the optimizer moments, so a flip there
   // shows at once rather than after it reaches the parameters.
   const size_t params = storage_.parameter_bytes() / sizeof(float);
   std::vector<FloatSpan> spans = {{storage_.params(), params}};
@@ -356,8 +356,9 @@ ReplicatedState TrainLoop::replicated_state() {
   // Only ranks holding the same slice of the same model at the same ZeRO
   // stage compare.
   const std::string set =
-      fmt::format("tp {} of {}, pipeline stage {} of {}, zero {}, model {}", tp_rank_, config_.parallel.tp,
-                  stage_.index, stage_.count, storage_.stage(), config_.to_json().at("model").dump());
+      fmt::format("tp {} of {}, pipeline stage {} of {}, experts of ep {} of {}, zero {}, model {}", tp_rank_,
+                  config_.parallel.tp, stage_.index, stage_.count, groups_.rank(Axis::kEp), config_.parallel.ep,
+                  storage_.stage(), config_.to_json().at("model").dump());
   return {XXH3_64bits(set.data(), set.size()), std::move(spans), ""};
 }
 
@@ -404,11 +405,21 @@ TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum)
   const auto& specs = table_.specs();
   // Every owned part once: a tensor replicated over TP counted on TP rank
   // 0 only, the tied embedding on the first stage only.
-  double squares = 0;
+  double squares = 0, expert_squares = 0;
   for (size_t t = 0; t < specs.size(); ++t) {
     if ((tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
-    squares += backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
+    (specs[t].expert ? expert_squares : squares) +=
+        backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
   }
+  // Below ZeRO-1 every dp x cp rank holds the whole of the other tensors
+  // but its EP rank's experts only: theirs sum over EP. (Sharded, every
+  // shard of either kind lies on one dp x cp rank, summed there below.)
+  if (Communicator* ep = groups_.get(Axis::kEp); ep != nullptr && storage_.stage() == 0) {
+    float over_ep = static_cast<float>(expert_squares);
+    ep->all_reduce(&over_ep, 1);
+    expert_squares = over_ep;
+  }
+  squares += expert_squares;
   // The scalars share one small all-reduce per group instead of one each.
   // Over TP: the norm's squares and the activation squares, which each TP
   // rank holds for its own positions and vocabulary slice (the TP ranks of
