@@ -1,7 +1,9 @@
 // keel-bench-parallel: training throughput of each parallel axis on this
 // machine. Trains the train_throughput.py model (L=4, C=256, H=4, T=256,
 // global batch 8, V=256, fp32) as DP1, DP2 at ZeRO 0-3, TP2, DP2 x TP2,
-// PP2 and PP4 (1F1B, 8 microbatches), CP2, CP4 and PP2 x CP2, with the
+// PP2 and PP4 (1F1B, 8 microbatches), CP2, CP4 and PP2 x CP2, and with
+// four experts in every second block DP2 (the MoE reference), DP2 x EP2
+// and DP4 x EP2 (ZeRO-1), with the
 // machine's cores split evenly between the ranks, and prints one JSON
 // object per run: tokens/s, and the bytes and calls each rank handed to
 // each collective of each group in a step next to the formulas of
@@ -64,6 +66,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "steps per run");
   app.add_option("--warmup", warmup, "first steps left out of the timing");
   app.add_option("--cores", cores, "cores to split between the ranks");
+  std::string only;
+  app.add_option("--only", only, "run only the layouts whose name contains this, e.g. moe_ or _pp");
   CLI11_PARSE(app, argc, argv);
   if (steps <= warmup) {
     std::cerr << "keel-bench-parallel: --steps must exceed --warmup\n";
@@ -78,7 +82,8 @@ int main(int argc, char** argv) {
   struct Run {
     int dp, tp, zero;
     bool overlap = true;
-    int pp = 1, cp = 1;
+    int pp = 1, cp = 1, ep = 1;
+    bool moe = false;
   };
   std::vector<Run> runs;
   for (const Run layout : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
@@ -87,14 +92,19 @@ int main(int argc, char** argv) {
     runs.push_back(layout);
     if (layout.dp > 1) runs.push_back(Run{layout.dp, layout.tp, layout.zero, false});
   }
+  for (const int ep : {1, 2}) runs.push_back(Run{2, 1, 1, true, 1, 1, ep, true});
+  runs.push_back(Run{4, 1, 1, true, 1, 1, 2, true});
+  const std::vector<std::string> moe_sets = {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"};
   for (const Run& run : runs) {
     const int world = run.dp * run.tp * run.pp * run.cp;
     // A pipeline runs 8 microbatches; the others one, as the formulas assume.
     const int micro_batches = run.pp > 1 ? 8 : 1;
-    const std::string name = "dp" + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
+    const std::string name = (run.moe ? "moe_dp" : "dp") + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
                              (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
-                             (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") + "_zero" + std::to_string(run.zero) +
+                             (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") +
+                             (run.ep > 1 ? "_ep" + std::to_string(run.ep) : "") + "_zero" + std::to_string(run.zero) +
                              (run.overlap ? "" : "_serial");
+    if (name.find(only) == std::string::npos) continue;
     const int threads = std::max(1, cores / world);
     std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config", config_path.string(),
                                      "--json"};
@@ -102,11 +112,15 @@ int main(int argc, char** argv) {
          {"job.run_dir=" + (dir / name).string(), "train.steps=" + std::to_string(steps),
           "train.threads=" + std::to_string(threads), "parallel.dp=" + std::to_string(run.dp),
           "parallel.tp=" + std::to_string(run.tp), "parallel.pp=" + std::to_string(run.pp),
-          "parallel.cp=" + std::to_string(run.cp), "parallel.micro_batches=" + std::to_string(micro_batches),
-          "parallel.zero=" + std::to_string(run.zero),
+          "parallel.cp=" + std::to_string(run.cp), "parallel.ep=" + std::to_string(run.ep),
+          "parallel.micro_batches=" + std::to_string(micro_batches), "parallel.zero=" + std::to_string(run.zero),
           std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
     }
+    for (const std::string& set : run.moe ? moe_sets : std::vector<std::string>{}) {
+      args.insert(args.end(), {"--set", set});
+    }
+    const auto run_config = keel::common::Config::load(config_path, run.moe ? moe_sets : std::vector<std::string>{});
     std::vector<keel::test::ProcessResult> results;
     if (world == 1) {
       results.push_back(keel::test::run_process(args, {{"SPDLOG_LEVEL", "warn"}}));
@@ -128,6 +142,8 @@ int main(int argc, char** argv) {
                           {"tp", run.tp},
                           {"pp", run.pp},
                           {"cp", run.cp},
+                          {"ep", run.ep},
+                          {"moe", run.moe},
                           {"zero", run.zero},
                           {"micro_batches", micro_batches},
                           {"overlap_comm", run.overlap},
@@ -137,7 +153,23 @@ int main(int argc, char** argv) {
                           {"comm_per_step", m.comm_per_step},
                           {"comm_ms_per_step", m.comm_ms_per_step},
                           {"machine", {{"cores", std::thread::hardware_concurrency()}}}};
-    if (run.pp == 1 && run.cp == 1) {
+    if (run.moe) {
+      // The dense formulas do not hold the router's and experts' units; the
+      // EP group's all_to_all does (the EP group is the dp group itself
+      // when ep = dp x cp, and shares its communicator).
+      if (run.ep > 1) {
+        const auto formula = keel::test::expert_comm_formula(run_config, run.dp * run.cp, run.ep, micro_batches);
+        const std::string group = run.ep == run.dp * run.cp ? "dp" : "ep";
+        const auto& measured = m.comm_per_step.at(group).at("all_to_all");
+        const uint64_t bytes = measured.at("bytes");
+        out["formula_all_to_all_per_step"] = {{"calls", formula.all_to_all_calls},
+                                              {"min_bytes", formula.all_to_all_min_bytes},
+                                              {"max_bytes", formula.all_to_all_max_bytes}};
+        out["all_to_all_within_formula"] = measured.at("calls") == formula.all_to_all_calls &&
+                                           bytes >= formula.all_to_all_min_bytes &&
+                                           bytes <= formula.all_to_all_max_bytes;
+      }
+    } else if (run.pp == 1 && run.cp == 1) {
       const nlohmann::json formula = keel::test::step_comm_formula(config, run.dp, run.tp, run.zero);
       out["formula_comm_per_step"] = formula;
       out["comm_matches_formula"] = m.comm_per_step == formula;

@@ -191,19 +191,8 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
   return problems;
 }
 
-std::vector<std::string> unbuilt_layout_problems(const Config& config) {
-  const ParallelConfig& p = config.parallel;
-  std::vector<std::string> problems;
-  if (p.ep != 1) {
-    problems.push_back(fmt::format("this build trains DP x TP x PP x CP layouts only (ep={}): set ep to 1", p.ep));
-  }
-  return problems;
-}
-
 void validate_layout(const Config& config, int64_t world_size) {
   auto problems = layout_problems(config, world_size);
-  const auto unbuilt = unbuilt_layout_problems(config);
-  problems.insert(problems.end(), unbuilt.begin(), unbuilt.end());
   // Each sentence keeps to commas and colons, so "; " separates problems.
   if (!problems.empty()) {
     throw Error(ErrorCode::kBadConfig, fmt::format("invalid parallel layout: {}", fmt::join(problems, "; ")));

@@ -20,17 +20,13 @@ namespace keel::common {
 // values involved and what to change; empty when it can.
 std::vector<std::string> layout_problems(const Config& config, int64_t world_size);
 
-// One sentence per part of a valid layout this build cannot train yet
-// (docs/architecture.md "Not built yet"): expert parallelism.
-std::vector<std::string> unbuilt_layout_problems(const Config& config);
-
 // The blocks each pipeline stage runs, first stage first: parallel.pp_layers
 // when set, otherwise n_layer split as evenly as possible with the earlier
 // stages taking the remainder. Call it on a validated layout; it throws
 // Error(kBadConfig) on a pp_layers that layout_problems refuses.
 std::vector<int64_t> stage_layers(const Config& config);
 
-// Throws Error(kBadConfig) listing every problem of both kinds, so a user
+// Throws Error(kBadConfig) listing every problem, so a user
 // fixes them all in one go rather than one per attempt.
 void validate_layout(const Config& config, int64_t world_size);
 

@@ -52,8 +52,7 @@ TEST_SUITE("integration") {
         {{"daemon.no_such_key=1"}, "unknown key"},
         {{"faults.crash_rank=-2"}, "faults.crash_rank"},
         // Layouts the ranks refuse: keeld runs their check and starts none.
-        {{"parallel.dp=2", "parallel.ep=2", "model.n_expert=2", "parallel.tp=1"},
-         "this build trains DP x TP x PP x CP layouts only (ep=2)"},
+        {{"parallel.dp=2", "parallel.ep=2", "parallel.tp=1"}, "ep=2 needs a MoE model but n_expert=0"},
         {{"parallel.tp=3"}, "tp=3 does not divide n_head=4"},
         {{"train.device=tpu"}, "train.device"},
         // One GPU per rank: the job's 4 ranks do not fit the node's one.

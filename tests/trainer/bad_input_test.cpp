@@ -165,8 +165,7 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", store.address()}, {"KEEL_STORE_SECRET", secret}},
          {"--set", "parallel.dp=2"}, 2, "wrong store secret"},
         {{{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "tcp://127.0.0.1:1"}, {"KEEL_STORE_SECRET", secret}},
-         {"--set", "parallel.dp=2", "--set", "parallel.ep=2", "--set", "model.n_expert=2"}, 2,
-         "DP x TP x PP x CP layouts only"},
+         {"--set", "parallel.dp=2", "--set", "parallel.ep=2"}, 2, "ep=2 needs a MoE model but n_expert=0"},
     };
     for (const Row& row : rows) {
       CAPTURE(row.expected);

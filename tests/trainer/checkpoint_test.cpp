@@ -65,6 +65,33 @@ std::vector<fs::path> partial_dirs(const fs::path& root) {
   return out;
 }
 
+struct Pair {
+  Layout a, b;
+};
+
+// Each pair: a checkpoint layout a saved after 6 steps continues in layout
+// b within 1e-5 of the single rank's steps 6 to 11, and A -> B -> A gives
+// back the same bits.
+void check_continuations(TrainerRuns& f, const std::vector<Pair>& pairs, const std::vector<std::string>& sets) {
+  const Run single = f.run(Layout{}, "single", sets);
+  for (const Pair& pair : pairs) {
+    const std::string a = "a_" + pair.a.name() + "_" + pair.b.name(), b = "b_" + pair.a.name() + "_" + pair.b.name();
+    CAPTURE(a);
+    f.run(pair.a, a, sets, {"--stop-after", "6"}, 14);
+    const fs::path saved = checkpoint_of(f, a, 6);
+    const Run continued = f.run(pair.b, b, sets, {"--init-from", saved.string()});
+    REQUIRE(continued.losses.size() == 6);  // steps 6 to 11
+    for (size_t s = 0; s < 6; ++s) {
+      CAPTURE(s);
+      CHECK(std::fabs(continued.losses[s] - single.losses[6 + s]) <= 1e-5 * std::fabs(single.losses[6 + s]));
+    }
+    // A -> B -> A: B saves what it loaded, A loads that and saves again.
+    f.run(pair.b, b + "_rt", sets, {"--init-from", saved.string(), "--stop-after", "6"});
+    f.run(pair.a, a + "_rt", sets, {"--init-from", checkpoint_of(f, b + "_rt", 6).string(), "--stop-after", "6"});
+    CHECK(all_tensors(checkpoint_of(f, a + "_rt", 6)) == all_tensors(saved));
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("integration") {
@@ -85,35 +112,19 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("a checkpoint saved in one layout continues in another and round-trips bit-exactly") {
-    struct Pair {
-      Layout a, b;
-    };
-    const Pair pairs[] = {{Layout{}, Layout{2, 1, 1}},          {Layout{2, 1, 0}, Layout{1, 2, 0}},
-                          {Layout{1, 2, 0}, Layout{2, 2, 3}},   {Layout{2, 2, 1}, Layout{}},
-                          {Layout{4, 1, 3}, Layout{2, 1, 2}},   {Layout{2, 1, 2}, Layout{1, 4, 0}},
-                          // Across pipeline stages: the tied embedding saved once, loaded by both ends.
-                          {Layout{.micro_batches = 2, .pp = 2}, Layout{}},
-                          {Layout{2, 1, 3}, Layout{.tp = 2, .micro_batches = 2, .pp = 2}},
-                          // Across context parallelism, whose ranks split the positions, not the state.
-                          {Layout{.zero = 2, .cp = 2}, Layout{.micro_batches = 2, .pp = 2}}};
+    const std::vector<Pair> pairs = {{Layout{}, Layout{2, 1, 1}},
+                                     {Layout{2, 1, 0}, Layout{1, 2, 0}},
+                                     {Layout{1, 2, 0}, Layout{2, 2, 3}},
+                                     {Layout{2, 2, 1}, Layout{}},
+                                     {Layout{4, 1, 3}, Layout{2, 1, 2}},
+                                     {Layout{2, 1, 2}, Layout{1, 4, 0}},
+                                     // Across pipeline stages: the tied embedding saved once, loaded by both ends.
+                                     {Layout{.micro_batches = 2, .pp = 2}, Layout{}},
+                                     {Layout{2, 1, 3}, Layout{.tp = 2, .micro_batches = 2, .pp = 2}},
+                                     // Across context parallelism, whose ranks split the positions, not the state.
+                                     {Layout{.zero = 2, .cp = 2}, Layout{.micro_batches = 2, .pp = 2}}};
     TrainerRuns f;
-    const Run single = f.run(Layout{}, "single", kEvery4);
-    for (const Pair& pair : pairs) {
-      const std::string a = "a_" + pair.a.name() + "_" + pair.b.name(), b = "b_" + pair.a.name() + "_" + pair.b.name();
-      CAPTURE(a);
-      f.run(pair.a, a, kEvery4, {"--stop-after", "6"}, 14);
-      const fs::path saved = checkpoint_of(f, a, 6);
-      const Run continued = f.run(pair.b, b, kEvery4, {"--init-from", saved.string()});
-      REQUIRE(continued.losses.size() == 6);  // steps 6 to 11
-      for (size_t s = 0; s < 6; ++s) {
-        CAPTURE(s);
-        CHECK(std::fabs(continued.losses[s] - single.losses[6 + s]) <= 1e-5 * std::fabs(single.losses[6 + s]));
-      }
-      // A -> B -> A: B saves what it loaded, A loads that and saves again.
-      f.run(pair.b, b + "_rt", kEvery4, {"--init-from", saved.string(), "--stop-after", "6"});
-      f.run(pair.a, a + "_rt", kEvery4, {"--init-from", checkpoint_of(f, b + "_rt", 6).string(), "--stop-after", "6"});
-      CHECK(all_tensors(checkpoint_of(f, a + "_rt", 6)) == all_tensors(saved));
-    }
+    check_continuations(f, pairs, kEvery4);
     // keelctl names the layout a checkpoint was saved in.
     const std::string pipeline_run = "a_" + Layout{.micro_batches = 2, .pp = 2}.name() + "_" + Layout{}.name();
     const std::vector<std::string> inspect = {keel::test::keel_binary("keelctl").string(), "checkpoint", "inspect",
@@ -123,6 +134,23 @@ TEST_SUITE("integration") {
     auto as_json = inspect;
     as_json.push_back("--json");
     CHECK(keel::test::last_json_line(keel::test::run_process(as_json).output).at("layout").at("pp") == 2);
+  }
+
+  TEST_CASE("a MoE checkpoint continues across EP layouts and round-trips bit-exactly") {
+    // Each EP rank saves its own experts (split over its expert-DP group)
+    // under their global names, and any layout takes the experts it holds.
+    std::vector<std::string> sets = kEvery4;
+    sets.insert(sets.end(), {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"});
+    TrainerRuns f;
+    check_continuations(f,
+                        {{Layout{.dp = 2, .ep = 2}, Layout{}},
+                         {Layout{.dp = 4, .zero = 3, .ep = 4}, Layout{.dp = 2, .tp = 2, .zero = 1, .ep = 2}},
+                         {Layout{.dp = 2, .zero = 2, .cp = 2, .ep = 2}, Layout{.dp = 4, .zero = 1, .ep = 4}}},
+                        sets);
+    const std::string run = "a_" + Layout{.dp = 2, .ep = 2}.name() + "_" + Layout{}.name();
+    const auto text = keel::test::run_process({keel::test::keel_binary("keelctl").string(), "checkpoint", "inspect",
+                                               "--run-dir", (f.dir() / run).string(), "--step", "6"});
+    CHECK(text.output.find("ep2") != std::string::npos);
   }
 
   TEST_CASE("a bf16 run saves float32 master weights beside their bf16 rounding and runs of either precision resume "

@@ -119,4 +119,27 @@ inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp
   return comm;
 }
 
+// What one EP rank moves over its EP group in a step of m microbatches
+// (docs/architecture.md "Expert parallelism"): per MoE block and
+// microbatch, an all_gather of the E slot counts, then four all_to_all_v:
+// the forward's dispatch of its N·k routed rows of C floats (N its
+// positions) and combine of the R rows its experts ran, and the backward's
+// same two. R depends on the routing, from 0 to every EP rank's N·k, so the
+// bytes are a range.
+struct ExpertComm {
+  uint64_t all_to_all_calls = 0;
+  uint64_t all_to_all_min_bytes = 0;
+  uint64_t all_to_all_max_bytes = 0;
+};
+inline ExpertComm expert_comm_formula(const common::Config& config, int dp_cp, int ep, int m) {
+  uint64_t moe_blocks = 0;
+  for (int64_t i = 0; i < config.model.n_layer; ++i) moe_blocks += config.model.is_moe_layer(i) ? 1 : 0;
+  const uint64_t routed =
+      static_cast<uint64_t>(config.train.batch_size / dp_cp / m * config.model.seq_len * config.model.top_k) *
+      static_cast<uint64_t>(config.model.n_embd);
+  const uint64_t passes = moe_blocks * static_cast<uint64_t>(m);
+  return ExpertComm{4 * passes, passes * 2 * 4 * routed,
+                    passes * (2 * 4 * routed + 2 * 4 * routed * static_cast<uint64_t>(ep))};
+}
+
 }  // namespace keel::test

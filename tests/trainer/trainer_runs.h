@@ -49,21 +49,29 @@ struct Layout {
   int micro_batches = 1;
   int pp = 1;
   int cp = 1;
+  int ep = 1;
 
   int world() const { return dp * tp * pp * cp; }
   std::string name() const {
     return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + (pp > 1 ? "pp" + std::to_string(pp) : "") +
-           (cp > 1 ? "cp" + std::to_string(cp) : "") + "z" + std::to_string(zero) + "m" + std::to_string(micro_batches);
+           (cp > 1 ? "cp" + std::to_string(cp) : "") + (ep > 1 ? "ep" + std::to_string(ep) : "") + "z" +
+           std::to_string(zero) + "m" + std::to_string(micro_batches);
   }
   std::vector<std::string> sets() const {
-    return {"parallel.dp=" + std::to_string(dp),     "parallel.tp=" + std::to_string(tp),
-            "parallel.pp=" + std::to_string(pp),     "parallel.cp=" + std::to_string(cp),
-            "parallel.zero=" + std::to_string(zero), "parallel.micro_batches=" + std::to_string(micro_batches)};
+    return {"parallel.dp=" + std::to_string(dp),
+            "parallel.tp=" + std::to_string(tp),
+            "parallel.pp=" + std::to_string(pp),
+            "parallel.cp=" + std::to_string(cp),
+            "parallel.ep=" + std::to_string(ep),
+            "parallel.zero=" + std::to_string(zero),
+            "parallel.micro_batches=" + std::to_string(micro_batches)};
   }
   // Rank r's coordinates (docs/architecture.md "Parallel layout and
-  // communication": TP innermost, PP outermost).
+  // communication": TP innermost, PP outermost; an EP group is ep
+  // consecutive dp x cp ranks).
   int tp_rank(int r) const { return r % tp; }
   int pp_rank(int r) const { return r / (dp * cp * tp); }
+  int ep_rank(int r) const { return (r / tp) % (dp * cp) % ep; }
 };
 
 struct Run {

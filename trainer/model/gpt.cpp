@@ -15,6 +15,7 @@ struct BlockOffsets {
   size_t ln1_w = 0, ln1_b = 0, qkv_w = 0, qkv_b = 0, attproj_w = 0, attproj_b = 0, ln2_w = 0, ln2_b = 0;
   size_t fc_w = 0, fc_b = 0, proj_w = 0, proj_b = 0;  // dense MLP
   size_t router_w = 0;                                // MoE
+  // Of this rank's experts, by local index (table.expert_begin() + index).
   std::vector<size_t> expert_fc_w, expert_fc_b, expert_proj_w, expert_proj_b;
 };
 
@@ -34,7 +35,7 @@ BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m
   o.ln2_b = at(".ln_2.bias");
   if (m.is_moe_layer(i)) {
     o.router_w = at(".moe.router.weight");
-    for (int64_t e = 0; e < m.n_expert; ++e) {
+    for (int64_t e = t.expert_begin(); e < t.expert_begin() + t.local_experts(); ++e) {
       const std::string x = ".moe.experts." + std::to_string(e);
       o.expert_fc_w.push_back(at(x + ".c_fc.weight"));
       o.expert_fc_b.push_back(at(x + ".c_fc.bias"));
@@ -74,11 +75,29 @@ OuterOffsets outer_offsets(const ParameterTable& t) {
 // The routing of one MoE block for the last forward: which token went to
 // which expert with what gate, grouped by expert so each expert runs one
 // GEMM over its tokens.
+//
+// With expert parallelism (docs/architecture.md "Expert parallelism") the
+// N*k slots of this rank's tokens, grouped by expert, are grouped by EP
+// rank too; all_to_all_v sends each EP rank its run of them, and this
+// rank's experts run on the R rows it receives ("expert side": every EP
+// rank's slots for them, source rank by source rank), whose outputs go
+// back the same way to the "token side". Without EP the two sides are one.
 struct Gpt::MoeLayer {
+  // Rows [begin, begin + rows) of the expert side are one run of local
+  // expert `expert`'s slots (one source rank's, under EP).
+  struct Segment {
+    int expert = 0;
+    int begin = 0;
+    int rows = 0;
+  };
   ArenaArray<float> router_logits, probs;  // [N, E]
   ArenaArray<int32_t> rows;                // [N*k]: token of each dispatched slot, grouped by expert
   ArenaArray<float> gates;                 // [N*k]: its renormalised gate
-  ArenaArray<float> xe, he, ge, ye;        // expert input [N*k, C], fc [N*k, 4C], gelu [N*k, 4C], output [N*k, C]
+  // Expert side: input [R, C], fc [R, 4C], gelu [R, 4C]; token side:
+  // output [N*k, C]. R is N*k without EP and at most ep*N*k with it.
+  ArenaArray<float> xe, he, ge, ye;
+  std::vector<Segment> segments;             // the expert side's runs
+  std::vector<size_t> sent, received;        // under EP: slots to and from each EP rank
   std::vector<int> expert_start;             // E + 1 slot offsets
   std::vector<float> probs_host;             // [N, E]
   std::vector<int32_t> slot;                 // [N, k]: slot of the token's j-th choice
@@ -124,8 +143,13 @@ struct Gpt::Scratch {
   // Gradient scratch, reused by every block. dresidual ends a backward as
   // the gradient of the stage's input.
   ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
-  // MoE gradient scratch.
+  // MoE gradient scratch: the gated output gradient [N*k, C] (token
+  // side), the experts' [R, ...] gradients (expert side) and the router's.
   ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
+  // Under EP: a token-side [N*k, C] buffer (the rows to dispatch, the
+  // input gradients that came back) and an expert-side [R, C] one (the
+  // outputs to return, the output gradients that arrived).
+  ArenaArray<float> token_rows, expert_rows;
   // CP's ring: the q, k and v [N, 3Cl] another rank sent, two so one is
   // read while the next arrives, and the gradients of its k and v that
   // travel with it; one chunk's partial output and log-sum-exp.
@@ -141,6 +165,7 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
       tp_rank_(groups.rank(Axis::kTp)),
       tp_size_(groups.size(Axis::kTp)),
       cp_(groups.get(Axis::kCp)),
+      ep_(groups.get(Axis::kEp)),
       batch_group_(groups.get(Axis::kDpCp)),
       context_{groups.size(Axis::kCp), groups.rank(Axis::kCp), static_cast<int>(config.seq_len)},
       max_batch_(max_batch),
@@ -167,6 +192,8 @@ void Gpt::lay_out(Arena& arena) {
   const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
   const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T, Ns = N / tp_size;
   const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
+  // Dropless: under EP every EP rank may route all its slots to this rank's experts.
+  const size_t ep = ep_ != nullptr ? static_cast<size_t>(ep_->size()) : 1, R = ep * N * K;
   const bool first = stage().first(), last = stage().last();
   auto take = [&arena](size_t count) { return arena.take<float>(count); };
   // With TP a buffer of all N positions; without, an empty one (the shard serves).
@@ -200,9 +227,9 @@ void Gpt::lay_out(Arena& arena) {
         moe->probs = take(N * E);
         moe->rows = arena.take<int32_t>(N * K);
         moe->gates = take(N * K);
-        moe->xe = take(N * K * C);
-        moe->he = take(N * K * Fl);
-        moe->ge = take(N * K * Fl);
+        moe->xe = take(R * C);
+        moe->he = take(R * Fl);
+        moe->ge = take(R * Fl);
         moe->ye = take(N * K * C);
         blk.moe = std::move(moe);
       } else {
@@ -235,9 +262,11 @@ void Gpt::lay_out(Arena& arena) {
   x.dfch_gelu = take(N * Fl);
   if (any_moe) {
     x.dye = take(N * K * C);
-    x.dge = take(N * K * Fl);
-    x.dhe = take(N * K * Fl);
-    x.dxe = take(N * K * C);
+    x.dge = take(R * Fl);
+    x.dhe = take(R * Fl);
+    x.dxe = take(R * C);
+    x.token_rows = take(ep_ != nullptr ? N * K * C : 0);
+    x.expert_rows = take(ep_ != nullptr ? R * C : 0);
     x.dgates = take(N * K);
     x.dprobs = take(N * E);
     x.drouter = take(N * E);
@@ -291,7 +320,6 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   s.batch = B;
   const int T = context_.local_len(), C = static_cast<int>(config_.n_embd);
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
-  const int NHl = static_cast<int>(config_.n_head) / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
   const int v_begin = tp_rank_ * Vl;
   const size_t NsC = static_cast<size_t>(Ns) * C;
@@ -398,7 +426,6 @@ void Gpt::backward(float loss_scale, int slot) {
   const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
   if (B == 0) throw common::Error(common::ErrorCode::kInternal, "Gpt::backward of a slot with no forward");
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
-  const int NHl = static_cast<int>(config_.n_head) / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
   const int v_begin = tp_rank_ * Vl;
   const size_t NsC = static_cast<size_t>(Ns) * C;
@@ -582,6 +609,46 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
 // Dropless top-k routing: every token reaches all k of its experts, each
 // expert runs one GEMM over the tokens routed to it, and the outputs are
 // combined with the renormalised gates.
+void Gpt::plan_dispatch(MoeLayer& moe, const std::vector<int>& count) {
+  const ParameterTable& table = storage_.table();
+  const int E = static_cast<int>(config_.n_expert), El = static_cast<int>(table.local_experts());
+  const int first = static_cast<int>(table.expert_begin());
+  moe.segments.clear();
+  if (ep_ == nullptr) {
+    for (int e = 0; e < E; ++e) {
+      if (count[e] > 0) moe.segments.push_back({e, moe.expert_start[e], count[e]});
+    }
+    return;
+  }
+  // Every EP rank's slots per expert, so that each rank knows how many rows
+  // of each of its experts every other rank sends. Counts are exact in
+  // float32 below 2^24 slots.
+  const int ep = ep_->size();
+  std::vector<float> mine(count.begin(), count.end()), every_rank(static_cast<size_t>(ep) * E);
+  ep_->all_gather(mine.data(), every_rank.data(), static_cast<size_t>(E));
+  moe.sent.assign(static_cast<size_t>(ep), 0);
+  moe.received.assign(static_cast<size_t>(ep), 0);
+  int at = 0;
+  for (int q = 0; q < ep; ++q) {
+    for (int l = 0; l < El; ++l) {
+      moe.sent[q] += static_cast<size_t>(count[q * El + l]);
+      const int rows = static_cast<int>(every_rank[static_cast<size_t>(q) * E + first + l]);
+      if (rows > 0) moe.segments.push_back({l, at, rows});
+      at += rows;
+      moe.received[q] += static_cast<size_t>(rows);
+    }
+  }
+}
+
+void Gpt::exchange_rows(const float* in, const std::vector<size_t>& in_rows, float* out,
+                        const std::vector<size_t>& out_rows, int width) {
+  auto floats = [width](std::vector<size_t> rows) {
+    for (size_t& r : rows) r *= static_cast<size_t>(width);
+    return rows;
+  };
+  ep_->all_to_all_v(in, floats(in_rows), out, floats(out_rows));
+}
+
 void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, float* out, int N) {
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(block)];
@@ -630,19 +697,24 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   }
   k.copy_from_host(moe.rows.data(), rows_host.data(), rows_host.size() * sizeof(int32_t));
   k.copy_from_host(moe.gates.data(), moe.gates_host.data(), moe.gates_host.size() * sizeof(float));
+  plan_dispatch(moe, count);
 
-  k.gather_rows(moe.xe.data(), inp, moe.rows.data(), nullptr, M, C);
-  for (int e = 0; e < E; ++e) {
-    const int start = moe.expert_start[e], n_e = moe.expert_start[e + 1] - start;
-    if (n_e == 0) continue;
-    const size_t r = static_cast<size_t>(start);
-    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e], n_e, C,
-                     Fl);
-    k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(n_e) * Fl);
+  Scratch& x = *scratch_;
+  float* dispatched = ep_ != nullptr ? x.token_rows.data() : moe.xe.data();
+  k.gather_rows(dispatched, inp, moe.rows.data(), nullptr, M, C);
+  if (ep_ != nullptr) exchange_rows(dispatched, moe.sent, moe.xe.data(), moe.received, C);
+  float* expert_out = ep_ != nullptr ? x.expert_rows.data() : moe.ye.data();
+  for (const MoeLayer::Segment& seg : moe.segments) {
+    const size_t r = static_cast<size_t>(seg.begin);
+    const size_t e = static_cast<size_t>(seg.expert);
+    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e],
+                     seg.rows, C, Fl);
+    k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(seg.rows) * Fl);
     // The row-parallel bias once over the TP group, on its rank 0.
-    k.matmul_forward(moe.ye.data() + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e],
-                     tp_rank_ == 0 ? p + o.expert_proj_b[e] : nullptr, n_e, Fl, C);
+    k.matmul_forward(expert_out + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e],
+                     tp_rank_ == 0 ? p + o.expert_proj_b[e] : nullptr, seg.rows, Fl, C);
   }
+  if (ep_ != nullptr) exchange_rows(expert_out, moe.received, moe.ye.data(), moe.sent, C);
   k.zero(out, static_cast<size_t>(N) * C * sizeof(float));
   k.scatter_add_rows(out, moe.ye.data(), moe.rows.data(), moe.gates.data(), M, C);
 
@@ -694,21 +766,32 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   k.gathered_row_dot(x.dgates.data(), dout, moe.rows.data(), moe.ye.data(), M, C);
   if (tp_ != nullptr) tp_->all_reduce(x.dgates.data(), static_cast<size_t>(M));
   k.gather_rows(x.dye.data(), dout, moe.rows.data(), moe.gates.data(), M, C);
+  // Under EP the output gradients travel to the experts the outputs came
+  // from, and the input gradients back, as in forward.
+  const float* dy = x.dye.data();
+  if (ep_ != nullptr) {
+    exchange_rows(x.dye.data(), moe.sent, x.expert_rows.data(), moe.received, C);
+    dy = x.expert_rows.data();
+  }
   x.dxe.zero();
   x.dge.zero();
   x.dhe.zero();
-  for (int e = 0; e < E; ++e) {
-    const int start = moe.expert_start[e], n_e = moe.expert_start[e + 1] - start;
-    if (n_e == 0) continue;
-    const size_t r = static_cast<size_t>(start);
-    k.matmul_backward(x.dge.data() + r * Fl, g + o.expert_proj_w[e], g + o.expert_proj_b[e], x.dye.data() + r * C,
-                      moe.ge.data() + r * Fl, p + o.expert_proj_w[e], n_e, Fl, C);
+  for (const MoeLayer::Segment& seg : moe.segments) {
+    const size_t r = static_cast<size_t>(seg.begin);
+    const size_t e = static_cast<size_t>(seg.expert);
+    k.matmul_backward(x.dge.data() + r * Fl, g + o.expert_proj_w[e], g + o.expert_proj_b[e], dy + r * C,
+                      moe.ge.data() + r * Fl, p + o.expert_proj_w[e], seg.rows, Fl, C);
     k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
-                    static_cast<size_t>(n_e) * Fl);
+                    static_cast<size_t>(seg.rows) * Fl);
     k.matmul_backward(x.dxe.data() + r * C, g + o.expert_fc_w[e], g + o.expert_fc_b[e], x.dhe.data() + r * Fl,
-                      moe.xe.data() + r * C, p + o.expert_fc_w[e], n_e, C, Fl);
+                      moe.xe.data() + r * C, p + o.expert_fc_w[e], seg.rows, C, Fl);
   }
-  k.scatter_add_rows(dinp, x.dxe.data(), moe.rows.data(), nullptr, M, C);
+  const float* dxe = x.dxe.data();
+  if (ep_ != nullptr) {
+    exchange_rows(x.dxe.data(), moe.received, x.token_rows.data(), moe.sent, C);
+    dxe = x.token_rows.data();
+  }
+  k.scatter_add_rows(dinp, dxe, moe.rows.data(), nullptr, M, C);
 
   // Router: through the gate renormalisation w_j = p_j / sum_i p_i, plus the
   // aux loss's d/dp[n, e] = coef * E * f_e / N.

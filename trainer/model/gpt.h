@@ -44,7 +44,7 @@ class Gpt {
   // this TP rank's slice of that stage, for batches of up to max_batch
   // sequences of config.seq_len tokens, with `slots` microbatches in flight
   // at once (each keeps its activations until its backward). It talks to
-  // the TP and CP groups of `groups`; MoE blocks run without TP.
+  // the TP, CP and EP groups of `groups`.
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
       const ProcessGroups& groups = ProcessGroups::none(), int slots = 1);
   ~Gpt();
@@ -117,6 +117,13 @@ class Gpt {
   void visible_pairs(const float* qkv, const float* held, int owner, int B,
                      const std::function<void(int, size_t, const Backend::AttentionInputs&)>& visit);
   void moe_forward(Slot& slot, int block, const float* p, const float* inp, float* out, int N);
+  // The expert side's segments of a forward whose slots per expert are
+  // `count`, and under EP the slots sent to and received from each EP rank.
+  void plan_dispatch(MoeLayer& moe, const std::vector<int>& count);
+  // all_to_all_v over EP of rows of `width` floats: in_rows[q] rows to EP
+  // rank q, out_rows[q] from it.
+  void exchange_rows(const float* in, const std::vector<size_t>& in_rows, float* out,
+                     const std::vector<size_t>& out_rows, int width);
   void moe_backward(Slot& slot, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
                     int N);
   // Sequence parallelism: the position shards of all TP ranks into one
@@ -133,6 +140,7 @@ class Gpt {
   int tp_rank_;
   int tp_size_;
   Communicator* cp_;
+  Communicator* ep_;
   // The ranks that split a batch (dp x cp), over which MoE's load statistics sum.
   Communicator* batch_group_;
   ContextSplit context_;
