@@ -6,6 +6,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -19,9 +20,13 @@ using keel::trainer::one_f_one_b;
 using keel::trainer::plan_slots;
 using keel::trainer::simulate;
 
-std::vector<std::vector<Action>> all_stages(int stages, int microbatches) {
+// Every stage's 1F1B, or forward_only, schedule.
+std::vector<std::vector<Action>> all_stages(int stages, int microbatches, int chunks = 1, bool forwards = false) {
   std::vector<std::vector<Action>> out;
-  for (int s = 0; s < stages; ++s) out.push_back(one_f_one_b(stages, s, microbatches));
+  for (int s = 0; s < stages; ++s) {
+    out.push_back(forwards ? forward_only(stages, s, microbatches, chunks)
+                           : one_f_one_b(stages, s, microbatches, chunks));
+  }
   return out;
 }
 
@@ -123,6 +128,49 @@ TEST_SUITE("unit") {
         CHECK(plan_slots(forward_only(p, p - 1, m), m).slots == 1);
       }
     }
+  }
+
+  TEST_CASE(
+      "interleaved 1F1B never deadlocks runs every pass once idles (p - 1) / (v m + p - 1) and holds its warmup") {
+    for (int p = 2; p <= 5; ++p) {
+      for (int v = 2; v <= 4; ++v) {
+        for (int m = p; m <= 3 * p; m += p) {
+          CAPTURE(p);
+          CAPTURE(v);
+          CAPTURE(m);
+          const auto stages = all_stages(p, m, v);
+          const auto run = simulate(stages);
+          REQUIRE_MESSAGE(run.completed, run.stuck);
+          for (int s = 0; s < p; ++s) {
+            CAPTURE(s);
+            std::vector<int> forwards(static_cast<size_t>(m * v), 0), backwards(static_cast<size_t>(m * v), 0);
+            for (const Action& a : stages[static_cast<size_t>(s)]) {
+              if (a.kind == ActionKind::kForward) ++forwards[static_cast<size_t>(a.chunk * m + a.microbatch)];
+              if (a.kind == ActionKind::kBackward) ++backwards[static_cast<size_t>(a.chunk * m + a.microbatch)];
+            }
+            CHECK(std::count(forwards.begin(), forwards.end(), 1) == m * v);
+            CHECK(std::count(backwards.begin(), backwards.end(), 1) == m * v);
+            // Chunks of equal time: the bubble is 1F1B's divided by v.
+            CHECK(run.idle[static_cast<size_t>(s)] == doctest::Approx(static_cast<double>(p - 1) / (v * m + p - 1)));
+            // What it costs: each stage holds its warmup's passes (each 1/v
+            // of the stage's activations) plus one.
+            CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(2 * (p - s - 1) + (v - 1) * p + 1, m * v));
+          }
+          CHECK(simulate(all_stages(p, m, v, true)).completed);
+        }
+      }
+    }
+  }
+
+  TEST_CASE(
+      "interleaved 1F1B hands the last stage's output to the first stage's next chunk and batches each step's "
+      "transfers") {
+    // Stage 0 of 2 with 2 chunks over 2 microbatches: chunk 0 embeds, chunk
+    // 1 takes what stage 1's chunk 0 sends back round.
+    const auto got = listing(one_f_one_b(2, 0, 2, 2));
+    CHECK(got ==
+          "F0; send act 0; F1; send act 1; recv act 0:1; F0:1; send act 0:1; recv act 1:1; F1:1; send act 1:1; "
+          "recv grad 0:1; B0:1; send grad 0:1; recv grad 1:1; B1:1; send grad 1:1; recv grad 0; B0; recv grad 1; B1; ");
   }
 
   TEST_CASE("the simulator finds two stages that each wait to receive before they send") {

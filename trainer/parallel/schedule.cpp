@@ -12,93 +12,165 @@
 namespace keel::trainer {
 
 std::string describe(const Action& action) {
+  const std::string chunk = action.chunk > 0 ? fmt::format(":{}", action.chunk) : "";
   switch (action.kind) {
-    case ActionKind::kForward: return fmt::format("F{}", action.microbatch);
-    case ActionKind::kBackward: return fmt::format("B{}", action.microbatch);
-    case ActionKind::kSendActivation: return fmt::format("send act {}", action.microbatch);
-    case ActionKind::kRecvActivation: return fmt::format("recv act {}", action.microbatch);
-    case ActionKind::kSendGradient: return fmt::format("send grad {}", action.microbatch);
-    case ActionKind::kRecvGradient: return fmt::format("recv grad {}", action.microbatch);
+    case ActionKind::kForward:
+      return fmt::format("F{}{}", action.microbatch, chunk);
+    case ActionKind::kBackward:
+      return fmt::format("B{}{}", action.microbatch, chunk);
+    case ActionKind::kSendActivation:
+      return fmt::format("send act {}{}", action.microbatch, chunk);
+    case ActionKind::kRecvActivation:
+      return fmt::format("recv act {}{}", action.microbatch, chunk);
+    case ActionKind::kSendGradient:
+      return fmt::format("send grad {}{}", action.microbatch, chunk);
+    case ActionKind::kRecvGradient:
+      return fmt::format("recv grad {}{}", action.microbatch, chunk);
   }
   return "?";
 }
 
-std::vector<Action> one_f_one_b(int stages, int stage, int microbatches) {
-  if (stages < 1 || stage < 0 || stage >= stages || microbatches < 1) {
-    throw common::Error(common::ErrorCode::kInternal,
-                        fmt::format("1F1B for stage {} of {} over {} microbatches", stage, stages, microbatches));
+namespace {
+
+// Stage `stage` of `stages`, each with `chunks` model chunks, over
+// `microbatches`: which pass its k-th forward and k-th backward run, and
+// which of their transfers exist.
+struct Passes {
+  int p, s, v, m;
+
+  Passes(int stages, int stage, int microbatches, int chunks) : p(stages), s(stage), v(chunks), m(microbatches) {
+    if (p < 1 || s < 0 || s >= p || m < 1 || v < 1 || (v > 1 && (p < 2 || m % p != 0))) {
+      throw common::Error(common::ErrorCode::kInternal,
+                          fmt::format("a schedule for stage {} of {} with {} chunks over {} microbatches", s, p, v, m));
+    }
   }
-  const bool first = stage == 0, last = stage == stages - 1;
+  int count() const { return m * v; }
+  // Megatron's order: microbatches in groups of p, each group through
+  // chunk 0, then chunk 1, ...
+  Action forward(int k) const {
+    if (v == 1) return {ActionKind::kForward, k, 0};
+    const int group = k / (p * v), within = k % (p * v);
+    return {ActionKind::kForward, group * p + within % p, within / p};
+  }
+  Action backward(int k) const {
+    const Action f = forward(k);
+    return {ActionKind::kBackward, f.microbatch, v - 1 - f.chunk};
+  }
+  // Virtual stage 0 takes the tokens and the last one the loss: they have
+  // no input to receive and no output gradient to wait for.
+  bool first(int chunk) const { return s == 0 && chunk == 0; }
+  bool last(int chunk) const { return s == p - 1 && chunk == v - 1; }
+  int warmup() const { return std::min(v == 1 ? p - s - 1 : 2 * (p - s - 1) + (v - 1) * p, count()); }
+};
+
+}  // namespace
+
+std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chunks) {
+  const Passes passes(stages, stage, microbatches, chunks);
   std::vector<Action> actions;
-  auto add = [&](ActionKind kind, int mb) { actions.push_back({kind, mb}); };
-  auto recv_activation = [&](int mb) {
-    if (!first) add(ActionKind::kRecvActivation, mb);
+  auto add = [&](ActionKind kind, const Action& pass) { actions.push_back({kind, pass.microbatch, pass.chunk}); };
+  auto recv_activation = [&](int k) {
+    if (const Action f = passes.forward(k); !passes.first(f.chunk)) add(ActionKind::kRecvActivation, f);
   };
-  auto send_activation = [&](int mb) {
-    if (!last) add(ActionKind::kSendActivation, mb);
+  auto send_activation = [&](int k) {
+    if (const Action f = passes.forward(k); !passes.last(f.chunk)) add(ActionKind::kSendActivation, f);
   };
-  auto recv_gradient = [&](int mb) {
-    if (!last) add(ActionKind::kRecvGradient, mb);
+  auto recv_gradient = [&](int k) {
+    if (const Action b = passes.backward(k); !passes.last(b.chunk)) add(ActionKind::kRecvGradient, b);
   };
-  auto send_gradient = [&](int mb) {
-    if (!first) add(ActionKind::kSendGradient, mb);
+  auto send_gradient = [&](int k) {
+    if (const Action b = passes.backward(k); !passes.first(b.chunk)) add(ActionKind::kSendGradient, b);
   };
-  // Warmup: the forwards that fill the pipeline below this stage.
-  const int warmup = std::min(stages - stage - 1, microbatches);
+  const int total = passes.count(), warmup = passes.warmup();
   int forward = 0, backward = 0;
+  if (chunks > 1) {
+    // Megatron's interleaved order: all of a step's transfers in one
+    // exchange after its compute. Transfers paired with the computes as
+    // below would deadlock here, since a stage's gradients and activations
+    // now travel to the same neighbour.
+    recv_activation(0);
+    for (; forward < warmup; ++forward) {
+      actions.push_back(passes.forward(forward));
+      send_activation(forward);
+      if (forward + 1 < total) recv_activation(forward + 1);
+      if (forward + 1 == warmup && warmup < total) recv_gradient(0);
+    }
+    for (; forward < total; ++forward, ++backward) {
+      actions.push_back(passes.forward(forward));
+      actions.push_back(passes.backward(backward));
+      send_activation(forward);
+      send_gradient(backward);
+      if (forward + 1 < total) recv_activation(forward + 1);
+      recv_gradient(backward + 1);
+    }
+    for (; backward < total; ++backward) {
+      if (backward == 0) recv_gradient(0);
+      actions.push_back(passes.backward(backward));
+      send_gradient(backward);
+      if (backward + 1 < total) recv_gradient(backward + 1);
+    }
+    return actions;
+  }
+  // Warmup: the forwards that fill the pipeline below this stage.
   for (; forward < warmup; ++forward) {
     recv_activation(forward);
-    add(ActionKind::kForward, forward);
+    actions.push_back(passes.forward(forward));
     send_activation(forward);
   }
   // Steady state: each forward's output leaves as the oldest gradient
   // arrives, and each backward's gradient leaves as the next input arrives.
-  if (forward < microbatches) recv_activation(forward);
-  for (; forward < microbatches; ++forward, ++backward) {
-    add(ActionKind::kForward, forward);
+  if (forward < total) recv_activation(forward);
+  for (; forward < total; ++forward, ++backward) {
+    actions.push_back(passes.forward(forward));
     send_activation(forward);
     recv_gradient(backward);
-    add(ActionKind::kBackward, backward);
+    actions.push_back(passes.backward(backward));
     send_gradient(backward);
-    if (forward + 1 < microbatches) recv_activation(forward + 1);
+    if (forward + 1 < total) recv_activation(forward + 1);
   }
   // Cooldown: the backwards of the warmup forwards.
-  for (; backward < microbatches; ++backward) {
+  for (; backward < total; ++backward) {
     recv_gradient(backward);
-    add(ActionKind::kBackward, backward);
+    actions.push_back(passes.backward(backward));
     send_gradient(backward);
   }
   return actions;
 }
 
-std::vector<Action> forward_only(int stages, int stage, int microbatches) {
+std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
+  const Passes passes(stages, stage, microbatches, chunks);
   std::vector<Action> actions;
-  for (int mb = 0; mb < microbatches; ++mb) {
-    if (stage > 0) actions.push_back({ActionKind::kRecvActivation, mb});
-    actions.push_back({ActionKind::kForward, mb});
-    if (stage < stages - 1) actions.push_back({ActionKind::kSendActivation, mb});
+  for (int k = 0; k < passes.count(); ++k) {
+    const Action f = passes.forward(k);
+    if (!passes.first(f.chunk)) actions.push_back({ActionKind::kRecvActivation, f.microbatch, f.chunk});
+    actions.push_back(f);
+    if (!passes.last(f.chunk)) actions.push_back({ActionKind::kSendActivation, f.microbatch, f.chunk});
   }
   return actions;
 }
 
 SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches) {
-  SlotPlan plan{0, std::vector<int>(static_cast<size_t>(microbatches), -1)};
-  // A slot is taken by a microbatch's first action and given back after
-  // its last. A transfer posted in the same exchange as that last action
-  // may take it again: slots hold a stage's input and activations, while
-  // what leaves (the last block's output, the input's gradient) is read
-  // from the slot's last block or from scratch before anything is received.
-  std::vector<size_t> last(static_cast<size_t>(microbatches), 0);
-  for (size_t i = 0; i < actions.size(); ++i) last.at(static_cast<size_t>(actions[i].microbatch)) = i;
+  int chunks = 1;
+  for (const Action& a : actions) chunks = std::max(chunks, a.chunk + 1);
+  const size_t passes = static_cast<size_t>(microbatches * chunks);
+  SlotPlan plan{0, std::vector<int>(passes, -1)};
+  auto pass = [microbatches](const Action& a) { return static_cast<size_t>(a.chunk * microbatches + a.microbatch); };
+  // A slot is taken by a pass's first action and given back after its
+  // last. A transfer posted in the same exchange as that last action may
+  // take it again: slots hold a stage's input and activations, while what
+  // leaves (the last block's output, the input's gradient) is read from
+  // the slot's last block or from scratch before anything is received.
+  std::vector<size_t> last(passes, 0);
+  for (size_t i = 0; i < actions.size(); ++i) last.at(pass(actions[i])) = i;
   std::vector<int> free;
   for (size_t i = 0; i < actions.size(); ++i) {
-    int& slot = plan.slot[static_cast<size_t>(actions[i].microbatch)];
+    int& slot = plan.slot[pass(actions[i])];
     if (slot < 0) {
       if (free.empty()) free.push_back(plan.slots++);
       slot = free.back();
       free.pop_back();
     }
-    if (last[static_cast<size_t>(actions[i].microbatch)] == i) free.push_back(slot);
+    if (last[pass(actions[i])] == i) free.push_back(slot);
   }
   return plan;
 }
@@ -124,19 +196,27 @@ std::vector<Step> steps_of(const std::vector<Action>& actions) {
   return steps;
 }
 
-// Which directed channel a transfer uses: (sender, receiver, carries
-// gradients), and which side of it this stage is.
-struct Channel {
-  std::tuple<int, int, bool> key;
+// A transfer as the pair of stages it connects (sender, receiver), which
+// side of it this stage is, and what it carries: an activation or a
+// gradient of microbatch mb across the boundary after virtual stage
+// `boundary`. Both sides of one message agree on all of it.
+struct Message {
+  std::pair<int, int> channel;
   bool sender;
+  std::tuple<bool, int, int> what;  // (gradient, mb, boundary)
 };
 
-Channel channel_of(int stage, const Action& a) {
+Message message_of(int p, int stage, const Action& a) {
+  const int virtual_stage = a.chunk * p + stage, next = (stage + 1) % p, prev = (stage + p - 1) % p;
   switch (a.kind) {
-    case ActionKind::kSendActivation: return {{stage, stage + 1, false}, true};
-    case ActionKind::kRecvActivation: return {{stage - 1, stage, false}, false};
-    case ActionKind::kSendGradient: return {{stage, stage - 1, true}, true};
-    case ActionKind::kRecvGradient: return {{stage + 1, stage, true}, false};
+    case ActionKind::kSendActivation:
+      return {{stage, next}, true, {false, a.microbatch, virtual_stage}};
+    case ActionKind::kRecvActivation:
+      return {{prev, stage}, false, {false, a.microbatch, virtual_stage - 1}};
+    case ActionKind::kSendGradient:
+      return {{stage, prev}, true, {true, a.microbatch, virtual_stage - 1}};
+    case ActionKind::kRecvGradient:
+      return {{next, stage}, false, {true, a.microbatch, virtual_stage}};
     default: break;
   }
   throw common::Error(common::ErrorCode::kInternal, "a compute action has no channel");
@@ -153,13 +233,13 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
   std::vector<int> alive(p, 0);
   PipelineRun run;
   run.peak_alive.assign(p, 0);
-  // Per channel, the post time and microbatch of each send and receive, in
+  // Per channel, the post time and content of each send and receive, in
   // the order they were posted: the n-th send pairs with the n-th receive.
   struct Posted {
     double time;
-    int microbatch;
+    std::tuple<bool, int, int> what;
   };
-  std::map<std::tuple<int, int, bool>, std::vector<Posted>> sends, receives;
+  std::map<std::pair<int, int>, std::vector<Posted>> sends, receives;
   std::vector<bool> posted(p, false);  // whether stage s has posted its current exchange
   std::vector<std::vector<size_t>> slots(p);  // the index in its channel of each transfer of that exchange
 
@@ -182,10 +262,10 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
         if (!posted[s]) {
           slots[s].clear();
           for (const Action& a : step.actions) {
-            const Channel c = channel_of(s, a);
-            auto& mine = c.sender ? sends[c.key] : receives[c.key];
+            const Message message = message_of(p, s, a);
+            auto& mine = message.sender ? sends[message.channel] : receives[message.channel];
             slots[s].push_back(mine.size());
-            mine.push_back({clock[s], a.microbatch});
+            mine.push_back({clock[s], message.what});
           }
           posted[s] = true;
           progress = true;
@@ -194,16 +274,17 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
         double done = clock[s];
         bool ready = true;
         for (size_t i = 0; i < step.actions.size(); ++i) {
-          const Channel c = channel_of(s, step.actions[i]);
-          const auto& theirs = c.sender ? receives[c.key] : sends[c.key];
+          const Message message = message_of(p, s, step.actions[i]);
+          const auto& theirs = message.sender ? receives[message.channel] : sends[message.channel];
           if (theirs.size() <= slots[s][i]) {
             ready = false;
             break;
           }
           const Posted& partner = theirs[slots[s][i]];
-          if (partner.microbatch != step.actions[i].microbatch) {
-            run.stuck = fmt::format("stage {} has {} where its peer has microbatch {}", s,
-                                    describe(step.actions[i]), partner.microbatch);
+          if (partner.what != message.what) {
+            const auto [gradient, mb, boundary] = partner.what;
+            run.stuck = fmt::format("stage {} has {} where its peer has the {} of microbatch {} after virtual stage {}",
+                                    s, describe(step.actions[i]), gradient ? "gradient" : "activation", mb, boundary);
             return run;
           }
           done = std::max(done, partner.time);

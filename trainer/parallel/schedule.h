@@ -22,12 +22,15 @@ enum class ActionKind : int {
 struct Action {
   ActionKind kind;
   int microbatch;
+  // Which of the stage's model chunks (interleaved schedules): chunk j of
+  // stage s is virtual stage j·p + s of p·v. 0 without interleaving.
+  int chunk = 0;
 
   bool operator==(const Action&) const = default;
   bool transfer() const { return kind != ActionKind::kForward && kind != ActionKind::kBackward; }
 };
 
-// "F3", "B0", "send act 2", ...: for logs and test failures.
+// "F3", "B0", "send act 2", "F3:1" (chunk 1), ...: for logs and test failures.
 std::string describe(const Action& action);
 
 // One-forward-one-backward (PipeDream-Flush, Megatron's default): stage s
@@ -36,30 +39,45 @@ std::string describe(const Action& action);
 // activations are alive on stage s at once, whatever m; the idle fraction
 // of a stage is (p - 1) / (m + p - 1) when the stages take equal time.
 // With one stage it is forward, backward, forward, ... with no transfers.
-std::vector<Action> one_f_one_b(int stages, int stage, int microbatches);
+//
+// With `chunks` = v > 1, interleaved 1F1B (Megatron's virtual pipeline):
+// stage s holds v model chunks, chunk j being virtual stage j·p + s, so
+// a microbatch passes every stage v times, the last stage handing it on
+// to the first. Forwards go in groups of p microbatches through chunk 0,
+// then chunk 1, ...; backwards through the chunks in reverse. The warmup
+// grows to 2(p - s - 1) + (v - 1)p forwards, and the bubble shrinks by v:
+// idle (p - 1) / (v·m + p - 1) with chunks of equal time. m must be a
+// multiple of p.
+std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chunks = 1);
 
-// Forwards alone (validation): each microbatch received, run and passed on.
-std::vector<Action> forward_only(int stages, int stage, int microbatches);
+// Forwards alone (validation): each microbatch received, run and passed
+// on, chunk by chunk in the order of one_f_one_b's forwards.
+std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks = 1);
 
-// Which activation slot each microbatch of `actions` uses (Gpt keeps a
-// microbatch's activations in its slot from its forward, or the receive of
-// its input, to its backward): slot[mb], and how many slots the stage
-// needs, the most microbatches alive at once.
+// Which activation slot each microbatch's pass through a chunk of
+// `actions` uses (Gpt keeps its activations in its slot from its forward,
+// or the receive of its input, to its backward): slot[chunk·m + mb], and
+// how many slots the stage needs, the most passes alive at once.
 struct SlotPlan {
   int slots = 0;
   std::vector<int> slot;
+  int of(const Action& a, int microbatches) const {
+    return slot[static_cast<size_t>(a.chunk * microbatches + a.microbatch)];
+  }
 };
 SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches);
 
 // What running every stage's actions gives, transfers taking no time and a
 // transfer done once both sides have posted theirs (Gloo's sends wait for
-// their receive). Forward takes `forward_time`, backward `backward_time`.
+// their receive), the n-th message from one stage to another meeting the
+// n-th receive there (as Gloo numbers them per pair of ranks). Forward
+// takes `forward_time`, backward `backward_time`.
 struct PipelineRun {
   bool completed = false;       // false: some stage waits for ever (the schedules deadlock)
   std::string stuck;            // then, which stage waits on what
   double makespan = 0;          // when the last stage finishes
   std::vector<double> idle;     // per stage: the fraction of the makespan it computed nothing
-  std::vector<int> peak_alive;  // per stage: the most microbatches forwarded and not yet backwarded
+  std::vector<int> peak_alive;  // per stage: the most passes forwarded and not yet backwarded
 };
 PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time = 1.0,
                      double backward_time = 2.0);

@@ -37,7 +37,7 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
     recvs.clear();
   };
   for (const Action& action : actions) {
-    const int mb = action.microbatch, slot = plan.slot[static_cast<size_t>(mb)];
+    const int mb = action.microbatch, slot = plan.of(action, microbatches);
     const size_t count = model.boundary_numel(work.batch(mb));
     switch (action.kind) {
       case ActionKind::kForward:
