@@ -1,7 +1,8 @@
 // keel-bench-parallel: training throughput of each parallel axis on this
 // machine. Trains the train_throughput.py model (L=4, C=256, H=4, T=256,
 // global batch 8, V=256, fp32) as DP1, DP2 at ZeRO 0-3, TP2, DP2 x TP2,
-// PP2 and PP4 (1F1B, 8 microbatches), CP2, CP4 and PP2 x CP2, and with
+// PP2 and PP4 (1F1B, 8 microbatches), PP2 interleaved over 2 chunks per
+// stage, CP2, CP4 and PP2 x CP2, and with
 // four experts in every second block DP2 (the MoE reference), DP2 x EP2
 // and DP4 x EP2 (ZeRO-1), with the
 // machine's cores split evenly between the ranks, and prints one JSON
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
     bool overlap = true;
     int pp = 1, cp = 1, ep = 1;
     bool moe = false;
+    int pp_virtual = 1;
   };
   std::vector<Run> runs;
   for (const Run layout : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
@@ -92,6 +94,7 @@ int main(int argc, char** argv) {
     runs.push_back(layout);
     if (layout.dp > 1) runs.push_back(Run{layout.dp, layout.tp, layout.zero, false});
   }
+  runs.push_back(Run{1, 1, 0, true, 2, 1, 1, false, 2});
   for (const int ep : {1, 2}) runs.push_back(Run{2, 1, 1, true, 1, 1, ep, true});
   runs.push_back(Run{4, 1, 1, true, 1, 1, 2, true});
   const std::vector<std::string> moe_sets = {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"};
@@ -101,6 +104,7 @@ int main(int argc, char** argv) {
     const int micro_batches = run.pp > 1 ? 8 : 1;
     const std::string name = (run.moe ? "moe_dp" : "dp") + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
                              (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
+                             (run.pp_virtual > 1 ? "_v" + std::to_string(run.pp_virtual) : "") +
                              (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") +
                              (run.ep > 1 ? "_ep" + std::to_string(run.ep) : "") + "_zero" + std::to_string(run.zero) +
                              (run.overlap ? "" : "_serial");
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
           "train.threads=" + std::to_string(threads), "parallel.dp=" + std::to_string(run.dp),
           "parallel.tp=" + std::to_string(run.tp), "parallel.pp=" + std::to_string(run.pp),
           "parallel.cp=" + std::to_string(run.cp), "parallel.ep=" + std::to_string(run.ep),
+          "parallel.pp_virtual=" + std::to_string(run.pp_virtual),
           "parallel.micro_batches=" + std::to_string(micro_batches), "parallel.zero=" + std::to_string(run.zero),
           std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
@@ -141,6 +146,7 @@ int main(int argc, char** argv) {
                           {"dp", run.dp},
                           {"tp", run.tp},
                           {"pp", run.pp},
+                          {"pp_virtual", run.pp_virtual},
                           {"cp", run.cp},
                           {"ep", run.ep},
                           {"moe", run.moe},
@@ -176,7 +182,8 @@ int main(int argc, char** argv) {
     } else {
       // The stage and ring transfers; the groups' other collectives are
       // the DP formulas' scalars and votes.
-      const nlohmann::json formula = keel::test::pipeline_comm_formula(config, run.pp, run.cp, micro_batches);
+      const nlohmann::json formula =
+          keel::test::pipeline_comm_formula(config, run.pp, run.cp, micro_batches, run.pp_virtual);
       bool matches = true;
       for (const auto& [group, exchange] : formula.items()) {
         matches = matches && m.comm_per_step.contains(group) && m.comm_per_step.at(group).contains("exchange") &&
@@ -187,8 +194,9 @@ int main(int argc, char** argv) {
     }
     if (run.pp > 1) {
       // Every rank's idle share of the pipeline (ranks in order: stage
-      // outermost) against 1F1B's bubble: the first stage's schedule spans it.
-      const double bubble = static_cast<double>(run.pp - 1) / (micro_batches + run.pp - 1);
+      // outermost) against 1F1B's bubble (divided by v when interleaved):
+      // the first stage's schedule spans it.
+      const double bubble = static_cast<double>(run.pp - 1) / (run.pp_virtual * micro_batches + run.pp - 1);
       const double span = keel::test::last_json_line(results.front().output).at("schedules").at("total_s");
       nlohmann::json idle = nlohmann::json::array();
       double worst = 0;

@@ -79,6 +79,10 @@ struct ParallelConfig {
   // Blocks per pipeline stage, first stage first: "3,3,2"; empty = as even
   // as possible (see common::stage_layers).
   std::string pp_layers = "";
+  // Model chunks per pipeline stage: > 1 runs interleaved 1F1B (stage s
+  // holds virtual stages s, s + pp, ...); pp_layers then lists pp *
+  // pp_virtual counts, one per virtual stage.
+  int64_t pp_virtual = 1;
   double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
   bool overlap_comm = true;    // DP gradient sums and ZeRO-3 gathers run while compute goes on
 
@@ -94,6 +98,7 @@ struct ParallelConfig {
     v("zero", zero);
     v("micro_batches", micro_batches);
     v("pp_layers", pp_layers);
+    v("pp_virtual", pp_virtual);
     v("timeout_s", timeout_s);
     v("overlap_comm", overlap_comm);
   }

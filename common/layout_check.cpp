@@ -25,13 +25,16 @@ std::vector<int64_t> even_split(int64_t pp, int64_t n_layer) {
   return counts;
 }
 
+// Pipeline stages, virtual ones with interleaving: what pp_layers counts.
+int64_t virtual_stages(const ParallelConfig& p) { return p.pp * p.pp_virtual; }
+
 // parallel.pp_layers as numbers, or the sentence saying why it is not a
-// list of pp positive block counts that add up to n_layer.
+// list of one positive block count per (virtual) stage that add up to n_layer.
 std::vector<int64_t> parse_pp_layers(const Config& config, std::string* problem) {
   const ParallelConfig& p = config.parallel;
-  const int64_t n_layer = config.model.n_layer;
+  const int64_t n_layer = config.model.n_layer, stages = virtual_stages(p);
   std::vector<int64_t> counts;
-  const std::string example = fmt::format("\"{}\"", fmt::join(even_split(p.pp, n_layer), ","));
+  const std::string example = fmt::format("\"{}\"", fmt::join(even_split(stages, n_layer), ","));
   size_t at = 0;
   while (at <= p.pp_layers.size()) {
     const size_t comma = std::min(p.pp_layers.find(',', at), p.pp_layers.size());
@@ -55,11 +58,13 @@ std::vector<int64_t> parse_pp_layers(const Config& config, std::string* problem)
   }
   int64_t total = 0;
   for (int64_t count : counts) total += count;
-  if (static_cast<int64_t>(counts.size()) != p.pp || total != n_layer) {
+  if (static_cast<int64_t>(counts.size()) != stages || total != n_layer) {
+    const std::string layout =
+        p.pp_virtual > 1 ? fmt::format("pp*pp_virtual = {} virtual stages", stages) : fmt::format("pp={} stages", p.pp);
     *problem = fmt::format(
-        "pp_layers=\"{}\" gives {} stages {} blocks but the layout has pp={} stages and the model n_layer={} blocks: "
+        "pp_layers=\"{}\" gives {} stages {} blocks but the layout has {} and the model n_layer={} blocks: "
         "write {} counts that add up to {}, or leave it empty for an even split",
-        p.pp_layers, counts.size(), total, p.pp, n_layer, p.pp, n_layer);
+        p.pp_layers, counts.size(), total, layout, n_layer, stages, n_layer);
     return {};
   }
   return counts;
@@ -68,8 +73,8 @@ std::vector<int64_t> parse_pp_layers(const Config& config, std::string* problem)
 }  // namespace
 
 std::vector<int64_t> stage_layers(const Config& config) {
-  const int64_t pp = config.parallel.pp, n_layer = config.model.n_layer;
-  if (config.parallel.pp_layers.empty()) return even_split(pp, n_layer);
+  const int64_t stages = virtual_stages(config.parallel), n_layer = config.model.n_layer;
+  if (config.parallel.pp_layers.empty()) return even_split(stages, n_layer);
   std::string problem;
   auto counts = parse_pp_layers(config, &problem);
   if (!problem.empty()) throw Error(ErrorCode::kBadConfig, "invalid parallel layout: " + problem);
@@ -82,8 +87,13 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
   std::vector<std::string> problems;
 
   bool degrees_in_range = true;
-  for (auto [key, value] : {std::pair{"dp", p.dp}, {"tp", p.tp}, {"pp", p.pp}, {"cp", p.cp}, {"ep", p.ep},
-                            {"micro_batches", p.micro_batches}}) {
+  for (auto [key, value] : {std::pair{"dp", p.dp},
+                            {"tp", p.tp},
+                            {"pp", p.pp},
+                            {"cp", p.cp},
+                            {"ep", p.ep},
+                            {"micro_batches", p.micro_batches},
+                            {"pp_virtual", p.pp_virtual}}) {
     if (value < 1) {
       problems.push_back(fmt::format("{}={} must be at least 1", key, value));
       degrees_in_range = false;
@@ -134,7 +144,26 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
         "pp={} exceeds n_layer={}: every pipeline stage needs at least one block, so use pp <= {}", p.pp, m.n_layer,
         m.n_layer));
   }
-  if (!p.pp_layers.empty() && p.pp <= m.n_layer) {
+  if (p.pp_virtual > 1) {
+    if (p.pp < 2) {
+      problems.push_back(fmt::format(
+          "pp_virtual={} needs a pipeline: interleaving splits each of pp >= 2 stages into chunks, so set pp >= 2 or "
+          "pp_virtual=1",
+          p.pp_virtual));
+    } else if (p.micro_batches % p.pp != 0) {
+      problems.push_back(fmt::format(
+          "micro_batches={} is not a multiple of pp={}: interleaved 1F1B runs microbatches in groups of pp through "
+          "each chunk, so use a multiple of {} or pp_virtual=1",
+          p.micro_batches, p.pp, p.pp));
+    }
+    if (p.pp <= m.n_layer && virtual_stages(p) > m.n_layer) {
+      problems.push_back(fmt::format(
+          "pp*pp_virtual = {} exceeds n_layer={}: every virtual stage needs at least one block, so use a pp_virtual "
+          "of at most {}",
+          virtual_stages(p), m.n_layer, m.n_layer / p.pp));
+    }
+  }
+  if (!p.pp_layers.empty() && virtual_stages(p) <= m.n_layer) {
     std::string problem;
     parse_pp_layers(config, &problem);
     if (!problem.empty()) problems.push_back(problem);

@@ -20,9 +20,11 @@ namespace keel::common {
 // values involved and what to change; empty when it can.
 std::vector<std::string> layout_problems(const Config& config, int64_t world_size);
 
-// The blocks each pipeline stage runs, first stage first: parallel.pp_layers
-// when set, otherwise n_layer split as evenly as possible with the earlier
-// stages taking the remainder. Call it on a validated layout; it throws
+// The blocks each pipeline stage runs, first stage first (with
+// interleaving, each virtual stage: pp * pp_virtual counts):
+// parallel.pp_layers when set, otherwise n_layer split as evenly as
+// possible with the earlier stages taking the remainder. Call it on a
+// validated layout; it throws
 // Error(kBadConfig) on a pp_layers that layout_problems refuses.
 std::vector<int64_t> stage_layers(const Config& config);
 

@@ -48,6 +48,10 @@ std::string layout_text(const nlohmann::json& layout) {
   std::string axes = fmt::format("dp{} tp{}", layout.value("dp", 1), layout.value("tp", 1));
   for (const char* axis : {"pp", "cp", "ep"}) {
     if (layout.value(axis, 1) > 1) axes += fmt::format(" {}{}", axis, layout.value(axis, 1));
+    // Interleaved: the pipeline's model chunks per stage.
+    if (axis == std::string("pp") && layout.value("pp_virtual", 1) > 1) {
+      axes += fmt::format(" (interleaved x{})", layout.value("pp_virtual", 1));
+    }
   }
   return fmt::format("{} zero{} ({} ranks)", axes, layout.value("zero", 0), layout.value("world_size", 1));
 }

@@ -131,6 +131,30 @@ TEST_SUITE("unit") {
          },
          "gives 2 stages 5 blocks but the layout has pp=2 stages and the model n_layer=4 blocks: write 2 counts that "
          "add up to 4"},
+        {"interleaving without a pipeline", 1, [](Config& c) { c.parallel.pp_virtual = 2; },
+         "pp_virtual=2 needs a pipeline: interleaving splits each of pp >= 2 stages into chunks"},
+        {"interleaving over microbatches that are not groups of pp", 2,
+         [](Config& c) {
+           c.parallel.pp = 2;
+           c.parallel.micro_batches = 3;
+           c.parallel.pp_virtual = 2;
+         },
+         "micro_batches=3 is not a multiple of pp=2: interleaved 1F1B runs microbatches in groups of pp"},
+        {"more virtual stages than blocks", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = 2;
+           c.parallel.pp_virtual = 3;
+         },
+         "pp*pp_virtual = 6 exceeds n_layer=4: every virtual stage needs at least one block, so use a pp_virtual of at "
+         "most 2"},
+        {"pp_layers counting stages where interleaving counts virtual ones", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = c.parallel.pp_virtual = 2;
+           c.parallel.pp_layers = "2,2";
+         },
+         "pp_layers=\"2,2\" gives 2 stages 4 blocks but the layout has pp*pp_virtual = 4 virtual stages and the model "
+         "n_layer=4 blocks: write 4 counts that add up to 4"},
+        {"pp_virtual below one", 1, [](Config& c) { c.parallel.pp_virtual = 0; }, "pp_virtual=0 must be at least 1"},
         {"cp chunks against sequence", 3, [](Config& c) { c.parallel.cp = 3; },
          "2*cp = 6 does not divide seq_len=256 (cp=3)"},
         {"cp halves against odd chunks", 2,
@@ -197,6 +221,11 @@ TEST_SUITE("unit") {
            c.model.n_expert = 8;
            c.parallel.zero = 3;
          }},
+        {"an interleaved pipeline of one block per virtual stage", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.pp_virtual = 2;
+           c.parallel.micro_batches = 4;
+         }},
         {"one block per stage", 4,
          [](Config& c) {
            c.parallel.pp = 4;
@@ -232,6 +261,11 @@ TEST_SUITE("unit") {
     CHECK(stage_layers(config) == std::vector<int64_t>{1, 2, 4});
     config.parallel.pp_layers = "1,2";
     CHECK_THROWS_AS(stage_layers(config), Error);
+    // Interleaved: one count per virtual stage, stage s running virtual stages s, s + pp, ...
+    config.parallel.pp = 2;
+    config.parallel.pp_virtual = 2;
+    config.parallel.pp_layers = "";
+    CHECK(stage_layers(config) == std::vector<int64_t>{2, 2, 2, 1});
   }
 
   TEST_CASE("validate_layout throws kBadConfig naming every problem") {

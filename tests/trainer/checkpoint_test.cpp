@@ -125,6 +125,12 @@ TEST_SUITE("integration") {
                                      {Layout{.zero = 2, .cp = 2}, Layout{.micro_batches = 2, .pp = 2}}};
     TrainerRuns f;
     check_continuations(f, pairs, kEvery4);
+    // Interleaved, where a stage's blocks are not one range: blocks 0 and 2
+    // on stage 0, 1 and 3 on stage 1.
+    TrainerRuns four_blocks;
+    std::vector<std::string> sets = kEvery4;
+    sets.push_back("model.n_layer=4");
+    check_continuations(four_blocks, {{Layout{.micro_batches = 2, .pp = 2, .pp_virtual = 2}, Layout{2, 1, 1}}}, sets);
     // keelctl names the layout a checkpoint was saved in.
     const std::string pipeline_run = "a_" + Layout{.micro_batches = 2, .pp = 2}.name() + "_" + Layout{}.name();
     const std::vector<std::string> inspect = {keel::test::keel_binary("keelctl").string(), "checkpoint", "inspect",

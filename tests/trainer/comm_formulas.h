@@ -8,6 +8,7 @@
 
 #include "common/config.h"
 #include "trainer/model/parameters.h"
+#include "trainer/parallel/schedule.h"
 
 #include <nlohmann/json.hpp>
 
@@ -97,11 +98,15 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
 //       recv act i + 1] for each i < m - 1, then [send grad m - 1]: m + 1
 //       exchanges sending m gradients of one rank's [B/m * T/cp, C]; plus
 //       the tied embedding's gradient, [Vp, C], with the first stage.
+//       Interleaved over v chunks, the last stage sends per microbatch the
+//       input gradient of each of its v chunks and the output of all but
+//       its last (back round to stage 0), in as many exchanges as its
+//       schedule groups them.
 //   cp: per block and microbatch, the forward ring's cp - 1 steps each send
 //       this rank's q, k and v ([B/m * T/cp, 3C]); the backward's cp - 1
 //       steps send them with their gradient accumulator, and a last step
 //       sends the accumulator home.
-inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp, int cp, int m) {
+inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp, int cp, int m, int v = 1) {
   const uint64_t C = static_cast<uint64_t>(config.model.n_embd);
   const uint64_t positions = static_cast<uint64_t>(config.train.batch_size / m * config.model.seq_len / cp);
   const uint64_t last_stage_blocks = static_cast<uint64_t>(config.model.n_layer / pp);  // an even split
@@ -109,7 +114,14 @@ inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp
   nlohmann::json comm = nlohmann::json::object();
   if (pp > 1) {
     const uint64_t tied = static_cast<uint64_t>(config.model.padded_vocab()) * C;
-    comm["pp"] = op(static_cast<uint64_t>(m) * positions * C + tied, static_cast<uint64_t>(m) + 2);
+    uint64_t exchanges = 0;
+    bool in_exchange = false;
+    for (const auto& action : trainer::one_f_one_b(pp, pp - 1, m, v)) {
+      exchanges += action.transfer() && !in_exchange ? 1 : 0;
+      in_exchange = action.transfer();
+    }
+    const uint64_t sent = static_cast<uint64_t>(m) * static_cast<uint64_t>(2 * v - 1);
+    comm["pp"] = op(sent * positions * C + tied, exchanges + 1);
   }
   if (cp > 1) {
     const uint64_t qkv = positions * 3 * C, per_block = static_cast<uint64_t>(3 * cp - 2) * qkv;

@@ -112,7 +112,7 @@ void check_memory(const Fixture& f, const Layout& layout, const Run& run, const 
   const auto config = f.config(all_sets);
   for (int r = 0; r < layout.world(); ++r) {
     CAPTURE(r);
-    const auto stage = keel::trainer::ModelStage::of(keel::common::stage_layers(config), layout.pp_rank(r));
+    const auto stage = keel::trainer::ModelStage::of(keel::common::stage_layers(config), layout.pp_rank(r), layout.pp);
     const keel::trainer::ParameterTable table(config.model, layout.tp_rank(r), layout.tp, stage, layout.ep_rank(r),
                                               layout.ep);
     double P = 0, sharded = 0;
@@ -145,13 +145,13 @@ void check_layout(Layout shape, const std::vector<std::string>& extra = {}, Layo
   Fixture f;
   const Run reference = f.run(reference_layout, "reference", extra);
   REQUIRE(reference.losses.size() == 20);
-  const int dp = shape.dp, tp = shape.tp, pp = shape.pp, cp = shape.cp, ep = shape.ep;
+  const int dp = shape.dp, tp = shape.tp, pp = shape.pp, cp = shape.cp, ep = shape.ep, v = shape.pp_virtual;
   const bool zero_shards = dp * cp > 1;
   std::vector<Layout> layouts;
-  for (int zero = 0; zero <= (zero_shards ? 3 : 0); ++zero) layouts.push_back(Layout{dp, tp, zero, pp, pp, cp, ep});
+  for (int zero = 0; zero <= (zero_shards ? 3 : 0); ++zero) layouts.push_back(Layout{dp, tp, zero, pp, pp, cp, ep, v});
   if (!microbatches_change_the_loss) {
-    layouts.push_back(Layout{dp, tp, 0, 2 * pp, pp, cp, ep});
-    if (zero_shards) layouts.push_back(Layout{dp, tp, 3, 2 * pp, pp, cp, ep});
+    layouts.push_back(Layout{dp, tp, 0, 2 * pp, pp, cp, ep, v});
+    if (zero_shards) layouts.push_back(Layout{dp, tp, 3, 2 * pp, pp, cp, ep, v});
   }
   for (const Layout& layout : layouts) {
     if (layout.name() == reference_layout.name()) continue;
@@ -249,6 +249,16 @@ TEST_SUITE("integration") {
       CAPTURE(layout.name());
       check_parity(f, reference, "reference", f.run(layout, layout.name(), sets), layout.name());
     }
+  }
+  TEST_CASE("PP2 with interleaved 1F1B over two chunks per stage reproduces the single-rank losses and gradients") {
+    // Stage 0 runs blocks 0 and 2, stage 1 blocks 1 and 3; microbatches
+    // cross from the last stage back to the first.
+    check_layout({.pp = 2, .pp_virtual = 2}, kFourBlocks);
+  }
+  TEST_CASE("DP2 x PP2 interleaved with ZeRO 0 to 3 and a MoE block reproduces the single-rank run") {
+    std::vector<std::string> sets = {"model.n_layer=4", "model.n_expert=4", "model.top_k=2", "model.moe_every=2",
+                                     "model.aux_loss_coef=0"};
+    check_layout({.dp = 2, .pp = 2, .pp_virtual = 2}, sets);
   }
   TEST_CASE("TP2 x PP2 reproduces the single-rank losses and gradients") {
     check_layout({.tp = 2, .pp = 2}, kFourBlocks);

@@ -156,7 +156,7 @@ TEST_SUITE("unit") {
             // of the stage's activations) plus one.
             CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(2 * (p - s - 1) + (v - 1) * p + 1, m * v));
           }
-          CHECK(simulate(all_stages(p, m, v, true)).completed);
+          for (const int forwards : {m, m - 1}) CHECK(simulate(all_stages(p, forwards, v, true)).completed);
         }
       }
     }

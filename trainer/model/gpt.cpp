@@ -123,6 +123,7 @@ struct Gpt::Slot {
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
   int batch = 0;                        // B of its forward
+  int chunk = 0;                        // the stage's model chunk it runs
   ArenaArray<int32_t> inputs, targets;  // [B, T]
   // [Ns, C]: the stage's input (the embedding's output on the first stage,
   // the previous stage's output otherwise) and, on stages before the last,
@@ -172,7 +173,11 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
       slots_(static_cast<size_t>(slots)),
       scratch_(std::make_unique<Scratch>()) {
   const size_t N = static_cast<size_t>(max_batch) * static_cast<size_t>(context_.local_len());
-  if (N % static_cast<size_t>(tp_size_) != 0 || slots < 1 || stage().layers() < 1 ||
+  const auto& chunks = stage().chunks;
+  const bool empty_chunk = chunks.empty() || std::any_of(chunks.begin(), chunks.end(), [](const LayerRange& chunk) {
+                             return chunk.end <= chunk.begin;
+                           });
+  if (N % static_cast<size_t>(tp_size_) != 0 || slots < 1 || empty_chunk ||
       context_.chunk_len() * context_.chunks() * context_.cp != config.seq_len) {
     throw common::Error(common::ErrorCode::kInternal,
                         "Gpt layout not validated: B*T % tp != 0, no slot, a stage without blocks or 2*cp not "
@@ -180,8 +185,8 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
   }
   Scratch& x = *scratch_;
   x.outer = outer_offsets(storage.table());
-  for (int64_t i = stage().layer_begin; i < stage().layer_end; ++i) {
-    x.offsets.push_back(block_offsets(storage.table(), config, i, static_cast<int>(i - stage().layer_begin) + 1));
+  for (int64_t b = 0; b < stage().layers(); ++b) {
+    x.offsets.push_back(block_offsets(storage.table(), config, stage().layer(b), static_cast<int>(b) + 1));
   }
 }
 
@@ -198,14 +203,29 @@ void Gpt::lay_out(Arena& arena) {
   auto take = [&arena](size_t count) { return arena.take<float>(count); };
   // With TP a buffer of all N positions; without, an empty one (the shard serves).
   auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
+  // A slot holds one pass through a chunk: its block i is block i of
+  // whichever chunk runs in it, so it has room for the longest chunk, and
+  // for an MoE block where any chunk's i-th block is one (a dense MLP where
+  // any is dense).
+  const int chunks = static_cast<int>(stage().chunks.size());
+  int64_t slot_blocks = 0;
+  for (int j = 0; j < chunks; ++j) slot_blocks = std::max(slot_blocks, stage().chunk_blocks(j));
+  std::vector<bool> moe_at(static_cast<size_t>(slot_blocks), false), dense_at(static_cast<size_t>(slot_blocks), false);
+  for (int j = 0; j < chunks; ++j) {
+    for (int64_t i = 0; i < stage().chunk_blocks(j); ++i) {
+      const bool moe = config.is_moe_layer(stage().layer(stage().chunk_begin(j) + i));
+      (moe ? moe_at : dense_at)[static_cast<size_t>(i)] = true;
+    }
+  }
   bool any_moe = false;
   for (Slot& s : slots_) {
     s.blocks.clear();
     s.inputs = arena.take<int32_t>(first ? N : 0);
     s.targets = arena.take<int32_t>(last ? N : 0);
     s.input = take(Ns * C);
-    s.output_grad = take(last ? 0 : Ns * C);
-    for (int64_t i = stage().layer_begin; i < stage().layer_end; ++i) {
+    // Every chunk but the one that scores the loss receives its output's gradient.
+    s.output_grad = take(last && chunks == 1 ? 0 : Ns * C);
+    for (size_t i = 0; i < static_cast<size_t>(slot_blocks); ++i) {
       Slot::Block blk;
       blk.ln1 = take(Ns * C);
       blk.ln1_mean = take(Ns);
@@ -220,7 +240,7 @@ void Gpt::lay_out(Arena& arena) {
       blk.ln2_rstd = take(Ns);
       blk.ln2_whole = whole(C);
       blk.residual3 = take(Ns * C);
-      if (config.is_moe_layer(i)) {
+      if (moe_at[i]) {
         any_moe = true;
         auto moe = std::make_unique<MoeLayer>();
         moe->router_logits = take(N * E);
@@ -232,7 +252,8 @@ void Gpt::lay_out(Arena& arena) {
         moe->ge = take(R * Fl);
         moe->ye = take(N * K * C);
         blk.moe = std::move(moe);
-      } else {
+      }
+      if (dense_at[i]) {
         blk.fch = take(N * Fl);
         blk.fch_gelu = take(N * Fl);
       }
@@ -292,7 +313,8 @@ size_t Gpt::boundary_numel(int B) const {
 }
 float* Gpt::stage_input(int slot) { return slots_[static_cast<size_t>(slot)].input.data(); }
 const float* Gpt::stage_output(int slot) const {
-  return slots_[static_cast<size_t>(slot)].blocks.back().residual3.data();
+  const Slot& s = slots_[static_cast<size_t>(slot)];
+  return s.blocks[static_cast<size_t>(stage().chunk_blocks(s.chunk)) - 1].residual3.data();
 }
 float* Gpt::output_gradient(int slot) { return slots_[static_cast<size_t>(slot)].output_grad.data(); }
 const float* Gpt::input_gradient() const { return scratch_->dresidual.data(); }
@@ -305,19 +327,21 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
   if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
 }
 
-float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot) {
+float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk) {
   if (scratch_->dresidual.data() == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::forward before lay_out() placed the activations");
   }
-  if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0 || slot < 0 || slot >= slots() ||
-      (stage().first() && inputs == nullptr) || (stage().last() && targets == nullptr)) {
+  if (B < 1 || B > max_batch_ || B * config_.seq_len % tp_size_ != 0 || slot < 0 || slot >= slots() || chunk < 0 ||
+      chunk >= static_cast<int>(stage().chunks.size()) || (stage().embeds(chunk) && inputs == nullptr) ||
+      (stage().scores(chunk) && targets == nullptr)) {
     throw common::Error(common::ErrorCode::kInternal, "forward batch " + std::to_string(B) + " outside [1, " +
                                                           std::to_string(max_batch_) + "], not splittable over " +
                                                           std::to_string(tp_size_) +
-                                                          " TP ranks, slot out of range or tokens missing");
+                                                          " TP ranks, slot or chunk out of range or tokens missing");
   }
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.batch = B;
+  s.chunk = chunk;
   const int T = context_.local_len(), C = static_cast<int>(config_.n_embd);
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
@@ -327,10 +351,11 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   Scratch& x = *scratch_;
   Backend& k = backend_;
   const OuterOffsets& outer = x.outer;
-  const bool ends = stage().first() || stage().last();
-  const float* p0 = ends ? storage_.acquire_parameters(0) : nullptr;
-  const int blocks = static_cast<int>(s.blocks.size());
-  storage_.prefetch_parameters(1);
+  const bool embeds = stage().embeds(chunk), scores = stage().scores(chunk);
+  const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
+  const int blocks = static_cast<int>(stage().chunk_blocks(chunk));
+  const int first = static_cast<int>(stage().chunk_begin(chunk));
+  storage_.prefetch_parameters(first + 1);
   // A row-parallel linear's output: partial sums to be reduce-scattered
   // with TP, the shard itself without.
   auto partial_or = [&](const ArenaArray<float>& shard) { return tp_ != nullptr ? x.partial.data() : shard.data(); };
@@ -344,7 +369,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     }
     k.copy_from_host(to.data(), tokens, static_cast<size_t>(N) * sizeof(int32_t));
   };
-  if (stage().first()) {
+  if (embeds) {
     upload(inputs, s.inputs);
     // The vocabulary shards each embed their own tokens; the position rows
     // and the row-parallel biases are added by TP rank 0 alone, so that the
@@ -365,10 +390,10 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   const float* residual = s.input.data();
   for (int i = 0; i < blocks; ++i) {
     Slot::Block& blk = s.blocks[static_cast<size_t>(i)];
-    const BlockOffsets& o = x.offsets[static_cast<size_t>(i)];
-    const int unit = i + 1;
+    const BlockOffsets& o = x.offsets[static_cast<size_t>(first + i)];
+    const int unit = first + i + 1;
     const float* p = storage_.acquire_parameters(unit);
-    if (unit < blocks) storage_.prefetch_parameters(unit + 1);
+    if (i + 1 < blocks) storage_.prefetch_parameters(unit + 1);
     // Attention branch.
     k.layernorm_forward(blk.ln1.data(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
                         p + o.ln1_b, Ns, C);
@@ -383,7 +408,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     // hook must see it before the next block reads it.)
     k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.data(), blk.ln2_mean.data(),
                             blk.ln2_rstd.data(), p + o.ln2_w, p + o.ln2_b, Ns, C);
-    if (blk.moe) {
+    if (config_.is_moe_layer(stage().layer(first + i))) {
       // Every TP rank routes all N tokens alike and runs its slice of each
       // expert, like the dense MLP; the row-parallel partials sum into the shards.
       gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
@@ -398,10 +423,10 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     }
     k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
-    if (activation_hook_) activation_hook_(static_cast<int>(stage().layer_begin) + i, blk.residual3.data(), NsC);
+    if (activation_hook_) activation_hook_(static_cast<int>(stage().layer(first + i)), blk.residual3.data(), NsC);
     residual = blk.residual3.data();
   }
-  if (!stage().last()) return 0.0f;
+  if (!scores) return 0.0f;
 
   upload(targets, s.targets);
   k.layernorm_forward(s.lnf.data(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0 + outer.lnf_w, p0 + outer.lnf_b,
@@ -432,9 +457,11 @@ void Gpt::backward(float loss_scale, int slot) {
   Scratch& x = *scratch_;
   Backend& k = backend_;
   const OuterOffsets& outer = x.outer;
-  const bool ends = stage().first() || stage().last();
-  const float* p0 = ends ? storage_.acquire_parameters(0) : nullptr;
-  float* g0 = ends ? storage_.unit_gradients(0) : nullptr;
+  const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
+  const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
+  float* g0 = embeds || scores ? storage_.unit_gradients(0) : nullptr;
+  const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
+  const int first = static_cast<int>(stage().chunk_begin(s.chunk));
   // The gradient of a sequence-parallel boundary, both ways: the shards of
   // an output gradient gathered (all-gather's backward is a reduce-scatter
   // and vice versa), and an input gradient summed into the shards.
@@ -442,7 +469,7 @@ void Gpt::backward(float loss_scale, int slot) {
   float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
   const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
 
-  if (stage().last()) {
+  if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place.
     k.crossentropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(),
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
@@ -452,25 +479,25 @@ void Gpt::backward(float loss_scale, int slot) {
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
     k.layernorm_backward(x.dresidual.data(), g0 + outer.lnf_w, g0 + outer.lnf_b, x.dln.data(),
-                         s.blocks.back().residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(), Ns,
-                         C);
+                         s.blocks[blocks - 1].residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(),
+                         Ns, C);
   } else {
     k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
   }
 
   // dresidual holds the gradient of this rank's shard of the residual
   // stream; each branch adds its input's gradient into it on the way down.
-  for (size_t i = s.blocks.size(); i-- > 0;) {
+  for (size_t i = blocks; i-- > 0;) {
     Slot::Block& blk = s.blocks[i];
-    const BlockOffsets& o = x.offsets[i];
-    const int unit = static_cast<int>(i) + 1;
+    const BlockOffsets& o = x.offsets[static_cast<size_t>(first) + i];
+    const int unit = first + static_cast<int>(i) + 1;
     const float* p = storage_.acquire_parameters(unit);
-    if (unit > 1) storage_.prefetch_parameters(unit - 1);
+    if (i > 0) storage_.prefetch_parameters(unit - 1);
     float* g = storage_.unit_gradients(unit);
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
     k.zero(din_all, din_numel * sizeof(float));
-    if (blk.moe) {
+    if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
       gather_positions(x.dresidual.data(), dout_all, NsC);
       moe_backward(s, static_cast<int>(i), p, g, din_all, dout_all, loss_scale, N);
       sum_into_positions(din_all, x.dln.data(), NsC);
@@ -500,7 +527,7 @@ void Gpt::backward(float loss_scale, int slot) {
                          blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
     storage_.gradients_ready(unit);
   }
-  if (stage().first()) {
+  if (embeds) {
     gather_positions(x.dresidual.data(), dout_all, NsC);
     const int Tc = context_.chunk_len();
     const size_t chunk_rows = static_cast<size_t>(B) * Tc;
@@ -509,7 +536,7 @@ void Gpt::backward(float loss_scale, int slot) {
                            dout_all + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, v_begin, Vl, B, Tc, C);
     }
   }
-  if (ends) storage_.gradients_ready(0);
+  if (embeds || scores) storage_.gradients_ready(0);
   s.batch = 0;
 }
 
@@ -651,7 +678,7 @@ void Gpt::exchange_rows(const float* in, const std::vector<size_t>& in_rows, flo
 
 void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, float* out, int N) {
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
-  const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(block)];
+  const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
@@ -743,10 +770,12 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   aux_loss_ += static_cast<float>(config_.aux_loss_coef * E * aux);
 }
 
-std::vector<std::vector<double>> Gpt::expert_tokens(int slot) const {
-  std::vector<std::vector<double>> tokens;
-  for (const Slot::Block& blk : slots_[static_cast<size_t>(slot)].blocks) {
-    if (blk.moe) tokens.push_back(blk.moe->tokens);
+std::vector<Gpt::ExpertTokens> Gpt::expert_tokens(int slot) const {
+  const Slot& s = slots_[static_cast<size_t>(slot)];
+  std::vector<ExpertTokens> tokens;
+  for (int64_t i = 0; i < stage().chunk_blocks(s.chunk); ++i) {
+    const int64_t layer = stage().layer(stage().chunk_begin(s.chunk) + i);
+    if (config_.is_moe_layer(layer)) tokens.push_back({layer, s.blocks[static_cast<size_t>(i)].moe->tokens});
   }
   return tokens;
 }
@@ -755,7 +784,7 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
                        int N) {
   Scratch& x = *scratch_;
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
-  const BlockOffsets& o = x.offsets[static_cast<size_t>(block)];
+  const BlockOffsets& o = x.offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;

@@ -57,20 +57,22 @@ class Gpt {
   Backend& backend() { return backend_; }
   int slots() const;
 
-  // Runs this stage on B sequences into activation slot `slot`: the first
-  // stage embeds `inputs` (host tokens, [B, seq_len]), the others start
-  // from stage_input(slot); the last stage scores `targets` (host tokens,
-  // [B, seq_len]) and returns the mean cross-entropy over this rank's
-  // positions, the others leave stage_output(slot) and return 0. With CP
-  // each rank takes its own positions of the sequences. Either token pointer may be null on a stage that does
-  // not read it. aux_loss() then holds this stage's MoE load-balancing loss.
-  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0);
+  // Runs chunk `chunk` of this stage (ModelStage: one without
+  // interleaving) on B sequences into activation slot `slot`: the first
+  // virtual stage embeds `inputs` (host tokens, [B, seq_len]), the others
+  // start from stage_input(slot); the last virtual stage scores `targets`
+  // (host tokens, [B, seq_len]) and returns the mean cross-entropy over
+  // this rank's positions, the others leave stage_output(slot) and return
+  // 0. With CP each rank takes its own positions of the sequences. Either
+  // token pointer may be null where it is not read. aux_loss() then holds
+  // the chunk's MoE load-balancing loss.
+  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0, int chunk = 0);
   float aux_loss() const { return aux_loss_; }
 
   // Accumulates the gradient of loss_scale * (cross-entropy + aux loss) of
   // the forward in `slot` into the storage's gradients and frees the slot.
-  // A stage other than the last starts from output_gradient(slot); one
-  // other than the first leaves input_gradient(). Overwrites logits(slot).
+  // A virtual stage other than the last starts from output_gradient(slot);
+  // one other than the first leaves input_gradient(). Overwrites logits(slot).
   void backward(float loss_scale, int slot = 0);
 
   // The residual stream where stages meet: this rank's [B*T/tp, C] shard
@@ -81,10 +83,14 @@ class Gpt {
   float* output_gradient(int slot);           // its gradient, from the next stage (not on the last)
   const float* input_gradient() const;        // after backward(): stage_input's gradient (not on the first)
 
-  // Per MoE block of this stage, in order: the tokens the router sent to
-  // each expert in the last forward of `slot`, over the whole microbatch
+  // Per MoE block of the last forward of `slot`, in order: its layer and
+  // the tokens the router sent to each expert, over the whole microbatch
   // (every dp x cp rank's share), counting each of a token's k choices.
-  std::vector<std::vector<double>> expert_tokens(int slot = 0) const;
+  struct ExpertTokens {
+    int64_t layer;
+    std::vector<double> tokens;
+  };
+  std::vector<ExpertTokens> expert_tokens(int slot = 0) const;
 
   // [B, seq_len/cp, this rank's vocabulary slice] after forward() on the
   // last stage, in backend memory (with CP in ContextSplit's order).

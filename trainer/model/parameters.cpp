@@ -44,11 +44,44 @@ std::vector<GlobalBlock> ParamSpec::global_blocks(int64_t row_begin, int64_t row
   return blocks;
 }
 
-ModelStage ModelStage::of(const std::vector<int64_t>& layers_per_stage, int index) {
-  ModelStage stage{index, static_cast<int>(layers_per_stage.size()), 0, 0};
-  for (int s = 0; s < index; ++s) stage.layer_begin += layers_per_stage[static_cast<size_t>(s)];
-  stage.layer_end = stage.layer_begin + layers_per_stage[static_cast<size_t>(index)];
+ModelStage ModelStage::of(const std::vector<int64_t>& layers_per_virtual_stage, int index, int stages) {
+  ModelStage stage{index, stages, {}};
+  int64_t begin = 0;
+  for (size_t v = 0; v < layers_per_virtual_stage.size(); ++v) {
+    const int64_t end = begin + layers_per_virtual_stage[v];
+    if (static_cast<int>(v) % stages == index) stage.chunks.push_back({begin, end});
+    begin = end;
+  }
   return stage;
+}
+
+int64_t ModelStage::layers() const {
+  int64_t total = 0;
+  for (const LayerRange& chunk : chunks) total += chunk.end - chunk.begin;
+  return total;
+}
+
+int64_t ModelStage::layer(int64_t block) const {
+  for (const LayerRange& chunk : chunks) {
+    if (block < chunk.end - chunk.begin) return chunk.begin + block;
+    block -= chunk.end - chunk.begin;
+  }
+  throw std::out_of_range("block " + std::to_string(block) + " beyond the stage's");
+}
+
+int64_t ModelStage::block_of(int64_t layer) const {
+  int64_t block = 0;
+  for (const LayerRange& chunk : chunks) {
+    if (layer >= chunk.begin && layer < chunk.end) return block + layer - chunk.begin;
+    block += chunk.end - chunk.begin;
+  }
+  return -1;
+}
+
+int64_t ModelStage::chunk_begin(int chunk) const {
+  int64_t block = 0;
+  for (int j = 0; j < chunk; ++j) block += chunk_blocks(j);
+  return block;
 }
 
 ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size, const ModelStage& stage,
@@ -92,7 +125,8 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
       specs_.back().tied_copy = true;
     }
   }
-  for (int64_t i = stage.layer_begin; i < stage.layer_end; ++i) {
+  for (int64_t b = 0; b < stage.layers(); ++b) {
+    const int64_t i = stage.layer(b);
     unit_first_tensor_.push_back(specs_.size());
     const std::string h = "h." + std::to_string(i);
     layernorm(h + ".ln_1");

@@ -37,22 +37,43 @@ struct GlobalBlock {
   int64_t col = 0;
 };
 
+// Blocks [begin, end) of the model.
+struct LayerRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
 // The part of the model one pipeline stage runs (docs/architecture.md
-// "Pipeline parallelism"): blocks [layer_begin, layer_end), the embedding
-// on the first stage and the head (final norm, LM head tied to the token
-// embedding, loss) on the last. One stage alone is the whole model.
+// "Pipeline parallelism"): its chunks of blocks, the embedding on the
+// first stage and the head (final norm, LM head tied to the token
+// embedding, loss) on the last. Without interleaving a stage has one
+// chunk; with it, chunk j is virtual stage j * count + index, the
+// embedding belongs to the first stage's chunk 0 and the head to the last
+// stage's last chunk. One stage alone is the whole model.
 struct ModelStage {
   int index = 0;
   int count = 1;
-  int64_t layer_begin = 0;
-  int64_t layer_end = 0;
+  std::vector<LayerRange> chunks;
 
   bool first() const { return index == 0; }
   bool last() const { return index == count - 1; }
-  int64_t layers() const { return layer_end - layer_begin; }
-  static ModelStage whole(const common::ModelConfig& model) { return {0, 1, 0, model.n_layer}; }
-  // Stage `index` of a pipeline whose stage s runs layers_per_stage[s] blocks.
-  static ModelStage of(const std::vector<int64_t>& layers_per_stage, int index);
+  // Whether chunk j takes the tokens (virtual stage 0) or scores the loss (the last one).
+  bool embeds(int chunk) const { return first() && chunk == 0; }
+  bool scores(int chunk) const { return last() && chunk + 1 == static_cast<int>(chunks.size()); }
+  // The stage's blocks, chunk after chunk: local block b is global layer(b).
+  int64_t layers() const;
+  int64_t layer(int64_t block) const;
+  // The local block that is global layer `layer`; -1 when another stage runs it.
+  int64_t block_of(int64_t layer) const;
+  // Chunk j's first local block and its number of blocks.
+  int64_t chunk_begin(int chunk) const;
+  int64_t chunk_blocks(int chunk) const {
+    return chunks[static_cast<size_t>(chunk)].end - chunks[static_cast<size_t>(chunk)].begin;
+  }
+  static ModelStage whole(const common::ModelConfig& model) { return {0, 1, {{0, model.n_layer}}}; }
+  // Stage `index` of `stages`, virtual stage v running layers_per_virtual_stage[v]
+  // blocks (stages entries without interleaving).
+  static ModelStage of(const std::vector<int64_t>& layers_per_virtual_stage, int index, int stages);
 };
 
 struct ParamSpec {

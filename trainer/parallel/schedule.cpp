@@ -39,16 +39,21 @@ struct Passes {
   int p, s, v, m;
 
   Passes(int stages, int stage, int microbatches, int chunks) : p(stages), s(stage), v(chunks), m(microbatches) {
-    if (p < 1 || s < 0 || s >= p || m < 1 || v < 1 || (v > 1 && (p < 2 || m % p != 0))) {
+    if (p < 1 || s < 0 || s >= p || m < 1 || v < 1 || (v > 1 && p < 2)) {
       throw common::Error(common::ErrorCode::kInternal,
                           fmt::format("a schedule for stage {} of {} with {} chunks over {} microbatches", s, p, v, m));
     }
   }
   int count() const { return m * v; }
   // Megatron's order: microbatches in groups of p, each group through
-  // chunk 0, then chunk 1, ...
+  // chunk 0, then chunk 1, ...; a last group of fewer the same way.
   Action forward(int k) const {
     if (v == 1) return {ActionKind::kForward, k, 0};
+    const int whole = m / p * p * v;
+    if (k >= whole) {
+      const int rest = m % p, within = k - whole;
+      return {ActionKind::kForward, m / p * p + within % rest, within / rest};
+    }
     const int group = k / (p * v), within = k % (p * v);
     return {ActionKind::kForward, group * p + within % p, within / p};
   }
@@ -67,6 +72,11 @@ struct Passes {
 
 std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chunks) {
   const Passes passes(stages, stage, microbatches, chunks);
+  if (chunks > 1 && microbatches % stages != 0) {
+    throw common::Error(
+        common::ErrorCode::kInternal,
+        fmt::format("interleaved 1F1B over {} microbatches, not a multiple of {} stages", microbatches, stages));
+  }
   std::vector<Action> actions;
   auto add = [&](ActionKind kind, const Action& pass) { actions.push_back({kind, pass.microbatch, pass.chunk}); };
   auto recv_activation = [&](int k) {

@@ -50,8 +50,10 @@ std::string describe(const Action& action);
 // multiple of p.
 std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chunks = 1);
 
-// Forwards alone (validation): each microbatch received, run and passed
-// on, chunk by chunk in the order of one_f_one_b's forwards.
+// Forwards alone (validation, evaluation): each microbatch received, run
+// and passed on, chunk by chunk in the order of one_f_one_b's forwards (any
+// m: a last group of fewer than p microbatches goes through the chunks
+// the same way).
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks = 1);
 
 // Which activation slot each microbatch's pass through a chunk of

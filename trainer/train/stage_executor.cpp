@@ -14,9 +14,9 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
   auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
   const auto start = Clock::now();
   StageTime time;
-  auto timed = [&](const std::function<void(int, int)>& compute, int mb, int slot) {
+  auto timed = [&](const std::function<void(int, int, int)>& compute, const Action& pass, int slot) {
     const auto begin = Clock::now();
-    compute(mb, slot);
+    compute(pass.microbatch, pass.chunk, slot);
     time.compute_s += seconds(Clock::now() - begin);
   };
   const SlotPlan plan = plan_slots(actions, microbatches);
@@ -25,7 +25,8 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
         common::ErrorCode::kInternal,
         fmt::format("the schedule keeps {} microbatches alive but the model has {} slots", plan.slots, model.slots()));
   }
-  const int stage = model.stage().index;
+  const int stage = model.stage().index, stages = model.stage().count;
+  const int next = (stage + 1) % stages, previous = (stage + stages - 1) % stages;
   int alive = 0;
   std::vector<Communicator::Send> sends;
   std::vector<Communicator::Recv> recvs;
@@ -42,25 +43,25 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
     switch (action.kind) {
       case ActionKind::kForward:
         flush();
-        timed(work.forward, mb, slot);
+        timed(work.forward, action, slot);
         time.peak_alive = std::max(time.peak_alive, ++alive);
         break;
       case ActionKind::kBackward:
         flush();
-        timed(work.backward, mb, slot);
+        timed(work.backward, action, slot);
         --alive;
         break;
       case ActionKind::kSendActivation:
-        sends.push_back({model.stage_output(slot), count, stage + 1});
+        sends.push_back({model.stage_output(slot), count, next});
         break;
       case ActionKind::kRecvActivation:
-        recvs.push_back({model.stage_input(slot), count, stage - 1});
+        recvs.push_back({model.stage_input(slot), count, previous});
         break;
       case ActionKind::kSendGradient:
-        sends.push_back({model.input_gradient(), count, stage - 1});
+        sends.push_back({model.input_gradient(), count, previous});
         break;
       case ActionKind::kRecvGradient:
-        recvs.push_back({model.output_gradient(slot), count, stage + 1});
+        recvs.push_back({model.output_gradient(slot), count, next});
         break;
     }
   }

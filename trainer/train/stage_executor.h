@@ -21,9 +21,10 @@ struct StageWork {
   // Sequences in microbatch mb: every stage knows it without being told,
   // so that the transfers' counts agree.
   std::function<int(int mb)> batch;
-  // Runs the model's forward (or backward) of mb in activation slot `slot`.
-  std::function<void(int mb, int slot)> forward;
-  std::function<void(int mb, int slot)> backward;
+  // Runs the model's forward (or backward) of mb through the stage's
+  // model chunk `chunk` in activation slot `slot`.
+  std::function<void(int mb, int chunk, int slot)> forward;
+  std::function<void(int mb, int chunk, int slot)> backward;
 };
 
 // Where a stage's time went: computing (its forwards and backwards, data
@@ -44,7 +45,8 @@ struct StageTime {
 };
 
 // `pp` is the PP group (nullptr with one stage), in which stage s is rank
-// s; `model` must have at least plan_slots(actions).slots slots. Throws
+// s (an interleaved schedule's last stage hands on to stage 0); `model`
+// must have at least plan_slots(actions).slots slots. Throws
 // what the communicator throws (a peer failure, a hang).
 StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& model, Communicator* pp,
                     const StageWork& work);

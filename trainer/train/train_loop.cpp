@@ -58,7 +58,7 @@ std::optional<size_t> tied_tensor(const ParameterTable& table) {
 }
 
 ModelStage stage_of(const common::Config& config, const ProcessGroups& groups) {
-  return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp));
+  return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp), groups.size(Axis::kPp));
 }
 
 // How many microbatches the stage's schedule keeps alive, and so how many
@@ -98,7 +98,8 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       stage_(stage_of(config, groups)),
-      schedule_(one_f_one_b(stage_.count, stage_.index, static_cast<int>(config.parallel.micro_batches))),
+      schedule_(one_f_one_b(stage_.count, stage_.index, static_cast<int>(config.parallel.micro_batches),
+                            static_cast<int>(config.parallel.pp_virtual))),
       table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_, groups.rank(Axis::kEp), groups.size(Axis::kEp)),
       storage_(backend, table_, static_cast<int>(config.parallel.zero), ReduceGroups::of(groups),
                config.parallel.overlap_comm),
@@ -128,9 +129,9 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
   describe_flip_sites();
   storage_.on_local_gradients([this](int unit, float* grads, size_t numel) { on_local_gradients(unit, grads, numel); });
   model_.on_activation([this](int site, float* data, size_t numel) {
-    // Site i of the model is this stage's site i - layer_begin; the logits come last.
+    // Site i < n_layer is this stage's block of layer i; the logits come last.
     const size_t local =
-        site == config_.model.n_layer ? activation_sites_.size() - 1 : static_cast<size_t>(site - stage_.layer_begin);
+        site == config_.model.n_layer ? activation_sites_.size() - 1 : static_cast<size_t>(stage_.block_of(site));
     flip_if_due(backend_, faults_, "activation", activation_sites_,
                 [&](size_t s) { return s == local ? data : nullptr; });
     // The last block's output and the logits of a training forward:
@@ -146,8 +147,13 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
         checkpoint::CheckpointerOptions{
             config.checkpoint_dir(), config.job.run_dir, c.o_direct, c.keep, c.keep_every, c.timeout_s,
             config.to_json(),
-            nlohmann::json{{"world_size", rank_.world_size}, {"dp", config.parallel.dp}, {"tp", config.parallel.tp},
-                           {"pp", config.parallel.pp}, {"cp", config.parallel.cp}, {"ep", config.parallel.ep},
+            nlohmann::json{{"world_size", rank_.world_size},
+                           {"dp", config.parallel.dp},
+                           {"tp", config.parallel.tp},
+                           {"pp", config.parallel.pp},
+                           {"pp_virtual", config.parallel.pp_virtual},
+                           {"cp", config.parallel.cp},
+                           {"ep", config.parallel.ep},
                            {"zero", config.parallel.zero}},
             rank_.rank, rank_.world_size, rank_.generation,
             [this](int64_t step, uint64_t bytes, double write_s) {
@@ -156,8 +162,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
               board_.checkpoint_written(step, bytes, write_s);
             },
             c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
-            &checkpoint_faults_,
-            rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string(),
+            &checkpoint_faults_, rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string(),
             checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
                                        [this](void* data) { backend_.unpin_host(data); }}},
         rank_.store);
@@ -222,22 +227,22 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   std::vector<float> expert_tokens(static_cast<size_t>(moe_layers_before(config_.model.n_layer) * experts), 0.0f);
   StageWork work;
   work.batch = [this](int) { return micro_batch_; };
-  work.forward = [&](int mb, int slot) {
+  work.forward = [&](int mb, int chunk, int slot) {
     board_.set_phase(health::Phase::kData);
     fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
                      first_sample + mb * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
     board_.set_phase(health::Phase::kForward);
     judging_activations_ = sdc_.fingerprinting();
-    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_, slot);
+    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk);
     judging_activations_ = false;
     aux_sum += model_.aux_loss();
-    // This stage's MoE blocks, each microbatch's counts over dp x cp already.
-    size_t at = static_cast<size_t>(moe_layers_before(stage_.layer_begin) * experts);
-    for (const auto& layer : model_.expert_tokens(slot)) {
-      for (double count : layer) expert_tokens[at++] += static_cast<float>(count);
+    // The chunk's MoE blocks, each microbatch's counts over dp x cp already.
+    for (const auto& block : model_.expert_tokens(slot)) {
+      size_t at = static_cast<size_t>(moe_layers_before(block.layer) * experts);
+      for (double count : block.tokens) expert_tokens[at++] += static_cast<float>(count);
     }
   };
-  work.backward = [&](int mb, int slot) {
+  work.backward = [&](int mb, int, int slot) {
     // Schedules run the backwards in microbatch order.
     const bool last = mb + 1 == micro_batches;
     storage_.begin_microbatch(last);
@@ -313,8 +318,8 @@ void TrainLoop::describe_flip_sites() {
   // the logits on the last stage.
   const size_t positions = static_cast<size_t>(micro_batch_ * config_.model.seq_len / config_.parallel.cp);
   const size_t shard = positions / static_cast<size_t>(config_.parallel.tp) * static_cast<size_t>(config_.model.n_embd);
-  for (int64_t i = stage_.layer_begin; i < stage_.layer_end; ++i) {
-    activation_sites_.push_back({fmt::format("h.{}.output", i), shard});
+  for (int64_t b = 0; b < stage_.layers(); ++b) {
+    activation_sites_.push_back({fmt::format("h.{}.output", stage_.layer(b)), shard});
   }
   const size_t vocabulary = static_cast<size_t>(config_.model.padded_vocab() / config_.parallel.tp);
   if (stage_.last()) activation_sites_.push_back({"logits", positions * vocabulary});
@@ -520,11 +525,12 @@ double TrainLoop::forward_pass(int microbatches, const std::function<int(int mb)
   double sum = 0;
   StageWork work;
   work.batch = batch;
-  work.forward = [&](int mb, int slot) {
+  work.forward = [&](int mb, int chunk, int slot) {
     fill(mb);
-    sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch(mb), slot)) * batch(mb);
+    sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch(mb), slot, chunk)) * batch(mb);
   };
-  run_stage(forward_only(stage_.count, stage_.index, microbatches), microbatches, model_, groups_.get(Axis::kPp), work);
+  run_stage(forward_only(stage_.count, stage_.index, microbatches, static_cast<int>(stage_.chunks.size())),
+            microbatches, model_, groups_.get(Axis::kPp), work);
   return sum;
 }
 
