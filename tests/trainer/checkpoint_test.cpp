@@ -256,6 +256,38 @@ TEST_SUITE("integration") {
     const Run too_many = f.run(Layout{}, "eval_too_many", {},
                                {"--eval", dir.string(), "--eval-data", data, "--eval-sequences", "100000"}, 3);
     CHECK(too_many.outputs[0].find("--eval-sequences between 1 and") != std::string::npos);
+    // Fewer windows than DP ranks: rank 1 evaluates none and still joins the sums.
+    std::vector<double> one_window;
+    for (const Layout& layout : {Layout{}, Layout{2, 1, 1}}) {
+      const Run eval = f.run(layout, "eval_one_" + layout.name(), {},
+                             {"--eval", dir.string(), "--eval-data", data, "--eval-sequences", "1"});
+      one_window.push_back(keel::test::last_json_line(eval.outputs[0]).at("loss").get<double>());
+    }
+    CHECK(std::fabs(one_window[1] - one_window[0]) <= 1e-5 * one_window[0]);
+  }
+
+  TEST_CASE(
+      "keel-trainer --eval of a MoE model under EP agrees with one rank and refuses windows that leave DP ranks "
+      "uneven") {
+    // Every forward of a MoE block talks to the other dp x cp ranks, so they
+    // must all run as many: an uneven split would hang, and is refused.
+    TrainerRuns f;
+    std::vector<std::string> moe = kEvery4;
+    moe.insert(moe.end(), {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"});
+    f.run(Layout{.dp = 2, .ep = 2}, "trained", moe, {"--stop-after", "4"}, 14);
+    const std::vector<std::string> eval = {"--eval", checkpoint_of(f, "trained", 4).string(), "--eval-data",
+                                           (f.dir() / "train.bin").string(), "--eval-sequences"};
+    auto with = [](std::vector<std::string> args, const std::string& sequences) {
+      args.push_back(sequences);
+      return args;
+    };
+    const Run single = f.run(Layout{}, "eval_single", moe, with(eval, "6"));
+    const Run parallel = f.run(Layout{.dp = 2, .ep = 2}, "eval_ep", moe, with(eval, "6"));
+    const double want = keel::test::last_json_line(single.outputs[0]).at("loss");
+    CHECK(std::fabs(keel::test::last_json_line(parallel.outputs[0]).at("loss").get<double>() - want) <= 1e-5 * want);
+    const Run uneven = f.run(Layout{.dp = 2, .ep = 2}, "eval_uneven", moe, with(eval, "5"), 3);
+    CHECK(uneven.outputs[0].find("--eval-sequences 5 is not a multiple of 2: pass a multiple such as 4") !=
+          std::string::npos);
   }
 
   TEST_CASE("a flipped bit or a truncated or missing file is caught and the previous checkpoint is loaded") {

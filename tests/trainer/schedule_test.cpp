@@ -157,6 +157,7 @@ TEST_SUITE("unit") {
             CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(2 * (p - s - 1) + (v - 1) * p + 1, m * v));
           }
           for (const int forwards : {m, m - 1}) CHECK(simulate(all_stages(p, forwards, v, true)).completed);
+          CHECK(forward_only(p, 0, 0, v).empty());
         }
       }
     }

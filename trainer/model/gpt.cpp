@@ -112,8 +112,9 @@ struct Gpt::MoeLayer {
 // channels and Vl = Vp / tp vocabulary rows. "whole" buffers hold all N
 // positions and exist only with TP; without it they alias their shards.
 //
-// A Slot is one microbatch in flight: everything its backward reads. The
-// Scratch serves one pass at a time, whichever slot it runs.
+// A Slot is one pass in flight (a microbatch through one of the stage's
+// chunks): everything its backward reads. The Scratch serves one pass at
+// a time, whichever slot it runs.
 struct Gpt::Slot {
   struct Block {
     ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
@@ -125,9 +126,9 @@ struct Gpt::Slot {
   int batch = 0;                        // B of its forward
   int chunk = 0;                        // the stage's model chunk it runs
   ArenaArray<int32_t> inputs, targets;  // [B, T]
-  // [Ns, C]: the stage's input (the embedding's output on the first stage,
-  // the previous stage's output otherwise) and, on stages before the last,
-  // the gradient of the stage's output.
+  // [Ns, C]: the chunk's input (the embedding's output on the first
+  // virtual stage, the previous one's output otherwise) and, before the
+  // last virtual stage, the gradient of the chunk's output.
   ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
   ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;  // last stage
@@ -633,9 +634,6 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
   k.accumulate(x.dqkv.data(), home, numel);
 }
 
-// Dropless top-k routing: every token reaches all k of its experts, each
-// expert runs one GEMM over the tokens routed to it, and the outputs are
-// combined with the renormalised gates.
 void Gpt::plan_dispatch(MoeLayer& moe, const std::vector<int>& count) {
   const ParameterTable& table = storage_.table();
   const int E = static_cast<int>(config_.n_expert), El = static_cast<int>(table.local_experts());
@@ -676,6 +674,9 @@ void Gpt::exchange_rows(const float* in, const std::vector<size_t>& in_rows, flo
   ep_->all_to_all_v(in, floats(in_rows), out, floats(out_rows));
 }
 
+// Dropless top-k routing: every token reaches all k of its experts, each
+// expert runs one GEMM over the tokens routed to it, and the outputs are
+// combined with the renormalised gates.
 void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, float* out, int N) {
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];

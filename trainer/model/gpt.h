@@ -39,12 +39,13 @@ namespace keel::trainer {
 
 class Gpt {
  public:
-  // Runs pipeline stage storage.table().stage() (the whole model with one
-  // stage) on the parameters and gradients of `storage`, whose table is
-  // this TP rank's slice of that stage, for batches of up to max_batch
-  // sequences of config.seq_len tokens, with `slots` microbatches in flight
-  // at once (each keeps its activations until its backward). It talks to
-  // the TP, CP and EP groups of `groups`.
+  // Runs the chunks of pipeline stage storage.table().stage() (the whole
+  // model with one stage) on the parameters and gradients of `storage`,
+  // whose table is this TP and EP rank's slice of that stage, for batches
+  // of up to max_batch sequences of config.seq_len tokens, with `slots`
+  // passes (a microbatch through a chunk) in flight at once, each keeping
+  // its activations until its backward. It talks to the TP, CP and EP
+  // groups of `groups`.
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
       const ProcessGroups& groups = ProcessGroups::none(), int slots = 1);
   ~Gpt();
@@ -78,10 +79,11 @@ class Gpt {
   // The residual stream where stages meet: this rank's [B*T/tp, C] shard
   // of positions (T = seq_len/cp), in backend memory. boundary_numel(B) floats each.
   size_t boundary_numel(int B) const;
-  float* stage_input(int slot);               // the previous stage's output (not on the first stage)
-  const float* stage_output(int slot) const;  // the last block's output (not on the last stage)
-  float* output_gradient(int slot);           // its gradient, from the next stage (not on the last)
-  const float* input_gradient() const;        // after backward(): stage_input's gradient (not on the first)
+  // Of the pass in `slot`, where the virtual stage before or after exists:
+  float* stage_input(int slot);               // the previous virtual stage's output
+  const float* stage_output(int slot) const;  // its chunk's last block's output
+  float* output_gradient(int slot);           // that output's gradient, from the next virtual stage
+  const float* input_gradient() const;        // after backward(): stage_input's gradient
 
   // Per MoE block of the last forward of `slot`, in order: its layer and
   // the tokens the router sent to each expert, over the whole microbatch

@@ -148,6 +148,8 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
 }
 
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
+  // A DP rank left no windows of an evaluation runs nothing.
+  if (microbatches == 0) return {};
   const Passes passes(stages, stage, microbatches, chunks);
   std::vector<Action> actions;
   for (int k = 0; k < passes.count(); ++k) {

@@ -52,8 +52,8 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
 
 // Forwards alone (validation, evaluation): each microbatch received, run
 // and passed on, chunk by chunk in the order of one_f_one_b's forwards (any
-// m: a last group of fewer than p microbatches goes through the chunks
-// the same way).
+// m >= 0: a last group of fewer than p microbatches goes through the
+// chunks the same way, and none is no action).
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks = 1);
 
 // Which activation slot each microbatch's pass through a chunk of

@@ -1,4 +1,4 @@
-// One rank's model state under ZeRO stage 0-3 over its data-parallel group
+// One rank's model state under ZeRO stage 0-3 over its data-parallel ranks
 // (docs/architecture.md "Parallel layout and communication"), behind the ModelStorage interface the model runs on.
 // Each tensor belongs to a reduce group (ReduceGroups): the dp x cp ranks,
 // or for an expert under expert parallelism the expert-DP ranks that hold
@@ -23,14 +23,14 @@
 //            (prefetch_parameters).
 //
 // Overlap (docs/architecture.md "Streams"): with `overlap` the gradient
-// sums and the prefetched gathers run on the DP communicator's thread while
+// sums and the prefetched gathers run on their group's communicator thread while
 // backward and forward go on; without it each is waited for where it is
 // issued. Both issue the same collectives in the same order, so they give
 // the same bits.
 //
 // Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
 // lays the tensors out in table order, so a unit's shard is a contiguous
-// run of it. Without a DP group (or with one rank) every stage is stage 0;
+// run of it. Without a dp x cp group of two ranks or more every stage is stage 0;
 // a run whose group is the rank alone (expert-DP of one rank) keeps its
 // tensors whole and talks to no one.
 #pragma once
@@ -90,8 +90,8 @@ class ZeroStorage final : public ModelStorage {
 
   // Starts a step's gradient accumulation from zero.
   void zero_gradients();
-  // Before each microbatch's forward: whether its backward is the step's
-  // last, whose units stages 0 and 1 sum over the DP group as they come.
+  // Before each backward: whether it is the step's last for its units,
+  // which stages 0 and 1 then sum over their reduce groups as they come.
   void begin_microbatch(bool last);
   // After the last microbatch's backward: completes the sums over the
   // reduce groups, so that owned_gradients() holds the gradient of the
@@ -158,7 +158,7 @@ class ZeroStorage final : public ModelStorage {
   size_t run_begin(int unit, const Run& run) const;
   size_t run_end(int unit, const Run& run) const;
   int rank_of(size_t t) const { return groups_.rank(table_.specs()[t]); }
-  // Stages 0 and 1: sums the unit's gradients over DP, bucket by bucket.
+  // Stages 0 and 1: sums the unit's gradients over each run's group, bucket by bucket.
   void sum_unit_gradients(int unit);
   // Stages 2 and 3: waits for the reduce-scatter in `slot`, if any, and
   // adds this rank's shard of it to the gradients.

@@ -242,13 +242,15 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
       for (double count : block.tokens) expert_tokens[at++] += static_cast<float>(count);
     }
   };
-  work.backward = [&](int mb, int, int slot) {
-    // Schedules run the backwards in microbatch order.
+  work.backward = [&](int mb, int chunk, int slot) {
+    // Each chunk's last backward is the last microbatch's (interleaved
+    // schedules run the chunks in reverse, the last chunk first).
     const bool last = mb + 1 == micro_batches;
     storage_.begin_microbatch(last);
     board_.set_phase(health::Phase::kBackward);
     // Poisoned as backward hands its first unit over: its sum over DP may start then.
-    poison_gradient_ = last && faults_.poisons(step, "gradient");
+    const bool first_of_last = last && chunk + 1 == static_cast<int>(stage_.chunks.size());
+    poison_gradient_ = first_of_last && faults_.poisons(step, "gradient");
     model_.backward(loss_scale, slot);
   };
   schedule_time_ += run_stage(schedule_, static_cast<int>(micro_batches), model_, groups_.get(Axis::kPp), work);
@@ -345,6 +347,9 @@ void TrainLoop::describe_flip_sites() {
 
 ReplicatedState TrainLoop::replicated_state() {
   if (groups_.size(Axis::kDpCp) == 1) return {0, {}, "one DP rank holds no replica of another"};
+  if (config_.parallel.ep > 1 && groups_.size(Axis::kExpertDp) == 1) {
+    return {0, {}, "each rank holds experts of its own (ep = dp x cp), so no rank holds a replica of another's state"};
+  }
   if (storage_.stage() == 3) {
     return {0, {}, "ZeRO-3 shards parameters and optimizer state over DP, so no rank holds a replica; the rerun and "
                    "the known-answer test cover them"};
@@ -552,6 +557,15 @@ TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int
                         fmt::format("{} holds {} windows of seq_len + 1 = {} tokens but {} were asked for; pass "
                                     "--eval-sequences between 1 and {}",
                                     path.string(), available, T + 1, sequences, available));
+  }
+  // MoE blocks sum their routing statistics over dp x cp (and dispatch
+  // over EP) in every forward, so every DP rank must run as many.
+  if (config_.model.n_expert > 0 && sequences % dp_size_ != 0) {
+    throw common::Error(
+        common::ErrorCode::kDataError,
+        fmt::format("a MoE model evaluates over dp={} ranks that must run the same forwards, but "
+                    "--eval-sequences {} is not a multiple of {}: pass a multiple such as {}",
+                    dp_size_, sequences, dp_size_, std::max<int64_t>(dp_size_, sequences / dp_size_ * dp_size_)));
   }
   // DP rank d takes windows d, d + dp, d + 2dp, ... in microbatches; the TP
   // ranks and pipeline stages of a DP rank take the same ones.
