@@ -60,6 +60,8 @@ struct ModelStage {
   // Whether chunk j takes the tokens (virtual stage 0) or scores the loss (the last one).
   bool embeds(int chunk) const { return first() && chunk == 0; }
   bool scores(int chunk) const { return last() && chunk + 1 == static_cast<int>(chunks.size()); }
+  // Whether a pass through chunk j reads the batch's tokens (inputs or targets).
+  bool reads_tokens(int chunk) const { return embeds(chunk) || scores(chunk); }
   // The stage's blocks, chunk after chunk: local block b is global layer(b).
   int64_t layers() const;
   int64_t layer(int64_t block) const;

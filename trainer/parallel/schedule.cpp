@@ -11,23 +11,31 @@
 
 namespace keel::trainer {
 
-std::string describe(const Action& action) {
-  const std::string chunk = action.chunk > 0 ? fmt::format(":{}", action.chunk) : "";
-  switch (action.kind) {
+namespace {
+
+const char* kind_name(ActionKind kind) {
+  switch (kind) {
     case ActionKind::kForward:
-      return fmt::format("F{}{}", action.microbatch, chunk);
+      return "F";
     case ActionKind::kBackward:
-      return fmt::format("B{}{}", action.microbatch, chunk);
+      return "B";
     case ActionKind::kSendActivation:
-      return fmt::format("send act {}{}", action.microbatch, chunk);
+      return "send act ";
     case ActionKind::kRecvActivation:
-      return fmt::format("recv act {}{}", action.microbatch, chunk);
+      return "recv act ";
     case ActionKind::kSendGradient:
-      return fmt::format("send grad {}{}", action.microbatch, chunk);
+      return "send grad ";
     case ActionKind::kRecvGradient:
-      return fmt::format("recv grad {}{}", action.microbatch, chunk);
+      return "recv grad ";
   }
   return "?";
+}
+
+}  // namespace
+
+std::string describe(const Action& action) {
+  const std::string chunk = action.chunk > 0 ? fmt::format(":{}", action.chunk) : "";
+  return fmt::format("{}{}{}", kind_name(action.kind), action.microbatch, chunk);
 }
 
 namespace {

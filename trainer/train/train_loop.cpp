@@ -228,9 +228,11 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   StageWork work;
   work.batch = [this](int) { return micro_batch_; };
   work.forward = [&](int mb, int chunk, int slot) {
-    board_.set_phase(health::Phase::kData);
-    fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
-                     first_sample + mb * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
+    if (stage_.reads_tokens(chunk)) {
+      board_.set_phase(health::Phase::kData);
+      fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
+                       first_sample + mb * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
+    }
     board_.set_phase(health::Phase::kForward);
     judging_activations_ = sdc_.fingerprinting();
     loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk);
@@ -531,7 +533,7 @@ double TrainLoop::forward_pass(int microbatches, const std::function<int(int mb)
   StageWork work;
   work.batch = batch;
   work.forward = [&](int mb, int chunk, int slot) {
-    fill(mb);
+    if (stage_.reads_tokens(chunk)) fill(mb);
     sum += static_cast<double>(model_.forward(inputs_.data(), targets_.data(), batch(mb), slot, chunk)) * batch(mb);
   };
   run_stage(forward_only(stage_.count, stage_.index, microbatches, static_cast<int>(stage_.chunks.size())),
