@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -383,6 +384,10 @@ void Config::validate() const {
         fmt::format("must be \"compute\", \"checkpoint\" or \"validation\" (got \"{}\")", faults.slow_phase));
   check(faults.slow_factor >= 1.0, "faults.slow_factor",
         fmt::format("must be at least 1 (1 = not slowed; got {})", faults.slow_factor));
+  check(std::isfinite(faults.slow_stall_s) && faults.slow_stall_s >= 0, "faults.slow_stall_s",
+        fmt::format("must be a number of seconds, 0 or more (got {})", faults.slow_stall_s));
+  check(faults.slow_phase == "compute" || faults.slow_factor == 1.0, "faults.slow_factor",
+        fmt::format("slows compute only; a slowed {} stalls for faults.slow_stall_s instead", faults.slow_phase));
   check(faults.bitflip_bit >= 0 && faults.bitflip_bit <= 31, "faults.bitflip_bit",
         fmt::format("must be a bit of a float32, 0-31 (got {})", faults.bitflip_bit));
   check(faults.bitflip_target == "param" || faults.bitflip_target == "exp_avg" ||

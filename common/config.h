@@ -271,9 +271,12 @@ struct FaultsConfig {
   double slow_factor = 1.0;       // its compute takes this many times as long
   // What of the slow rank is slowed: "compute" (forward and backward, by
   // slow_factor), or each "checkpoint" save (the part training waits for)
-  // or "validation" pass, stretched by (slow_factor - 1) of the rank's last
-  // steps: a phase a hang detector must not mistake for a hang.
+  // or "validation" pass, which stalls for slow_stall_s: a phase a hang
+  // detector must not mistake for a hang. The stall is absolute, not a
+  // multiple of a step, so that a loaded machine cannot stretch it past the
+  // phase's budget.
   std::string slow_phase = "compute";
+  double slow_stall_s = 0;        // with slow_phase "checkpoint" or "validation"; 0 = off
   int64_t bitflip_rank = -1;      // the rank where one bit of one float32 flips; -1 = none
   int64_t bitflip_step = 0;       // during this step
   std::string bitflip_target = "param";  // "param" | "exp_avg" | "exp_avg_sq" (persistent) | "grad" | "activation" (transient)
@@ -298,6 +301,7 @@ struct FaultsConfig {
     v("slow_rank", slow_rank);
     v("slow_factor", slow_factor);
     v("slow_phase", slow_phase);
+    v("slow_stall_s", slow_stall_s);
     v("bitflip_rank", bitflip_rank);
     v("bitflip_step", bitflip_step);
     v("bitflip_target", bitflip_target);

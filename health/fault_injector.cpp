@@ -69,19 +69,28 @@ bool FaultInjector::poisons(int64_t step, const std::string& target) const {
   return true;
 }
 
-void FaultInjector::slow_down(std::string_view phase, double seconds) const {
-  if (faults().slow_rank != rank_ || faults().slow_factor <= 1.0 || phase != faults().slow_phase || !armed() ||
+void FaultInjector::slow_compute(double seconds) const {
+  if (faults().slow_rank != rank_ || faults().slow_factor <= 1.0 || faults().slow_phase != "compute" || !armed() ||
       step_.load() < slow_from_step_) {
     return;
   }
+  // Every step is stretched, so this is logged quietly.
   const double extra_s = (faults().slow_factor - 1.0) * seconds;
-  // Every step's compute is stretched, so that one is logged quietly; a
-  // slowed checkpoint or validation pass is rare enough to show.
-  common::logger("faults")->log(
-      phase == "compute" ? spdlog::level::debug : spdlog::level::info,
-      "fault injection ([faults] slow_rank = {}, slow_factor = {}, slow_phase = \"{}\"): {} stretched by {:.1f} ms",
-      rank_, faults().slow_factor, phase, phase, extra_s * 1e3);
+  common::logger("faults")->debug(
+      "fault injection ([faults] slow_rank = {}, slow_factor = {}): compute stretched by {:.1f} ms", rank_,
+      faults().slow_factor, extra_s * 1e3);
   std::this_thread::sleep_for(std::chrono::duration<double>(extra_s));
+}
+
+void FaultInjector::stall(std::string_view phase) const {
+  if (faults().slow_rank != rank_ || faults().slow_stall_s <= 0 || phase != faults().slow_phase || !armed() ||
+      step_.load() < slow_from_step_) {
+    return;
+  }
+  common::logger("faults")->info(
+      "fault injection ([faults] slow_rank = {}, slow_phase = \"{}\", slow_stall_s = {}): {} stretched by {:.1f} ms",
+      rank_, phase, faults().slow_stall_s, phase, faults().slow_stall_s * 1e3);
+  std::this_thread::sleep_for(std::chrono::duration<double>(faults().slow_stall_s));
 }
 
 std::optional<FaultInjector::BitFlip> FaultInjector::bitflip(std::string_view target,

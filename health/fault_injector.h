@@ -47,16 +47,17 @@ class FaultInjector {
   // the rank is alive, only stuck).
   void before_collective(std::string_view group) const;
 
-  // slow_rank / slow_factor / slow_phase: called at the end of each phase
-  // that can be slowed, with the seconds the slowdown is measured in, and
-  // sleeps (slow_factor - 1) times as long when `phase` is slow_phase.
-  // "compute": once a step's forward and backward are done, with the
-  // seconds they took (collective wait excluded), so that the rank's
-  // compute takes about slow_factor times as long and its peers wait for it
-  // in the gradient sums that follow. "checkpoint" and "validation": with
-  // the rank's last step time, so the save or the pass outlasts its peers'
-  // by that many steps while they wait in the next collective.
-  void slow_down(std::string_view phase, double seconds) const;
+  // slow_rank / slow_factor with slow_phase "compute": called once a step's
+  // forward and backward are done, with the seconds they took (collective
+  // wait excluded), and sleeps (slow_factor - 1) times as long, so that the
+  // rank's compute takes about slow_factor times as long and its peers wait
+  // for it in the gradient sums that follow.
+  void slow_compute(double seconds) const;
+  // slow_rank / slow_stall_s with slow_phase "checkpoint" or "validation":
+  // called inside that phase, and sleeps slow_stall_s when `phase` is
+  // slow_phase, so the save or the pass outlasts its peers' while they wait
+  // in the next collective.
+  void stall(std::string_view phase) const;
 
   // One place a bit can flip: a tensor (or an activation) this rank holds,
   // by name and number of float32s.

@@ -111,7 +111,7 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
       for (size_t j = 0; j < blocks[i].piece.numel(); ++j) values[j] = bf16_rounded(values[j]);
     }
   }
-  faults_.slow_down("checkpoint", last_step_s_);
+  faults_.stall("checkpoint");
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
   last_saved_step_ = steps_done;
 }

@@ -204,7 +204,6 @@ StepStats TrainLoop::train_step(int64_t step) {
   }
   sdc_.after_step(step + 1);
   stats.step_ms = seconds_since(start) * 1e3;
-  last_step_s_ = stats.step_ms / 1e3;
   return stats;
 }
 
@@ -269,7 +268,7 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   // its board counts compute: neither collective wait nor waiting for a CPU.
   const int64_t not_working_ns =
       collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
-  faults_.slow_down("compute", std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
+  faults_.slow_compute(std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
   sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
@@ -512,7 +511,7 @@ float TrainLoop::validate() {
   const int64_t micro_batches = config_.parallel.micro_batches;
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
   board_.set_phase(health::Phase::kValidation);
-  faults_.slow_down("validation", last_step_s_);
+  faults_.stall("validation");
   double sum = 0;
   for (int64_t i = 0; i < config_.train.val_batches; ++i) {
     sum += forward_pass(

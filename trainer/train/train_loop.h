@@ -275,7 +275,6 @@ class TrainLoop {
   std::optional<checkpoint::Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;
-  double last_step_s_ = 0;  // the last step's wall time, what slowed phases are measured in
   StageTime schedule_time_;  // the training schedules' time over the run
   // The last step's tokens per expert of each MoE block of the model, over
   // the whole batch (metrics.jsonl's expert_tokens).
