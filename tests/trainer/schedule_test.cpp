@@ -19,6 +19,7 @@ using keel::trainer::forward_only;
 using keel::trainer::one_f_one_b;
 using keel::trainer::plan_slots;
 using keel::trainer::simulate;
+using keel::trainer::zero_bubble_h1;
 
 // Every stage's 1F1B, or forward_only, schedule.
 std::vector<std::vector<Action>> all_stages(int stages, int microbatches, int chunks = 1, bool forwards = false) {
@@ -192,5 +193,71 @@ TEST_SUITE("unit") {
     const auto run = simulate(stages);
     CHECK_FALSE(run.completed);
     CHECK(run.stuck.find("microbatch") != std::string::npos);
+  }
+}
+
+TEST_SUITE("unit") {
+  TEST_CASE("every stage of ZB-H1 runs each microbatch's F then B then W once and in order") {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 12; ++m) {
+        for (int s = 0; s < p; ++s) {
+          CAPTURE(p);
+          CAPTURE(m);
+          CAPTURE(s);
+          std::vector<int> forwards, backwards, weights;
+          for (const Action& a : zero_bubble_h1(p, s, m)) {
+            if (a.kind == ActionKind::kForward) forwards.push_back(a.microbatch);
+            if (a.kind == ActionKind::kBackward) {
+              CHECK(a.microbatch < static_cast<int>(forwards.size()));
+              backwards.push_back(a.microbatch);
+            }
+            if (a.kind == ActionKind::kWeight) {
+              CHECK(a.microbatch < static_cast<int>(backwards.size()));
+              weights.push_back(a.microbatch);
+            }
+          }
+          std::vector<int> in_order(static_cast<size_t>(m));
+          for (int i = 0; i < m; ++i) in_order[static_cast<size_t>(i)] = i;
+          CHECK(forwards == in_order);
+          CHECK(backwards == in_order);
+          CHECK(weights == in_order);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("ZB-H1 keeps 1F1B's transfers and idles a third of its bubble with at most p passes alive per stage") {
+    // F = B = W: 1F1B's backward is B + W. ZB-H1's idle on every stage is
+    // (p - 1) / (3m + p - 1) once m >= p, Qi et al.'s (p - 1)(F + B - W).
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 12; ++m) {
+        CAPTURE(p);
+        CAPTURE(m);
+        std::vector<std::vector<Action>> zb;
+        for (int s = 0; s < p; ++s) {
+          zb.push_back(zero_bubble_h1(p, s, m));
+          std::vector<Action> transfers, plain;
+          for (const Action& a : zb.back()) {
+            if (a.transfer()) transfers.push_back(a);
+          }
+          for (const Action& a : one_f_one_b(p, s, m)) {
+            if (a.transfer()) plain.push_back(a);
+          }
+          CHECK(transfers == plain);
+        }
+        const auto run = simulate(zb, 1, 1, 1);
+        REQUIRE_MESSAGE(run.completed, run.stuck);
+        const auto plain = simulate(all_stages(p, m), 1, 2);
+        for (int s = 0; s < p; ++s) {
+          CAPTURE(s);
+          CHECK(run.peak_alive[static_cast<size_t>(s)] <= p);
+          CHECK(run.idle[static_cast<size_t>(s)] <= plain.idle[static_cast<size_t>(s)] + 1e-12);
+        }
+        if (m >= p) {
+          CHECK(run.makespan == doctest::Approx(3 * m + p - 1));
+          CHECK(run.idle[0] == doctest::Approx(static_cast<double>(p - 1) / (3 * m + p - 1)));
+        }
+      }
+    }
   }
 }

@@ -19,6 +19,8 @@ const char* kind_name(ActionKind kind) {
       return "F";
     case ActionKind::kBackward:
       return "B";
+    case ActionKind::kWeight:
+      return "W";
     case ActionKind::kSendActivation:
       return "send act ";
     case ActionKind::kRecvActivation:
@@ -155,6 +157,34 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
   return actions;
 }
 
+std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches) {
+  // 1F1B's actions, each backward computing input gradients alone. A W
+  // runs where the stage would otherwise hold more than p passes (1F1B's
+  // first stage's peak), before a forward, and before each cooldown
+  // backward's receive, while that gradient is on its way; the rest after
+  // the last backward. The executor runs a W while the exchange before it
+  // is in flight.
+  const std::vector<Action> plain = one_f_one_b(stages, stage, microbatches);
+  std::vector<Action> actions;
+  int alive = 0, backwards = 0, weights = 0;
+  const int cooldown_from = microbatches - std::min(stages - stage - 1, microbatches);
+  auto weight = [&] {
+    actions.push_back({ActionKind::kWeight, weights++, 0});
+    --alive;
+  };
+  for (const Action& a : plain) {
+    if (a.kind == ActionKind::kForward) {
+      while (alive >= stages) weight();
+      ++alive;
+    }
+    if (a.kind == ActionKind::kRecvGradient && a.microbatch >= cooldown_from && weights < backwards) weight();
+    if (a.kind == ActionKind::kBackward) ++backwards;
+    actions.push_back(a);
+  }
+  while (weights < microbatches) weight();
+  return actions;
+}
+
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
   // A DP rank left no windows of an evaluation runs nothing.
   if (microbatches == 0) return {};
@@ -244,10 +274,16 @@ Message message_of(int p, int stage, const Action& a) {
 
 }  // namespace
 
-PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time, double backward_time) {
+PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time, double backward_time,
+                     double weight_time) {
   const int p = static_cast<int>(stages.size());
   std::vector<std::vector<Step>> steps;
-  for (const auto& actions : stages) steps.push_back(steps_of(actions));
+  std::vector<bool> deferred;  // whether a stage's passes end with W instead of B
+  for (const auto& actions : stages) {
+    steps.push_back(steps_of(actions));
+    deferred.push_back(
+        std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; }));
+  }
   std::vector<size_t> next(p, 0);
   std::vector<double> clock(p, 0.0), busy(p, 0.0);
   std::vector<int> alive(p, 0);
@@ -260,26 +296,47 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
     std::tuple<bool, int, int> what;
   };
   std::map<std::pair<int, int>, std::vector<Posted>> sends, receives;
-  std::vector<bool> posted(p, false);  // whether stage s has posted its current exchange
-  std::vector<std::vector<size_t>> slots(p);  // the index in its channel of each transfer of that exchange
+  // The exchange each stage has posted and not yet waited for (-1: none),
+  // and the index in its channel of each of its transfers. A stage waits
+  // for it before its next forward, backward or exchange; a weight pass
+  // runs while it is in flight, as StageExecutor runs it.
+  std::vector<int> open(p, -1);
+  std::vector<std::vector<size_t>> slots(p);
+  // Resolves stage s's open exchange: false while a partner is not posted.
+  auto wait_open = [&](int s) {
+    if (open[s] < 0) return true;
+    const Step& step = steps[s][static_cast<size_t>(open[s])];
+    double done = clock[s];
+    for (size_t i = 0; i < step.actions.size(); ++i) {
+      const Message message = message_of(p, s, step.actions[i]);
+      const auto& theirs = message.sender ? receives[message.channel] : sends[message.channel];
+      if (theirs.size() <= slots[s][i]) return false;
+      const Posted& partner = theirs[slots[s][i]];
+      if (partner.what != message.what) {
+        const auto [gradient, mb, boundary] = partner.what;
+        run.stuck = fmt::format("stage {} has {} where its peer has the {} of microbatch {} after virtual stage {}", s,
+                                describe(step.actions[i]), gradient ? "gradient" : "activation", mb, boundary);
+        return false;
+      }
+      done = std::max(done, partner.time);
+    }
+    clock[s] = done;
+    open[s] = -1;
+    return true;
+  };
 
-  for (bool progress = true; progress;) {
+  for (bool progress = true; progress && run.stuck.empty();) {
     progress = false;
-    for (int s = 0; s < p; ++s) {
-      while (next[s] < steps[s].size()) {
+    for (int s = 0; s < p && run.stuck.empty(); ++s) {
+      while (next[s] <= steps[s].size()) {
+        const bool end = next[s] == steps[s].size();
+        const bool weight = !end && steps[s][next[s]].actions.front().kind == ActionKind::kWeight;
+        if (!weight && !wait_open(s)) break;
+        if (end) break;
         const Step& step = steps[s][next[s]];
-        if (step.compute()) {
-          const Action& a = step.actions.front();
-          const double t = a.kind == ActionKind::kForward ? forward_time : backward_time;
-          clock[s] += t;
-          busy[s] += t;
-          alive[s] += a.kind == ActionKind::kForward ? 1 : -1;
-          run.peak_alive[s] = std::max(run.peak_alive[s], alive[s]);
-          ++next[s];
-          progress = true;
-          continue;
-        }
-        if (!posted[s]) {
+        ++next[s];
+        progress = true;
+        if (!step.compute()) {
           slots[s].clear();
           for (const Action& a : step.actions) {
             const Message message = message_of(p, s, a);
@@ -287,39 +344,25 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
             slots[s].push_back(mine.size());
             mine.push_back({clock[s], message.what});
           }
-          posted[s] = true;
-          progress = true;
+          open[s] = static_cast<int>(next[s] - 1);
+          continue;
         }
-        // Done once every partner has been posted.
-        double done = clock[s];
-        bool ready = true;
-        for (size_t i = 0; i < step.actions.size(); ++i) {
-          const Message message = message_of(p, s, step.actions[i]);
-          const auto& theirs = message.sender ? receives[message.channel] : sends[message.channel];
-          if (theirs.size() <= slots[s][i]) {
-            ready = false;
-            break;
-          }
-          const Posted& partner = theirs[slots[s][i]];
-          if (partner.what != message.what) {
-            const auto [gradient, mb, boundary] = partner.what;
-            run.stuck = fmt::format("stage {} has {} where its peer has the {} of microbatch {} after virtual stage {}",
-                                    s, describe(step.actions[i]), gradient ? "gradient" : "activation", mb, boundary);
-            return run;
-          }
-          done = std::max(done, partner.time);
-        }
-        if (!ready) break;
-        clock[s] = done;
-        posted[s] = false;
-        ++next[s];
-        progress = true;
+        const Action& a = step.actions.front();
+        const double t = a.kind == ActionKind::kForward    ? forward_time
+                         : a.kind == ActionKind::kBackward ? backward_time
+                                                           : weight_time;
+        clock[s] += t;
+        busy[s] += t;
+        if (a.kind == ActionKind::kForward) ++alive[s];
+        if (a.kind == (deferred[s] ? ActionKind::kWeight : ActionKind::kBackward)) --alive[s];
+        run.peak_alive[s] = std::max(run.peak_alive[s], alive[s]);
       }
     }
   }
+  if (!run.stuck.empty()) return run;
   for (int s = 0; s < p; ++s) {
-    if (next[s] < steps[s].size()) {
-      const auto& waiting = steps[s][next[s]].actions;
+    if (next[s] < steps[s].size() || open[s] >= 0) {
+      const auto& waiting = steps[s][static_cast<size_t>(open[s] >= 0 ? open[s] : static_cast<int>(next[s]))].actions;
       std::vector<std::string> names;
       for (const Action& a : waiting) names.push_back(describe(a));
       run.stuck = fmt::format("stage {} waits in [{}]", s, fmt::join(names, ", "));

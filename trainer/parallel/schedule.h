@@ -12,7 +12,8 @@ namespace keel::trainer {
 
 enum class ActionKind : int {
   kForward,         // run this stage's layers on a microbatch
-  kBackward,        // and back, freeing its activations
+  kBackward,        // and back, freeing its activations (input gradients only when a kWeight follows)
+  kWeight,          // the weight gradients of an earlier backward, freeing its activations
   kSendActivation,  // the forward's output to the next stage
   kRecvActivation,  // the previous stage's output, the input of a forward
   kSendGradient,    // the gradient of the forward's input to the previous stage
@@ -27,10 +28,12 @@ struct Action {
   int chunk = 0;
 
   bool operator==(const Action&) const = default;
-  bool transfer() const { return kind != ActionKind::kForward && kind != ActionKind::kBackward; }
+  bool transfer() const {
+    return kind != ActionKind::kForward && kind != ActionKind::kBackward && kind != ActionKind::kWeight;
+  }
 };
 
-// "F3", "B0", "send act 2", "F3:1" (chunk 1), ...: for logs and test failures.
+// "F3", "B0", "W0", "send act 2", "F3:1" (chunk 1), ...: for logs and test failures.
 std::string describe(const Action& action);
 
 // One-forward-one-backward (PipeDream-Flush, Megatron's default): stage s
@@ -49,6 +52,17 @@ std::string describe(const Action& action);
 // idle (p - 1) / (v·m + p - 1) with chunks of equal time. m must be a
 // multiple of p.
 std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chunks = 1);
+
+// Zero bubble, ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"):
+// 1F1B's order and transfers, with each backward split into B, the input
+// gradients alone, and W, the weight gradients, later. A gradient then
+// crosses a stage in B's time instead of B + W's, and the W's run where
+// 1F1B's stage would wait: before a forward when the stage would otherwise
+// hold more than p passes (1F1B's first stage's peak, now every stage's
+// bound), and before each cooldown backward's receive. A W runs while the
+// exchange before it is in flight. With F = B = W a stage idles
+// (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1)(F + B + W) bubble.
+std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches);
 
 // Forwards alone (validation, evaluation): each microbatch received, run
 // and passed on, chunk by chunk in the order of one_f_one_b's forwards (any
@@ -73,15 +87,16 @@ SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches);
 // transfer done once both sides have posted theirs (Gloo's sends wait for
 // their receive), the n-th message from one stage to another meeting the
 // n-th receive there (as Gloo numbers them per pair of ranks). Forward
-// takes `forward_time`, backward `backward_time`.
+// takes `forward_time`, backward `backward_time` and a weight pass
+// `weight_time`.
 struct PipelineRun {
   bool completed = false;       // false: some stage waits for ever (the schedules deadlock)
   std::string stuck;            // then, which stage waits on what
   double makespan = 0;          // when the last stage finishes
   std::vector<double> idle;     // per stage: the fraction of the makespan it computed nothing
-  std::vector<int> peak_alive;  // per stage: the most passes forwarded and not yet backwarded
+  std::vector<int> peak_alive;  // per stage: the most passes forwarded and not yet done (B, or W if any)
 };
 PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time = 1.0,
-                     double backward_time = 2.0);
+                     double backward_time = 2.0, double weight_time = 1.0);
 
 }  // namespace keel::trainer
