@@ -2,7 +2,7 @@
 // machine. Trains the train_throughput.py model (L=4, C=256, H=4, T=256,
 // global batch 8, V=256, fp32) as DP1, DP2 at ZeRO 0-3, TP2, DP2 x TP2,
 // PP2 and PP4 (1F1B, 8 microbatches), PP2 interleaved over 2 chunks per
-// stage, CP2, CP4 and PP2 x CP2, and with
+// stage, PP2 and PP4 zero bubble (ZB-H1), CP2, CP4 and PP2 x CP2, and with
 // four experts in every second block DP2 (the MoE reference), DP2 x EP2
 // and DP4 x EP2 (ZeRO-1), with the
 // machine's cores split evenly between the ranks, and prints one JSON
@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
     int pp = 1, cp = 1, ep = 1;
     bool moe = false;
     int pp_virtual = 1;
+    bool zero_bubble = false;
   };
   std::vector<Run> runs;
   for (const Run layout : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
     if (layout.dp > 1) runs.push_back(Run{layout.dp, layout.tp, layout.zero, false});
   }
   runs.push_back(Run{1, 1, 0, true, 2, 1, 1, false, 2});
+  for (const int pp : {2, 4}) runs.push_back(Run{1, 1, 0, true, pp, 1, 1, false, 1, true});
   for (const int ep : {1, 2}) runs.push_back(Run{2, 1, 1, true, 1, 1, ep, true});
   runs.push_back(Run{4, 1, 1, true, 1, 1, 2, true});
   const std::vector<std::string> moe_sets = {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"};
@@ -105,7 +107,7 @@ int main(int argc, char** argv) {
     const std::string name = (run.moe ? "moe_dp" : "dp") + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
                              (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
                              (run.pp_virtual > 1 ? "_v" + std::to_string(run.pp_virtual) : "") +
-                             (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") +
+                             (run.zero_bubble ? "_zb" : "") + (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") +
                              (run.ep > 1 ? "_ep" + std::to_string(run.ep) : "") + "_zero" + std::to_string(run.zero) +
                              (run.overlap ? "" : "_serial");
     if (name.find(only) == std::string::npos) continue;
@@ -118,6 +120,7 @@ int main(int argc, char** argv) {
           "parallel.tp=" + std::to_string(run.tp), "parallel.pp=" + std::to_string(run.pp),
           "parallel.cp=" + std::to_string(run.cp), "parallel.ep=" + std::to_string(run.ep),
           "parallel.pp_virtual=" + std::to_string(run.pp_virtual),
+          std::string("parallel.pp_schedule=") + (run.zero_bubble ? "zb-h1" : "1f1b"),
           "parallel.micro_batches=" + std::to_string(micro_batches), "parallel.zero=" + std::to_string(run.zero),
           std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
@@ -147,6 +150,7 @@ int main(int argc, char** argv) {
                           {"tp", run.tp},
                           {"pp", run.pp},
                           {"pp_virtual", run.pp_virtual},
+                          {"pp_schedule", run.zero_bubble ? "zb-h1" : "1f1b"},
                           {"cp", run.cp},
                           {"ep", run.ep},
                           {"moe", run.moe},
@@ -194,17 +198,20 @@ int main(int argc, char** argv) {
     }
     if (run.pp > 1) {
       // Every rank's idle share of the pipeline (ranks in order: stage
-      // outermost) against 1F1B's bubble (divided by v when interleaved):
-      // the first stage's schedule spans it. That formula assumes equal
-      // stages; the embedding and the head make them a few percent
-      // unequal, so the idle each stage would have at the stage times
-      // measured, with transfers free, is printed beside it: the schedule
-      // spans (sum_s t_s + (v m - 1) max_s t_s) / v for t_s a stage's
-      // compute per microbatch (exact for 1F1B; interleaved, each stage's
-      // chunks taken as equal). What the measured idle exceeds it by is the
-      // transfers' and the machine's.
+      // outermost) against its schedule's bubble with stages of equal time:
+      // 1F1B's (p - 1) / (v m + p - 1), v chunks per stage; ZB-H1's
+      // (p - 1) / (3m + p - 1), F = B = W. The first stage's schedule spans
+      // it. Equal stages are an assumption: the embedding and the head make
+      // them a few percent unequal, so for 1F1B the idle each stage would
+      // have at the stage times measured, with transfers free, is printed
+      // beside it: the schedule spans (sum_s t_s + (v m - 1) max_s t_s) / v
+      // for t_s a stage's compute per microbatch (exact for 1F1B;
+      // interleaved, each stage's chunks taken as equal). What the measured
+      // idle exceeds it by is the transfers' and the machine's.
       const int stages = run.pp, v = run.pp_virtual, m_total = v * micro_batches;
-      const double bubble = static_cast<double>(stages - 1) / (m_total + stages - 1);
+      const double one_f_one_b_bubble = static_cast<double>(stages - 1) / (m_total + stages - 1);
+      const double bubble =
+          run.zero_bubble ? static_cast<double>(stages - 1) / (3 * micro_batches + stages - 1) : one_f_one_b_bubble;
       const double span = keel::test::last_json_line(results.front().output).at("schedules").at("total_s");
       std::vector<double> stage_compute(static_cast<size_t>(stages), 0.0);
       std::vector<double> rank_compute;
@@ -233,8 +240,12 @@ int main(int argc, char** argv) {
       out["pipeline_idle_per_rank"] = idle;
       out["pipeline_bubble_formula"] = bubble;
       out["worst_idle_over_formula"] = worst / bubble;
-      out["pipeline_idle_at_stage_times_per_rank"] = ideal;
-      out["worst_idle_over_idle_at_stage_times"] = worst_over_ideal;
+      if (run.zero_bubble) {
+        out["one_f_one_b_bubble_formula"] = one_f_one_b_bubble;
+      } else {
+        out["pipeline_idle_at_stage_times_per_rank"] = ideal;
+        out["worst_idle_over_idle_at_stage_times"] = worst_over_ideal;
+      }
     }
     std::cout << out.dump() << std::endl;
   }

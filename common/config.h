@@ -83,6 +83,11 @@ struct ParallelConfig {
   // holds virtual stages s, s + pp, ...); pp_layers then lists pp *
   // pp_virtual counts, one per virtual stage.
   int64_t pp_virtual = 1;
+  // "1f1b" (interleaved when pp_virtual > 1), or "zb-h1": 1F1B with each
+  // backward split into input and weight gradients, the weight gradients
+  // run where 1F1B's stages would wait (a third of its bubble; more
+  // activation memory on every stage but the first; dense models only).
+  std::string pp_schedule = "1f1b";
   double timeout_s = 120;      // rendezvous and per-collective timeout; a rank past it exits 10 or 12
   bool overlap_comm = true;    // DP gradient sums and ZeRO-3 gathers run while compute goes on
 
@@ -99,6 +104,7 @@ struct ParallelConfig {
     v("micro_batches", micro_batches);
     v("pp_layers", pp_layers);
     v("pp_virtual", pp_virtual);
+    v("pp_schedule", pp_schedule);
     v("timeout_s", timeout_s);
     v("overlap_comm", overlap_comm);
   }

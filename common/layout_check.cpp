@@ -163,6 +163,22 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
           virtual_stages(p), m.n_layer, m.n_layer / p.pp));
     }
   }
+  if (p.pp_schedule != "1f1b" && p.pp_schedule != "zb-h1") {
+    problems.push_back(fmt::format("pp_schedule=\"{}\" is not a schedule: use \"1f1b\" or \"zb-h1\"", p.pp_schedule));
+  } else if (p.pp_schedule == "zb-h1") {
+    if (p.pp_virtual > 1) {
+      problems.push_back(
+          fmt::format("pp_schedule=\"zb-h1\" splits plain 1F1B's backwards, not interleaved ones: set pp_virtual=1 or "
+                      "pp_schedule=\"1f1b\" (pp_virtual={})",
+                      p.pp_virtual));
+    }
+    if (m.n_expert > 0) {
+      problems.push_back(fmt::format(
+          "pp_schedule=\"zb-h1\" splits dense blocks' backwards only, and this model has n_expert={} experts: use "
+          "pp_schedule=\"1f1b\"",
+          m.n_expert));
+    }
+  }
   if (!p.pp_layers.empty() && virtual_stages(p) <= m.n_layer) {
     std::string problem;
     parse_pp_layers(config, &problem);

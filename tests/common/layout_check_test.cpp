@@ -155,6 +155,26 @@ TEST_SUITE("unit") {
          "pp_layers=\"2,2\" gives 2 stages 4 blocks but the layout has pp*pp_virtual = 4 virtual stages and the model "
          "n_layer=4 blocks: write 4 counts that add up to 4"},
         {"pp_virtual below one", 1, [](Config& c) { c.parallel.pp_virtual = 0; }, "pp_virtual=0 must be at least 1"},
+        {"an unknown pipeline schedule", 2,
+         [](Config& c) {
+           c.parallel.pp = 2;
+           c.parallel.pp_schedule = "gpipe";
+         },
+         "pp_schedule=\"gpipe\" is not a schedule: use \"1f1b\" or \"zb-h1\""},
+        {"zero bubble interleaved", 2,
+         [](Config& c) {
+           c.parallel.pp = c.parallel.micro_batches = c.parallel.pp_virtual = 2;
+           c.parallel.pp_schedule = "zb-h1";
+         },
+         "pp_schedule=\"zb-h1\" splits plain 1F1B's backwards, not interleaved ones: set pp_virtual=1"},
+        {"zero bubble with experts", 2,
+         [](Config& c) {
+           c.parallel.pp = 2;
+           c.parallel.pp_schedule = "zb-h1";
+           c.model.n_expert = 4;
+           c.model.top_k = 2;
+         },
+         "pp_schedule=\"zb-h1\" splits dense blocks' backwards only, and this model has n_expert=4 experts"},
         {"cp chunks against sequence", 3, [](Config& c) { c.parallel.cp = 3; },
          "2*cp = 6 does not divide seq_len=256 (cp=3)"},
         {"cp halves against odd chunks", 2,

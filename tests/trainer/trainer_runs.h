@@ -51,12 +51,14 @@ struct Layout {
   int cp = 1;
   int ep = 1;
   int pp_virtual = 1;
+  bool zero_bubble = false;  // parallel.pp_schedule = "zb-h1"
 
   int world() const { return dp * tp * pp * cp; }
   std::string name() const {
     return "dp" + std::to_string(dp) + "tp" + std::to_string(tp) + (pp > 1 ? "pp" + std::to_string(pp) : "") +
            (pp_virtual > 1 ? "v" + std::to_string(pp_virtual) : "") + (cp > 1 ? "cp" + std::to_string(cp) : "") +
-           (ep > 1 ? "ep" + std::to_string(ep) : "") + "z" + std::to_string(zero) + "m" + std::to_string(micro_batches);
+           (ep > 1 ? "ep" + std::to_string(ep) : "") + (zero_bubble ? "zb" : "") + "z" + std::to_string(zero) + "m" +
+           std::to_string(micro_batches);
   }
   std::vector<std::string> sets() const {
     return {"parallel.dp=" + std::to_string(dp),
@@ -66,7 +68,8 @@ struct Layout {
             "parallel.ep=" + std::to_string(ep),
             "parallel.zero=" + std::to_string(zero),
             "parallel.micro_batches=" + std::to_string(micro_batches),
-            "parallel.pp_virtual=" + std::to_string(pp_virtual)};
+            "parallel.pp_virtual=" + std::to_string(pp_virtual),
+            std::string("parallel.pp_schedule=") + (zero_bubble ? "zb-h1" : "1f1b")};
   }
   // Rank r's coordinates (docs/architecture.md "Parallel layout and
   // communication": TP innermost, PP outermost; an EP group is ep

@@ -120,6 +120,10 @@ struct Gpt::Slot {
     ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
     ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
     std::unique_ptr<MoeLayer> moe;
+    // With a split backward: the output gradients of the MLP projection,
+    // fc, attention projection and qkv linears ([N, ...], all positions)
+    // and of the two LayerNorms ([Ns, C]), which the weight pass reads.
+    ArenaArray<float> dproj, dfch, dattproj, dqkv, dln2, dln1;
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
   };
@@ -132,6 +136,9 @@ struct Gpt::Slot {
   ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
   ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;  // last stage
+  // With a split backward: the final LayerNorm's output gradient and the
+  // embedding's ([N, C], all positions).
+  ArenaArray<float> dlnf, dembed;
 };
 
 struct Gpt::Scratch {
@@ -159,7 +166,7 @@ struct Gpt::Scratch {
 };
 
 Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
-         const ProcessGroups& groups, int slots)
+         const ProcessGroups& groups, int slots, bool split_backward)
     : config_(config),
       backend_(backend),
       storage_(storage),
@@ -172,12 +179,16 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
       context_{groups.size(Axis::kCp), groups.rank(Axis::kCp), static_cast<int>(config.seq_len)},
       max_batch_(max_batch),
       slots_(static_cast<size_t>(slots)),
+      split_backward_(split_backward),
       scratch_(std::make_unique<Scratch>()) {
   const size_t N = static_cast<size_t>(max_batch) * static_cast<size_t>(context_.local_len());
   const auto& chunks = stage().chunks;
   const bool empty_chunk = chunks.empty() || std::any_of(chunks.begin(), chunks.end(), [](const LayerRange& chunk) {
                              return chunk.end <= chunk.begin;
                            });
+  if (split_backward && config.n_expert > 0) {
+    throw common::Error(common::ErrorCode::kInternal, "Gpt: a split backward of MoE blocks (layout not validated)");
+  }
   if (N % static_cast<size_t>(tp_size_) != 0 || slots < 1 || empty_chunk ||
       context_.chunk_len() * context_.chunks() * context_.cp != config.seq_len) {
     throw common::Error(common::ErrorCode::kInternal,
@@ -258,6 +269,14 @@ void Gpt::lay_out(Arena& arena) {
         blk.fch = take(N * Fl);
         blk.fch_gelu = take(N * Fl);
       }
+      if (split_backward_) {
+        blk.dproj = take(N * C);
+        blk.dfch = take(N * Fl);
+        blk.dattproj = take(N * C);
+        blk.dqkv = take(N * 3 * Cl);
+        blk.dln2 = take(Ns * C);
+        blk.dln1 = take(Ns * C);
+      }
       s.blocks.push_back(std::move(blk));
     }
     if (last) {
@@ -268,7 +287,9 @@ void Gpt::lay_out(Arena& arena) {
       s.logits = take(N * Vl);
       s.losses = take(N);
       s.lse = take(N);
+      s.dlnf = take(split_backward_ ? Ns * C : 0);
     }
+    s.dembed = take(split_backward_ && first ? N * C : 0);
   }
   Scratch& x = *scratch_;
   x.xent_stats = take(last ? N * 3 : 0);
@@ -447,10 +468,13 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   return static_cast<float>(k.sum(s.losses.data(), static_cast<size_t>(N)) / N);
 }
 
-void Gpt::backward(float loss_scale, int slot) {
+void Gpt::backward(float loss_scale, int slot, bool weights) {
   Slot& s = slots_[static_cast<size_t>(slot)];
   const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
   if (B == 0) throw common::Error(common::ErrorCode::kInternal, "Gpt::backward of a slot with no forward");
+  if (!weights && !split_backward_) {
+    throw common::Error(common::ErrorCode::kInternal, "Gpt::backward without weights on a model not split");
+  }
   const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
   const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
   const int v_begin = tp_rank_ * Vl;
@@ -460,7 +484,13 @@ void Gpt::backward(float loss_scale, int slot) {
   const OuterOffsets& outer = x.outer;
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
   const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
-  float* g0 = embeds || scores ? storage_.unit_gradients(0) : nullptr;
+  // Where a weight's gradient goes: nowhere when the weight pass computes it.
+  float* g0 = weights && (embeds || scores) ? storage_.unit_gradients(0) : nullptr;
+  auto grad = [](float* g, size_t offset) { return g != nullptr ? g + offset : nullptr; };
+  // What the weight pass reads, kept in the slot.
+  auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
+    if (!weights) k.copy(kept.data(), from, numel * sizeof(float));
+  };
   const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
   const int first = static_cast<int>(stage().chunk_begin(s.chunk));
   // The gradient of a sequence-parallel boundary, both ways: the shards of
@@ -469,6 +499,7 @@ void Gpt::backward(float loss_scale, int slot) {
   float* dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
   float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
   const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
+  const size_t NC = static_cast<size_t>(N) * C;
 
   if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place.
@@ -476,10 +507,11 @@ void Gpt::backward(float loss_scale, int slot) {
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
     k.zero(din_all, din_numel * sizeof(float));
     const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
-    k.matmul_backward(din_all, g0 + outer.wte, nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
+    k.matmul_backward(din_all, grad(g0, outer.wte), nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
     sum_into_positions(din_all, x.dln.data(), NsC);
+    keep(s.dlnf, x.dln.data(), NsC);
     x.dresidual.zero();
-    k.layernorm_backward(x.dresidual.data(), g0 + outer.lnf_w, g0 + outer.lnf_b, x.dln.data(),
+    k.layernorm_backward(x.dresidual.data(), grad(g0, outer.lnf_w), grad(g0, outer.lnf_b), x.dln.data(),
                          s.blocks[blocks - 1].residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(),
                          Ns, C);
   } else {
@@ -494,7 +526,7 @@ void Gpt::backward(float loss_scale, int slot) {
     const int unit = first + static_cast<int>(i) + 1;
     const float* p = storage_.acquire_parameters(unit);
     if (i > 0) storage_.prefetch_parameters(unit - 1);
-    float* g = storage_.unit_gradients(unit);
+    float* g = weights ? storage_.unit_gradients(unit) : nullptr;
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
     k.zero(din_all, din_numel * sizeof(float));
@@ -504,39 +536,99 @@ void Gpt::backward(float loss_scale, int slot) {
       sum_into_positions(din_all, x.dln.data(), NsC);
     } else {
       gather_positions(x.dresidual.data(), dout_all, NsC);
+      keep(blk.dproj, dout_all, NC);
       x.dfch_gelu.zero();
-      k.matmul_backward(x.dfch_gelu.data(), g + o.proj_w, g + o.proj_b, dout_all, blk.fch_gelu.data(), p + o.proj_w, N,
-                        Fl, C);
+      k.matmul_backward(x.dfch_gelu.data(), grad(g, o.proj_w), grad(g, o.proj_b), dout_all, blk.fch_gelu.data(),
+                        p + o.proj_w, N, Fl, C);
       x.dfch.zero();
       k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
-      k.matmul_backward(din_all, g + o.fc_w, g + o.fc_b, x.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
+      keep(blk.dfch, x.dfch.data(), static_cast<size_t>(N) * Fl);
+      k.matmul_backward(din_all, grad(g, o.fc_w), grad(g, o.fc_b), x.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
       sum_into_positions(din_all, x.dln.data(), NsC);
     }
-    k.layernorm_backward(x.dresidual.data(), g + o.ln2_w, g + o.ln2_b, x.dln.data(), blk.residual2.data(), p + o.ln2_w,
-                         blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
+    keep(blk.dln2, x.dln.data(), NsC);
+    k.layernorm_backward(x.dresidual.data(), grad(g, o.ln2_w), grad(g, o.ln2_b), x.dln.data(), blk.residual2.data(),
+                         p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
+    keep(blk.dattproj, dout_all, NC);
     x.datty.zero();
-    k.matmul_backward(x.datty.data(), g + o.attproj_w, g + o.attproj_b, dout_all, blk.atty.data(), p + o.attproj_w, N,
-                      Cl, C);
+    k.matmul_backward(x.datty.data(), grad(g, o.attproj_w), grad(g, o.attproj_b), dout_all, blk.atty.data(),
+                      p + o.attproj_w, N, Cl, C);
     x.dqkv.zero();
     attend_backward(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
+    keep(blk.dqkv, x.dqkv.data(), static_cast<size_t>(N) * 3 * Cl);
     k.zero(din_all, din_numel * sizeof(float));
-    k.matmul_backward(din_all, g + o.qkv_w, g + o.qkv_b, x.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C, 3 * Cl);
+    k.matmul_backward(din_all, grad(g, o.qkv_w), grad(g, o.qkv_b), x.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C,
+                      3 * Cl);
     sum_into_positions(din_all, x.dln.data(), NsC);
-    k.layernorm_backward(x.dresidual.data(), g + o.ln1_w, g + o.ln1_b, x.dln.data(), residual, p + o.ln1_w,
+    keep(blk.dln1, x.dln.data(), NsC);
+    k.layernorm_backward(x.dresidual.data(), grad(g, o.ln1_w), grad(g, o.ln1_b), x.dln.data(), residual, p + o.ln1_w,
                          blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
-    storage_.gradients_ready(unit);
+    if (weights) storage_.gradients_ready(unit);
   }
   if (embeds) {
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    const int Tc = context_.chunk_len();
-    const size_t chunk_rows = static_cast<size_t>(B) * Tc;
-    for (int c = 0; c < context_.chunks(); ++c) {
-      k.embedding_backward(g0 + outer.wte, g0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C,
-                           dout_all + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, v_begin, Vl, B, Tc, C);
-    }
+    keep(s.dembed, dout_all, NC);
+    if (weights) embedding_backward(g0, dout_all, s.inputs.data(), B);
   }
+  if (!weights) return;
+  if (embeds || scores) storage_.gradients_ready(0);
+  s.batch = 0;
+}
+
+void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B) {
+  const OuterOffsets& outer = scratch_->outer;
+  const int C = static_cast<int>(config_.n_embd), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const int Tc = context_.chunk_len();
+  const size_t chunk_rows = static_cast<size_t>(B) * Tc;
+  for (int c = 0; c < context_.chunks(); ++c) {
+    backend_.embedding_backward(g0 + outer.wte,
+                                g0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C,
+                                dout_all + c * chunk_rows * C, inputs + c * chunk_rows, tp_rank_ * Vl, Vl, B, Tc, C);
+  }
+}
+
+void Gpt::weight_gradients(int slot) {
+  Slot& s = slots_[static_cast<size_t>(slot)];
+  const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
+  if (B == 0 || !split_backward_) {
+    throw common::Error(common::ErrorCode::kInternal, "Gpt::weight_gradients of a slot with no split backward");
+  }
+  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
+  const int Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const Scratch& x = *scratch_;
+  Backend& k = backend_;
+  const OuterOffsets& outer = x.outer;
+  const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
+  float* g0 = embeds || scores ? storage_.unit_gradients(0) : nullptr;
+  const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
+  const int first = static_cast<int>(stage().chunk_begin(s.chunk));
+  // The order of backward(), so each gradient sums its terms as there.
+  if (scores) {
+    const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
+    k.matmul_backward(nullptr, g0 + outer.wte, nullptr, s.logits.data(), lnf_all, nullptr, N, C, Vl);
+    k.layernorm_backward(nullptr, g0 + outer.lnf_w, g0 + outer.lnf_b, s.dlnf.data(),
+                         s.blocks[blocks - 1].residual3.data(), nullptr, s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C);
+  }
+  for (size_t i = blocks; i-- > 0;) {
+    const Slot::Block& blk = s.blocks[i];
+    const BlockOffsets& o = x.offsets[static_cast<size_t>(first) + i];
+    const int unit = first + static_cast<int>(i) + 1;
+    float* g = storage_.unit_gradients(unit);
+    const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
+    k.matmul_backward(nullptr, g + o.proj_w, g + o.proj_b, blk.dproj.data(), blk.fch_gelu.data(), nullptr, N, Fl, C);
+    k.matmul_backward(nullptr, g + o.fc_w, g + o.fc_b, blk.dfch.data(), blk.ln2_all(), nullptr, N, C, Fl);
+    k.layernorm_backward(nullptr, g + o.ln2_w, g + o.ln2_b, blk.dln2.data(), blk.residual2.data(), nullptr,
+                         blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
+    k.matmul_backward(nullptr, g + o.attproj_w, g + o.attproj_b, blk.dattproj.data(), blk.atty.data(), nullptr, N, Cl,
+                      C);
+    k.matmul_backward(nullptr, g + o.qkv_w, g + o.qkv_b, blk.dqkv.data(), blk.ln1_all(), nullptr, N, C, 3 * Cl);
+    k.layernorm_backward(nullptr, g + o.ln1_w, g + o.ln1_b, blk.dln1.data(), residual, nullptr, blk.ln1_mean.data(),
+                         blk.ln1_rstd.data(), Ns, C);
+    storage_.gradients_ready(unit);
+  }
+  if (embeds) embedding_backward(g0, s.dembed.data(), s.inputs.data(), B);
   if (embeds || scores) storage_.gradients_ready(0);
   s.batch = 0;
 }

@@ -45,9 +45,10 @@ class Gpt {
   // of up to max_batch sequences of config.seq_len tokens, with `slots`
   // passes (a microbatch through a chunk) in flight at once, each keeping
   // its activations until its backward. It talks to the TP, CP and EP
-  // groups of `groups`.
+  // groups of `groups`. With `split_backward` (zero-bubble schedules; dense
+  // blocks only) a slot also keeps what weight_gradients() reads.
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
-      const ProcessGroups& groups = ProcessGroups::none(), int slots = 1);
+      const ProcessGroups& groups = ProcessGroups::none(), int slots = 1, bool split_backward = false);
   ~Gpt();
   // Places every activation (in the run's one Arena) before the first forward().
   void lay_out(Arena& arena);
@@ -74,7 +75,15 @@ class Gpt {
   // the forward in `slot` into the storage's gradients and frees the slot.
   // A virtual stage other than the last starts from output_gradient(slot);
   // one other than the first leaves input_gradient(). Overwrites logits(slot).
-  void backward(float loss_scale, int slot = 0);
+  // With `weights` false (split_backward) it computes the input gradients
+  // alone and the slot stays taken until weight_gradients(slot).
+  void backward(float loss_scale, int slot = 0, bool weights = true);
+  // The weight gradients of a backward(..., weights = false) of `slot`,
+  // accumulated and handed over unit by unit as backward() would have; frees
+  // the slot. Bit for bit what the whole backward gives, and no
+  // communication: a zero-bubble schedule runs it while transfers are in
+  // flight.
+  void weight_gradients(int slot);
 
   // The residual stream where stages meet: this rank's [B*T/tp, C] shard
   // of positions (T = seq_len/cp), in backend memory. boundary_numel(B) floats each.
@@ -132,6 +141,9 @@ class Gpt {
   // rank q, out_rows[q] from it.
   void exchange_rows(const float* in, const std::vector<size_t>& in_rows, float* out,
                      const std::vector<size_t>& out_rows, int width);
+  // The embedding's gradients (unit 0's wte and wpe, g0) from the gradient
+  // of its output, dout_all [N, C] of all positions.
+  void embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B);
   void moe_backward(Slot& slot, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
                     int N);
   // Sequence parallelism: the position shards of all TP ranks into one
@@ -155,6 +167,7 @@ class Gpt {
   std::vector<int32_t> local_tokens_;  // this rank's positions of a batch (CP)
   int max_batch_;
   std::vector<Slot> slots_;
+  bool split_backward_;
   std::unique_ptr<Scratch> scratch_;
   float aux_loss_ = 0.0f;
   ActivationHook activation_hook_;

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace keel::trainer {
@@ -27,12 +28,30 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
   }
   const int stage = model.stage().index, stages = model.stage().count;
   const int next = (stage + 1) % stages, previous = (stage + stages - 1) % stages;
+  const bool split =
+      std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
   int alive = 0;
   std::vector<Communicator::Send> sends;
   std::vector<Communicator::Recv> recvs;
-  auto flush = [&] {
-    if (sends.empty() && recvs.empty()) return;
+  CommWork in_flight;
+  auto check_group = [&] {
     if (pp == nullptr) throw common::Error(common::ErrorCode::kInternal, "a pipeline transfer without a PP group");
+  };
+  // The transfers gathered so far as one exchange: started and left in
+  // flight before a weight pass, done at once before anything else (on
+  // this thread, as fast as a transfer gets).
+  auto start_transfers = [&] {
+    if (sends.empty() && recvs.empty()) return;
+    check_group();
+    in_flight.wait();
+    in_flight = pp->start_exchange(std::move(sends), std::move(recvs));
+    sends.clear();
+    recvs.clear();
+  };
+  auto settle = [&] {
+    in_flight.wait();
+    if (sends.empty() && recvs.empty()) return;
+    check_group();
     pp->exchange(std::move(sends), std::move(recvs));
     sends.clear();
     recvs.clear();
@@ -42,13 +61,18 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
     const size_t count = model.boundary_numel(work.batch(mb));
     switch (action.kind) {
       case ActionKind::kForward:
-        flush();
+        settle();
         timed(work.forward, action, slot);
         time.peak_alive = std::max(time.peak_alive, ++alive);
         break;
       case ActionKind::kBackward:
-        flush();
+        settle();
         timed(work.backward, action, slot);
+        if (!split) --alive;
+        break;
+      case ActionKind::kWeight:
+        start_transfers();
+        timed(work.weight, action, slot);
         --alive;
         break;
       case ActionKind::kSendActivation:
@@ -65,7 +89,7 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
         break;
     }
   }
-  flush();
+  settle();
   time.total_s = seconds(Clock::now() - start);
   return time;
 }

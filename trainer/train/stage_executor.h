@@ -3,8 +3,10 @@
 // actions call back into the training loop, which feeds the model its
 // tokens; each run of consecutive transfers is one exchange with the
 // neighbouring stages over the PP group, posted together and done
-// together. With one stage the schedule holds no transfers and this is
-// gradient accumulation.
+// together. An exchange is waited for before the next forward, backward or
+// exchange; a weight pass (zero-bubble schedules) runs while it is in
+// flight, since it touches no buffer a transfer reads or writes. With one
+// stage the schedule holds no transfers and this is gradient accumulation.
 #pragma once
 
 #include "trainer/comm/communicator.h"
@@ -25,13 +27,17 @@ struct StageWork {
   // model chunk `chunk` in activation slot `slot`.
   std::function<void(int mb, int chunk, int slot)> forward;
   std::function<void(int mb, int chunk, int slot)> backward;
+  // The weight gradients of that backward (ActionKind::kWeight), when the
+  // schedule splits them off.
+  std::function<void(int mb, int chunk, int slot)> weight;
 };
 
 // Where a stage's time went: computing (its forwards and backwards, data
 // included) or waiting for and moving what the other stages send. The
 // difference is the pipeline bubble plus the transfers. And the most
 // microbatches it held activations for at once, what its memory grows with
-// (1F1B: min(p - s, m) on stage s; all forwards first would hold m).
+// (1F1B: min(p - s, m) on stage s; all forwards first would hold m), from
+// a pass's forward to its backward, or to its weight pass if it has one.
 struct StageTime {
   double compute_s = 0;
   double total_s = 0;

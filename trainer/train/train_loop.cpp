@@ -61,6 +61,19 @@ ModelStage stage_of(const common::Config& config, const ProcessGroups& groups) {
   return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp), groups.size(Axis::kPp));
 }
 
+// The actions of this rank's stage in a training step (docs/architecture.md
+// "Pipeline schedules").
+std::vector<Action> schedule_of(const common::Config& config, const ModelStage& stage) {
+  const int m = static_cast<int>(config.parallel.micro_batches);
+  if (config.parallel.pp_schedule == "zb-h1") return zero_bubble_h1(stage.count, stage.index, m);
+  return one_f_one_b(stage.count, stage.index, m, static_cast<int>(config.parallel.pp_virtual));
+}
+
+// Whether a schedule splits its backwards into B and W.
+bool splits_backward(const std::vector<Action>& schedule) {
+  return std::any_of(schedule.begin(), schedule.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
+}
+
 // How many microbatches the stage's schedule keeps alive, and so how many
 // activation slots its model needs (validation's forwards need one).
 int slots_for(const std::vector<Action>& schedule, int microbatches) {
@@ -98,14 +111,13 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       stage_(stage_of(config, groups)),
-      schedule_(one_f_one_b(stage_.count, stage_.index, static_cast<int>(config.parallel.micro_batches),
-                            static_cast<int>(config.parallel.pp_virtual))),
+      schedule_(schedule_of(config, stage_)),
       table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_, groups.rank(Axis::kEp), groups.size(Axis::kEp)),
       storage_(backend, table_, static_cast<int>(config.parallel.zero), ReduceGroups::of(groups),
                config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, groups,
-             slots_for(schedule_, static_cast<int>(config.parallel.micro_batches))),
+             slots_for(schedule_, static_cast<int>(config.parallel.micro_batches)), splits_backward(schedule_)),
       buffers_(lay_out_memory()),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
@@ -243,16 +255,27 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
       for (double count : block.tokens) expert_tokens[at++] += static_cast<float>(count);
     }
   };
-  work.backward = [&](int mb, int chunk, int slot) {
+  // Gradients are handed over, unit by unit, by the whole backward or by
+  // the weight pass split off it.
+  const bool split = splits_backward(schedule_);
+  auto hand_over = [&](int mb, int chunk) {
     // Each chunk's last backward is the last microbatch's (interleaved
     // schedules run the chunks in reverse, the last chunk first).
     const bool last = mb + 1 == micro_batches;
     storage_.begin_microbatch(last);
-    board_.set_phase(health::Phase::kBackward);
     // Poisoned as backward hands its first unit over: its sum over DP may start then.
     const bool first_of_last = last && chunk + 1 == static_cast<int>(stage_.chunks.size());
     poison_gradient_ = first_of_last && faults_.poisons(step, "gradient");
-    model_.backward(loss_scale, slot);
+  };
+  work.backward = [&](int mb, int chunk, int slot) {
+    if (!split) hand_over(mb, chunk);
+    board_.set_phase(health::Phase::kBackward);
+    model_.backward(loss_scale, slot, /*weights=*/!split);
+  };
+  work.weight = [&](int mb, int chunk, int slot) {
+    hand_over(mb, chunk);
+    board_.set_phase(health::Phase::kBackward);
+    model_.weight_gradients(slot);
   };
   schedule_time_ += run_stage(schedule_, static_cast<int>(micro_batches), model_, groups_.get(Axis::kPp), work);
   if (Communicator* pp = groups_.get(Axis::kPp); pp != nullptr && !expert_tokens.empty()) {
