@@ -31,6 +31,23 @@ std::vector<std::vector<Action>> all_stages(int stages, int microbatches, int ch
   return out;
 }
 
+// Requires each microbatch of `m` to pass through each of `kinds` once, in
+// microbatch order, and each kind after the one before it in `kinds`
+// (a backward only of a microbatch forwarded, a W only of one backwarded).
+void check_each_pass_once(const std::vector<Action>& actions, int m, const std::vector<ActionKind>& kinds) {
+  std::vector<std::vector<int>> seen(kinds.size());
+  for (const Action& a : actions) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (a.kind != kinds[k]) continue;
+      if (k > 0) CHECK(a.microbatch < static_cast<int>(seen[k - 1].size()));
+      seen[k].push_back(a.microbatch);
+    }
+  }
+  std::vector<int> in_order(static_cast<size_t>(m));
+  for (int i = 0; i < m; ++i) in_order[static_cast<size_t>(i)] = i;
+  for (const auto& microbatches : seen) CHECK(microbatches == in_order);
+}
+
 std::string listing(const std::vector<Action>& actions) {
   std::string out;
   for (const Action& a : actions) out += describe(a) + "; ";
@@ -64,19 +81,7 @@ TEST_SUITE("unit") {
           CAPTURE(p);
           CAPTURE(m);
           CAPTURE(s);
-          std::vector<int> forwards, backwards;
-          for (const Action& a : one_f_one_b(p, s, m)) {
-            if (a.kind == ActionKind::kForward) forwards.push_back(a.microbatch);
-            if (a.kind == ActionKind::kBackward) {
-              // Only a microbatch this stage has forwarded.
-              CHECK(a.microbatch < static_cast<int>(forwards.size()));
-              backwards.push_back(a.microbatch);
-            }
-          }
-          std::vector<int> in_order(static_cast<size_t>(m));
-          for (int i = 0; i < m; ++i) in_order[static_cast<size_t>(i)] = i;
-          CHECK(forwards == in_order);
-          CHECK(backwards == in_order);
+          check_each_pass_once(one_f_one_b(p, s, m), m, {ActionKind::kForward, ActionKind::kBackward});
         }
       }
     }
@@ -204,23 +209,8 @@ TEST_SUITE("unit") {
           CAPTURE(p);
           CAPTURE(m);
           CAPTURE(s);
-          std::vector<int> forwards, backwards, weights;
-          for (const Action& a : zero_bubble_h1(p, s, m)) {
-            if (a.kind == ActionKind::kForward) forwards.push_back(a.microbatch);
-            if (a.kind == ActionKind::kBackward) {
-              CHECK(a.microbatch < static_cast<int>(forwards.size()));
-              backwards.push_back(a.microbatch);
-            }
-            if (a.kind == ActionKind::kWeight) {
-              CHECK(a.microbatch < static_cast<int>(backwards.size()));
-              weights.push_back(a.microbatch);
-            }
-          }
-          std::vector<int> in_order(static_cast<size_t>(m));
-          for (int i = 0; i < m; ++i) in_order[static_cast<size_t>(i)] = i;
-          CHECK(forwards == in_order);
-          CHECK(backwards == in_order);
-          CHECK(weights == in_order);
+          check_each_pass_once(zero_bubble_h1(p, s, m), m,
+                               {ActionKind::kForward, ActionKind::kBackward, ActionKind::kWeight});
         }
       }
     }
