@@ -72,6 +72,12 @@ class BackendWrapper : public trainer::Backend {
     target_.gelu_backward(dinp, inp, dout, n);
   }
   void accumulate(float* dst, const float* src, size_t n) override { target_.accumulate(dst, src, n); }
+  void copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) override {
+    target_.copy_columns(dst, dst_ld, src, src_ld, rows, cols);
+  }
+  void accumulate_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) override {
+    target_.accumulate_columns(dst, dst_ld, src, src_ld, rows, cols);
+  }
   void crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin, int Vl,
                           int V) override {
     target_.crossentropy_stats(stats, logits, targets, N, v_begin, Vl, V);

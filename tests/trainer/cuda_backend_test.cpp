@@ -171,6 +171,19 @@ std::vector<KernelCase> kernel_cases() {
                      1.0});
     cases.push_back({"accumulate", {{"dst", random_vec(n, 4)}, {"src", random_vec(n, 5)}}, {}, {"dst"},
                      [n](Backend& k, Tensors& t) { k.accumulate(t.f("dst"), t.f("src"), n); }, 1e-5, 1e-6});
+    // The k and v columns of qkv rows into kv rows and back.
+    const int rows = 1031, C = 24;
+    cases.push_back({"copy_columns and accumulate_columns",
+                     {{"qkv", random_vec(static_cast<size_t>(rows) * 3 * C, 8)},
+                      {"kv", Vec(static_cast<size_t>(rows) * 2 * C, nan)}},
+                     {},
+                     {"qkv", "kv"},
+                     [](Backend& k, Tensors& t) {
+                       k.copy_columns(t.f("kv"), 2 * C, t.f("qkv") + C, 3 * C, rows, 2 * C);
+                       k.accumulate_columns(t.f("qkv") + C, 3 * C, t.f("kv"), 2 * C, rows, 2 * C);
+                     },
+                     1e-6,
+                     1e-6});
   }
   {
     const size_t n = 1'000'003;
@@ -459,6 +472,8 @@ TEST_SUITE("gpu") {
     CudaBackend gpu;
     Tensors t(gpu, {{"x", Vec{1.0f, 2.0f}}}, {});
     gpu.accumulate(t.f("x"), t.f("x"), 0);
+    gpu.copy_columns(t.f("x"), 1, t.f("x") + 1, 1, 0, 1);
+    gpu.accumulate_columns(t.f("x"), 1, t.f("x") + 1, 1, 1, 0);
     gpu.gelu_forward(t.f("x"), t.f("x"), 0);
     gpu.layernorm_forward(t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), 0, 2);
     CHECK(t.read("x") == Vec{1.0f, 2.0f});

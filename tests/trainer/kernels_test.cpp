@@ -817,6 +817,30 @@ TEST_SUITE("unit") {
     CHECK(mismatches == 0);
   }
 
+  TEST_CASE("copy_columns and accumulate_columns move a block of columns between matrices of other widths") {
+    // The k and v columns of [rows, 3C] qkv rows into [rows, 2C] and back.
+    CpuBackend cpu;
+    for (const int rows : {1, 7, 4099}) {  // the last above the parallel threshold
+      CAPTURE(rows);
+      const int C = 12;
+      const Vec qkv = random_vec(static_cast<size_t>(rows) * 3 * C, 56);
+      Vec kv = nan_vec(static_cast<size_t>(rows) * 2 * C);
+      cpu.copy_columns(kv.data(), 2 * C, qkv.data() + C, 3 * C, rows, 2 * C);
+      Vec sum = qkv;
+      cpu.accumulate_columns(sum.data() + C, 3 * C, kv.data(), 2 * C, rows, 2 * C);
+      size_t mismatches = 0;
+      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+        for (size_t c = 0; c < 3 * static_cast<size_t>(C); ++c) {
+          const float x = qkv[r * 3 * C + c];
+          if (c >= static_cast<size_t>(C)) mismatches += kv[r * 2 * C + c - C] != x;
+          // The q columns stay as they were; k and v doubled.
+          mismatches += sum[r * 3 * C + c] != (c < static_cast<size_t>(C) ? x : x + x);
+        }
+      }
+      CHECK(mismatches == 0);
+    }
+  }
+
   TEST_CASE("sum and sum_squares match double-precision references") {
     CpuBackend cpu;
     for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{1000003}}) {

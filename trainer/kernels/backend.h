@@ -156,6 +156,13 @@ class Backend {
   // ---- residual: dst += src ----
   virtual void accumulate(float* dst, const float* src, size_t n) = 0;
 
+  // ---- a block of columns of a matrix (the k and v of qkv rows) ----
+  // dst[r, c] = src[r, c] (copy_columns) or dst[r, c] += src[r, c]
+  // (accumulate_columns) for r < rows and c < cols, where a row of dst
+  // starts dst_ld floats after the one before and a row of src src_ld.
+  virtual void copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) = 0;
+  virtual void accumulate_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) = 0;
+
   // ---- softmax cross-entropy, vocabulary split over TP ranks ----
   // logits[N,Vl] hold classes [v_begin, v_begin + Vl) of the padded
   // vocabulary; only classes below V are real, padded ones never take part.

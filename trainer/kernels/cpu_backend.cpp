@@ -623,6 +623,24 @@ void CpuBackend::accumulate(float* dst, const float* src, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+void CpuBackend::copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) {
+  const size_t bytes = static_cast<size_t>(cols) * sizeof(float);
+#pragma omp parallel for schedule(static) if (parallel : static_cast <size_t>(rows) * cols > kParallelMin)
+  for (int r = 0; r < rows; ++r) {
+    std::memcpy(dst + static_cast<size_t>(r) * dst_ld, src + static_cast<size_t>(r) * src_ld, bytes);
+  }
+}
+
+void CpuBackend::accumulate_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) {
+#pragma omp parallel for schedule(static) if (parallel : static_cast <size_t>(rows) * cols > kParallelMin)
+  for (int r = 0; r < rows; ++r) {
+    float* d = dst + static_cast<size_t>(r) * dst_ld;
+    const float* s = src + static_cast<size_t>(r) * src_ld;
+#pragma omp simd
+    for (int c = 0; c < cols; ++c) d[c] += s[c];
+  }
+}
+
 // ---- cross-entropy ----
 
 void CpuBackend::crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,

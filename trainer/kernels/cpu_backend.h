@@ -57,6 +57,8 @@ class CpuBackend final : public Backend {
   void gelu_forward(float* out, const float* inp, size_t n) override;
   void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) override;
   void accumulate(float* dst, const float* src, size_t n) override;
+  void copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) override;
+  void accumulate_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) override;
   void crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin, int Vl,
                           int V) override;
   void crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) override;

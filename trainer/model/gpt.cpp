@@ -159,9 +159,9 @@ struct Gpt::Scratch {
   // input gradients that came back) and an expert-side [R, C] one (the
   // outputs to return, the output gradients that arrived).
   ArenaArray<float> token_rows, expert_rows;
-  // CP's ring: the q, k and v [N, 3Cl] another rank sent, two so one is
+  // CP's ring: the k and v [N, 2Cl] another rank sent, two so one is
   // read while the next arrives, and the gradients of its k and v that
-  // travel with it; one chunk's partial output and log-sum-exp.
+  // travel with them; one chunk's partial output and log-sum-exp.
   ArenaArray<float> ring[2], ring_grads[2], part_out, part_lse;
 };
 
@@ -314,7 +314,7 @@ void Gpt::lay_out(Arena& arena) {
     x.dprobs = take(N * E);
     x.drouter = take(N * E);
   }
-  const size_t ring = cp_ != nullptr ? N * 3 * Cl : 0, chunk = cp_ != nullptr ? B * context_.chunk_len() : 0;
+  const size_t ring = cp_ != nullptr ? N * 2 * Cl : 0, chunk = cp_ != nullptr ? B * context_.chunk_len() : 0;
   for (size_t i = 0; i < 2; ++i) {
     x.ring[i] = take(ring);
     x.ring_grads[i] = take(ring);
@@ -633,18 +633,19 @@ void Gpt::weight_gradients(int slot) {
   s.batch = 0;
 }
 
-void Gpt::visible_pairs(const float* qkv, const float* held, int owner, int B,
-                        const std::function<void(int, size_t, const Backend::AttentionInputs&)>& visit) {
+void Gpt::visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
+                        const std::function<void(int, int, const Backend::AttentionInputs&)>& visit) {
   const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
   const int Tc = context_.chunk_len(), rank = context_.rank;
-  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl);
+  const size_t rows = static_cast<size_t>(B) * Tc;
+  const int ld_kv = packed ? 2 * Cl : 3 * Cl, k_at = packed ? 0 : Cl;
   for (int qc = 0; qc < 2; ++qc) {
     for (int kc = 0; kc < 2; ++kc) {
       if (causal_mask(context_.global_chunk(qc, rank), context_.global_chunk(kc, owner)) == ChunkMask::kNone) continue;
-      const float* keys = held + kc * rows * width;
-      visit(qc, kc * rows * width,
-            {qkv + qc * rows * width, keys + Cl, keys + 2 * Cl, 3 * Cl, 3 * Cl, B, Tc, Tc, Cl, NHl,
-             context_.start(qc, rank), context_.start(kc, owner)});
+      const float* keys = held + kc * rows * ld_kv + k_at;
+      visit(qc, kc,
+            {qkv + qc * rows * 3 * Cl, keys, keys + Cl, 3 * Cl, ld_kv, B, Tc, Tc, Cl, NHl, context_.start(qc, rank),
+             context_.start(kc, owner)});
     }
   }
 }
@@ -656,33 +657,39 @@ void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
     k.attention_forward(out, lse, Backend::self_attention(qkv, B, context_.local_len(), Cl, NHl));
     return;
   }
-  // Ring attention: step t holds the q, k and v of CP rank r - t and passes
+  // Ring attention: step t holds the k and v of CP rank r - t and passes
   // them on to r + 1. Each local query chunk computes its first chunk of
-  // keys in place (its own diagonal, at step 0) and merges every later one
-  // (online softmax); chunk pairs the causal mask hides are skipped, which
-  // is where causal load balancing evens the ranks out.
+  // keys in place (its own diagonal, at step 0, from its qkv rows) and
+  // merges every later one (online softmax); chunk pairs the causal mask
+  // hides are skipped, which is where causal load balancing evens the
+  // ranks out. Only k and v travel, packed as [rows, 2Cl].
   Scratch& x = *scratch_;
   const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
-  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl);
+  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(Cl);
   bool started[2] = {false, false};
   const float* held = qkv;
   for (int step = 0; step < cp; ++step) {
     if (step > 0) {
+      if (step == 1) {
+        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
+        held = x.ring[0].data();
+      }
       float* next = x.ring[step % 2].data();
-      cp_->exchange({{held, rows * 2 * width, (rank + 1) % cp}}, {{next, rows * 2 * width, (rank + cp - 1) % cp}});
+      cp_->exchange({{held, numel, (rank + 1) % cp}}, {{next, numel, (rank + cp - 1) % cp}});
       held = next;
     }
-    visible_pairs(qkv, held, (rank + cp - step) % cp, B, [&](int qc, size_t, const Backend::AttentionInputs& in) {
-      float* chunk_out = out + qc * rows * Cl;
-      float* chunk_lse = lse + qc * rows * NHl;
-      if (!started[qc]) {
-        k.attention_forward(chunk_out, chunk_lse, in);
-        started[qc] = true;
-      } else {
-        k.attention_forward(x.part_out.data(), x.part_lse.data(), in);
-        k.attention_merge(chunk_out, chunk_lse, x.part_out.data(), x.part_lse.data(), B, Tc, Cl, NHl);
-      }
-    });
+    visible_pairs(qkv, held, step > 0, (rank + cp - step) % cp, B,
+                  [&](int qc, int, const Backend::AttentionInputs& in) {
+                    float* chunk_out = out + qc * rows * Cl;
+                    float* chunk_lse = lse + qc * rows * NHl;
+                    if (!started[qc]) {
+                      k.attention_forward(chunk_out, chunk_lse, in);
+                      started[qc] = true;
+                    } else {
+                      k.attention_forward(x.part_out.data(), x.part_lse.data(), in);
+                      k.attention_merge(chunk_out, chunk_lse, x.part_out.data(), x.part_lse.data(), B, Tc, Cl, NHl);
+                    }
+                  });
   }
 }
 
@@ -695,35 +702,40 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
                          Backend::self_attention(qkv, B, context_.local_len(), Cl, NHl));
     return;
   }
-  // The ring again: the gradients of each rank's k and v travel with them,
-  // gathering every rank's share, and one last step brings them home.
+  // The ring again. At step 0 this rank's own keys' gradients go straight
+  // into dqkv; from step 1 each rank's packed k and v travel with an
+  // accumulator of their gradients, gathering every other rank's share,
+  // and one last step brings it home.
   const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
-  const size_t rows = static_cast<size_t>(B) * Tc, width = 3 * static_cast<size_t>(Cl), numel = rows * 2 * width;
+  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(Cl);
   const float* held = qkv;
-  float* held_grads = x.ring_grads[0].data();
-  k.zero(held_grads, numel * sizeof(float));
+  float* held_grads = nullptr;
+  const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
   for (int step = 0; step < cp; ++step) {
     if (step > 0) {
+      if (step == 1) {
+        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
+        held = x.ring[0].data();
+        held_grads = x.ring_grads[0].data();
+        k.zero(held_grads, numel * sizeof(float));
+      }
       float* next = x.ring[step % 2].data();
       float* next_grads = x.ring_grads[step % 2].data();
-      const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
       cp_->exchange({{held, numel, to}, {held_grads, numel, to}}, {{next, numel, from}, {next_grads, numel, from}});
       held = next;
       held_grads = next_grads;
     }
     visible_pairs(
-        qkv, held, (rank + cp - step) % cp, B, [&](int qc, size_t key_chunk, const Backend::AttentionInputs& in) {
-          float* key_grads = held_grads + key_chunk;
-          k.attention_backward({x.dqkv.data() + qc * rows * width, key_grads + Cl, key_grads + 2 * Cl},
+        qkv, held, step > 0, (rank + cp - step) % cp, B, [&](int qc, int kc, const Backend::AttentionInputs& in) {
+          float* key_grads = step == 0 ? x.dqkv.data() + kc * rows * 3 * Cl + Cl : held_grads + kc * rows * 2 * Cl;
+          k.attention_backward({x.dqkv.data() + qc * rows * 3 * Cl, key_grads, key_grads + Cl},
                                x.datty.data() + qc * rows * Cl, out + qc * rows * Cl, lse + qc * rows * NHl, in);
         });
   }
-  // Step cp - 1 held rank r + 1's gradients: they go home, and only their
-  // k and v columns were ever written.
+  // Step cp - 1 held rank r + 1's gradients: they go home.
   float* home = x.ring_grads[cp % 2].data();
-  const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
   cp_->exchange({{held_grads, numel, to}}, {{home, numel, from}});
-  k.accumulate(x.dqkv.data(), home, numel);
+  k.accumulate_columns(x.dqkv.data() + Cl, 3 * Cl, home, 2 * Cl, static_cast<int>(2 * rows), 2 * Cl);
 }
 
 void Gpt::plan_dispatch(MoeLayer& moe, const std::vector<int>& count) {

@@ -128,11 +128,12 @@ class Gpt {
   void attend(const float* qkv, float* out, float* lse, int B);
   // Its gradient from the scratch datty into the scratch dqkv.
   void attend_backward(const float* qkv, const float* out, const float* lse, int B);
-  // Calls visit(query chunk, offset of the key chunk in `held`, inputs)
-  // for each pair of this rank's query chunks in qkv and CP rank owner's
-  // key chunks in `held` that the causal mask does not hide entirely.
-  void visible_pairs(const float* qkv, const float* held, int owner, int B,
-                     const std::function<void(int, size_t, const Backend::AttentionInputs&)>& visit);
+  // Calls visit(query chunk, key chunk, inputs) for each pair of this
+  // rank's query chunks in qkv and CP rank owner's key chunks in `held`
+  // that the causal mask does not hide entirely; `held` is qkv rows
+  // [N, 3Cl] or, `packed`, k and v rows [N, 2Cl].
+  void visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
+                     const std::function<void(int, int, const Backend::AttentionInputs&)>& visit);
   void moe_forward(Slot& slot, int block, const float* p, const float* inp, float* out, int N);
   // The expert side's segments of a forward whose slots per expert are
   // `count`, and under EP the slots sent to and received from each EP rank.

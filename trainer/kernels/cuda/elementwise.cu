@@ -45,6 +45,14 @@ __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
 }
 
+// Element i of the rows x cols block: row i / cols, column i % cols.
+__global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* src, int src_ld, int cols, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const size_t r = i / static_cast<size_t>(cols), c = i % static_cast<size_t>(cols);
+    dst[r * dst_ld + c] += src[r * src_ld + c];
+  }
+}
+
 __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
                              float* __restrict__ v, AdamwStep step, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) step.apply(params, grads, m, v, i);
@@ -62,6 +70,19 @@ void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {
   launch("accumulate", accumulate_kernel, n, stream(), dst, src);
+}
+
+void CudaBackend::copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) {
+  if (rows == 0 || cols == 0) return;
+  check(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_ld) * sizeof(float), src,
+                          static_cast<size_t>(src_ld) * sizeof(float), static_cast<size_t>(cols) * sizeof(float),
+                          static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, stream()),
+        "cudaMemcpy2DAsync on device");
+}
+
+void CudaBackend::accumulate_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) {
+  launch("accumulate_columns", accumulate_columns_kernel, static_cast<size_t>(rows) * static_cast<size_t>(cols),
+         stream(), dst, dst_ld, src, src_ld, cols);
 }
 
 void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
