@@ -166,6 +166,11 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
   if (p.pp_schedule != "1f1b" && p.pp_schedule != "zb-h1") {
     problems.push_back(fmt::format("pp_schedule=\"{}\" is not a schedule: use \"1f1b\" or \"zb-h1\"", p.pp_schedule));
   } else if (p.pp_schedule == "zb-h1") {
+    if (p.pp < 2) {
+      problems.push_back(
+          "pp_schedule=\"zb-h1\" needs a pipeline: with one stage there is no bubble to fill and splitting the "
+          "backward only costs memory, so set pp >= 2 or pp_schedule=\"1f1b\"");
+    }
     if (p.pp_virtual > 1) {
       problems.push_back(
           fmt::format("pp_schedule=\"zb-h1\" splits plain 1F1B's backwards, not interleaved ones: set pp_virtual=1 or "

@@ -161,6 +161,8 @@ TEST_SUITE("unit") {
            c.parallel.pp_schedule = "gpipe";
          },
          "pp_schedule=\"gpipe\" is not a schedule: use \"1f1b\" or \"zb-h1\""},
+        {"zero bubble without a pipeline", 1, [](Config& c) { c.parallel.pp_schedule = "zb-h1"; },
+         "pp_schedule=\"zb-h1\" needs a pipeline: with one stage there is no bubble to fill"},
         {"zero bubble interleaved", 2,
          [](Config& c) {
            c.parallel.pp = c.parallel.micro_batches = c.parallel.pp_virtual = 2;

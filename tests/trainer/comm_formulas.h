@@ -104,8 +104,9 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
 //       schedule groups them.
 //   cp: per block and microbatch, the forward ring's cp - 1 steps each send
 //       one rank's k and v ([B/m * T/cp, 2C]); the backward's cp - 1 steps
-//       send them with their gradient accumulator, and a last step sends
-//       the accumulator home.
+//       send them too, from its second step with their gradient
+//       accumulator (at the first it is zero, and starts where it
+//       arrives), and a last step sends the accumulator home: 3cp - 3.
 inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp, int cp, int m, int v = 1) {
   const uint64_t C = static_cast<uint64_t>(config.model.n_embd);
   const uint64_t positions = static_cast<uint64_t>(config.train.batch_size / m * config.model.seq_len / cp);
@@ -124,7 +125,7 @@ inline nlohmann::json pipeline_comm_formula(const common::Config& config, int pp
     comm["pp"] = op(sent * positions * C + tied, exchanges + 1);
   }
   if (cp > 1) {
-    const uint64_t kv = positions * 2 * C, per_block = static_cast<uint64_t>(3 * cp - 2) * kv;
+    const uint64_t kv = positions * 2 * C, per_block = static_cast<uint64_t>(3 * cp - 3) * kv;
     comm["cp"] = op(last_stage_blocks * static_cast<uint64_t>(m) * per_block,
                     last_stage_blocks * static_cast<uint64_t>(m) * static_cast<uint64_t>(2 * cp - 1));
   }

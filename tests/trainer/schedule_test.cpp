@@ -216,7 +216,9 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("ZB-H1 keeps 1F1B's transfers and idles a third of its bubble with at most p passes alive per stage") {
+  TEST_CASE(
+      "ZB-H1 keeps 1F1B's transfers and idles a third of its bubble with at most p passes alive per stage and p + 1 "
+      "slots") {
     // F = B = W: 1F1B's backward is B + W. ZB-H1's idle on every stage is
     // (p - 1) / (3m + p - 1) once m >= p, Qi et al.'s (p - 1)(F + B - W).
     for (int p = 1; p <= 6; ++p) {
@@ -241,6 +243,8 @@ TEST_SUITE("unit") {
         for (int s = 0; s < p; ++s) {
           CAPTURE(s);
           CHECK(run.peak_alive[static_cast<size_t>(s)] <= p);
+          // A W overlaps the exchange before it, whose receive takes another slot.
+          CHECK(plan_slots(zb[static_cast<size_t>(s)], m).slots == std::min(s == 0 ? p : p + 1, m));
           CHECK(run.idle[static_cast<size_t>(s)] <= plain.idle[static_cast<size_t>(s)] + 1e-12);
         }
         if (m >= p) {

@@ -704,8 +704,9 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
   }
   // The ring again. At step 0 this rank's own keys' gradients go straight
   // into dqkv; from step 1 each rank's packed k and v travel with an
-  // accumulator of their gradients, gathering every other rank's share,
-  // and one last step brings it home.
+  // accumulator of their gradients, which starts at zero where they first
+  // arrive, gathers every other rank's share, and comes home in one last
+  // step.
   const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
   const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(Cl);
   const float* held = qkv;
@@ -713,15 +714,15 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
   const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
   for (int step = 0; step < cp; ++step) {
     if (step > 0) {
-      if (step == 1) {
-        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
-        held = x.ring[0].data();
-        held_grads = x.ring_grads[0].data();
-        k.zero(held_grads, numel * sizeof(float));
-      }
       float* next = x.ring[step % 2].data();
       float* next_grads = x.ring_grads[step % 2].data();
-      cp_->exchange({{held, numel, to}, {held_grads, numel, to}}, {{next, numel, from}, {next_grads, numel, from}});
+      if (step == 1) {
+        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
+        cp_->exchange({{x.ring[0].data(), numel, to}}, {{next, numel, from}});
+        k.zero(next_grads, numel * sizeof(float));
+      } else {
+        cp_->exchange({{held, numel, to}, {held_grads, numel, to}}, {{next, numel, from}, {next_grads, numel, from}});
+      }
       held = next;
       held_grads = next_grads;
     }

@@ -60,8 +60,10 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
 // 1F1B's stage would wait: before a forward when the stage would otherwise
 // hold more than p passes (1F1B's first stage's peak, now every stage's
 // bound), and before each cooldown backward's receive. A W runs while the
-// exchange before it is in flight. With F = B = W a stage idles
-// (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1)(F + B + W) bubble.
+// exchange before it is in flight, so the receive in that exchange needs
+// a slot of its own: stage 0 keeps min(p, m) slots, a later stage
+// min(p + 1, m). With F = B = W a stage idles (p - 1) / (3m + p - 1), a
+// third of 1F1B's (p - 1)(F + B + W) bubble.
 std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches);
 
 // Forwards alone (validation, evaluation): each microbatch received, run
