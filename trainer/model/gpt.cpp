@@ -650,6 +650,14 @@ void Gpt::visible_pairs(const float* qkv, const float* held, bool packed, int ow
   }
 }
 
+const float* Gpt::packed_keys(const float* qkv, int B) {
+  const int Cl = static_cast<int>(config_.n_embd) / tp_size_;
+  const int rows = B * context_.local_len();
+  float* kv = scratch_->ring[0].data();
+  backend_.copy_columns(kv, 2 * Cl, qkv + Cl, 3 * Cl, rows, 2 * Cl);
+  return kv;
+}
+
 void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
   const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
   Backend& k = backend_;
@@ -670,10 +678,7 @@ void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
   const float* held = qkv;
   for (int step = 0; step < cp; ++step) {
     if (step > 0) {
-      if (step == 1) {
-        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
-        held = x.ring[0].data();
-      }
+      if (step == 1) held = packed_keys(qkv, B);
       float* next = x.ring[step % 2].data();
       cp_->exchange({{held, numel, (rank + 1) % cp}}, {{next, numel, (rank + cp - 1) % cp}});
       held = next;
@@ -717,8 +722,7 @@ void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, 
       float* next = x.ring[step % 2].data();
       float* next_grads = x.ring_grads[step % 2].data();
       if (step == 1) {
-        k.copy_columns(x.ring[0].data(), 2 * Cl, qkv + Cl, 3 * Cl, static_cast<int>(2 * rows), 2 * Cl);
-        cp_->exchange({{x.ring[0].data(), numel, to}}, {{next, numel, from}});
+        cp_->exchange({{packed_keys(qkv, B), numel, to}}, {{next, numel, from}});
         k.zero(next_grads, numel * sizeof(float));
       } else {
         cp_->exchange({{held, numel, to}, {held_grads, numel, to}}, {{next, numel, from}, {next_grads, numel, from}});

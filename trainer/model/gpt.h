@@ -128,6 +128,9 @@ class Gpt {
   void attend(const float* qkv, float* out, float* lse, int B);
   // Its gradient from the scratch datty into the scratch dqkv.
   void attend_backward(const float* qkv, const float* out, const float* lse, int B);
+  // This rank's k and v of qkv [N, 3Cl], packed as [N, 2Cl] into the
+  // ring's first buffer: what travels around the ring.
+  const float* packed_keys(const float* qkv, int B);
   // Calls visit(query chunk, key chunk, inputs) for each pair of this
   // rank's query chunks in qkv and CP rank owner's key chunks in `held`
   // that the causal mask does not hide entirely; `held` is qkv rows

@@ -167,7 +167,7 @@ std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches) {
   const std::vector<Action> plain = one_f_one_b(stages, stage, microbatches);
   std::vector<Action> actions;
   int alive = 0, backwards = 0, weights = 0;
-  const int cooldown_from = microbatches - std::min(stages - stage - 1, microbatches);
+  const int cooldown_from = microbatches - Passes(stages, stage, microbatches, 1).warmup();
   auto weight = [&] {
     actions.push_back({ActionKind::kWeight, weights++, 0});
     --alive;
@@ -183,6 +183,10 @@ std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches) {
   }
   while (weights < microbatches) weight();
   return actions;
+}
+
+bool splits_backward(const std::vector<Action>& actions) {
+  return std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
 }
 
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
@@ -281,8 +285,7 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
   std::vector<bool> deferred;  // whether a stage's passes end with W instead of B
   for (const auto& actions : stages) {
     steps.push_back(steps_of(actions));
-    deferred.push_back(
-        std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; }));
+    deferred.push_back(splits_backward(actions));
   }
   std::vector<size_t> next(p, 0);
   std::vector<double> clock(p, 0.0), busy(p, 0.0);

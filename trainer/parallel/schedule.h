@@ -66,6 +66,10 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
 // third of 1F1B's (p - 1)(F + B + W) bubble.
 std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches);
 
+// Whether `actions` split their backwards into B and W (a pass's last
+// compute is then its W, and the model keeps what W reads).
+bool splits_backward(const std::vector<Action>& actions);
+
 // Forwards alone (validation, evaluation): each microbatch received, run
 // and passed on, chunk by chunk in the order of one_f_one_b's forwards (any
 // m >= 0: a last group of fewer than p microbatches goes through the

@@ -28,8 +28,7 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
   }
   const int stage = model.stage().index, stages = model.stage().count;
   const int next = (stage + 1) % stages, previous = (stage + stages - 1) % stages;
-  const bool split =
-      std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
+  const bool split = splits_backward(actions);
   int alive = 0;
   std::vector<Communicator::Send> sends;
   std::vector<Communicator::Recv> recvs;

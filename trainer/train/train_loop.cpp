@@ -69,11 +69,6 @@ std::vector<Action> schedule_of(const common::Config& config, const ModelStage& 
   return one_f_one_b(stage.count, stage.index, m, static_cast<int>(config.parallel.pp_virtual));
 }
 
-// Whether a schedule splits its backwards into B and W.
-bool splits_backward(const std::vector<Action>& schedule) {
-  return std::any_of(schedule.begin(), schedule.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
-}
-
 // How many microbatches the stage's schedule keeps alive, and so how many
 // activation slots its model needs (validation's forwards need one).
 int slots_for(const std::vector<Action>& schedule, int microbatches) {
