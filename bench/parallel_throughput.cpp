@@ -4,17 +4,19 @@
 // PP2 and PP4 (1F1B, 8 microbatches), PP2 interleaved over 2 chunks per
 // stage, PP2 and PP4 zero bubble (ZB-H1), CP2, CP4 and PP2 x CP2, and with
 // four experts in every second block DP2 (the MoE reference), DP2 x EP2
-// and DP4 x EP2 (ZeRO-1), with the
-// machine's cores split evenly between the ranks, and prints one JSON
-// object per run: tokens/s, and the bytes and calls each rank handed to
-// each collective of each group in a step next to the formulas of
-// tests/trainer/comm_formulas.h, and per group how long its collectives ran
-// against how long training was blocked on them (exposed). Pipelines also
-// report each stage's idle fraction against (p - 1) / (m + p - 1). Every
-// layout with a DP group runs twice, with its collectives overlapped with
-// compute and without (the reference), side by side. Ranks are real keel-trainer
-// processes rendezvousing through an embedded Store, started by the test
-// launcher (keeld does this in production).
+// and DP4 x EP2 (ZeRO-1); then DP1 and the pipelines again on the balanced
+// pipeline model (L=8, C=512), where the bubble is measured. The
+// machine's cores are split evenly between the ranks. It prints one JSON
+// object per run: tokens/s and its ratio to its model's DP1 run, and the
+// bytes and calls each rank handed to each collective of each group in a
+// step next to the formulas of tests/trainer/comm_formulas.h, and per
+// group how long its collectives ran against how long training was
+// blocked on them (exposed). Pipelines also report each stage's idle
+// fraction against (p - 1) / (m + p - 1). Every layout with a DP group
+// runs twice, with its collectives overlapped with compute and without
+// (the reference), side by side. `--set` changes the model of every run.
+// Ranks are real keel-trainer processes rendezvousing through an embedded
+// Store, started by the test launcher (keeld does this in production).
 #include "bench/metrics_rows.h"
 #include "bench/bench_model.h"
 #include "common/config.h"
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <thread>
 
 namespace {
@@ -41,9 +44,9 @@ struct Measured {
   nlohmann::json comm_ms_per_step = nlohmann::json::object();
 };
 
-Measured read_metrics(const std::filesystem::path& path, int warmup) {
+Measured read_metrics(const std::filesystem::path& path, int warmup, double tokens_per_step) {
   const auto rows = keel::bench::timed_rows(path, warmup);
-  Measured m{keel::bench::tokens_per_s(rows, 8.0 * 256)};
+  Measured m{keel::bench::tokens_per_s(rows, tokens_per_step)};
   if (rows.back().contains("comm")) m.comm_per_step = rows.back().at("comm");
   for (const auto& row : rows) {
     if (!row.contains("comm_ms")) continue;
@@ -69,6 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--cores", cores, "cores to split between the ranks");
   std::string only;
   app.add_option("--only", only, "run only the layouts whose name contains this, e.g. moe_ or _pp");
+  std::vector<std::string> model_sets;
+  app.add_option("--set", model_sets, "override the bench model for every run, e.g. model.n_layer=8 (repeatable)");
   CLI11_PARSE(app, argc, argv);
   if (steps <= warmup) {
     std::cerr << "keel-bench-parallel: --steps must exceed --warmup\n";
@@ -78,7 +83,6 @@ int main(int argc, char** argv) {
   keel::test::TempDir dir;
   keel::test::write_pattern_shard(dir / "train.bin", 1 << 20);
   const auto config_path = dir.write("bench.toml", keel::bench::kBenchModel);
-  const auto config = keel::common::Config::load(config_path);
 
   struct Run {
     int dp, tp, zero;
@@ -87,6 +91,7 @@ int main(int argc, char** argv) {
     bool moe = false;
     int pp_virtual = 1;
     bool zero_bubble = false;
+    bool balanced = false;  // on the balanced pipeline model below
   };
   std::vector<Run> runs;
   for (const Run layout : {Run{1, 1, 0}, Run{2, 1, 0}, Run{2, 1, 1}, Run{2, 1, 2}, Run{2, 1, 3}, Run{1, 2, 0},
@@ -99,18 +104,38 @@ int main(int argc, char** argv) {
   for (const int pp : {2, 4}) runs.push_back(Run{1, 1, 0, true, pp, 1, 1, false, 1, true});
   for (const int ep : {1, 2}) runs.push_back(Run{2, 1, 1, true, 1, 1, ep, true});
   runs.push_back(Run{4, 1, 1, true, 1, 1, 2, true});
+  // The pipeline bubble is the schedule's own where the stages cost the
+  // same and a transfer is small beside a stage's compute. On the bench
+  // model neither holds: the head and loss make the last stage about 4%
+  // slower, and a microbatch's 256 KB boundary crossing loopback TCP
+  // (about 0.5 ms, each one on 1F1B's critical path) is 3-4% of a stage's
+  // forward and backward. The balanced model has eight blocks of C = 512,
+  // where the head (V = 256) costs 1% of a stage and a 512 KB transfer
+  // under 1% of its compute per microbatch; its DP1 run is its reference.
+  std::vector<Run> balanced = {Run{1, 1, 0}};
+  for (const Run& run : runs) {
+    if (run.pp > 1 && run.cp == 1) balanced.push_back(run);
+  }
+  for (Run& run : balanced) {
+    run.balanced = true;
+    runs.push_back(run);
+  }
+  const std::vector<std::string> balanced_sets = {"model.n_layer=8", "model.n_embd=512", "model.n_head=8"};
+  std::map<std::string, double> reference_tokens_per_s;
   const std::vector<std::string> moe_sets = {"model.n_expert=4", "model.top_k=2", "model.moe_every=2"};
   for (const Run& run : runs) {
     const int world = run.dp * run.tp * run.pp * run.cp;
     // A pipeline runs 8 microbatches; the others one, as the formulas assume.
     const int micro_batches = run.pp > 1 ? 8 : 1;
-    const std::string name = (run.moe ? "moe_dp" : "dp") + std::to_string(run.dp) + "_tp" + std::to_string(run.tp) +
-                             (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
-                             (run.pp_virtual > 1 ? "_v" + std::to_string(run.pp_virtual) : "") +
-                             (run.zero_bubble ? "_zb" : "") + (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") +
-                             (run.ep > 1 ? "_ep" + std::to_string(run.ep) : "") + "_zero" + std::to_string(run.zero) +
-                             (run.overlap ? "" : "_serial");
+    const std::string name =
+        std::string(run.balanced ? "balanced_" : "") + (run.moe ? "moe_dp" : "dp") + std::to_string(run.dp) + "_tp" +
+        std::to_string(run.tp) + (run.pp > 1 ? "_pp" + std::to_string(run.pp) : "") +
+        (run.pp_virtual > 1 ? "_v" + std::to_string(run.pp_virtual) : "") + (run.zero_bubble ? "_zb" : "") +
+        (run.cp > 1 ? "_cp" + std::to_string(run.cp) : "") + (run.ep > 1 ? "_ep" + std::to_string(run.ep) : "") +
+        "_zero" + std::to_string(run.zero) + (run.overlap ? "" : "_serial");
     if (name.find(only) == std::string::npos) continue;
+    // Each model's DP1 run, first among its runs, is the others' reference.
+    const std::string reference = run.balanced ? "balanced_dp1_tp1_zero0" : "dp1_tp1_zero0";
     const int threads = std::max(1, cores / world);
     std::vector<std::string> args = {keel::test::keel_binary("keel-trainer").string(), "--config", config_path.string(),
                                      "--json"};
@@ -125,10 +150,11 @@ int main(int argc, char** argv) {
           std::string("parallel.overlap_comm=") + (run.overlap ? "true" : "false")}) {
       args.insert(args.end(), {"--set", set});
     }
-    for (const std::string& set : run.moe ? moe_sets : std::vector<std::string>{}) {
-      args.insert(args.end(), {"--set", set});
-    }
-    const auto run_config = keel::common::Config::load(config_path, run.moe ? moe_sets : std::vector<std::string>{});
+    std::vector<std::string> run_sets = model_sets;
+    if (run.moe) run_sets.insert(run_sets.end(), moe_sets.begin(), moe_sets.end());
+    if (run.balanced) run_sets.insert(run_sets.begin(), balanced_sets.begin(), balanced_sets.end());
+    for (const std::string& set : run_sets) args.insert(args.end(), {"--set", set});
+    const auto run_config = keel::common::Config::load(config_path, run_sets);
     std::vector<keel::test::ProcessResult> results;
     if (world == 1) {
       results.push_back(keel::test::run_process(args, {{"SPDLOG_LEVEL", "warn"}}));
@@ -142,7 +168,8 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    const Measured m = read_metrics(dir / name / "metrics.jsonl", warmup);
+    const Measured m = read_metrics(dir / name / "metrics.jsonl", warmup,
+                                    static_cast<double>(run_config.train.batch_size) * run_config.model.seq_len);
 
     nlohmann::json out = {{"bench", "parallel_throughput"},
                           {"run", name},
@@ -159,6 +186,10 @@ int main(int argc, char** argv) {
                           {"overlap_comm", run.overlap},
                           {"threads_per_rank", threads},
                           {"steps_timed", steps - warmup},
+                          {"model",
+                           {{"n_layer", run_config.model.n_layer},
+                            {"n_embd", run_config.model.n_embd},
+                            {"vocab_size", run_config.model.vocab_size}}},
                           {"tokens_per_s", m.tokens_per_s},
                           {"comm_per_step", m.comm_per_step},
                           {"comm_ms_per_step", m.comm_ms_per_step},
@@ -180,14 +211,14 @@ int main(int argc, char** argv) {
                                            bytes <= formula.all_to_all_max_bytes;
       }
     } else if (run.pp == 1 && run.cp == 1) {
-      const nlohmann::json formula = keel::test::step_comm_formula(config, run.dp, run.tp, run.zero);
+      const nlohmann::json formula = keel::test::step_comm_formula(run_config, run.dp, run.tp, run.zero);
       out["formula_comm_per_step"] = formula;
       out["comm_matches_formula"] = m.comm_per_step == formula;
     } else {
       // The stage and ring transfers; the groups' other collectives are
       // the DP formulas' scalars and votes.
       const nlohmann::json formula =
-          keel::test::pipeline_comm_formula(config, run.pp, run.cp, micro_batches, run.pp_virtual);
+          keel::test::pipeline_comm_formula(run_config, run.pp, run.cp, micro_batches, run.pp_virtual);
       bool matches = true;
       for (const auto& [group, exchange] : formula.items()) {
         matches = matches && m.comm_per_step.contains(group) && m.comm_per_step.at(group).contains("exchange") &&
@@ -247,6 +278,11 @@ int main(int argc, char** argv) {
         out["worst_idle_over_idle_at_stage_times"] = worst_over_ideal;
       }
     }
+    if (reference_tokens_per_s.contains(reference)) {
+      out["reference_run"] = reference;
+      out["tokens_per_s_over_reference"] = m.tokens_per_s / reference_tokens_per_s.at(reference);
+    }
+    if (name == reference) reference_tokens_per_s[name] = m.tokens_per_s;
     std::cout << out.dump() << std::endl;
   }
   return 0;
