@@ -15,6 +15,7 @@ namespace {
 
 using keel::trainer::Action;
 using keel::trainer::ActionKind;
+using keel::trainer::ActionTimes;
 using keel::trainer::forward_only;
 using keel::trainer::one_f_one_b;
 using keel::trainer::plan_slots;
@@ -180,6 +181,45 @@ TEST_SUITE("unit") {
           "recv grad 0:1; B0:1; send grad 0:1; recv grad 1:1; B1:1; send grad 1:1; recv grad 0; B0; recv grad 1; B1; ");
   }
 
+  TEST_CASE("interleaved 1F1B sends each output on while the stage runs a backward") {
+    // Stage 1 of 2 with 2 chunks over 4 microbatches: in the steady state
+    // an activation leaves in its own exchange after its forward, and a
+    // gradient after its backward, each with the next pass's input.
+    const auto got = listing(one_f_one_b(2, 1, 4, 2));
+    CHECK(got ==
+          "recv act 0; F0; send act 0; recv act 1; F1; send act 1; recv act 0:1; F0:1; recv act 1:1; B0:1; "
+          "send grad 0:1; F1:1; recv act 2; B1:1; send grad 1:1; recv grad 0; F2; send act 2; recv act 3; B0; "
+          "send grad 0; recv grad 1; F3; send act 3; recv act 2:1; B1; send grad 1; F2:1; recv act 3:1; B2:1; "
+          "send grad 2:1; F3:1; B3:1; send grad 3:1; recv grad 2; B2; send grad 2; recv grad 3; B3; send grad 3; ");
+  }
+
+  TEST_CASE("interleaved 1F1B hides its steady state's transfers behind compute so they cost the same for any m") {
+    // Transfers that take a tenth of a forward lengthen the step only where
+    // the pipeline fills and drains: the same for every m that has a
+    // steady state (m >= 2p here). With each
+    // stage's transfers done before its next pass, as in plain 1F1B's
+    // lockstep, every microbatch would pay them.
+    for (int p = 2; p <= 4; ++p) {
+      for (int v = 2; v <= 3; ++v) {
+        CAPTURE(p);
+        CAPTURE(v);
+        auto extra = [&](int m) {
+          const ActionTimes instant{1.0 / v, 2.0 / v}, costly{1.0 / v, 2.0 / v, 1.0, 0.1};
+          const auto fast = simulate(all_stages(p, m, v), instant), slow = simulate(all_stages(p, m, v), costly);
+          REQUIRE(fast.completed);
+          REQUIRE(slow.completed);
+          return slow.makespan - fast.makespan;
+        };
+        const double base = extra(2 * p);
+        CHECK(base > 0);
+        for (const int m : {3 * p, 4 * p}) CHECK(extra(m) == doctest::Approx(base));
+      }
+    }
+    // Plain 1F1B on two stages pays a transfer per microbatch.
+    const ActionTimes costly{1, 2, 1, 0.1};
+    CHECK(simulate(all_stages(2, 8), costly).makespan - simulate(all_stages(2, 8)).makespan == doctest::Approx(0.9));
+  }
+
   TEST_CASE("the simulator finds two stages that each wait to receive before they send") {
     const std::vector<std::vector<Action>> stages = {
         {{ActionKind::kForward, 0}, {ActionKind::kRecvGradient, 0}, {ActionKind::kBackward, 0},
@@ -237,9 +277,9 @@ TEST_SUITE("unit") {
           }
           CHECK(transfers == plain);
         }
-        const auto run = simulate(zb, 1, 1, 1);
+        const auto run = simulate(zb, {1, 1, 1});
         REQUIRE_MESSAGE(run.completed, run.stuck);
-        const auto plain = simulate(all_stages(p, m), 1, 2);
+        const auto plain = simulate(all_stages(p, m), {1, 2});
         for (int s = 0; s < p; ++s) {
           CAPTURE(s);
           CHECK(run.peak_alive[static_cast<size_t>(s)] <= p);

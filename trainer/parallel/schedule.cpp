@@ -104,10 +104,12 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
   const int total = passes.count(), warmup = passes.warmup();
   int forward = 0, backward = 0;
   if (chunks > 1) {
-    // Megatron's interleaved order: all of a step's transfers in one
-    // exchange after its compute. Transfers paired with the computes as
-    // below would deadlock here, since a stage's gradients and activations
-    // now travel to the same neighbour.
+    // Megatron's interleaved order with its overlapped transfers
+    // (overlap_p2p_comm): a forward's output leaves as the next forward's
+    // input comes in, a backward's gradient as the next backward's comes
+    // in, each exchange in flight while the other pass computes. Transfers
+    // paired with the computes as below would deadlock here, since a
+    // stage's gradients and activations now travel to the same neighbour.
     recv_activation(0);
     for (; forward < warmup; ++forward) {
       actions.push_back(passes.forward(forward));
@@ -117,10 +119,10 @@ std::vector<Action> one_f_one_b(int stages, int stage, int microbatches, int chu
     }
     for (; forward < total; ++forward, ++backward) {
       actions.push_back(passes.forward(forward));
-      actions.push_back(passes.backward(backward));
       send_activation(forward);
-      send_gradient(backward);
       if (forward + 1 < total) recv_activation(forward + 1);
+      actions.push_back(passes.backward(backward));
+      send_gradient(backward);
       recv_gradient(backward + 1);
     }
     for (; backward < total; ++backward) {
@@ -187,6 +189,19 @@ std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches) {
 
 bool splits_backward(const std::vector<Action>& actions) {
   return std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::kWeight; });
+}
+
+bool waits_for(const Action& compute, const Action& transfer) {
+  const bool same_pass = compute.microbatch == transfer.microbatch && compute.chunk == transfer.chunk;
+  switch (compute.kind) {
+    case ActionKind::kForward:
+      return (transfer.kind == ActionKind::kRecvActivation && same_pass) ||
+             transfer.kind == ActionKind::kSendActivation;
+    case ActionKind::kBackward:
+      return (transfer.kind == ActionKind::kRecvGradient && same_pass) || transfer.kind == ActionKind::kSendGradient;
+    default:
+      return false;
+  }
 }
 
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
@@ -278,8 +293,7 @@ Message message_of(int p, int stage, const Action& a) {
 
 }  // namespace
 
-PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time, double backward_time,
-                     double weight_time) {
+PipelineRun simulate(const std::vector<std::vector<Action>>& stages, ActionTimes times) {
   const int p = static_cast<int>(stages.size());
   std::vector<std::vector<Step>> steps;
   std::vector<bool> deferred;  // whether a stage's passes end with W instead of B
@@ -300,11 +314,18 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
   };
   std::map<std::pair<int, int>, std::vector<Posted>> sends, receives;
   // The exchange each stage has posted and not yet waited for (-1: none),
-  // and the index in its channel of each of its transfers. A stage waits
-  // for it before its next forward, backward or exchange; a weight pass
-  // runs while it is in flight, as StageExecutor runs it.
+  // when it posted it, and the index in its channel of each of its
+  // transfers. A stage waits for it before its next exchange, and before a
+  // compute that waits_for() one of its transfers.
   std::vector<int> open(p, -1);
+  std::vector<double> posted_at(p, 0.0);
   std::vector<std::vector<size_t>> slots(p);
+  auto needs_open = [&](int s, const Action& compute) {
+    if (open[s] < 0) return false;
+    const auto& in_flight = steps[s][static_cast<size_t>(open[s])].actions;
+    return std::any_of(in_flight.begin(), in_flight.end(),
+                       [&](const Action& transfer) { return waits_for(compute, transfer); });
+  };
   // Resolves stage s's open exchange: false while a partner is not posted.
   auto wait_open = [&](int s) {
     if (open[s] < 0) return true;
@@ -321,7 +342,7 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
                                 describe(step.actions[i]), gradient ? "gradient" : "activation", mb, boundary);
         return false;
       }
-      done = std::max(done, partner.time);
+      done = std::max(done, std::max(posted_at[s], partner.time) + times.transfer);
     }
     clock[s] = done;
     open[s] = -1;
@@ -333,8 +354,8 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
     for (int s = 0; s < p && run.stuck.empty(); ++s) {
       while (next[s] <= steps[s].size()) {
         const bool end = next[s] == steps[s].size();
-        const bool weight = !end && steps[s][next[s]].actions.front().kind == ActionKind::kWeight;
-        if (!weight && !wait_open(s)) break;
+        const bool waits = end || !steps[s][next[s]].compute() || needs_open(s, steps[s][next[s]].actions.front());
+        if (waits && !wait_open(s)) break;
         if (end) break;
         const Step& step = steps[s][next[s]];
         ++next[s];
@@ -348,12 +369,13 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forw
             mine.push_back({clock[s], message.what});
           }
           open[s] = static_cast<int>(next[s] - 1);
+          posted_at[s] = clock[s];
           continue;
         }
         const Action& a = step.actions.front();
-        const double t = a.kind == ActionKind::kForward    ? forward_time
-                         : a.kind == ActionKind::kBackward ? backward_time
-                                                           : weight_time;
+        const double t = a.kind == ActionKind::kForward    ? times.forward
+                         : a.kind == ActionKind::kBackward ? times.backward
+                                                           : times.weight;
         clock[s] += t;
         busy[s] += t;
         if (a.kind == ActionKind::kForward) ++alive[s];

@@ -70,6 +70,17 @@ std::vector<Action> zero_bubble_h1(int stages, int stage, int microbatches);
 // compute is then its W, and the model keeps what W reads).
 bool splits_backward(const std::vector<Action>& actions);
 
+// Whether compute action `compute` must wait for `transfer`, posted before
+// it and still in flight: a forward for the receive of its input and for
+// every activation send (a pass whose last action is that send, as in
+// forward_only, gives its slot back to the next forward), a backward for
+// the receive of its output's gradient and for every gradient send (they
+// all leave from the one input-gradient buffer the backward overwrites).
+// Nothing else a compute touches is in flight: a slot's input is received
+// only once the slot is free, and a weight pass reads what its backward
+// kept. Any other compute runs while the exchange before it is in flight.
+bool waits_for(const Action& compute, const Action& transfer);
+
 // Forwards alone (validation, evaluation): each microbatch received, run
 // and passed on, chunk by chunk in the order of one_f_one_b's forwards (any
 // m >= 0: a last group of fewer than p microbatches goes through the
@@ -89,12 +100,23 @@ struct SlotPlan {
 };
 SlotPlan plan_slots(const std::vector<Action>& actions, int microbatches);
 
-// What running every stage's actions gives, transfers taking no time and a
-// transfer done once both sides have posted theirs (Gloo's sends wait for
-// their receive), the n-th message from one stage to another meeting the
-// n-th receive there (as Gloo numbers them per pair of ranks). Forward
-// takes `forward_time`, backward `backward_time` and a weight pass
-// `weight_time`.
+// How long each kind of action takes in simulate(): a transfer completes
+// `transfer` after both sides have posted theirs.
+struct ActionTimes {
+  double forward = 1.0;
+  double backward = 2.0;
+  double weight = 1.0;
+  double transfer = 0.0;
+};
+
+// What running every stage's actions gives as the stage executor runs
+// them: each run of consecutive transfers is one exchange, posted after
+// the compute before it once the stage's previous exchange is done; a
+// transfer is done once both sides have posted theirs (Gloo's sends wait
+// for their receive) and `times.transfer` has passed, the n-th message
+// from one stage to another meeting the n-th receive there (as Gloo
+// numbers them per pair of ranks); a compute waits for the exchange in
+// flight only as waits_for() says.
 struct PipelineRun {
   bool completed = false;       // false: some stage waits for ever (the schedules deadlock)
   std::string stuck;            // then, which stage waits on what
@@ -102,7 +124,6 @@ struct PipelineRun {
   std::vector<double> idle;     // per stage: the fraction of the makespan it computed nothing
   std::vector<int> peak_alive;  // per stage: the most passes forwarded and not yet done (B, or W if any)
 };
-PipelineRun simulate(const std::vector<std::vector<Action>>& stages, double forward_time = 1.0,
-                     double backward_time = 2.0, double weight_time = 1.0);
+PipelineRun simulate(const std::vector<std::vector<Action>>& stages, ActionTimes times = {});
 
 }  // namespace keel::trainer

@@ -32,46 +32,53 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
   int alive = 0;
   std::vector<Communicator::Send> sends;
   std::vector<Communicator::Recv> recvs;
+  std::vector<Action> gathered;  // the transfers of sends and recvs, in order
   CommWork in_flight;
-  auto check_group = [&] {
+  std::vector<Action> in_flight_transfers;
+  // The transfers gathered so far as one exchange, issued once the compute
+  // before them is done and the exchange before them has completed (a
+  // group's transfers pair up in the order they are issued). One the next
+  // compute `then` waits for runs here, on this thread, as fast as a
+  // transfer gets; the others are left in flight while it computes.
+  auto issue_transfers = [&](const Action* then) {
+    if (gathered.empty()) return;
     if (pp == nullptr) throw common::Error(common::ErrorCode::kInternal, "a pipeline transfer without a PP group");
-  };
-  // The transfers gathered so far as one exchange: started and left in
-  // flight before a weight pass, done at once before anything else (on
-  // this thread, as fast as a transfer gets).
-  auto start_transfers = [&] {
-    if (sends.empty() && recvs.empty()) return;
-    check_group();
     in_flight.wait();
-    in_flight = pp->start_exchange(std::move(sends), std::move(recvs));
+    in_flight_transfers.clear();
+    if (then == nullptr || std::any_of(gathered.begin(), gathered.end(),
+                                       [&](const Action& transfer) { return waits_for(*then, transfer); })) {
+      pp->exchange(std::move(sends), std::move(recvs));
+    } else {
+      in_flight = pp->start_exchange(std::move(sends), std::move(recvs));
+      in_flight_transfers = std::move(gathered);
+    }
     sends.clear();
     recvs.clear();
+    gathered.clear();
   };
-  auto settle = [&] {
-    in_flight.wait();
-    if (sends.empty() && recvs.empty()) return;
-    check_group();
-    pp->exchange(std::move(sends), std::move(recvs));
-    sends.clear();
-    recvs.clear();
+  auto compute = [&](const std::function<void(int, int, int)>& pass, const Action& action, int slot) {
+    issue_transfers(&action);
+    if (std::any_of(in_flight_transfers.begin(), in_flight_transfers.end(),
+                    [&](const Action& transfer) { return waits_for(action, transfer); })) {
+      in_flight.wait();
+    }
+    timed(pass, action, slot);
   };
   for (const Action& action : actions) {
     const int mb = action.microbatch, slot = plan.of(action, microbatches);
     const size_t count = model.boundary_numel(work.batch(mb));
+    if (action.transfer()) gathered.push_back(action);
     switch (action.kind) {
       case ActionKind::kForward:
-        settle();
-        timed(work.forward, action, slot);
+        compute(work.forward, action, slot);
         time.peak_alive = std::max(time.peak_alive, ++alive);
         break;
       case ActionKind::kBackward:
-        settle();
-        timed(work.backward, action, slot);
+        compute(work.backward, action, slot);
         if (!split) --alive;
         break;
       case ActionKind::kWeight:
-        start_transfers();
-        timed(work.weight, action, slot);
+        compute(work.weight, action, slot);
         --alive;
         break;
       case ActionKind::kSendActivation:
@@ -88,7 +95,8 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
         break;
     }
   }
-  settle();
+  issue_transfers(nullptr);
+  in_flight.wait();
   time.total_s = seconds(Clock::now() - start);
   return time;
 }

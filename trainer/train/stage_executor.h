@@ -3,10 +3,13 @@
 // actions call back into the training loop, which feeds the model its
 // tokens; each run of consecutive transfers is one exchange with the
 // neighbouring stages over the PP group, posted together and done
-// together. An exchange is waited for before the next forward, backward or
-// exchange; a weight pass (zero-bubble schedules) runs while it is in
-// flight, since it touches no buffer a transfer reads or writes. With one
-// stage the schedule holds no transfers and this is gradient accumulation.
+// together, once the exchange before it is done. The next compute runs
+// while the exchange is in flight unless it must wait for one of its
+// transfers (waits_for: a forward for its input, a backward for its
+// output's gradient): so an interleaved stage's activations travel while
+// it runs a backward, and a weight pass (zero-bubble schedules) runs while
+// the gradients travel. With one stage the schedule holds no transfers and
+// this is gradient accumulation.
 #pragma once
 
 #include "trainer/comm/communicator.h"
