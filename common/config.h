@@ -85,8 +85,8 @@ struct ParallelConfig {
   int64_t pp_virtual = 1;
   // "1f1b" (interleaved when pp_virtual > 1), or "zb-h1": 1F1B with each
   // backward split into input and weight gradients, the weight gradients
-  // run where 1F1B's stages would wait (a third of its bubble; dense
-  // models, pp >= 2). It costs activation memory on every stage: each slot
+  // run where 1F1B's stages would wait (a third of its bubble; pp >= 2,
+  // pp_virtual = 1). It costs activation memory on every stage: each slot
   // keeps what the weight pass reads, and stages after the first hold up
   // to p + 1 slots (docs/architecture.md "Pipeline schedules").
   std::string pp_schedule = "1f1b";

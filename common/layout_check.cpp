@@ -177,12 +177,6 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
                       "pp_schedule=\"1f1b\" (pp_virtual={})",
                       p.pp_virtual));
     }
-    if (m.n_expert > 0) {
-      problems.push_back(fmt::format(
-          "pp_schedule=\"zb-h1\" splits dense blocks' backwards only, and this model has n_expert={} experts: use "
-          "pp_schedule=\"1f1b\"",
-          m.n_expert));
-    }
   }
   if (!p.pp_layers.empty() && virtual_stages(p) <= m.n_layer) {
     std::string problem;

@@ -169,14 +169,6 @@ TEST_SUITE("unit") {
            c.parallel.pp_schedule = "zb-h1";
          },
          "pp_schedule=\"zb-h1\" splits plain 1F1B's backwards, not interleaved ones: set pp_virtual=1"},
-        {"zero bubble with experts", 2,
-         [](Config& c) {
-           c.parallel.pp = 2;
-           c.parallel.pp_schedule = "zb-h1";
-           c.model.n_expert = 4;
-           c.model.top_k = 2;
-         },
-         "pp_schedule=\"zb-h1\" splits dense blocks' backwards only, and this model has n_expert=4 experts"},
         {"cp chunks against sequence", 3, [](Config& c) { c.parallel.cp = 3; },
          "2*cp = 6 does not divide seq_len=256 (cp=3)"},
         {"cp halves against odd chunks", 2,

@@ -105,6 +105,16 @@ struct Gpt::MoeLayer {
   std::vector<float> gates_host;             // [N*k] by slot
   std::vector<double> load;                  // [E]: f_e, the fraction of slots routed to e
   std::vector<double> tokens;                // [E]: the slots routed to e on all dp x cp ranks
+  // With a split backward, what the weight pass reads: the experts'
+  // output gradients [R, C] and fc output gradients [R, 4C] (expert
+  // side), and the router logits' gradient [N, E].
+  ArenaArray<float> dy, dhe, drouter;
+  // Rows of the expert side the last forward used.
+  size_t expert_rows() const {
+    size_t rows = 0;
+    for (const Segment& seg : segments) rows = std::max(rows, static_cast<size_t>(seg.begin + seg.rows));
+    return rows;
+  }
 };
 
 // Shapes: N = B*T positions, Ns = N / tp of them in this rank's position
@@ -121,8 +131,9 @@ struct Gpt::Slot {
     ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
     std::unique_ptr<MoeLayer> moe;
     // With a split backward: the output gradients of the MLP projection,
-    // fc, attention projection and qkv linears ([N, ...], all positions)
-    // and of the two LayerNorms ([Ns, C]), which the weight pass reads.
+    // fc (dense blocks), attention projection and qkv linears ([N, ...],
+    // all positions) and of the two LayerNorms ([Ns, C]), which the weight
+    // pass reads; an MoE block keeps its experts' in its MoeLayer.
     ArenaArray<float> dproj, dfch, dattproj, dqkv, dln2, dln1;
     const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
     const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
@@ -186,9 +197,6 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
   const bool empty_chunk = chunks.empty() || std::any_of(chunks.begin(), chunks.end(), [](const LayerRange& chunk) {
                              return chunk.end <= chunk.begin;
                            });
-  if (split_backward && config.n_expert > 0) {
-    throw common::Error(common::ErrorCode::kInternal, "Gpt: a split backward of MoE blocks (layout not validated)");
-  }
   if (N % static_cast<size_t>(tp_size_) != 0 || slots < 1 || empty_chunk ||
       context_.chunk_len() * context_.chunks() * context_.cp != config.seq_len) {
     throw common::Error(common::ErrorCode::kInternal,
@@ -263,6 +271,11 @@ void Gpt::lay_out(Arena& arena) {
         moe->he = take(R * Fl);
         moe->ge = take(R * Fl);
         moe->ye = take(N * K * C);
+        if (split_backward_) {
+          moe->dy = take(R * C);
+          moe->dhe = take(R * Fl);
+          moe->drouter = take(N * E);
+        }
         blk.moe = std::move(moe);
       }
       if (dense_at[i]) {
@@ -270,8 +283,8 @@ void Gpt::lay_out(Arena& arena) {
         blk.fch_gelu = take(N * Fl);
       }
       if (split_backward_) {
-        blk.dproj = take(N * C);
-        blk.dfch = take(N * Fl);
+        blk.dproj = take(dense_at[i] ? N * C : 0);
+        blk.dfch = take(dense_at[i] ? N * Fl : 0);
         blk.dattproj = take(N * C);
         blk.dqkv = take(N * 3 * Cl);
         blk.dln2 = take(Ns * C);
@@ -617,8 +630,22 @@ void Gpt::weight_gradients(int slot) {
     const int unit = first + static_cast<int>(i) + 1;
     float* g = storage_.unit_gradients(unit);
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
-    k.matmul_backward(nullptr, g + o.proj_w, g + o.proj_b, blk.dproj.data(), blk.fch_gelu.data(), nullptr, N, Fl, C);
-    k.matmul_backward(nullptr, g + o.fc_w, g + o.fc_b, blk.dfch.data(), blk.ln2_all(), nullptr, N, C, Fl);
+    if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
+      const MoeLayer& moe = *blk.moe;
+      const int E = static_cast<int>(config_.n_expert);
+      for (const MoeLayer::Segment& seg : moe.segments) {
+        const size_t r = static_cast<size_t>(seg.begin);
+        const size_t e = static_cast<size_t>(seg.expert);
+        k.matmul_backward(nullptr, g + o.expert_proj_w[e], g + o.expert_proj_b[e], moe.dy.data() + r * C,
+                          moe.ge.data() + r * Fl, nullptr, seg.rows, Fl, C);
+        k.matmul_backward(nullptr, g + o.expert_fc_w[e], g + o.expert_fc_b[e], moe.dhe.data() + r * Fl,
+                          moe.xe.data() + r * C, nullptr, seg.rows, C, Fl);
+      }
+      k.matmul_backward(nullptr, g + o.router_w, nullptr, moe.drouter.data(), blk.ln2_all(), nullptr, N, C, E);
+    } else {
+      k.matmul_backward(nullptr, g + o.proj_w, g + o.proj_b, blk.dproj.data(), blk.fch_gelu.data(), nullptr, N, Fl, C);
+      k.matmul_backward(nullptr, g + o.fc_w, g + o.fc_b, blk.dfch.data(), blk.ln2_all(), nullptr, N, C, Fl);
+    }
     k.layernorm_backward(nullptr, g + o.ln2_w, g + o.ln2_b, blk.dln2.data(), blk.residual2.data(), nullptr,
                          blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
     k.matmul_backward(nullptr, g + o.attproj_w, g + o.attproj_b, blk.dattproj.data(), blk.atty.data(), nullptr, N, Cl,
@@ -898,6 +925,12 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
+  // Without g (a split backward) the weight gradients are left to
+  // weight_gradients(), which reads what is kept here.
+  auto grad = [g](size_t offset) { return g != nullptr ? g + offset : nullptr; };
+  auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
+    if (g == nullptr) k.copy(kept.data(), from, numel * sizeof(float));
+  };
 
   // Combine: out[n] = sum_j gate * y. Gate gradients first (with TP each
   // rank's y is a partial sum, so are they), then each expert's output
@@ -918,13 +951,15 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_backward(x.dge.data() + r * Fl, g + o.expert_proj_w[e], g + o.expert_proj_b[e], dy + r * C,
+    k.matmul_backward(x.dge.data() + r * Fl, grad(o.expert_proj_w[e]), grad(o.expert_proj_b[e]), dy + r * C,
                       moe.ge.data() + r * Fl, p + o.expert_proj_w[e], seg.rows, Fl, C);
     k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
                     static_cast<size_t>(seg.rows) * Fl);
-    k.matmul_backward(x.dxe.data() + r * C, g + o.expert_fc_w[e], g + o.expert_fc_b[e], x.dhe.data() + r * Fl,
+    k.matmul_backward(x.dxe.data() + r * C, grad(o.expert_fc_w[e]), grad(o.expert_fc_b[e]), x.dhe.data() + r * Fl,
                       moe.xe.data() + r * C, p + o.expert_fc_w[e], seg.rows, C, Fl);
   }
+  keep(moe.dy, dy, moe.expert_rows() * C);
+  keep(moe.dhe, x.dhe.data(), moe.expert_rows() * Fl);
   const float* dxe = x.dxe.data();
   if (ep_ != nullptr) {
     exchange_rows(x.dxe.data(), moe.received, x.token_rows.data(), moe.sent, C);
@@ -958,8 +993,9 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   // Every TP rank computed the router alike: its input gradient joins the
   // partial sums on TP rank 0 only, or the sum over the group would count it
   // tp times.
-  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, g + o.router_w, nullptr, x.drouter.data(),
+  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, grad(o.router_w), nullptr, x.drouter.data(),
                     s.blocks[static_cast<size_t>(block)].ln2_all(), p + o.router_w, N, C, E);
+  keep(moe.drouter, x.drouter.data(), static_cast<size_t>(N) * E);
 }
 
 }  // namespace keel::trainer
