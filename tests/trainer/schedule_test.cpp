@@ -161,7 +161,11 @@ TEST_SUITE("unit") {
             CHECK(run.idle[static_cast<size_t>(s)] == doctest::Approx(static_cast<double>(p - 1) / (v * m + p - 1)));
             // What it costs: each stage holds its warmup's passes (each 1/v
             // of the stage's activations) plus one.
-            CHECK(run.peak_alive[static_cast<size_t>(s)] == std::min(2 * (p - s - 1) + (v - 1) * p + 1, m * v));
+            const int peak = std::min(2 * (p - s - 1) + (v - 1) * p + 1, m * v);
+            CHECK(run.peak_alive[static_cast<size_t>(s)] == peak);
+            // And one slot more: the next forward's input arrives while the
+            // backward before it still holds its pass.
+            CHECK(plan_slots(stages[static_cast<size_t>(s)], m).slots == std::min(peak + 1, m * v));
           }
           for (const int forwards : {m, m - 1}) CHECK(simulate(all_stages(p, forwards, v, true)).completed);
           CHECK(forward_only(p, 0, 0, v).empty());
