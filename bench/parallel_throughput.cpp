@@ -20,6 +20,7 @@
 #include "bench/metrics_rows.h"
 #include "bench/bench_model.h"
 #include "common/config.h"
+#include "common/error.h"
 #include "tests/support/process.h"
 #include "tests/support/rank_launcher.h"
 #include "tests/support/temp_dir.h"
@@ -83,6 +84,12 @@ int main(int argc, char** argv) {
   keel::test::TempDir dir;
   keel::test::write_pattern_shard(dir / "train.bin", 1 << 20);
   const auto config_path = dir.write("bench.toml", keel::bench::kBenchModel);
+  try {
+    keel::common::Config::load(config_path, model_sets);
+  } catch (const keel::common::Error& e) {
+    std::cerr << "keel-bench-parallel: " << e.what() << "\n";
+    return 2;
+  }
 
   struct Run {
     int dp, tp, zero;
