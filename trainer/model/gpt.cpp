@@ -70,6 +70,14 @@ OuterOffsets outer_offsets(const ParameterTable& t) {
   return o;
 }
 
+// A split backward (zero-bubble schedules) leaves the weight gradients to
+// Gpt::weight_gradients: it passes no unit gradients g, so each weight's
+// gradient goes nowhere, and keeps what the weight pass will read.
+float* gradient_at(float* g, size_t offset) { return g != nullptr ? g + offset : nullptr; }
+void keep_for_weight_pass(Backend& k, bool split, ArenaArray<float>& kept, const float* from, size_t numel) {
+  if (split) k.copy(kept.data(), from, numel * sizeof(float));
+}
+
 }  // namespace
 
 // The routing of one MoE block for the last forward: which token went to
@@ -497,12 +505,9 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   const OuterOffsets& outer = x.outer;
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
   const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
-  // Where a weight's gradient goes: nowhere when the weight pass computes it.
   float* g0 = weights && (embeds || scores) ? storage_.unit_gradients(0) : nullptr;
-  auto grad = [](float* g, size_t offset) { return g != nullptr ? g + offset : nullptr; };
-  // What the weight pass reads, kept in the slot.
   auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
-    if (!weights) k.copy(kept.data(), from, numel * sizeof(float));
+    keep_for_weight_pass(k, !weights, kept, from, numel);
   };
   const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
   const int first = static_cast<int>(stage().chunk_begin(s.chunk));
@@ -520,11 +525,11 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
     k.zero(din_all, din_numel * sizeof(float));
     const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
-    k.matmul_backward(din_all, grad(g0, outer.wte), nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
+    k.matmul_backward(din_all, gradient_at(g0, outer.wte), nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
     sum_into_positions(din_all, x.dln.data(), NsC);
     keep(s.dlnf, x.dln.data(), NsC);
     x.dresidual.zero();
-    k.layernorm_backward(x.dresidual.data(), grad(g0, outer.lnf_w), grad(g0, outer.lnf_b), x.dln.data(),
+    k.layernorm_backward(x.dresidual.data(), gradient_at(g0, outer.lnf_w), gradient_at(g0, outer.lnf_b), x.dln.data(),
                          s.blocks[blocks - 1].residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(),
                          Ns, C);
   } else {
@@ -551,33 +556,34 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
       gather_positions(x.dresidual.data(), dout_all, NsC);
       keep(blk.dproj, dout_all, NC);
       x.dfch_gelu.zero();
-      k.matmul_backward(x.dfch_gelu.data(), grad(g, o.proj_w), grad(g, o.proj_b), dout_all, blk.fch_gelu.data(),
-                        p + o.proj_w, N, Fl, C);
+      k.matmul_backward(x.dfch_gelu.data(), gradient_at(g, o.proj_w), gradient_at(g, o.proj_b), dout_all,
+                        blk.fch_gelu.data(), p + o.proj_w, N, Fl, C);
       x.dfch.zero();
       k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
       keep(blk.dfch, x.dfch.data(), static_cast<size_t>(N) * Fl);
-      k.matmul_backward(din_all, grad(g, o.fc_w), grad(g, o.fc_b), x.dfch.data(), blk.ln2_all(), p + o.fc_w, N, C, Fl);
+      k.matmul_backward(din_all, gradient_at(g, o.fc_w), gradient_at(g, o.fc_b), x.dfch.data(), blk.ln2_all(),
+                        p + o.fc_w, N, C, Fl);
       sum_into_positions(din_all, x.dln.data(), NsC);
     }
     keep(blk.dln2, x.dln.data(), NsC);
-    k.layernorm_backward(x.dresidual.data(), grad(g, o.ln2_w), grad(g, o.ln2_b), x.dln.data(), blk.residual2.data(),
-                         p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
+    k.layernorm_backward(x.dresidual.data(), gradient_at(g, o.ln2_w), gradient_at(g, o.ln2_b), x.dln.data(),
+                         blk.residual2.data(), p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
     keep(blk.dattproj, dout_all, NC);
     x.datty.zero();
-    k.matmul_backward(x.datty.data(), grad(g, o.attproj_w), grad(g, o.attproj_b), dout_all, blk.atty.data(),
-                      p + o.attproj_w, N, Cl, C);
+    k.matmul_backward(x.datty.data(), gradient_at(g, o.attproj_w), gradient_at(g, o.attproj_b), dout_all,
+                      blk.atty.data(), p + o.attproj_w, N, Cl, C);
     x.dqkv.zero();
     attend_backward(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
     keep(blk.dqkv, x.dqkv.data(), static_cast<size_t>(N) * 3 * Cl);
     k.zero(din_all, din_numel * sizeof(float));
-    k.matmul_backward(din_all, grad(g, o.qkv_w), grad(g, o.qkv_b), x.dqkv.data(), blk.ln1_all(), p + o.qkv_w, N, C,
-                      3 * Cl);
+    k.matmul_backward(din_all, gradient_at(g, o.qkv_w), gradient_at(g, o.qkv_b), x.dqkv.data(), blk.ln1_all(),
+                      p + o.qkv_w, N, C, 3 * Cl);
     sum_into_positions(din_all, x.dln.data(), NsC);
     keep(blk.dln1, x.dln.data(), NsC);
-    k.layernorm_backward(x.dresidual.data(), grad(g, o.ln1_w), grad(g, o.ln1_b), x.dln.data(), residual, p + o.ln1_w,
-                         blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
+    k.layernorm_backward(x.dresidual.data(), gradient_at(g, o.ln1_w), gradient_at(g, o.ln1_b), x.dln.data(), residual,
+                         p + o.ln1_w, blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
     if (weights) storage_.gradients_ready(unit);
   }
   if (embeds) {
@@ -925,11 +931,9 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   Backend& k = backend_;
   const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
   const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
-  // Without g (a split backward) the weight gradients are left to
-  // weight_gradients(), which reads what is kept here.
-  auto grad = [g](size_t offset) { return g != nullptr ? g + offset : nullptr; };
+  // Without g, a split backward.
   auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
-    if (g == nullptr) k.copy(kept.data(), from, numel * sizeof(float));
+    keep_for_weight_pass(k, g == nullptr, kept, from, numel);
   };
 
   // Combine: out[n] = sum_j gate * y. Gate gradients first (with TP each
@@ -951,12 +955,12 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_backward(x.dge.data() + r * Fl, grad(o.expert_proj_w[e]), grad(o.expert_proj_b[e]), dy + r * C,
-                      moe.ge.data() + r * Fl, p + o.expert_proj_w[e], seg.rows, Fl, C);
+    k.matmul_backward(x.dge.data() + r * Fl, gradient_at(g, o.expert_proj_w[e]), gradient_at(g, o.expert_proj_b[e]),
+                      dy + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e], seg.rows, Fl, C);
     k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
                     static_cast<size_t>(seg.rows) * Fl);
-    k.matmul_backward(x.dxe.data() + r * C, grad(o.expert_fc_w[e]), grad(o.expert_fc_b[e]), x.dhe.data() + r * Fl,
-                      moe.xe.data() + r * C, p + o.expert_fc_w[e], seg.rows, C, Fl);
+    k.matmul_backward(x.dxe.data() + r * C, gradient_at(g, o.expert_fc_w[e]), gradient_at(g, o.expert_fc_b[e]),
+                      x.dhe.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], seg.rows, C, Fl);
   }
   keep(moe.dy, dy, moe.expert_rows() * C);
   keep(moe.dhe, x.dhe.data(), moe.expert_rows() * Fl);
@@ -993,7 +997,7 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   // Every TP rank computed the router alike: its input gradient joins the
   // partial sums on TP rank 0 only, or the sum over the group would count it
   // tp times.
-  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, grad(o.router_w), nullptr, x.drouter.data(),
+  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, gradient_at(g, o.router_w), nullptr, x.drouter.data(),
                     s.blocks[static_cast<size_t>(block)].ln2_all(), p + o.router_w, N, C, E);
   keep(moe.drouter, x.drouter.data(), static_cast<size_t>(N) * E);
 }

@@ -45,8 +45,8 @@ class Gpt {
   // of up to max_batch sequences of config.seq_len tokens, with `slots`
   // passes (a microbatch through a chunk) in flight at once, each keeping
   // its activations until its backward. It talks to the TP, CP and EP
-  // groups of `groups`. With `split_backward` (zero-bubble schedules; dense
-  // blocks only) a slot also keeps what weight_gradients() reads.
+  // groups of `groups`. With `split_backward` (zero-bubble schedules) a
+  // slot also keeps what weight_gradients() reads.
   Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, ModelStorage& storage,
       const ProcessGroups& groups = ProcessGroups::none(), int slots = 1, bool split_backward = false);
   ~Gpt();
