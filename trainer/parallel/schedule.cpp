@@ -204,6 +204,11 @@ bool waits_for(const Action& compute, const Action& transfer) {
   }
 }
 
+bool waits_for(const Action& compute, const std::vector<Action>& transfers) {
+  return std::any_of(transfers.begin(), transfers.end(),
+                     [&](const Action& transfer) { return waits_for(compute, transfer); });
+}
+
 std::vector<Action> forward_only(int stages, int stage, int microbatches, int chunks) {
   // A DP rank left no windows of an evaluation runs nothing.
   if (microbatches == 0) return {};
@@ -321,10 +326,7 @@ PipelineRun simulate(const std::vector<std::vector<Action>>& stages, ActionTimes
   std::vector<double> posted_at(p, 0.0);
   std::vector<std::vector<size_t>> slots(p);
   auto needs_open = [&](int s, const Action& compute) {
-    if (open[s] < 0) return false;
-    const auto& in_flight = steps[s][static_cast<size_t>(open[s])].actions;
-    return std::any_of(in_flight.begin(), in_flight.end(),
-                       [&](const Action& transfer) { return waits_for(compute, transfer); });
+    return open[s] >= 0 && waits_for(compute, steps[s][static_cast<size_t>(open[s])].actions);
   };
   // Resolves stage s's open exchange: false while a partner is not posted.
   auto wait_open = [&](int s) {

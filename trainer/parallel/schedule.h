@@ -80,6 +80,8 @@ bool splits_backward(const std::vector<Action>& actions);
 // only once the slot is free, and a weight pass reads what its backward
 // kept. Any other compute runs while the exchange before it is in flight.
 bool waits_for(const Action& compute, const Action& transfer);
+// Whether it must wait for any of `transfers` (one exchange).
+bool waits_for(const Action& compute, const std::vector<Action>& transfers);
 
 // Forwards alone (validation, evaluation): each microbatch received, run
 // and passed on, chunk by chunk in the order of one_f_one_b's forwards (any

@@ -45,8 +45,7 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
     if (pp == nullptr) throw common::Error(common::ErrorCode::kInternal, "a pipeline transfer without a PP group");
     in_flight.wait();
     in_flight_transfers.clear();
-    if (then == nullptr || std::any_of(gathered.begin(), gathered.end(),
-                                       [&](const Action& transfer) { return waits_for(*then, transfer); })) {
+    if (then == nullptr || waits_for(*then, gathered)) {
       pp->exchange(std::move(sends), std::move(recvs));
     } else {
       in_flight = pp->start_exchange(std::move(sends), std::move(recvs));
@@ -58,10 +57,7 @@ StageTime run_stage(const std::vector<Action>& actions, int microbatches, Gpt& m
   };
   auto compute = [&](const std::function<void(int, int, int)>& pass, const Action& action, int slot) {
     issue_transfers(&action);
-    if (std::any_of(in_flight_transfers.begin(), in_flight_transfers.end(),
-                    [&](const Action& transfer) { return waits_for(action, transfer); })) {
-      in_flight.wait();
-    }
+    if (waits_for(action, in_flight_transfers)) in_flight.wait();
     timed(pass, action, slot);
   };
   for (const Action& action : actions) {
