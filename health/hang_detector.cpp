@@ -317,22 +317,6 @@ class Judge {
 
 }  // namespace
 
-std::string group_kind(std::string_view group) {
-  std::string_view kind = group;
-  const auto digits = [](std::string_view s) {
-    return !s.empty() &&
-           std::all_of(s.begin(), s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; });
-  };
-  const auto first = kind.find('.');
-  if (first != std::string_view::npos && kind[0] == 'g' && digits(kind.substr(1, first - 1))) {
-    kind.remove_prefix(first + 1);
-  }
-  if (const auto dot = kind.rfind('.'); dot != std::string_view::npos && digits(kind.substr(dot + 1))) {
-    kind.remove_suffix(kind.size() - dot);
-  }
-  return std::string(kind.empty() ? group : kind);
-}
-
 nlohmann::json HangFinding::to_json() const {
   return {{"culprit_ranks", culprit_ranks}, {"group", group},       {"seq", seq},
           {"op", op},                       {"waiting_ranks", waiting_ranks},

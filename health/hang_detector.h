@@ -81,11 +81,6 @@
 
 namespace keel::health {
 
-// The kind of a process group: its mesh axis, the name without the
-// generation prefix and the index suffix ("dp" of "g3.dp.0", "expert_dp" of
-// "g10.expert_dp.12"); a name not of that form is its own kind.
-std::string group_kind(std::string_view group);
-
 struct HangFinding {
   std::vector<int> culprit_ranks;  // ascending
   std::vector<int> waiting_ranks;  // ascending: in flight at seq, not frozen

@@ -9,8 +9,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <type_traits>
@@ -67,6 +69,31 @@ const char* sdc_verdict_name(uint32_t verdict) {
 
 std::string group_name(const GroupRecord& group) {
   return std::string(group.name, strnlen(group.name, kGroupNameBytes));
+}
+
+std::string group_kind(std::string_view group) {
+  std::string_view kind = group;
+  const auto digits = [](std::string_view s) {
+    return !s.empty() &&
+           std::all_of(s.begin(), s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; });
+  };
+  const auto first = kind.find('.');
+  if (first != std::string_view::npos && kind[0] == 'g' && digits(kind.substr(1, first - 1))) {
+    kind.remove_prefix(first + 1);
+  }
+  if (const auto dot = kind.rfind('.'); dot != std::string_view::npos && digits(kind.substr(dot + 1))) {
+    kind.remove_suffix(kind.size() - dot);
+  }
+  return std::string(kind.empty() ? group : kind);
+}
+
+int pipeline_stage(const BoardSnapshot& board) {
+  for (const auto& g : board.groups) {
+    if (g.name[0] != '\0' && group_kind(group_name(g)) == "pp") {
+      return g.index >= 0 && g.index < g.size ? g.index : 0;
+    }
+  }
+  return 0;
 }
 
 const StepTiming* BoardSnapshot::timing_of(int64_t step) const {

@@ -180,6 +180,15 @@ struct BoardSnapshot {
 // field: a board is not trusted).
 std::string group_name(const GroupRecord& group);
 
+// The kind of a process group: its mesh axis, the name without the
+// generation prefix and the index suffix ("dp" of "g3.dp.0", "expert_dp" of
+// "g10.expert_dp.12"); a name not of that form is its own kind.
+std::string group_kind(std::string_view group);
+
+// The rank's pipeline stage: its index in its "pp" group; 0 without one
+// (no pipeline) or when the index is garbage.
+int pipeline_stage(const BoardSnapshot& board);
+
 // One mapped segment. Movable, not copyable; unmaps on destruction.
 class ProgressBoard {
  public:

@@ -89,6 +89,7 @@ std::vector<StragglerFinding> StragglerMonitor::observe(const RankSamples& sampl
     const BoardSnapshot* board = trusted_board(samples[r]);
     if (board == nullptr) continue;
     RankState& rank = ranks_[r];
+    rank.stage = pipeline_stage(*board);
     if (board->generation != rank.generation) {
       // A restarted rank times its steps again; what the old process
       // timed and nobody took is not this one's.
@@ -187,7 +188,9 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
   for (int r : participants) {
     if (std::isnan(x[r])) continue;  // a step from before the rank took part
     RankState& rank = ranks_[r];
-    const double excess = x[r] - noise_->centre;
+    const auto level = noise_->centres.find(rank.stage);
+    if (level == noise_->centres.end()) continue;  // a stage the noise was not learned with
+    const double excess = x[r] - level->second;
     // Capped at h: a flagged rank that recovers clears within h / k steps.
     rank.evidence = std::min(std::max(0.0, rank.evidence + std::clamp(excess, -clip_, clip_) - allowed_), h);
     if (rank.evidence == 0) {
@@ -221,9 +224,11 @@ void StragglerMonitor::close_window(const std::vector<int>& participants) {
 }
 
 void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
-  // Each rank's median x; their median is the normal level, robust to the
-  // slow ranks, which are left out of the noise so as not to widen it.
-  std::vector<double> own(ranks_.size(), std::numeric_limits<double>::quiet_NaN()), column, levels;
+  // Each rank's median x; the median of a stage's is its normal level,
+  // robust to the slow ranks, which are left out of the noise so as not to
+  // widen it.
+  std::vector<double> own(ranks_.size(), std::numeric_limits<double>::quiet_NaN()), column;
+  std::map<int, std::vector<double>> levels;
   for (int r : participants) {
     column.clear();
     for (const auto& x : recent_x_) {
@@ -231,16 +236,17 @@ void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
     }
     if (column.empty()) continue;
     own[r] = median(column);
-    levels.push_back(own[r]);
+    levels[ranks_[r].stage].push_back(own[r]);
   }
   if (levels.empty()) return;
   Noise noise;
-  noise.centre = median(levels);
+  for (auto& [stage, stage_levels] : levels) noise.centres[stage] = median(stage_levels);
   std::vector<double> excess;
   for (int r : participants) {
-    if (!(own[r] - noise.centre < allowed_)) continue;
+    const auto level = noise.centres.find(ranks_[r].stage);
+    if (level == noise.centres.end() || !(own[r] - level->second < allowed_)) continue;
     for (const auto& x : recent_x_) {
-      if (!std::isnan(x[r])) excess.push_back(std::clamp(x[r] - noise.centre, -clip_, clip_));
+      if (!std::isnan(x[r])) excess.push_back(std::clamp(x[r] - level->second, -clip_, clip_));
     }
   }
   if (excess.empty()) return;  // cannot be: the median rank is never slow
@@ -267,7 +273,7 @@ void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
       log->info("the ranks' compute noise (spread {:.1f}%) allows flagging stragglers again", 100 * noise.spread);
     }
   }
-  log->debug("straggler noise: centre {:.4f}, spread {:.4f}, decision interval {:.3f}", noise.centre, noise.spread,
+  log->debug("straggler noise: {} stage level(s), spread {:.4f}, decision interval {:.3f}", noise.centres.size(), noise.spread,
              noise.decision_interval);
   noise_ = noise;
 }

@@ -10,13 +10,22 @@
 // rank's): a load that slows every rank at once cancels out step by step.
 // A rank's evidence is a CUSUM of those,
 //   S = min(h, max(0, S + clamp(x - c, -U, U) - k)),
-// where c is the normal level (the median over ranks of each rank's median
-// x over the last 200 steps), k = log(1 + `straggler_threshold`) is the
+// where c is the normal level of the rank's pipeline stage (the median over
+// the stage's ranks of each one's median x over the last 200 steps),
+// k = log(1 + `straggler_threshold`) is the
 // slowness a rank may have for free, and U = 3k bounds what one step may
 // add or take (a preempted step counts as a slow one, not as ten). The
 // rank is flagged (once) when S reaches the decision interval h; the flag
 // clears when S is back at 0, which the cap at h keeps within h/k steps of
 // the rank's recovery.
+//
+// Why a level per stage: the stages of a pipeline do different work (the
+// last holds the head and the loss, the first the embedding), so a stage
+// that is slower by design is no straggler; with one level for all, the
+// last stage of a fault-free PP2 run of the quickstart model (its head 7% of
+// a stage) was flagged. Without a pipeline every rank is of stage 0. With
+// one rank per stage a rank is held to its own past: one that slows down is
+// seen, one slow from its start is not.
 //
 // h comes from the ranks' own noise, not from a model of it. Every
 // `straggler_window` steps from the 20th, over the last 200 steps of the
@@ -106,6 +115,7 @@ class StragglerMonitor {
 
  private:
   struct RankState {
+    int stage = 0;                     // its pipeline stage (pipeline_stage())
     int64_t generation = -1;           // of the board its steps came from
     int64_t newest = -1;               // the newest step it timed in that generation
     std::map<int64_t, float> pending;  // steps timed and not yet taken, by step
@@ -120,7 +130,7 @@ class StragglerMonitor {
   };
   // What the noise of the ranks that are not slow allows, learned every window.
   struct Noise {
-    double centre = 0;             // c
+    std::map<int, double> centres;  // c, by pipeline stage
     double spread = 0;             // the standard deviation of the clipped excess
     double decision_interval = 0;  // h; infinite while the noise drowns the threshold
   };

@@ -42,6 +42,7 @@ struct Run {
   int64_t poll_every = 1;
   bool jumpy = false;
   float wait_ms = 0;  // every rank but the slow one waits this long per step
+  std::vector<double> base_ms = {};  // each rank's compute before noise; empty: 100 ms each
 };
 std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, int64_t first, int64_t steps,
                                   const Run& how, Noise& noise) {
@@ -52,7 +53,8 @@ std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, 
     for (int r = 0; r < ranks; ++r) {
       if (!job.sample(r).board) continue;
       const bool slowed = r == how.slow && step >= how.slow_from;
-      job.time_step(r, step, noise(slowed ? 100 * how.factor : 100), slowed ? 0 : how.wait_ms);
+      const double base = how.base_ms.empty() ? 100 : how.base_ms.at(static_cast<size_t>(r));
+      job.time_step(r, step, noise(slowed ? base * how.factor : base), slowed ? 0 : how.wait_ms);
     }
     clock.advance_s(how.jumpy && step % 7 == 0 ? -3600 : 0.1);
     if ((step + 1) % how.poll_every == 0) {
@@ -102,6 +104,53 @@ TEST_SUITE("unit") {
       for (int r = 0; r < c.ranks; ++r) CHECK(monitor.flagged(r) == (r == c.slow));
       CHECK(monitor.score(c.slow) > 0.04);
     }
+  }
+
+  TEST_CASE("pipeline stages slower by design flag nobody and a rank that is slower than its own stage is flagged") {
+    // The last stage holds the head and the loss: 12% more compute than
+    // the first by design, which one level for every rank took for a
+    // straggler.
+    struct Case {
+      const char* what;
+      int stages, per_stage;
+      Run how;
+      int expected;  // the rank flagged; -1: nobody
+    };
+    const Case cases[] = {
+        {"PP2, the last stage 12% slower by design", 2, 1, {.base_ms = {100, 112}}, -1},
+        {"DP2 x PP2, the last stage 12% slower by design", 2, 2, {.base_ms = {100, 100, 112, 112}}, -1},
+        {"PP4, the stages 0-12% apart by design", 4, 1, {.base_ms = {104, 100, 108, 112}}, -1},
+        {"DP2 x PP2, a last-stage rank a quarter slower than its peer", 2, 2,
+         {.slow = 3, .factor = 1.25, .base_ms = {100, 100, 112, 112}}, 3},
+        {"PP2, the first stage slowing by a third at step 100", 2, 1,
+         {.slow = 0, .factor = 1.33, .slow_from = 100, .base_ms = {100, 112}}, 0},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(std::string(c.what));
+      const int ranks = c.stages * c.per_stage;
+      SyntheticJob job(ranks);
+      // Stage-major, as the mesh lays pp outside dp.
+      for (int r = 0; r < ranks; ++r) job.join_pipeline(r, r / c.per_stage, c.stages);
+      StragglerMonitor monitor(defaults());
+      Noise noise;
+      const auto found = run(monitor, job, 0, 300, c.how, noise);
+      if (c.expected < 0) {
+        CHECK(found.empty());
+      } else {
+        REQUIRE(found.size() == 1);
+        CHECK(found[0].rank == c.expected);
+        CHECK(found[0].step >= c.how.slow_from);
+      }
+    }
+  }
+
+  TEST_CASE("a board's pipeline stage is its index in its pp group, 0 without one or when garbage") {
+    SyntheticJob job(3);
+    CHECK(pipeline_stage(job.board(0)) == 0);
+    job.join_pipeline(1, 3, 4);
+    CHECK(pipeline_stage(job.board(1)) == 3);
+    job.join_pipeline(2, 7, 4);  // an index past the group's size
+    CHECK(pipeline_stage(job.board(2)) == 0);
   }
 
   TEST_CASE("with exact timings a rank is flagged when its evidence reaches the least decision interval") {

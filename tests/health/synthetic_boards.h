@@ -5,6 +5,7 @@
 #include "health/rank_sample.h"
 
 #include <cstring>
+#include <string>
 #include <random>
 
 namespace keel::test {
@@ -32,6 +33,19 @@ class SyntheticJob {
     b.steps[static_cast<size_t>(step) % health::kRecentSteps] = {step, compute_ms + wait_ms + data_ms, compute_ms,
                                                                 wait_ms, data_ms};
     b.steps_done = step + 1;
+  }
+
+  // Rank `r` is stage `stage` of a pipeline of `stages`: a member of a pp
+  // group, as the trainer registers it on its board.
+  void join_pipeline(int r, int stage, int stages) {
+    health::BoardSnapshot& b = board(r);
+    auto& g = b.groups[0];
+    std::string name("g");
+    name += std::to_string(b.generation);
+    name += ".pp.0";
+    std::strncpy(g.name, name.c_str(), sizeof(g.name) - 1);
+    g.size = stages;
+    g.index = stage;
   }
 
   // Rank `r` published the digest of its replica set after `steps_done` steps.
