@@ -309,6 +309,9 @@ void Config::validate() const {
         fmt::format("must be \"step\" or \"save\" (got \"{}\")", faults.crash_in));
   check(faults.nan_target == "gradient" || faults.nan_target == "loss", "faults.nan_target",
         fmt::format("must be \"gradient\" or \"loss\" (got \"{}\")", faults.nan_target));
+  at_least(faults.loss_spike_step, -1, "faults.loss_spike_step");
+  check(std::isfinite(faults.loss_spike_factor) && faults.loss_spike_factor > 0, "faults.loss_spike_factor",
+        fmt::format("must be a positive number (got {})", faults.loss_spike_factor));
   check(checkpoint.retention_verify == "sizes" || checkpoint.retention_verify == "full", "checkpoint.retention_verify",
         fmt::format("must be \"sizes\" or \"full\" (got \"{}\")", checkpoint.retention_verify));
   check(checkpoint.timeout_s > 0, "checkpoint.timeout_s", fmt::format("must be positive (got {})", checkpoint.timeout_s));
@@ -420,6 +423,8 @@ void Config::validate() const {
   check(health.sdc_policy == "warn" || health.sdc_policy == "restart" || health.sdc_policy == "exclude",
         "health.sdc_policy",
         fmt::format("must be \"warn\", \"restart\" or \"exclude\" (got \"{}\")", health.sdc_policy));
+  check(health.spike_policy == "apply" || health.spike_policy == "skip", "health.spike_policy",
+        fmt::format("must be \"apply\" or \"skip\" (got \"{}\")", health.spike_policy));
   at_least(health.straggler_window, 2, "health.straggler_window");
   at_least(health.straggler_false_alarm_steps, 1000, "health.straggler_false_alarm_steps");
 }

@@ -235,7 +235,12 @@ struct HealthConfig {
   double sdc_kat_every_s = 600;         // known-answer kernel tests at start and this often; 0 = at start only
   bool sdc_rerun = true;                // re-run a step whose loss or gradient norm is anomalous before applying it
   double sdc_anomaly_z = 8;             // robust z-score (median, MAD of the recent window) that makes a step anomalous
-  int64_t sdc_anomaly_window = 50;      // steps of loss and gradient-norm history for that score
+  // Steps of loss, gradient-norm and activation history after
+  // train.warmup_steps for that score; nothing is scored until it is full.
+  int64_t sdc_anomaly_window = 50;
+  // A re-run step that came out the same (a loss spike, not corruption):
+  // "apply" trains on it (clipped as ever), "skip" drops its update.
+  std::string spike_policy = "apply";
   std::string sdc_policy = "restart";   // on a rank-attributed SDC: "warn" | "restart" (roll back to the newest checkpoint before it) | "exclude"
   int64_t straggler_window = 10;        // steps per window of the stragglers table's score and of relearning the noise
   double straggler_threshold = 0.04;    // slowness against the median rank that gathers no evidence (why: health/straggler_monitor.h)
@@ -252,6 +257,7 @@ struct HealthConfig {
     v("sdc_rerun", sdc_rerun);
     v("sdc_anomaly_z", sdc_anomaly_z);
     v("sdc_anomaly_window", sdc_anomaly_window);
+    v("spike_policy", spike_policy);
     v("sdc_policy", sdc_policy);
     v("straggler_window", straggler_window);
     v("straggler_threshold", straggler_threshold);
@@ -272,6 +278,11 @@ struct FaultsConfig {
   int64_t nan_rank = -1;          // the rank whose step turns non-finite; -1 = none
   int64_t nan_step = 0;           // at this step
   std::string nan_target = "gradient";  // what turns NaN: "gradient" (one element) | "loss"
+  // Every rank scales its share of this step's loss (and so the gradient)
+  // by loss_spike_factor, in each computation of the step: a spike that a
+  // rerun reproduces. -1 = none.
+  int64_t loss_spike_step = -1;
+  double loss_spike_factor = 100;
   int64_t hang_rank = -1;         // the rank that stops inside its next collective of hang_group and never returns; -1 = none
   int64_t hang_step = 0;          // from this step on
   std::string hang_group = "dp";  // the mesh axis of that collective: "dp" | "tp" | ...
@@ -303,6 +314,8 @@ struct FaultsConfig {
     v("nan_rank", nan_rank);
     v("nan_step", nan_step);
     v("nan_target", nan_target);
+    v("loss_spike_step", loss_spike_step);
+    v("loss_spike_factor", loss_spike_factor);
     v("hang_rank", hang_rank);
     v("hang_step", hang_step);
     v("hang_group", hang_group);

@@ -62,8 +62,7 @@ void HealthMonitor::new_generation() {
 void HealthMonitor::take_sdc(const SdcFinding& finding, Verdicts& verdicts) {
   if (!sdc_seen_.insert({finding.rank, finding.step, finding.method}).second) return;
   ++counts_.sdc;
-  // A data verdict blames the batch, not the rank that computed it.
-  if (finding.rank >= 0 && finding.verdict != "data") flags_[static_cast<size_t>(finding.rank)].suspect = suspect_reason(finding);
+  if (finding.rank >= 0) flags_[static_cast<size_t>(finding.rank)].suspect = suspect_reason(finding);
   verdicts.sdc.push_back(finding);
 }
 

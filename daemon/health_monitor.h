@@ -46,7 +46,7 @@ struct SdcFinding {
   int rank = -1;                 // the rank at fault; -1: none could be named
   int64_t step = -1;             // steps done when it was found
   std::string method;            // "replica_digest" | "rerun" | "kat"
-  std::string verdict;           // "transient" | "persistent" | "data"
+  std::string verdict;           // "transient" | "persistent"
   size_t replicas = 0;           // replica_digest: ranks in the set; 0 otherwise
   std::vector<int> disagreeing;  // replica_digest without a majority: every rank of the set
   // replica_digest: the newest step the set agreed on (-1: none), the

@@ -31,15 +31,15 @@ HealthResponse respond(const Verdicts& verdicts, const std::string& sdc_policy, 
   for (const auto& sdc : verdicts.sdc) {
     // The trainer's own findings are its to record and were already dealt
     // with: rank 0 appended sdc_detected, a rerun replaced the corrupted
-    // step before it was applied (or skipped a data step), and a failed
+    // step before it was applied, and a failed
     // known-answer test stopped every rank with exit 11. Rolling back would
     // only repeat correct steps.
     if (sdc.method != "replica_digest") continue;
     auto fields = sdc.event_fields();
     fields["policy"] = sdc_policy;
     r.events.push_back({"sdc_detected", std::move(fields)});
-    // Nobody to blame, or the batch to blame: rolling back cannot help.
-    const bool corrupted_state = sdc.verdict != "data" && (sdc.rank >= 0 || !sdc.disagreeing.empty());
+    // Nobody to blame: rolling back cannot help.
+    const bool corrupted_state = sdc.rank >= 0 || !sdc.disagreeing.empty();
     if (sdc_policy == "warn" || !corrupted_state) continue;
     if (sdc_policy == "exclude") {
       r.warnings.push_back(fmt::format("sdc_policy \"exclude\": rank {} cannot be left out before runs are elastic; "

@@ -62,6 +62,9 @@ void print_health(const nlohmann::json& reply, std::ostream& out) {
   const auto d = reply.value("detections", nlohmann::json::object());
   out << fmt::format("\ndetections: {} hang, {} sdc, {} straggler | synchronisation tax {:.3f}\n",
                      d.value("hang", 0), d.value("sdc", 0), d.value("straggler", 0), number(reply, "sync_tax"));
+  const auto records = reply.value("records", nlohmann::json::object());
+  out << fmt::format("records, no alarms: loss spikes {}, steps skipped {}\n", records.value("loss_spikes", 0),
+                     records.value("skipped_steps", 0));
   const auto b = reply.value("hang_budgets", nlohmann::json::object());
   out << fmt::format("hang budgets ({}): groups {}; phases {}\n",
                      b.value("warmed_up", false) ? "learned" : "warming up: the ceiling holds",

@@ -282,6 +282,8 @@ nlohmann::json Job::restart(const std::string& by) {
 nlohmann::json Job::health() const {
   auto out = health_.health_json();
   out["ok"] = true;
+  // Beside the detections, what is only a record (docs/architecture.md "Health").
+  out["records"] = {{"loss_spikes", history_.loss_spikes().count}, {"skipped_steps", history_.skipped_steps().count}};
   out["generation"] = machine_.generation();
   return out;
 }
@@ -356,6 +358,8 @@ JobReport Job::report() const {
     rank.straggler_score = health_.straggler_score(rank.rank);
   }
   r.detections = health_.counts();
+  r.loss_spikes = history_.loss_spikes();
+  r.skipped_steps = history_.skipped_steps();
   return r;
 }
 

@@ -80,7 +80,8 @@ class Job {
   nlohmann::json checkpoint_now();
   nlohmann::json stop(bool checkpoint, const std::string& by);
   nlohmann::json restart(const std::string& by);
-  // keelctl health: every rank's verdict with its reason, the detections so far.
+  // keelctl health: every rank's verdict with its reason, the detections so far, and the
+  // records that are no alarms (loss spikes, skipped steps).
   nlohmann::json health() const;
   // keelctl diagnose: the last hang verdict and every rank's collectives at
   // that moment (the flight dump's records); without a verdict yet, the

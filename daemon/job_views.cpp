@@ -101,6 +101,9 @@ nlohmann::json status_json(const JobReport& report) {
   out["loss"] = s ? nlohmann::json(s->loss) : nlohmann::json(nullptr);
   out["tokens_per_s"] = s ? nlohmann::json(s->tokens_per_s) : nlohmann::json(nullptr);
   out["eta_s"] = eta ? nlohmann::json(*eta) : nlohmann::json(nullptr);
+  for (auto [key, tally] : {std::pair{"loss_spikes", report.loss_spikes}, {"skipped_steps", report.skipped_steps}}) {
+    out[key] = {{"count", tally.count}, {"last_step", tally.last_step}};
+  }
   return out;
 }
 
@@ -156,6 +159,10 @@ std::string metrics_text(const JobReport& report) {
     out.counter("keel_detections_total", "Findings of the detectors since keeld started, by kind",
                 static_cast<double>(count), {{"job", report.job}, {"kind", kind}});
   }
+  out.counter("keel_loss_spikes_total", "Steps of the run that a rerun found to spike alike (a record, no alarm)",
+              static_cast<double>(report.loss_spikes.count), job);
+  out.counter("keel_steps_skipped_total", "Steps of the run whose update was skipped (health.spike_policy = skip)",
+              static_cast<double>(report.skipped_steps.count), job);
   for (const auto& rank : report.ranks) {
     if (!rank.last) continue;
     const auto& s = *rank.last;

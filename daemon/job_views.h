@@ -8,6 +8,7 @@
 
 #include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
+#include "daemon/run_history.h"
 #include "health/progress_board.h"
 
 #include <nlohmann/json.hpp>
@@ -45,6 +46,10 @@ struct JobReport {
   double uptime_s = 0;
   double stale_after_s = 0;      // a board older than this makes its rank "stale"
   DetectionCounts detections;    // the detectors' findings so far
+  // Records, no alarms: the run's reproducible loss spikes and the steps
+  // whose update was skipped (health.spike_policy), from events.jsonl.
+  StepTally loss_spikes;
+  StepTally skipped_steps;
   std::vector<RankReport> ranks; // rank 0 first
 };
 

@@ -53,6 +53,10 @@ void RunHistory::take(const nlohmann::json& event) {
     record.abandoned = step;
     const auto cause = event.find("cause");
     record.abandoned_cause = cause != event.end() && cause->is_string() ? cause->get<std::string>() : "no cause given";
+  } else if (kind == "loss_spike") {
+    spike_steps_.insert(step);
+  } else if (kind == "step_skipped") {
+    skipped_steps_.insert(step);
   } else if (kind == "checkpoint_quarantined") {
     newest_committed_ = -1;
     for (auto& [number, record] : generations_) {
@@ -60,6 +64,10 @@ void RunHistory::take(const nlohmann::json& event) {
       if (!record.committed.empty()) newest_committed_ = std::max(newest_committed_, *record.committed.rbegin());
     }
   }
+}
+
+StepTally RunHistory::tally(const std::set<int64_t>& steps) {
+  return {static_cast<int64_t>(steps.size()), steps.empty() ? -1 : *steps.rbegin()};
 }
 
 int64_t RunHistory::committed_in(int64_t generation) const {

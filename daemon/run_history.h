@@ -6,6 +6,11 @@
 // rather than by the names of the checkpoint directories: a directory that
 // looks committed may not verify, and then the ranks pass it over.
 //
+// It also tallies the run's records that are no alarms (docs/architecture.md
+// "Health"): the loss spikes the ranks recorded (loss_spike) and the steps
+// they skipped (step_skipped). A step counts once however many
+// generations replayed it.
+//
 // The log is followed: each refresh() reads only what was appended since
 // the one before, and only whole lines (a line being appended is taken
 // next time), so keeld reads a long history once.
@@ -20,6 +25,12 @@
 #include <string>
 
 namespace keel::daemon {
+
+// Distinct steps of one kind of record.
+struct StepTally {
+  int64_t count = 0;
+  int64_t last_step = -1;  // the newest; -1: none
+};
 
 class RunHistory {
  public:
@@ -37,6 +48,8 @@ class RunHistory {
   // Why rank 0 abandoned the last checkpoint of `generation`, when no
   // newer one was committed after it; empty otherwise.
   std::string abandoned_in(int64_t generation) const;
+  StepTally loss_spikes() const { return tally(spike_steps_); }
+  StepTally skipped_steps() const { return tally(skipped_steps_); }
 
  private:
   struct Generation {
@@ -45,6 +58,7 @@ class RunHistory {
     std::string abandoned_cause;
   };
   void take(const nlohmann::json& event);
+  static StepTally tally(const std::set<int64_t>& steps);
 
   std::filesystem::path path_;
   uint64_t offset_ = 0;   // bytes of the file taken in so far
@@ -52,6 +66,7 @@ class RunHistory {
   int64_t last_generation_ = -1;
   int64_t newest_committed_ = -1;
   std::map<int64_t, Generation> generations_;
+  std::set<int64_t> spike_steps_, skipped_steps_;
 };
 
 }  // namespace keel::daemon

@@ -24,6 +24,15 @@ std::string collective(const nlohmann::json& rank) {
                      common::format_bytes(c.value("bytes", uint64_t{0})), c.value("state", "?"), c.value("duration_s", 0.0));
 }
 
+// "3 loss spikes (the last at step 120)"; empty for none.
+std::string tally(const nlohmann::json& s, const char* key, const char* one, const char* many) {
+  const auto it = s.find(key);
+  if (it == s.end() || !it->is_object()) return "";
+  const int64_t count = it->value("count", int64_t{0});
+  if (count <= 0) return "";
+  return fmt::format("{} {} (the last at step {})", count, count == 1 ? one : many, it->value("last_step", int64_t{-1}));
+}
+
 }  // namespace
 
 void print_status(const nlohmann::json& s, std::ostream& out) {
@@ -41,6 +50,13 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
   const int64_t checkpoint = s.value("checkpoint_step", int64_t{-1});
   line += checkpoint >= 0 ? fmt::format(" | checkpoint step {}", checkpoint) : std::string(" | no checkpoint yet");
   out << line << "\n";
+  // Records, no alarms: what the operator may want to look at in events.
+  const std::string spikes = tally(s, "loss_spikes", "loss spike", "loss spikes");
+  const std::string skipped = tally(s, "skipped_steps", "step skipped", "steps skipped");
+  if (!spikes.empty() || !skipped.empty()) {
+    out << (spikes.empty() ? skipped : skipped.empty() ? spikes : spikes + " | " + skipped)
+        << " (keelctl events: loss_spike, step_skipped)\n";
+  }
   out << "run_dir " << text(s, "run_dir");
   if (s.contains("metrics_port") && s["metrics_port"].is_number()) {
     out << " | metrics http://127.0.0.1:" << s["metrics_port"].get<int>() << "/metrics";

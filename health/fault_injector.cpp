@@ -69,6 +69,15 @@ bool FaultInjector::poisons(int64_t step, const std::string& target) const {
   return true;
 }
 
+double FaultInjector::loss_factor(int64_t step) const {
+  if (faults().loss_spike_step != step || !armed()) return 1.0;
+  common::logger("faults")->warn(
+      "fault injection ([faults] loss_spike_step = {}, loss_spike_factor = {}): this step's loss and gradient are "
+      "scaled by {}",
+      step, faults().loss_spike_factor, faults().loss_spike_factor);
+  return faults().loss_spike_factor;
+}
+
 void FaultInjector::slow_compute(double seconds) const {
   if (faults().slow_rank != rank_ || faults().slow_factor <= 1.0 || faults().slow_phase != "compute" || !armed() ||
       step_.load() < slow_from_step_) {

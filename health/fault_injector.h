@@ -40,6 +40,11 @@ class FaultInjector {
   // `step` ([faults] nan_rank / nan_step / nan_target, in fault_generation).
   // Logs it when it says yes.
   bool poisons(int64_t step, const std::string& target) const;
+  // What every rank multiplies its share of `step`'s loss by, and so its
+  // gradient: [faults] loss_spike_factor at loss_spike_step (in
+  // fault_generation), 1 otherwise. Every computation of the step asks, so
+  // a rerun reproduces the spike. Logs it when it is not 1.
+  double loss_factor(int64_t step) const;
   // Called by Communicator before a call of group `group` ("g0.dp.0")
   // takes its sequence number: from [faults] hang_step on, the first call
   // of a group of axis hang_group blocks this thread for good, so the call

@@ -63,8 +63,8 @@ const char* sdc_method_name(uint32_t method) {
 }
 
 const char* sdc_verdict_name(uint32_t verdict) {
-  static constexpr const char* kNames[] = {"none", "transient", "persistent", "data"};
-  return verdict < 4 ? kNames[verdict] : "unknown";
+  static constexpr const char* kNames[] = {"none", "transient", "persistent"};
+  return verdict < 3 ? kNames[verdict] : "unknown";
 }
 
 std::string group_name(const GroupRecord& group) {

@@ -107,13 +107,13 @@ struct ReplicaDigest {
 // What the rank found itself (the rerun and the known-answer test); keeld
 // turns a new one (count changed) into an event.
 enum class SdcMethod : uint32_t { kNone, kReplicaDigest, kRerun, kKat };
-enum class SdcVerdict : uint32_t { kNone, kTransient, kPersistent, kData };
+enum class SdcVerdict : uint32_t { kNone, kTransient, kPersistent };
 const char* sdc_method_name(uint32_t method);
 const char* sdc_verdict_name(uint32_t verdict);
 struct SdcReport {
   uint64_t count = 0;    // reports so far; 0: none
   int64_t step = -1;
-  int32_t rank = -1;     // the rank found at fault; -1: none (verdict data)
+  int32_t rank = -1;     // the rank found at fault; -1: none could be named
   uint32_t method = static_cast<uint32_t>(SdcMethod::kNone);
   uint32_t verdict = static_cast<uint32_t>(SdcVerdict::kNone);
   uint32_t reserved = 0;

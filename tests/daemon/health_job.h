@@ -53,6 +53,11 @@ inline int64_t step_of(const nlohmann::json &status) {
   return status.at("step").get<int64_t>();
 }
 
+// An anomaly window that a 40-step job (warm-up 2) fills by step 18, so
+// that the SDC rerun judges the steps where the tests flip a bit or spike
+// the loss; the default window (50 steps after warm-up) would judge none.
+inline const std::vector<std::string> kShortAnomalyWindow = {"health.sdc_anomaly_window=16"};
+
 // Three DP replicas holding parameters and moments alike (ZeRO-0), so that
 // a majority of replica digests can name the odd one.
 inline const std::vector<std::string> kThreeReplicas = {

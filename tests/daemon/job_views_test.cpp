@@ -97,6 +97,34 @@ TEST_SUITE("unit") {
     CHECK(page.find("keel_rank_board_age_seconds{job=\"views\",rank=\"1\"} 3") != std::string::npos);
   }
 
+  TEST_CASE("loss spikes and skipped steps show in the status and on the page but never as detections") {
+    JobReport report;
+    report.now_ns = kNow;
+    report.job = "views";
+    report.state = JobState::kRunning;
+    report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1)};
+    std::ostringstream quiet;
+    print_status(status_json(report), quiet);
+    CHECK(quiet.str().find("loss spike") == std::string::npos);
+    CHECK(quiet.str().find("skipped") == std::string::npos);
+
+    report.loss_spikes = {3, 120};
+    report.skipped_steps = {1, 40};
+    const auto status = status_json(report);
+    CHECK(status.at("loss_spikes") == nlohmann::json{{"count", 3}, {"last_step", 120}});
+    CHECK(status.at("skipped_steps") == nlohmann::json{{"count", 1}, {"last_step", 40}});
+    std::ostringstream table;
+    print_status(status, table);
+    CAPTURE(table.str());
+    CHECK(table.str().find("3 loss spikes (the last at step 120) | 1 step skipped (the last at step 40)") !=
+          std::string::npos);
+
+    const std::string page = metrics_text(report);
+    CHECK(page.find("keel_loss_spikes_total{job=\"views\"} 3") != std::string::npos);
+    CHECK(page.find("keel_steps_skipped_total{job=\"views\"} 1") != std::string::npos);
+    CHECK(page.find("keel_detections_total{job=\"views\",kind=\"sdc\"} 0") != std::string::npos);
+  }
+
   TEST_CASE("keelctl diagnose shows the rank that never began the collective the others wait in") {
     const std::vector<RankReport> ranks = {rank_in_dp(0, 7, health::CollectiveState::kInFlight, 31),
                                            rank_in_dp(1, 6, health::CollectiveState::kDone, 35),
@@ -185,13 +213,15 @@ TEST_SUITE("unit") {
           {{"rank", 1}, {"health", "suspect"}, {"reason", "at step 40 its replica digest differed"}}}},
         {"detections", {{"hang", 0}, {"sdc", 1}, {"straggler", 0}}},
         {"hang_budgets", {{"warmed_up", true}, {"groups", {{"dp", 31.5}}}, {"phases", {{"checkpoint", 120.0}}}}},
-        {"sync_tax", 1.04}};
+        {"sync_tax", 1.04},
+        {"records", {{"loss_spikes", 2}, {"skipped_steps", 1}}}};
     std::ostringstream out;
     print_health(reply, out);
     const std::string text = out.str();
     CAPTURE(text);
     CHECK(text.find("suspect    at step 40 its replica digest differed") != std::string::npos);
     CHECK(text.find("0 hang, 1 sdc, 0 straggler") != std::string::npos);
+    CHECK(text.find("records, no alarms: loss spikes 2, steps skipped 1") != std::string::npos);
     CHECK(text.find("dp 31.5 s") != std::string::npos);
     CHECK(text.find("checkpoint 120.0 s") != std::string::npos);
   }

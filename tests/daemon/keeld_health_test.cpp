@@ -2,15 +2,18 @@
 // (docs/architecture.md "Daemon"): a rank frozen from outside and a hang
 // injected with keelctl are named within the hang ceiling, written to the
 // flight dump and restarted past; keelctl health, diagnose, stragglers and
-// inject answer on a live job and refuse bad requests with a sentence; and
-// a replica that silently diverges rolls the run back to its last good
-// checkpoint.
+// inject answer on a live job and refuse bad requests with a sentence; a
+// replica that silently diverges rolls the run back to its last good
+// checkpoint; and a healthy run raises no alarm: a loss spike is a record,
+// never SDC, trained on or skipped as health.spike_policy says.
 //
 // What each needs beyond keeld: the frozen-rank test the hang detector;
 // the injected hang the trainer's fault requests (a hung rank never begins
 // the collective); the rollback the trainer's replica digests and bit
 // flips and the replica digest comparison.
 #include "tests/daemon/health_job.h"
+#include "tests/daemon/prometheus_scrape.h"
+#include "tests/support/fortunes.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -43,6 +46,28 @@ void require_only_straggler(const KeeldJob& job, int rank) {
     CHECK(f.at("rank") == rank);
   }
   MESSAGE("rank " << rank << " flagged at step " << flags[0].at("step") << " with score " << flags[0].at("score"));
+}
+
+// The quickstart job as it ships (configs/quickstart.toml) with its files
+// in `job`'s directory, the corpus prepared there, and no fault.
+std::vector<std::string> quickstart_sets(const KeeldJob& job, const PreparedCorpus& corpus) {
+  return {"job.run_dir=" + job.run_dir().string(), "daemon.socket=" + job.socket(), "data.train=" + corpus.train_glob,
+          "data.val=" + corpus.val_glob, "faults.crash_rank=-1"};
+}
+
+std::string quickstart_config() {
+  std::ifstream in(std::filesystem::path(KEEL_SOURCE_DIR) / "configs" / "quickstart.toml");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// keel_detections_total{kind="sdc"} on keeld's page.
+double sdc_detections_on_page(const nlohmann::json& status) {
+  const auto page = scrape(status.at("metrics_port").get<uint16_t>());
+  for (const auto& s : page.at("keel_detections_total")) {
+    if (s.labels.find("kind=\"sdc\"") != std::string::npos) return s.value;
+  }
+  FAIL("no keel_detections_total{kind=\"sdc\"} on the page");
+  return -1;
 }
 
 // The hang_detected events once there is one.
@@ -169,7 +194,7 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("an exponent bit flipped in a gradient is caught by the rerun and never applied and its rank is suspect") {
-    const auto layout = with(kFastHealth, kThreeReplicas);
+    const auto layout = with(with(kFastHealth, kThreeReplicas), kShortAnomalyWindow);
     KeeldJob reference;
     reference.run(layout);
     KeeldJob job;
@@ -382,6 +407,86 @@ TEST_SUITE("integration") {
     REQUIRE(resumed.size() == 2);
     CHECK(resumed[1].at("step") == 10);
     require_identical(job.checkpoint_tensors(40), reference.checkpoint_tensors(40));
+  }
+
+  TEST_CASE("the quickstart job with a warm-up of five steps raises no SDC alarm and trains as it would without the rerun") {
+    // Seen before: the gradient norm jumped 30-fold at step 11, the rerun
+    // reproduced it, and the step was reported as SDC and skipped.
+    TempDir data;
+    const auto corpus = prepare_fortunes(data.path());
+    const std::vector<std::string> short_warmup = {"train.warmup_steps=5", "train.steps=120"};
+    KeeldJob reference(quickstart_config());
+    reference.run(with(with(quickstart_sets(reference, corpus), short_warmup), {"health.sdc_rerun=false"}));
+
+    KeeldJob job(quickstart_config());
+    auto keeld = job.start(with(quickstart_sets(job, corpus), short_warmup), /*service=*/true);
+    const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "finished"; }, 600);
+    CHECK(job.events_of("sdc_detected").empty());
+    CHECK(job.events_of("step_skipped").empty());
+    CHECK(status.at("skipped_steps").at("count") == 0);
+    const auto health = keelctl_json(job, {"health"});
+    CHECK(health.at("detections").at("sdc") == 0);
+    for (const auto& rank : health.at("ranks")) CHECK(rank.at("health") == "healthy");
+    CHECK(sdc_detections_on_page(status) == 0);
+    CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+    CHECK(keeld->wait(120).exit_code == 0);
+    require_identical(job.checkpoint_tensors(120), reference.checkpoint_tensors(120));
+  }
+
+  TEST_CASE("a loss spike made on purpose is a record and no SDC and is trained on or skipped as spike_policy says") {
+    struct Row {
+      const char* policy;
+      bool skipped;
+    };
+    for (const Row row : {Row{"apply", false}, Row{"skip", true}}) {
+      CAPTURE(row.policy);
+      KeeldJob job;
+      auto keeld = job.start(with(with(kFastHealth, kShortAnomalyWindow),
+                                  {"faults.loss_spike_step=30", "faults.loss_spike_factor=1000",
+                                   std::string("health.spike_policy=") + row.policy}),
+                             /*service=*/true);
+      const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "finished"; }, 300);
+      const auto spikes = job.events_of("loss_spike");
+      REQUIRE(spikes.size() == 1);
+      INFO(spikes[0].dump());
+      CHECK(spikes[0].at("step") == 30);
+      CHECK(spikes[0].at("rank") == -1);
+      CHECK(spikes[0].at("rerun_equal") == true);
+      CHECK(spikes[0].at("score").get<double>() > spikes[0].at("threshold").get<double>());
+      CHECK(spikes[0].at("action") == (row.skipped ? "skipped" : "applied"));
+      CHECK(job.events_of("sdc_detected").empty());
+      CHECK(job.events_of("step_skipped").size() == (row.skipped ? 1u : 0u));
+
+      // Shown as a record, counted as no detection, blaming no rank.
+      CHECK(status.at("loss_spikes") == nlohmann::json{{"count", 1}, {"last_step", 30}});
+      CHECK(status.at("skipped_steps") ==
+            nlohmann::json{{"count", row.skipped ? 1 : 0}, {"last_step", row.skipped ? 30 : -1}});
+      const auto table = keelctl(job, {"status"});
+      CHECK(table.exit_code == 0);
+      CHECK((table.output.find("1 step skipped (the last at step 30)") != std::string::npos) == row.skipped);
+      CHECK(table.output.find("1 loss spike (the last at step 30)") != std::string::npos);
+      const auto health = keelctl_json(job, {"health"});
+      CHECK(health.at("detections").at("sdc") == 0);
+      CHECK(health.at("records") == nlohmann::json{{"loss_spikes", 1}, {"skipped_steps", row.skipped ? 1 : 0}});
+      for (const auto& rank : health.at("ranks")) CHECK(rank.at("health") == "healthy");
+      const auto page = scrape(status.at("metrics_port").get<uint16_t>());
+      CHECK(value_of(page, "keel_loss_spikes_total") == 1);
+      CHECK(value_of(page, "keel_steps_skipped_total") == (row.skipped ? 1 : 0));
+      CHECK(sdc_detections_on_page(status) == 0);
+
+      // metrics.jsonl marks the step; the run went on to its end.
+      std::ifstream metrics(job.run_dir() / "metrics.jsonl");
+      int64_t steps = 0;
+      for (std::string line; std::getline(metrics, line); ++steps) {
+        const auto record = nlohmann::json::parse(line);
+        if (record.at("step") != 30) continue;
+        CHECK(record.value("loss_spike", false));
+        CHECK(record.value("skipped", false) == row.skipped);
+      }
+      CHECK(steps == 40);
+      CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
+      CHECK(keeld->wait(120).exit_code == 0);
+    }
   }
 }
 

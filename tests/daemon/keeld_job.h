@@ -65,9 +65,11 @@ progress_every_s = 1
 
 class KeeldJob {
  public:
-  KeeldJob() {
+  // `config`: the job's TOML; its paths are relative to the job's
+  // directory, whose train.bin holds a pattern shard.
+  explicit KeeldJob(const std::string& config = kKeeldJobConfig) {
     write_pattern_shard(dir_ / "train.bin", 30000);
-    config_ = dir_.write("job.toml", kKeeldJobConfig);
+    config_ = dir_.write("job.toml", config);
   }
 
   const std::filesystem::path& dir() const { return dir_.path(); }

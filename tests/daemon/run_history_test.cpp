@@ -1,6 +1,7 @@
 // keeld's reading of events.jsonl on its own: the generations and the
 // checkpoints rank 0 committed or abandoned, taken in as the log grows,
-// half-written lines and garbage included.
+// half-written lines and garbage included, and the tally of loss spikes and
+// skipped steps.
 #include "daemon/run_history.h"
 #include "tests/support/temp_dir.h"
 
@@ -83,6 +84,29 @@ TEST_SUITE("unit") {
     history.refresh();
     CHECK(history.committed_in(2) == 10);
     CHECK(history.newest_committed() == 10);
+  }
+
+  TEST_CASE("loss spikes and skipped steps are tallied once per step however many generations replayed it") {
+    test::TempDir dir;
+    RunHistory history(dir.path());
+    history.refresh();
+    CHECK(history.loss_spikes().count == 0);
+    CHECK(history.loss_spikes().last_step == -1);
+    CHECK(history.skipped_steps().count == 0);
+    std::ofstream(dir / "events.jsonl")
+        << R"({"kind":"loss_spike","generation":0,"rank":-1,"step":40,"action":"skipped"})" "\n"
+           R"({"kind":"step_skipped","generation":0,"rank":-1,"step":40})" "\n"
+           R"({"kind":"loss_spike","generation":0,"rank":-1,"step":70,"action":"applied"})" "\n"
+           // The next generation resumed from before step 40 and met it again.
+           R"({"kind":"loss_spike","generation":1,"rank":-1,"step":40,"action":"skipped"})" "\n"
+           R"({"kind":"step_skipped","generation":1,"rank":-1,"step":40})" "\n"
+           R"({"kind":"loss_spike","generation":1,"rank":-1,"step":"forty"})" "\n"
+           R"({"kind":"step_skipped","generation":1,"rank":-1})" "\n";
+    history.refresh();
+    CHECK(history.loss_spikes().count == 2);
+    CHECK(history.loss_spikes().last_step == 70);
+    CHECK(history.skipped_steps().count == 1);
+    CHECK(history.skipped_steps().last_step == 40);
   }
 }
 

@@ -175,6 +175,8 @@ TEST_SUITE("integration") {
         {"health.sdc_kat_every_s=-5", "health.sdc_kat_every_s"},
         {"health.sdc_rerun=maybe", "sdc_rerun"},
         {"health.sdc_policy=panic", "health.sdc_policy"},
+        {"health.spike_policy=ignore", "health.spike_policy"},
+        {"faults.loss_spike_factor=nan", "faults.loss_spike_factor"},
     };
     TrainerRuns f;
     for (const auto& [set, key] : rows) {

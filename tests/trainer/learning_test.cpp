@@ -2,47 +2,17 @@
 // fortunes files that scripts/setup installs) ends well below the corpus's
 // byte-unigram entropy, the loss of a model that knows only byte
 // frequencies. A short version of what scripts/quickstart checks.
+#include "tests/support/fortunes.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
-
-namespace fs = std::filesystem;
-
-namespace {
-
-// The plain-text fortune files, as scripts/quickstart selects them.
-std::vector<std::string> fortune_files() {
-  std::vector<std::string> files;
-  const fs::path dir = "/usr/share/games/fortunes";
-  if (!fs::is_directory(dir)) return files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto ext = entry.path().extension();
-    if (entry.is_regular_file() && !entry.is_symlink() && ext != ".dat" && ext != ".u8") {
-      files.push_back(entry.path().string());
-    }
-  }
-  std::sort(files.begin(), files.end());
-  return files;
-}
-
-}  // namespace
-
 TEST_SUITE("integration") {
   TEST_CASE("a small model trained on the fortunes corpus ends well below its unigram entropy") {
-    auto files = fortune_files();
-    REQUIRE_MESSAGE(!files.empty(), "the fortunes corpus is missing: run scripts/setup (it installs Debian's fortunes)");
     keel::test::TempDir dir;
-
-    std::vector<std::string> prepare = {keel::test::keel_binary("keel-prepare-data").string(), "--out",
-                                        (dir / "data").string(), "--name", "fortunes", "--json"};
-    prepare.insert(prepare.end(), files.begin(), files.end());
-    auto prepared = keel::test::run_process(prepare, {}, 120);
-    REQUIRE_MESSAGE(prepared.exit_code == 0, prepared.output);
-    const double entropy = keel::test::last_json_line(prepared.output).at("train_unigram_entropy_nats").get<double>();
+    const double entropy = keel::test::prepare_fortunes(dir / "data").unigram_entropy_nats;
 
     dir.write("run.toml", R"(
 [model]

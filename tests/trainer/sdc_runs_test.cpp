@@ -38,6 +38,11 @@ std::vector<std::string> bitflip(int rank, int64_t step, const std::string& targ
           "faults.bitflip_tensor=" + tensor};
 }
 
+// The smallest anomaly window: with warm-up's 2 steps it is full by step
+// 10, the first step a flip lands in; the default would score none of a
+// 20-step run.
+constexpr const char* kWindowBeforeFlips = "health.sdc_anomaly_window=8";
+
 // A fault-free DP2 run of `steps` steps: no step is suspicious.
 void check_no_rerun(int steps) {
   TrainerRuns f;
@@ -45,6 +50,7 @@ void check_no_rerun(int steps) {
       keel::test::run_ranks(f, Layout{2, 1, 1}, "clean", {"train.steps=" + std::to_string(steps), "train.val_every=0"});
   CHECK(sdc_events(run.run_dir).empty());
   CHECK(keel::test::count_events(run.run_dir, "step_skipped") == 0);
+  CHECK(keel::test::count_events(run.run_dir, "loss_spike") == 0);
   for (const auto& rank : run.ranks) CHECK(rank.output.find("rerun") == std::string::npos);
 }
 
@@ -59,7 +65,8 @@ struct FlipTrials {
   };
   TrainerRuns f;
   const Layout layout{3, 1, 1};
-  const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12"};
+  const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12",
+                                           kWindowBeforeFlips};
   const std::vector<std::string> clean = keel::test::run_ranks(f, layout, "clean", common).digests();
   std::mt19937 rng;
   int index = 0;
@@ -116,7 +123,8 @@ TEST_SUITE("integration") {
         {Layout{2, 2, 1}, "activation", 1, 16, "h.1.output"},
     };
     TrainerRuns f;
-    const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12"};
+    const std::vector<std::string> common = {"train.steps=20", "train.val_every=0", "train.batch_size=12",
+                                             kWindowBeforeFlips};
     std::map<std::string, RankResults> clean;
     for (const Row& row : rows) {
       CAPTURE(row.layout.name());

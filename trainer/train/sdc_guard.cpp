@@ -22,8 +22,6 @@ namespace {
 using health::SdcMethod;
 using health::SdcVerdict;
 
-// The window scores nothing until it holds this many values.
-constexpr size_t kMinWindow = 8;
 // The deviation unit is never below 5% (in log terms): a window of nearly
 // equal values (a plateau) would otherwise call a few percent an anomaly.
 constexpr double kMinDeviation = 0.05;
@@ -108,20 +106,36 @@ void SdcGuard::add_local_gradients(double squares) { current_.grad_squares += sq
 
 void SdcGuard::add_local_activations(double squares) { current_.activation_squares += squares; }
 
-bool SdcGuard::needs_rerun(int64_t step, const StepSignals& result) const {
-  if (!rerun_) return false;
-  const double values[] = {result.loss, result.grad_norm, result.activation_squares};
+SdcGuard::Assessment SdcGuard::assess(const StepSignals& result) const {
+  const std::pair<const char*, double> signals[] = {{"loss", result.loss},
+                                                    {"grad_norm", result.grad_norm},
+                                                    {"activation_squares", result.activation_squares}};
+  const std::deque<double>* windows[] = {&losses_, &norms_, &activations_};
+  Assessment a;
   // A cross-entropy, a norm or a sum of squares below zero is impossible.
-  if (std::any_of(std::begin(values), std::end(values), [](double v) { return !std::isfinite(v) || v < 0; })) {
-    return true;
+  for (const auto& [name, value] : signals) {
+    if (!std::isfinite(value) || value < 0) {
+      a.signal = name;
+      a.rerun = rerun_;
+      return a;
+    }
   }
-  if (losses_.size() < kMinWindow || step < config_.train.warmup_steps) return false;
-  const double z = config_.health.sdc_anomaly_z;
-  return robust_score(losses_, values[0]) > z || robust_score(norms_, values[1]) > z ||
-         robust_score(activations_, values[2]) > z;
+  if (losses_.size() < static_cast<size_t>(config_.health.sdc_anomaly_window)) return a;
+  for (size_t i = 0; i < std::size(signals); ++i) {
+    const double score = robust_score(*windows[i], signals[i].second);
+    if (!a.score || score > *a.score) {
+      a.score = score;
+      a.signal = signals[i].first;
+    }
+  }
+  a.rerun = rerun_ && *a.score > config_.health.sdc_anomaly_z;
+  return a;
 }
 
-void SdcGuard::accept(const StepSignals& result) {
+void SdcGuard::accept(int64_t step, const StepSignals& result) {
+  // Warm-up's steps are not training's normal: the loss falls fastest and
+  // the norm swings most while the learning rate still rises.
+  if (step < config_.train.warmup_steps) return;
   for (auto [window, value] : {std::pair{&losses_, static_cast<double>(result.loss)},
                                {&norms_, result.grad_norm},
                                {&activations_, result.activation_squares}}) {
@@ -158,7 +172,8 @@ void SdcGuard::record(int64_t step, int rank, SdcMethod method, SdcVerdict verdi
   common::append_event(config_.job.run_dir, "sdc_detected", generation_, rank, std::move(fields));
 }
 
-bool SdcGuard::judge_rerun(int64_t step, const StepSignals& first, const StepSignals& rerun) {
+SdcGuard::RerunOutcome SdcGuard::judge_rerun(int64_t step, const Assessment& assessment, const StepSignals& first,
+                                              const StepSignals& rerun) {
   auto log = common::logger("sdc");
   const bool same = same_bits(first.loss, rerun.loss) && same_bits(first.grad_norm, rerun.grad_norm) &&
                     same_bits(first.activation_squares, rerun.activation_squares);
@@ -170,20 +185,35 @@ bool SdcGuard::judge_rerun(int64_t step, const StepSignals& first, const StepSig
                                   {"rerun_grad_norm", rerun.grad_norm},
                                   {"rerun_activation_squares", rerun.activation_squares}};
   if (same) {
-    log->warn(
-        "step {}: the rerun gave the same loss {}, gradient norm {} and activation squares {}: the data did it, "
-        "the step is skipped",
-        step, rerun.loss, rerun.grad_norm, rerun.activation_squares);
+    // The same inputs gave the same numbers: whatever made the step stand
+    // out is in the data or the training, not in a rank's hardware.
+    const bool skip = config_.health.spike_policy == "skip";
+    const char* action = !finite ? "refused" : skip ? "skipped" : "applied";
+    const std::string why = assessment.score ? fmt::format("its {} scored {:.1f} (threshold {})", assessment.signal,
+                                                           *assessment.score, config_.health.sdc_anomaly_z)
+                                             : fmt::format("its {} is not finite", assessment.signal);
+    log->warn("step {}: {}, and the rerun gave the same loss {}, gradient norm {} and activation squares {}: a loss "
+              "spike the data made, no hardware fault; the step is {}{}",
+              step, why, rerun.loss, rerun.grad_norm, rerun.activation_squares, action,
+              finite ? fmt::format(" (health.spike_policy = \"{}\")", config_.health.spike_policy) : std::string());
     if (rank_ == 0) {
-      record(step, -1, SdcMethod::kRerun, SdcVerdict::kData, results);
-      if (finite) {
+      common::append_event(config_.job.run_dir, "loss_spike", generation_, -1,
+                           {{"step", step},
+                            {"loss", rerun.loss},
+                            {"grad_norm", rerun.grad_norm},
+                            {"activation_squares", rerun.activation_squares},
+                            {"score", assessment.score ? nlohmann::json(*assessment.score) : nlohmann::json(nullptr)},
+                            {"signal", assessment.signal},
+                            {"threshold", config_.health.sdc_anomaly_z},
+                            {"rerun_equal", true},
+                            {"action", action}});
+      if (finite && skip) {
         common::append_event(config_.job.run_dir, "step_skipped", generation_, -1,
                              {{"step", step}, {"loss", rerun.loss}, {"grad_norm", rerun.grad_norm}});
       }
-      board_.report_sdc(step, -1, SdcMethod::kRerun, SdcVerdict::kData);
     }
     if (!finite) refuse(step, rerun);
-    return false;
+    return skip ? RerunOutcome::kSpikeSkipped : RerunOutcome::kSpikeApplied;
   }
   const std::vector<int> named = ranks_flagged(!(current_ == previous_));
   log->warn(
@@ -199,7 +229,7 @@ bool SdcGuard::judge_rerun(int64_t step, const StepSignals& first, const StepSig
     board_.report_sdc(step, rank_, SdcMethod::kRerun, SdcVerdict::kTransient);
   }
   if (!finite) refuse(step, rerun);
-  return true;
+  return RerunOutcome::kTransient;
 }
 
 void SdcGuard::after_step(int64_t steps_done) {

@@ -10,8 +10,10 @@
 //   against the recent window, is computed again from the same inputs
 //   before the optimizer touches the parameters. A different result was a
 //   transient fault: the ranks whose own share of it changed between the
-//   runs are named, and the rerun is applied. The same result means the
-//   data did it: the step is skipped.
+//   runs are named, and the rerun is applied. The same result is no
+//   hardware finding but a loss spike the data made: it is recorded as
+//   such (loss_spike), never as SDC, and health.spike_policy says whether
+//   it is trained on or skipped.
 // * Known-answer kernel test (trainer/kernels/known_answer.h) at start and
 //   every health.sdc_kat_every_s: a rank that computes wrong numbers, or
 //   other numbers than its peers, stops the run with exit 11.
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,23 +91,37 @@ class SdcGuard {
   // This attempt's activation squares so far, for the caller to sum over
   // the world with the step's other scalars.
   double local_activation_squares() const { return current_.activation_squares; }
-  // Whether the step's result must be computed again before it is
-  // applied: with health.sdc_rerun, when a signal is non-finite or
-  // negative, or (once the window holds 8 values and train.warmup_steps
-  // are done) when its logarithm lies above the window's median by more
-  // than health.sdc_anomaly_z robust deviations.
-  bool needs_rerun(int64_t step, const StepSignals& result) const;
-  // Collective, after the rerun (first: the result that asked for it).
-  // Different results: a transient fault; the ranks whose fingerprints
-  // changed are named in sdc_detected events (rank 0 appends them) and on
-  // their own boards, and the rerun is to be applied: true. The same
-  // result: the data did it; sdc_detected (rank -1, verdict data) and
-  // step_skipped are recorded and the step is skipped: false. A rerun
-  // whose loss or norm is non-finite too is recorded and refused (Error
-  // kSdcSuspected).
-  bool judge_rerun(int64_t step, const StepSignals& first, const StepSignals& rerun);
-  // The result about to be applied (or skipped as data) joins the window.
-  void accept(const StepSignals& result);
+  // How a step's result stands against the recent window, before it is
+  // applied. `score`: the largest of its signals' robust scores (the
+  // logarithm's distance above the window's median in robust deviations),
+  // once the window holds health.sdc_anomaly_window steps after
+  // train.warmup_steps; none before (docs/architecture.md "Health": why).
+  // `rerun` (with health.sdc_rerun): any signal is non-finite or negative,
+  // or the score is above health.sdc_anomaly_z.
+  struct Assessment {
+    std::optional<double> score;
+    std::string signal;  // the signal that scored highest, or the first non-finite one
+    bool rerun = false;
+  };
+  Assessment assess(const StepSignals& result) const;
+  // What a rerun showed (judge_rerun).
+  enum class RerunOutcome {
+    kTransient,     // the results differed: a transient fault, the rerun is applied
+    kSpikeApplied,  // the same result: a loss spike, trained on (spike_policy "apply")
+    kSpikeSkipped,  // the same result, skipped (spike_policy "skip")
+  };
+  // Collective, after the rerun (first: the result that asked for it, as
+  // `assessment` judged it). Different results: the ranks whose
+  // fingerprints changed are named in sdc_detected events (rank 0 appends
+  // them) and on their own boards. The same result: rank 0 appends
+  // loss_spike (and step_skipped when skipped); no rank is blamed. A rerun
+  // whose loss or norm is non-finite is refused (Error kSdcSuspected) after
+  // its record.
+  RerunOutcome judge_rerun(int64_t step, const Assessment& assessment, const StepSignals& first,
+                           const StepSignals& rerun);
+  // The result of `step`, about to be applied or skipped, joins the window
+  // once train.warmup_steps are done.
+  void accept(int64_t step, const StepSignals& result);
   // Error(kSdcSuspected) for a non-finite result that is not re-run.
   [[noreturn]] void refuse(int64_t step, const StepSignals& result) const;
 

@@ -192,16 +192,20 @@ StepStats TrainLoop::train_step(int64_t step) {
   Gradients g = compute_gradients(step);
   // The parameters are untouched until apply_update, so a suspicious
   // result is computed again from the same inputs before anything uses it.
-  if (sdc_.needs_rerun(step, g.signals)) {
+  const SdcGuard::Assessment assessment = sdc_.assess(g.signals);
+  stats.anomaly_score = assessment.score;
+  if (assessment.rerun) {
     const Gradients first = g;
     g = compute_gradients(step);
-    stats.skipped = !sdc_.judge_rerun(step, first.signals, g.signals);
+    const auto outcome = sdc_.judge_rerun(step, assessment, first.signals, g.signals);
+    stats.loss_spike = outcome != SdcGuard::RerunOutcome::kTransient;
+    stats.skipped = outcome == SdcGuard::RerunOutcome::kSpikeSkipped;
   } else if (!std::isfinite(g.signals.loss) || !std::isfinite(g.signals.grad_norm)) {
     // Every rank holds the same loss and norm (both are summed over the
     // world), so every rank refuses the same step and none waits for another.
     sdc_.refuse(step, g.signals);
   }
-  sdc_.accept(g.signals);
+  sdc_.accept(step, g.signals);
   stats.loss = g.signals.loss;
   stats.aux_loss = g.aux_loss;
   stats.grad_norm = static_cast<float>(g.signals.grad_norm);
@@ -220,7 +224,8 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   // Each rank's gradient is its share of the global mean: summing over
   // dp x cp (a CP rank's loss is the mean over its share of the positions)
   // then gives the gradient of the whole batch.
-  const float loss_scale = 1.0f / static_cast<float>(micro_batches * groups_.size(Axis::kDpCp));
+  const double spike = faults_.loss_factor(step);
+  const float loss_scale = static_cast<float>(spike) / static_cast<float>(micro_batches * groups_.size(Axis::kDpCp));
   const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
 
   const auto start = Clock::now();
@@ -287,6 +292,7 @@ TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
   const int64_t not_working_ns =
       collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
   faults_.slow_compute(std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
+  loss_sum *= spike;
   if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
   sdc_.add_local_loss(loss_sum);
   storage_.reduce_gradients();
@@ -671,6 +677,8 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
       record["aux_loss"] = stats.aux_loss;
       record["expert_tokens"] = step_expert_tokens_;
     }
+    if (stats.anomaly_score) record["anomaly_score"] = *stats.anomaly_score;
+    if (stats.loss_spike) record["loss_spike"] = true;
     if (stats.skipped) record["skipped"] = true;
     // A stop request reaches the ranks at different moments; they agree on
     // it here so that none is left waiting in a collective for the others.

@@ -40,7 +40,10 @@ struct StepStats {
   float grad_norm = 0;  // before clipping
   double lr = 0;
   double step_ms = 0;
-  bool skipped = false;  // anomalous twice alike: the data did it, the update was not applied
+  // The SDC guard's score of the step against its window (SdcGuard::assess); none before the window is full.
+  std::optional<double> anomaly_score;
+  bool loss_spike = false;  // anomalous twice alike: the data did it, no hardware
+  bool skipped = false;     // a loss spike whose update was not applied (health.spike_policy = "skip")
 };
 
 // Bytes this rank holds for the model's state: docs/architecture.md "Parallel layout and communication"'s ZeRO formulas
