@@ -16,8 +16,8 @@ constexpr float kMaxComputeMs = 86'400'000.0f;
 constexpr size_t kMaxPending = 8 * kRecentSteps;
 // One step adds at most (kClipThresholds - 1) k to a rank's evidence, and
 // flagging takes at least kMinFlagSteps such steps.
-constexpr double kClipThresholds = 3;
-constexpr double kMinFlagSteps = 4;
+constexpr double kClipThresholds = 2.5;
+constexpr double kMinFlagSteps = 16;
 // Steps of log ratios the noise is learned from, and how many it needs
 // before any rank gathers evidence.
 constexpr size_t kNoiseSteps = 200;

@@ -13,8 +13,9 @@
 // where c is the normal level of the rank's pipeline stage (the median over
 // the stage's ranks of each one's median x over the last 200 steps),
 // k = log(1 + `straggler_threshold`) is the
-// slowness a rank may have for free, and U = 3k bounds what one step may
-// add or take (a preempted step counts as a slow one, not as ten). The
+// slowness a rank may have for free, and U = 2.5k bounds what one step may
+// add or take (a preempted step counts as a slow one, not as ten; a 1.10x
+// rank's steps, 1.7-2.5k above the median, mostly pass whole). The
 // rank is flagged (once) when S reaches the decision interval h; the flag
 // clears when S is back at 0, which the cap at h keeps within h/k steps of
 // the rank's recovery.
@@ -34,8 +35,16 @@
 // h = ln(`straggler_false_alarm_steps` x ranks) / theta: by Wald's bound an
 // excursion of S reaches h with probability at most exp(-theta h), so
 // noise alone flags about once in that many steps of the whole job, or
-// less. h is at least 4 (U - k): no fewer than 4 steps flag a rank. Why
-// not a Gaussian h: compute noise on CPUs is heavy-tailed (its standard
+// less. h is at least 16 (U - k) = 24k: no fewer than 16 steps at the
+// clip flag a rank. Wald's bound takes the steps as independent, and
+// compute noise comes in bursts: in fault-free runs of 2 ranks with a core
+// each on the 2-core VM, a rank's compute ran 15-40% above its peer's for
+// 3 to 12 steps (1-2 s) every 20-40 steps, with no CPU wait to show for
+// it. With U = 3k and at least 4 steps, such bursts flagged a rank in 5 of
+// 25 runs of the false-alarm sweep (bench/README.md), and with at least 12
+// in 1 of 25. Over six recorded fault-free 2-rank runs the largest burst
+// reached 0.53 of this h (0.66 of that 12-step one), and replayed, a
+// recorded 1.10x rank of four is still flagged at step 19. Why not a Gaussian h: compute noise on CPUs is heavy-tailed (its standard
 // deviation was 1.2 to 3 times 1.4826 x its MAD in recorded runs), and an
 // h made for Gaussian noise of that MAD flagged unslowed ranks 4 times in
 // 10 replays of 3 ranks, where this one flagged none. Noise that drowns the

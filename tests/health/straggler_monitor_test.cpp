@@ -154,8 +154,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("with exact timings a rank is flagged when its evidence reaches the least decision interval") {
-    // No noise: the decision interval is its least, 4 steps at the clip,
-    // 4 (3k - k) = 8k with k = log 1.04, and every step adds log(factor) -
+    // No noise: the decision interval is its least, 16 steps at the clip,
+    // 16 (2.5k - k) = 24k with k = log 1.04, and every step adds log(factor) -
     // k. The noise is learned at the end of step 19, and then the 20 steps
     // held so far count at once.
     struct Case {
@@ -164,8 +164,8 @@ TEST_SUITE("unit") {
       int64_t step;  // -1: never
     };
     const Case cases[] = {
-        {"a tenth slower: 8k / (log 1.10 - k) = 5.6 steps, held by the warm-up", 1.10, 19},
-        {"5% slower: 8k / (log 1.05 - k) = 32.8 steps", 1.05, 32},
+        {"a tenth slower: 24k / (log 1.10 - k) = 16.8 steps, held by the warm-up", 1.10, 19},
+        {"5% slower: 24k / (log 1.05 - k) = 98.4 steps", 1.05, 98},
         {"3% slower, under the threshold", 1.03, -1},
     };
     for (const auto& c : cases) {
@@ -173,7 +173,7 @@ TEST_SUITE("unit") {
       SyntheticJob job(4);
       StragglerMonitor monitor(defaults());
       Noise exact{0};
-      const auto found = run(monitor, job, 0, 100, {.slow = 3, .factor = c.factor}, exact);
+      const auto found = run(monitor, job, 0, 150, {.slow = 3, .factor = c.factor}, exact);
       if (c.step < 0) {
         CHECK(found.empty());
         continue;
@@ -300,8 +300,8 @@ TEST_SUITE("unit") {
 
   TEST_CASE("normal steps among slow ones take back their allowance and no more") {
     // Slow steps 30-33 leave 4 (log 1.1 - k) = 0.224 of evidence, normal
-    // steps 34-36 take 3k = 0.118 of it, and 4 more slow steps (37-40)
-    // bring the remaining 0.107 to 8k = 0.314.
+    // steps 34-36 take 3k = 0.118 of it, and 15 more slow steps (37-51)
+    // bring the remaining 0.107 to 24k = 0.941.
     SyntheticJob job(4);
     StragglerMonitor monitor(defaults());
     Noise exact{0};
@@ -309,7 +309,7 @@ TEST_SUITE("unit") {
     CHECK(run(monitor, job, 34, 3, {}, exact).empty());
     const auto found = run(monitor, job, 37, 20, {.slow = 0}, exact);
     REQUIRE(ranks_of(found) == std::vector<int>{0});
-    CHECK(found[0].step == 40);
+    CHECK(found[0].step == 51);
   }
 
   TEST_CASE("a flag clears once the rank has been normal for as long as its evidence takes and can be raised again") {
@@ -319,19 +319,20 @@ TEST_SUITE("unit") {
     CHECK(ranks_of(run(monitor, job, 0, 40, {.slow = 0}, exact)) == std::vector<int>{0});
     CHECK(monitor.flagged(0));
     CHECK(monitor.report()["ranks"][0]["evidence"] == 1.0);
-    // The evidence is capped at the decision interval 8k, so 8 normal
-    // steps take it all back, not the 12 steps it was slow past the flag.
-    CHECK(run(monitor, job, 40, 4, {}, exact).empty());
+    // The evidence is capped at the decision interval 24k, so 24 normal
+    // steps take it all back, not the 20 steps it was slow past the flag
+    // and the 20 before.
+    CHECK(run(monitor, job, 40, 20, {}, exact).empty());
     CHECK(monitor.flagged(0));
-    CHECK(run(monitor, job, 44, 6, {}, exact).empty());
+    CHECK(run(monitor, job, 60, 5, {}, exact).empty());
     CHECK_FALSE(monitor.flagged(0));
-    CHECK(ranks_of(run(monitor, job, 50, 30, {.slow = 0}, exact)) == std::vector<int>{0});
+    CHECK(ranks_of(run(monitor, job, 65, 30, {.slow = 0}, exact)) == std::vector<int>{0});
   }
 
   TEST_CASE("noise that drowns the threshold flags nobody and the report says so") {
     // 7 of 16 ranks in turn are a fifth slower each step: each rank is
     // slow 7 steps in 16, so its median is normal, but its clipped excess
-    // averages 7/16 x 3k, more than the k it may have for free. Every
+    // averages 7/16 x 2.5k, more than the k it may have for free. Every
     // rank would gather evidence; none may.
     SyntheticJob job(16);
     StragglerMonitor monitor(defaults());
@@ -370,7 +371,7 @@ TEST_SUITE("unit") {
     CHECK(report["threshold"] == 0.04);
     CHECK(report["false_alarm_steps"] == 1'000'000);
     CHECK(report["noise"] == 0.0);
-    CHECK(report["decision_interval"].get<double>() == doctest::Approx(8 * std::log1p(0.04)));
+    CHECK(report["decision_interval"].get<double>() == doctest::Approx(24 * std::log1p(0.04)));
     CHECK(report["sync_tax"].get<double>() == doctest::Approx(1.2));
     REQUIRE(report["ranks"].size() == 3);
     CHECK(report["ranks"][1] == nlohmann::json{{"rank", 1},
