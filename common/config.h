@@ -234,7 +234,9 @@ struct HealthConfig {
   int64_t sdc_digest_every = 10;        // replica digests every N steps; 0 = off
   double sdc_kat_every_s = 600;         // known-answer kernel tests at start and this often; 0 = at start only
   bool sdc_rerun = true;                // re-run a step whose loss or gradient norm is anomalous before applying it
-  double sdc_anomaly_z = 8;             // robust z-score (median, MAD of the recent window) that makes a step anomalous
+  // Robust z-score (median, MAD of the recent window) that makes a step
+  // anomalous: twice the largest a fault-free run scored (docs/architecture.md "Health").
+  double sdc_anomaly_z = 20;
   // Steps of loss, gradient-norm and activation history after
   // train.warmup_steps for that score; nothing is scored until it is full.
   int64_t sdc_anomaly_window = 50;

@@ -94,7 +94,8 @@ TEST_SUITE("unit") {
     const std::vector<Row> rows = {
         {"an ordinary step", 40, ordinary(), false, {}},
         {"the loss four times the median", 40, ordinary(12.0f), true, {}},
-        {"the norm a hundred times the median", 40, ordinary(2.9f, 50.0), true, {}},
+        {"the norm ten thousand times the median", 40, ordinary(2.9f, 5000.0), true, {}},
+        {"the norm ten times the median, as training spikes", 40, ordinary(2.9f, 5.0), false, {}},
         {"a norm at the window's heavy tail", 40, ordinary(2.9f, 1.2), false, {}},
         {"activation squares 2^64 times the median (an exponent bit flipped)", 40, ordinary(2.9f, 0.5, 2.6e23),
          true, {}},
@@ -109,6 +110,8 @@ TEST_SUITE("unit") {
         {"a spike after a smaller window filled", 8, ordinary(12.0f), true, {"health.sdc_anomaly_window=8"}},
         {"a NaN with health.sdc_rerun off", 40, ordinary(kNan), false, {"health.sdc_rerun=false"}},
         {"a spike below a higher health.sdc_anomaly_z", 40, ordinary(12.0f), false, {"health.sdc_anomaly_z=100"}},
+        {"a spike of the norm above a lower health.sdc_anomaly_z", 40, ordinary(2.9f, 50.0), true,
+         {"health.sdc_anomaly_z=8"}},
     };
     for (const Row& row : rows) {
       CAPTURE(row.name);
@@ -129,9 +132,9 @@ TEST_SUITE("unit") {
     const auto calm = g.guard->assess(ordinary());
     REQUIRE(calm.score.has_value());
     CHECK(*calm.score < 4);
-    const auto spike = g.guard->assess(ordinary(2.9f, 50.0));
+    const auto spike = g.guard->assess(ordinary(2.9f, 5000.0));
     CHECK(spike.signal == "grad_norm");
-    CHECK(*spike.score > 8);
+    CHECK(*spike.score > 20);
     CHECK(spike.rerun);
     const auto nan = g.guard->assess(ordinary(2.9f, 0.5, kInf));
     CHECK(nan.signal == "activation_squares");
@@ -144,7 +147,8 @@ TEST_SUITE("unit") {
     CHECK_FALSE(g.guard->assess({2.1f, 0.25, 100.0}).rerun);
     CHECK_FALSE(g.guard->assess({2.0f, 0.3, 100.0}).rerun);
     CHECK_FALSE(g.guard->assess({2.0f, 0.25, 110.0}).rerun);
-    CHECK(g.guard->assess({4.0f, 0.25, 100.0}).rerun);
+    CHECK_FALSE(g.guard->assess({4.0f, 0.25, 100.0}).rerun);  // twice the plateau
+    CHECK(g.guard->assess({8.0f, 0.25, 100.0}).rerun);
     CHECK(g.guard->assess({2.0f, 1.0, 100.0}).rerun);
     CHECK(g.guard->assess({2.0f, 0.25, 400.0}).rerun);
   }
@@ -215,7 +219,7 @@ TEST_SUITE("unit") {
       CHECK(spike.at("grad_norm") == 40.0);
       CHECK(spike.at("score") == 11.5);
       CHECK(spike.at("signal") == "grad_norm");
-      CHECK(spike.at("threshold") == 8.0);
+      CHECK(spike.at("threshold") == 20.0);
       CHECK(spike.at("rerun_equal") == true);
       CHECK(spike.at("action") == (row.outcome == Outcome::kSpikeSkipped ? "skipped" : "applied"));
       if (events.size() > 1) CHECK(events[1].at("step") == 30);
