@@ -3,8 +3,8 @@
 // any of it is used, and none in a training step, which on a GPU means no
 // cudaMalloc in the step.
 #include "common/counter_rng.h"
-#include "tests/trainer/backend_wrapper.h"
 #include "trainer/kernels/arena.h"
+#include "trainer/kernels/backend_wrapper.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
@@ -23,7 +23,7 @@ using keel::trainer::CpuBackend;
 namespace {
 
 // Counts what the code under test allocates.
-class CountingBackend : public keel::test::BackendWrapper {
+class CountingBackend : public keel::trainer::BackendWrapper {
  public:
   using BackendWrapper::BackendWrapper;
   void* alloc(size_t bytes) override {

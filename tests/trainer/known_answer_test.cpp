@@ -7,9 +7,9 @@
 #include "common/error.h"
 #include "health/progress_board.h"
 #include "tests/support/temp_dir.h"
-#include "tests/trainer/backend_wrapper.h"
 #include "tests/trainer/thread_count_guard.h"
 #include "tests/trainer/trainer_runs.h"
+#include "trainer/kernels/backend_wrapper.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/train/sdc_guard.h"
 
@@ -26,7 +26,7 @@ using keel::trainer::CpuBackend;
 
 // Flips the lowest mantissa bit of one output element of one kernel: the
 // smallest wrong answer there is.
-class OneWrongBit final : public keel::test::BackendWrapper {
+class OneWrongBit final : public keel::trainer::BackendWrapper {
  public:
   OneWrongBit(keel::trainer::Backend& target, std::string kernel)
       : BackendWrapper(target), kernel_(std::move(kernel)) {}

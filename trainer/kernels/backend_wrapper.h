@@ -1,15 +1,15 @@
-// A Backend that forwards every kernel to another one: a test derives from
-// it and overrides only the kernel it breaks (the FileSystemWrapper pattern
-// of checkpoint/file_system.h).
+// A Backend that forwards every kernel to another one: a fault injector or
+// a test derives from it and overrides only the kernel it breaks (the
+// FileSystemWrapper pattern of checkpoint/file_system.h).
 #pragma once
 
 #include "trainer/kernels/backend.h"
 
-namespace keel::test {
+namespace keel::trainer {
 
-class BackendWrapper : public trainer::Backend {
+class BackendWrapper : public Backend {
  public:
-  explicit BackendWrapper(trainer::Backend& target) : target_(target) {}
+  explicit BackendWrapper(Backend& target) : target_(target) {}
 
   bool host_memory() const override { return target_.host_memory(); }
   const char* name() const override { return target_.name(); }
@@ -26,7 +26,7 @@ class BackendWrapper : public trainer::Backend {
   void pin_host(void* data, size_t bytes) override { target_.pin_host(data, bytes); }
   void unpin_host(void* data) override { target_.unpin_host(data); }
   void snapshot_to_host(const std::vector<HostCopy>& copies) override { target_.snapshot_to_host(copies); }
-  trainer::Stream& compute_stream() override { return target_.compute_stream(); }
+  Stream& compute_stream() override { return target_.compute_stream(); }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl, const float* wpe,
                          int B, int T, int C) override {
     target_.embedding_forward(out, tokens, wte, v_begin, Vl, wpe, B, T, C);
@@ -47,7 +47,7 @@ class BackendWrapper : public trainer::Backend {
                           const float* weight, const float* mean, const float* rstd, int N, int C) override {
     target_.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
-  trainer::DType gemm_inputs() const override { return target_.gemm_inputs(); }
+  DType gemm_inputs() const override { return target_.gemm_inputs(); }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) override {
     target_.matmul_forward(out, inp, weight, bias, N, C, OC);
@@ -113,7 +113,7 @@ class BackendWrapper : public trainer::Backend {
   double sum(const float* x, size_t n) override { return target_.sum(x, n); }
 
  protected:
-  trainer::Backend& target_;
+  Backend& target_;
 };
 
-}  // namespace keel::test
+}  // namespace keel::trainer
