@@ -10,6 +10,7 @@
 // number of bytes with io_uring, O_DIRECT, 1 MiB blocks and queue depth 16
 // (end_fsync for the write). Page caches are dropped for the files before
 // every read.
+#include "bench/blas_ceiling.h"
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/parallel_copy.h"
@@ -202,6 +203,7 @@ int main(int argc, char** argv) {
                               {"stall_ratio_vs_memcpy", median(stall_ratios)},
                               {"ratios_by_round", {{"save", save_ratios}, {"load", load_ratios}, {"stall", stall_ratios}}},
                               {"stall_target", "<= 1.5"},
+                              {"blas", keel::bench::blas_ceiling(0)},
                               {"machine", machine}}.dump()
             << std::endl;
   if (!keep) fs::remove_all(root);

@@ -19,6 +19,7 @@
 #include "bench/bench_model.h"
 #include "common/config.h"
 #include "health/board_publisher.h"
+#include "trainer/train/blas_core_start.h"
 #include "health/progress_board.h"
 #include "tests/support/temp_dir.h"
 #include "tests/trainer/token_fixture.h"
@@ -107,7 +108,10 @@ int main(int argc, char** argv) {
   const auto with = keel::common::Config::load(path, {"job.run_dir=" + (dir / "a").string(), threads_set});
   const auto without =
       keel::common::Config::load(path, {"job.run_dir=" + (dir / "b").string(), threads_set, "health.sdc_rerun=false"});
+  // The kernels keel-trainer would run here (this process is a trainer too).
+  const std::optional<keel::trainer::BlasCore> blas = keel::trainer::settle_blas_core(with.train.blas_core, argv);
   keel::trainer::CpuBackend cpu(threads);
+  keel::trainer::prove_blas_core(*blas, cpu, false, argv);
   keel::trainer::TrainLoop fingerprinted(with, cpu), plain(without, cpu);
 
   std::vector<double> on, off;
@@ -164,7 +168,8 @@ int main(int argc, char** argv) {
                               {"board_ms_per_step", board_ms},
                               {"sdc_overhead_at_defaults", sdc_per_step / step_ms},
                               {"board_overhead", board_ms / step_ms},
-                              {"overhead_at_defaults", (sdc_per_step + board_ms) / step_ms}}
+                              {"overhead_at_defaults", (sdc_per_step + board_ms) / step_ms},
+                              {"blas", keel::trainer::blas_report(blas, cpu)}}
                    .dump()
             << std::endl;
   return 0;

@@ -9,6 +9,7 @@
 // straggler_flagged or hang_detected in any run, and no score above half
 // the threshold. Progress goes to stderr, one JSON object to stdout;
 // --check exits 1 when the target is missed.
+#include "bench/blas_ceiling.h"
 #include "common/config.h"
 #include "tests/support/fortunes.h"
 #include "tests/support/process.h"
@@ -217,6 +218,7 @@ int main(int argc, char** argv) {
                         {"runs", results.size()},
                         {"events", totals},
                         {"target_met", all_quiet},
+                        {"blas", keel::bench::blas_ceiling(0)},
                         {"per_run", results}};
   out["max_score"] = max_score ? nlohmann::json(*max_score) : nlohmann::json(nullptr);
   out["max_score_over_threshold"] = max_score ? nlohmann::json(*max_score / threshold) : nlohmann::json(nullptr);

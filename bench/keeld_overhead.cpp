@@ -5,6 +5,7 @@
 // (2) Restart time: from kill -9 of a rank to the first step completed by
 // the next generation, with the back-off set to 0, over several kills.
 // Prints one JSON object per result.
+#include "bench/blas_ceiling.h"
 #include "bench/bench_model.h"
 #include "bench/metrics_rows.h"
 #include "daemon/protocol.h"
@@ -176,6 +177,7 @@ int main(int argc, char** argv) {
                               {"keeld_cpu_s", usage.cpu_s},
                               {"keeld_cpu_percent_of_one_core", 100.0 * usage.cpu_s / keeld_wall_s},
                               {"keeld_wall_s", keeld_wall_s},
+                              {"blas", keel::bench::blas_ceiling(std::stoi(threads))},
                               {"machine", machine}}
                    .dump()
             << std::endl;

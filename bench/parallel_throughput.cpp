@@ -17,6 +17,7 @@
 // (the reference), side by side. `--set` changes the model of every run.
 // Ranks are real keel-trainer processes rendezvousing through an embedded
 // Store, started by the test launcher (keeld does this in production).
+#include "bench/blas_ceiling.h"
 #include "bench/metrics_rows.h"
 #include "bench/bench_model.h"
 #include "common/config.h"
@@ -195,6 +196,7 @@ int main(int argc, char** argv) {
                           {"micro_batches", micro_batches},
                           {"overlap_comm", run.overlap},
                           {"threads_per_rank", threads},
+                          {"blas", keel::bench::blas_ceiling(threads)},
                           {"steps_timed", steps - warmup},
                           {"model",
                            {{"n_layer", run_config.model.n_layer},

@@ -1,5 +1,6 @@
 #include "common/config.h"
 
+#include "common/blas_core.h"
 #include "common/error.h"
 
 #include <fmt/format.h>
@@ -337,6 +338,11 @@ void Config::validate() const {
   at_least(train.threads, 0, "train.threads");
   check(train.device == "cpu" || train.device == "cuda", "train.device",
         fmt::format("must be \"cpu\" or \"cuda\" (got \"{}\")", train.device));
+  check(train.blas_core == "auto" || train.blas_core == "library" || is_openblas_core(train.blas_core),
+        "train.blas_core",
+        fmt::format("must be \"auto\", \"library\" or an OpenBLAS x86-64 core such as \"Haswell\", \"SkylakeX\" or "
+                    "\"Cooperlake\" (got \"{}\")",
+                    train.blas_core));
   check(train.precision == "auto" || train.precision == "fp32" || train.precision == "bf16", "train.precision",
         fmt::format("must be \"auto\", \"fp32\" or \"bf16\" (got \"{}\")", train.precision));
   // trainer/kernels/cuda/attention.cu holds a head in registers, 8 floats a lane.
@@ -395,9 +401,9 @@ void Config::validate() const {
         fmt::format("must be a bit of a float32, 0-31 (got {})", faults.bitflip_bit));
   check(faults.bitflip_target == "param" || faults.bitflip_target == "exp_avg" ||
             faults.bitflip_target == "exp_avg_sq" || faults.bitflip_target == "grad" ||
-            faults.bitflip_target == "activation",
+            faults.bitflip_target == "activation" || faults.bitflip_target == "blas_core",
         "faults.bitflip_target",
-        fmt::format("must be \"param\", \"exp_avg\", \"exp_avg_sq\", \"grad\" or \"activation\" (got \"{}\")",
+        fmt::format("must be \"param\", \"exp_avg\", \"exp_avg_sq\", \"grad\", \"activation\" or \"blas_core\" (got \"{}\")",
                     faults.bitflip_target));
   check(!faults.hang_group.empty(), "faults.hang_group", "must name a mesh axis, e.g. \"dp\" or \"tp\"");
   check(faults.checkpoint_fault.empty() || faults.checkpoint_fault == "write_error" ||

@@ -129,6 +129,10 @@ struct TrainConfig {
   int64_t threads = 0;           // CPU threads for kernels; 0 = OMP_NUM_THREADS, else every CPU the rank may use
   std::string device = "cpu";    // "cpu" or "cuda" (one GPU per rank): the backend every rank trains on
   std::string precision = "auto";  // GEMM inputs: "fp32", "bf16" or "auto" (bf16 on cuda, else fp32)
+  // OpenBLAS kernels of the cpu device (common/blas_core.h): "auto" (the
+  // newest this CPU runs when OpenBLAS picked older ones), "library"
+  // (OpenBLAS's own choice) or a core name ("Haswell", "SkylakeX", ...).
+  std::string blas_core = "auto";
 
   template <class V> void visit(V& v) {
     v("steps", steps);
@@ -147,6 +151,7 @@ struct TrainConfig {
     v("threads", threads);
     v("device", device);
     v("precision", precision);
+    v("blas_core", blas_core);
   }
   // precision with "auto" resolved for the device.
   std::string gemm_precision() const {
@@ -300,7 +305,10 @@ struct FaultsConfig {
   double slow_stall_s = 0;        // with slow_phase "checkpoint" or "validation"; 0 = off
   int64_t bitflip_rank = -1;      // the rank where one bit of one float32 flips; -1 = none
   int64_t bitflip_step = 0;       // during this step
-  std::string bitflip_target = "param";  // "param" | "exp_avg" | "exp_avg_sq" (persistent) | "grad" | "activation" (transient)
+  // "param" | "exp_avg" | "exp_avg_sq" (persistent) | "grad" | "activation"
+  // (transient) | "blas_core" (the known-answer test that proves a BLAS
+  // core keel chose gets one wrong GEMM output, at start, on bitflip_rank)
+  std::string bitflip_target = "param";
   std::string bitflip_tensor = "";       // the tensor (e.g. "h.0.mlp.c_fc.weight"); empty = one chosen from the step
   int64_t bitflip_bit = 22;       // 0-22 mantissa (22, the highest, is silent), 23-30 exponent, 31 sign
   std::string checkpoint_fault = "";  // "write_error" | "corrupt" (a byte flipped after its checksum) | "disk_full"; empty = none

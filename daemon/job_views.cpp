@@ -64,6 +64,10 @@ nlohmann::json status_json(const JobReport& report) {
       r["phase"] = health::phase_name(s.phase);
       r["step_ms"] = s.step_ms;
       r["board_age_s"] = common::ns_to_seconds(now_ns - s.update_ns);
+      if (const std::string core = health::board_text(s.blas_core); !core.empty()) {
+        r["blas_core"] = core;
+        r["blas_chosen_by"] = health::board_text(s.blas_chosen_by);
+      }
       // The collective begun last, of whichever group.
       const health::GroupRecord* newest = nullptr;
       for (const auto& g : s.groups) {

@@ -3,9 +3,13 @@
 #include "common/human_format.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
+#include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace keel::daemon {
 namespace {
@@ -33,6 +37,21 @@ std::string tally(const nlohmann::json& s, const char* key, const char* one, con
   return fmt::format("{} {} (the last at step {})", count, count == 1 ? one : many, it->value("last_step", int64_t{-1}));
 }
 
+// "BLAS core Cooperlake (chosen by auto) on ranks 0, 1 | ..." (trainer/train/blas_core_start.h):
+// ranks grouped by core and chooser, so a rank that fell back stands out.
+std::string blas_cores(const nlohmann::json& ranks) {
+  std::map<std::pair<std::string, std::string>, std::vector<std::string>> groups;
+  for (const auto& r : ranks) {
+    if (r.contains("blas_core")) groups[{text(r, "blas_core"), text(r, "blas_chosen_by")}].push_back(text(r, "rank"));
+  }
+  std::vector<std::string> parts;
+  for (const auto& [core, members] : groups) {
+    parts.push_back(fmt::format("{} (chosen by {}) on rank{} {}", core.first, core.second,
+                                members.size() == 1 ? "" : "s", fmt::join(members, ", ")));
+  }
+  return parts.empty() ? "" : fmt::format("BLAS core {}\n", fmt::join(parts, " | "));
+}
+
 }  // namespace
 
 void print_status(const nlohmann::json& s, std::ostream& out) {
@@ -57,6 +76,7 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
     out << (spikes.empty() ? skipped : skipped.empty() ? spikes : spikes + " | " + skipped)
         << " (keelctl events: loss_spike, step_skipped)\n";
   }
+  out << blas_cores(s.value("ranks", nlohmann::json::array()));
   out << "run_dir " << text(s, "run_dir");
   if (s.contains("metrics_port") && s["metrics_port"].is_number()) {
     out << " | metrics http://127.0.0.1:" << s["metrics_port"].get<int>() << "/metrics";

@@ -85,6 +85,13 @@ int BoardPublisher::add_group(std::string_view name, int index, int size) {
   return id;
 }
 
+void BoardPublisher::set_blas_core(std::string_view core, std::string_view chosen_by) {
+  update([&](BoardSnapshot& s) {
+    core.copy(s.blas_core, sizeof s.blas_core - 1);
+    chosen_by.copy(s.blas_chosen_by, sizeof s.blas_chosen_by - 1);
+  });
+}
+
 void BoardPublisher::set_extent(int64_t first_step, int64_t total_steps) {
   update([&](BoardSnapshot& s) {
     s.first_step = first_step;

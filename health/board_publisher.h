@@ -40,6 +40,9 @@ class BoardPublisher {
   // so a communicator's calls take one path either way.
   int add_group(std::string_view name, int index, int size);
 
+  // The OpenBLAS core the rank runs and whose choice it is; a name longer
+  // than the field is cut (core names are short).
+  void set_blas_core(std::string_view core, std::string_view chosen_by);
   // The run's extent: where this generation starts and where it ends.
   void set_extent(int64_t first_step, int64_t total_steps);
   // Ends the current phase (its duration feeds the phase's budget) and

@@ -69,6 +69,15 @@ bool FaultInjector::poisons(int64_t step, const std::string& target) const {
   return true;
 }
 
+bool FaultInjector::breaks_blas_core() const {
+  if (faults().bitflip_rank != rank_ || faults().bitflip_target != "blas_core" || !armed()) return false;
+  common::logger("faults")->warn(
+      "fault injection ([faults] bitflip_rank = {}, bitflip_target = blas_core): one GEMM output of the known-answer "
+      "test that proves the BLAS core is wrong by one bit",
+      rank_);
+  return true;
+}
+
 double FaultInjector::loss_factor(int64_t step) const {
   if (faults().loss_spike_step != step || !armed()) return 1.0;
   common::logger("faults")->warn(
@@ -173,6 +182,12 @@ bool FaultInjector::apply(const FaultRequest& request, int64_t next_step) {
       f.slow_factor = request.factor;
       break;
     case FaultKind::kBitflip:
+      if (target == "blas_core") {
+        log->warn("ignoring keelctl inject request {}: a BLAS core is proved at start only; set "
+                  "faults.bitflip_target = \"blas_core\" in the config instead",
+                  request.count);
+        return false;
+      }
       f.bitflip_rank = rank_;
       f.bitflip_step = step;
       if (!target.empty()) f.bitflip_target = target;

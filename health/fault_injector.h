@@ -45,6 +45,11 @@ class FaultInjector {
   // fault_generation), 1 otherwise. Every computation of the step asks, so
   // a rerun reproduces the spike. Logs it when it is not 1.
   double loss_factor(int64_t step) const;
+  // Whether the known-answer test that proves a BLAS core keel chose is to
+  // get one wrong GEMM output on this rank (bitflip_target = "blas_core" on
+  // bitflip_rank, in fault_generation; at start, whatever bitflip_step).
+  // Logs it when it says yes.
+  bool breaks_blas_core() const;
   // Called by Communicator before a call of group `group` ("g0.dp.0")
   // takes its sequence number: from [faults] hang_step on, the first call
   // of a group of axis hang_group blocks this thread for good, so the call

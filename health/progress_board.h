@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -40,7 +41,7 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-inline constexpr uint32_t kBoardVersion = 3;
+inline constexpr uint32_t kBoardVersion = 4;
 // Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
 // ep, expert_dp, dp_cp) and one spare.
 inline constexpr size_t kMaxGroups = 8;
@@ -50,6 +51,7 @@ inline constexpr size_t kGroupNameBytes = 64;
 inline constexpr size_t kOpNameBytes = 16;
 inline constexpr size_t kRecentSteps = 32;
 inline constexpr size_t kDigestSlots = 8;
+inline constexpr size_t kBlasCoreBytes = 24;  // an OpenBLAS core name and its NUL
 
 // Times are nanoseconds on CLOCK_MONOTONIC (common/clock.h), comparable
 // between the processes of one machine.
@@ -169,6 +171,10 @@ struct BoardSnapshot {
   uint64_t checkpoint_bytes = 0;  // this rank's bytes in it
   double checkpoint_write_s = 0;  // its write time on the writer thread
   uint64_t checkpoint_requests_seen = 0;  // the request count the rank acted on last
+  // The OpenBLAS core the CPU backend runs and whose choice it is
+  // (trainer/train/blas_core_start.h); empty on a GPU rank.
+  char blas_core[kBlasCoreBytes] = {};
+  char blas_chosen_by[kBlasCoreBytes] = {};
 
   // The step timing of `step` if the ring still holds it.
   const StepTiming* timing_of(int64_t step) const;
@@ -179,6 +185,11 @@ struct BoardSnapshot {
 // A group's name as a string (stops at the first NUL, never reads past the
 // field: a board is not trusted).
 std::string group_name(const GroupRecord& group);
+// The same for a fixed-size text field of a board.
+template <size_t N>
+std::string board_text(const char (&field)[N]) {
+  return std::string(field, strnlen(field, N));
+}
 
 // The kind of a process group: its mesh axis, the name without the
 // generation prefix and the index suffix ("dp" of "g3.dp.0", "expert_dp" of

@@ -97,6 +97,27 @@ TEST_SUITE("unit") {
     CHECK(page.find("keel_rank_board_age_seconds{job=\"views\",rank=\"1\"} 3") != std::string::npos);
   }
 
+  TEST_CASE("the status names each rank's BLAS core, and a rank that fell back stands apart") {
+    JobReport report;
+    report.now_ns = kNow;
+    report.job = "views";
+    report.state = JobState::kRunning;
+    report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1),
+                    rank_in_dp(2, 7, health::CollectiveState::kDone, 1)};
+    for (auto& rank : report.ranks) {
+      std::strcpy(rank.last->blas_core, rank.rank == 2 ? "Prescott" : "Cooperlake");
+      std::strcpy(rank.last->blas_chosen_by, rank.rank == 2 ? "fallback" : "auto");
+    }
+    const auto status = status_json(report);
+    CHECK(status.at("ranks").at(0).at("blas_core") == "Cooperlake");
+    CHECK(status.at("ranks").at(2).at("blas_chosen_by") == "fallback");
+    std::ostringstream table;
+    print_status(status, table);
+    CAPTURE(table.str());
+    CHECK(table.str().find("BLAS core Cooperlake (chosen by auto) on ranks 0, 1 | Prescott (chosen by fallback) on "
+                           "rank 2\n") != std::string::npos);
+  }
+
   TEST_CASE("loss spikes and skipped steps show in the status and on the page but never as detections") {
     JobReport report;
     report.now_ns = kNow;

@@ -113,9 +113,11 @@ TEST_SUITE("integration") {
     const auto parsed = nlohmann::json::parse(status.output);
     CHECK(parsed.at("ranks").size() == 4);
     CHECK(parsed.at("ranks").at(0).contains("phase"));
+    CHECK(parsed.at("ranks").at(0).at("blas_core").get<std::string>().size() > 0);
     const auto table = run_process({keelctl, "--socket", job.socket(), "status"});
     CHECK(table.output.find("last collective") != std::string::npos);
     CHECK(table.output.find("ETA") != std::string::npos);
+    CHECK(table.output.find("BLAS core ") != std::string::npos);
 
     const auto now = run_process({keelctl, "--socket", job.socket(), "checkpoint", "now"});
     CHECK(now.exit_code == 0);

@@ -5,6 +5,7 @@
 #include "common/error.h"
 #include "trainer/data/dataset.h"
 #include "trainer/kernels/cpu_backend.h"
+#include "trainer/train/blas_core_start.h"
 #include "trainer/train/train_loop.h"
 #include "tests/support/npy.h"
 
@@ -47,7 +48,10 @@ int main(int argc, char** argv) {
 
   try {
     auto config = keel::common::Config::load(config_path, overrides);
+    // The oracle holds the kernels keel-trainer runs, on the core it runs.
+    const auto blas = keel::trainer::settle_blas_core(config.train.blas_core, argv);
     keel::trainer::CpuBackend backend(static_cast<int>(config.train.threads));
+    keel::trainer::prove_blas_core(blas, backend, false, argv);
     const fs::path out(out_dir);
     fs::create_directories(out);
     const int B = static_cast<int>(config.train.batch_size), T = static_cast<int>(config.model.seq_len);

@@ -6,8 +6,10 @@
 #include "common/layout_check.h"
 #include "common/log.h"
 #include "common/tcp_store.h"
+#include "health/fault_injector.h"
 #include "trainer/parallel/mesh.h"
 #include "trainer/parallel/process_groups.h"
+#include "trainer/train/blas_core_start.h"
 #include "trainer/train/devices.h"
 #include "trainer/train/train_loop.h"
 #include "trainer/train/worker_env.h"
@@ -40,7 +42,7 @@ void dump_flight_recorder(const keel::trainer::FlightRecorder& recorder, const s
   }
 }
 
-void print_summary(const keel::trainer::RunSummary& s, bool json) {
+void print_summary(const keel::trainer::RunSummary& s, const std::optional<keel::trainer::BlasCore>& blas, bool json) {
   if (json) {
     nlohmann::json out = {{"steps", s.steps_done},
                           {"stopped_early", s.stopped_early},
@@ -60,6 +62,7 @@ void print_summary(const keel::trainer::RunSummary& s, bool json) {
                             {"optimizer_bytes", s.memory.optimizer},
                             {"total_bytes", s.memory.total}}}};
     out["final_val_loss"] = s.final_val_loss ? nlohmann::json(*s.final_val_loss) : nlohmann::json(nullptr);
+    out["blas"] = blas ? blas->to_json() : nlohmann::json(nullptr);
     std::cout << out.dump() << std::endl;
     return;
   }
@@ -73,37 +76,69 @@ void print_summary(const keel::trainer::RunSummary& s, bool json) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  using keel::common::Error;
-  using keel::common::ErrorCode;
+// Ranks rendezvous through the Store; groups are named by generation so a
+// restarted generation never reads the addresses of the one before.
+std::unique_ptr<keel::trainer::ProcessGroups> join_groups(const keel::trainer::WorkerEnv& worker,
+                                                          const keel::common::ParallelConfig& parallel,
+                                                          keel::trainer::Backend& backend, keel::common::Store& store,
+                                                          keel::health::BoardPublisher* board,
+                                                          const std::shared_ptr<keel::trainer::FlightRecorder>& recorder) {
+  auto log = keel::common::logger("trainer");
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
+  keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
+  auto groups = std::make_unique<keel::trainer::ProcessGroups>(mesh, [&](const keel::trainer::Group& group) {
+    log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
+    return keel::trainer::join_group(backend, store, fmt::format("g{}.{}", worker.generation, group.name),
+                                     group.index_in_group, static_cast<int>(group.ranks.size()), timeout, recorder,
+                                     keel::common::rank_failed_key(worker.generation));
+  });
+  for (const auto& group : groups->communicators()) {
+    if (board != nullptr) group.comm->set_progress_board(board);
+    group.comm->set_compute_stream(&backend.compute_stream());
+  }
+  groups->on_peer_failure();
+  return groups;
+}
 
-  CLI::App app{"keel-trainer: one rank of a keel training run"};
+// What the command line asks for.
+struct Command {
   std::string config_path;
   std::vector<std::string> overrides;
   bool json = false;
+  bool blas_report = false;
   std::string gradient_dump, init_from, eval_dir, eval_data;
   int64_t stop_after = -1, eval_sequences = -1;
-  app.add_option("--config", config_path, "TOML run configuration")->required();
-  app.add_option("--set", overrides, "override a config entry: --set section.key=value (repeatable)");
-  app.add_flag("--json", json, "print the final summary as one JSON object on stdout");
-  app.add_option("--init-from", init_from,
+};
+
+// Fills `command` from argv; an exit code when the program ends here
+// (--help, a usage error).
+std::optional<int> parse_command(int argc, char** argv, Command& command) {
+  CLI::App app{"keel-trainer: one rank of a keel training run"};
+  app.add_option("--config", command.config_path, "TOML run configuration")->required();
+  app.add_option("--set", command.overrides, "override a config entry: --set section.key=value (repeatable)");
+  app.add_flag("--json", command.json, "print the final summary as one JSON object on stdout");
+  app.add_option("--init-from", command.init_from,
                  "when the run has no checkpoint that loads, start from this checkpoint directory (any layout), or "
                  "from step 0 with 'none' (the same as --set checkpoint.init_from=...)");
-  app.add_option("--stop-after", stop_after,
+  app.add_option("--stop-after", command.stop_after,
                  "stop after this many steps as a stop request would: final checkpoint, then exit 14");
-  auto* eval = app.add_option("--eval", eval_dir,
+  auto* eval = app.add_option("--eval", command.eval_dir,
                                "evaluate this checkpoint (any layout) instead of training and print one JSON "
                                "object: step, loss, sequences, tokens");
-  app.add_option("--eval-data", eval_data, "token file for --eval (llm.c shard format)")->needs(eval);
-  app.add_option("--eval-sequences", eval_sequences,
+  app.add_option("--eval-data", command.eval_data, "token file for --eval (llm.c shard format)")->needs(eval);
+  app.add_option("--eval-sequences", command.eval_sequences,
                  "windows of seq_len + 1 tokens from the start of --eval-data (default: all)")
       ->needs(eval);
-  app.add_option("--dump-gradients", gradient_dump,
+  app.add_option("--dump-gradients", command.gradient_dump,
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
+  app.add_flag("--blas-report", command.blas_report,
+               "settle and prove the BLAS core as training would (train.blas_core), measure the CPU backend's "
+               "sgemm on it and print one JSON object instead of training: what benches report");
   app.footer(
       "Environment (set by keeld; without it this is a single rank): KEEL_RANK, KEEL_WORLD_SIZE,\n"
       "KEEL_RUN_DIR (overrides job.run_dir), KEEL_BOARD (progress board), KEEL_GENERATION, KEEL_STORE,\n"
-      "KEEL_STORE_SECRET. Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
+      "KEEL_STORE_SECRET. OPENBLAS_CORETYPE, when set, is respected over train.blas_core.\n"
+      "Logs go to stderr; SPDLOG_LEVEL sets their level.\n"
       "Exit codes: 0 finished, 2 bad config or usage, 3 data error, 10 collective hang, 11 SDC suspected,\n"
       "12 peer or transport failure, 13 checkpoint failure, 14 stopped on request (SIGTERM/SIGINT),\n"
       "70 internal error.");
@@ -111,8 +146,18 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     int code = app.exit(e);
-    return code == 0 ? 0 : keel::common::exit_code(ErrorCode::kBadConfig);
+    return code == 0 ? 0 : keel::common::exit_code(keel::common::ErrorCode::kBadConfig);
   }
+  if (!command.init_from.empty()) command.overrides.push_back("checkpoint.init_from=" + command.init_from);
+  return std::nullopt;
+}
+
+int main(int argc, char** argv) {
+  using keel::common::Error;
+  using keel::common::ErrorCode;
+
+  Command command;
+  if (auto code = parse_command(argc, argv, command)) return *code;
 
   // The last collectives of this rank, dumped to run_dir/flight/ on any
   // error so keeld (and an operator) can see where it stopped.
@@ -133,12 +178,14 @@ int main(int argc, char** argv) {
     keel::common::init_logging(worker.rank);
     auto log = keel::common::logger("trainer");
 
-    if (!init_from.empty()) overrides.push_back("checkpoint.init_from=" + init_from);
-    auto config = keel::common::Config::load(config_path, overrides);
+    auto config = keel::common::Config::load(command.config_path, command.overrides);
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     // keeld runs the same check before it starts any rank.
     keel::common::validate_layout(config, worker.world_size);
     const auto& parallel = config.parallel;
+    // Before anything else runs: this may execute the program again.
+    std::optional<keel::trainer::BlasCore> blas;
+    if (config.train.device == "cpu") blas = keel::trainer::settle_blas_core(config.train.blas_core, argv);
     flight_path = std::filesystem::path(config.job.run_dir) / "flight" / fmt::format("rank-{:05d}.json", worker.rank);
     log->info("resolved config:\n{}", config.to_toml());
 
@@ -152,23 +199,19 @@ int main(int argc, char** argv) {
     }
     backend = keel::trainer::make_backend(config.train);
     log->info("backend {}", backend->name());
-    // Ranks rendezvous through the Store; groups are named by generation so
-    // a restarted generation never reads the addresses of the one before.
+    if (blas && blas->keel_chose()) {
+      const bool broken = keel::health::FaultInjector(config, worker.rank, worker.generation).breaks_blas_core();
+      keel::trainer::prove_blas_core(*blas, *backend, broken, argv);
+    }
+    if (blas && board) board->set_blas_core(blas->core, blas->chosen_by);
+    if (command.blas_report) {
+      if (worker.rank == 0) std::cout << keel::trainer::blas_report(blas, *backend).dump() << std::endl;
+      return 0;
+    }
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
       store = keel::common::connect_store(worker.store, worker.store_secret, timeout);
-      keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
-      groups = std::make_unique<keel::trainer::ProcessGroups>(mesh, [&](const keel::trainer::Group& group) {
-        log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
-        return keel::trainer::join_group(*backend, *store, fmt::format("g{}.{}", worker.generation, group.name),
-                                         group.index_in_group, static_cast<int>(group.ranks.size()), timeout,
-                                         recorder, keel::common::rank_failed_key(worker.generation));
-      });
-      for (const auto& group : groups->communicators()) {
-        if (board) group.comm->set_progress_board(&*board);
-        group.comm->set_compute_stream(&backend->compute_stream());
-      }
-      groups->on_peer_failure();
+      groups = join_groups(worker, parallel, *backend, *store, board ? &*board : nullptr, recorder);
     }
     keel::trainer::TrainLoop loop(config, *backend, *groups,
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
@@ -185,11 +228,11 @@ int main(int argc, char** argv) {
     } hooks{*groups};
     groups->on_peer_failure([&loop](const std::string& cause) { loop.cancel_checkpoint("a peer failed: " + cause); });
     for (const auto& group : groups->communicators()) group.comm->set_fault_injector(&loop.faults());
-    if (!gradient_dump.empty()) loop.dump_first_gradients(gradient_dump, worker.rank);
-    if (!eval_dir.empty()) {
-      if (eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");
-      loop.restore(eval_dir);
-      const auto result = loop.evaluate(eval_data, eval_sequences);
+    if (!command.gradient_dump.empty()) loop.dump_first_gradients(command.gradient_dump, worker.rank);
+    if (!command.eval_dir.empty()) {
+      if (command.eval_data.empty()) throw Error(ErrorCode::kBadConfig, "--eval needs --eval-data TOKEN_FILE");
+      loop.restore(command.eval_dir);
+      const auto result = loop.evaluate(command.eval_data, command.eval_sequences);
       if (worker.rank == 0) {
         std::cout << nlohmann::json{{"step", loop.first_step()},
                                     {"loss", result.loss},
@@ -201,12 +244,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     loop.resume();
-    auto summary = loop.run(g_stop, stop_after);
+    auto summary = loop.run(g_stop, command.stop_after);
     if (summary.final_checkpoint_failed) {
       std::cerr << "keel-trainer: checkpoint_failure: the final checkpoint was not committed; see events.jsonl"
                 << std::endl;
     }
-    print_summary(summary, json);
+    print_summary(summary, blas, command.json);
     if (summary.final_checkpoint_failed) return keel::common::exit_code(ErrorCode::kCheckpointFailure);
     return summary.stopped_early ? keel::common::exit_code(ErrorCode::kStoppedOnRequest) : 0;
   } catch (const Error& e) {
