@@ -1,0 +1,152 @@
+// Gpt's private state (docs/architecture.md "Model"), shared by the files
+// that implement it: gpt.cpp (the embedding, the blocks' dense path, the
+// head, the pipeline's slots), gpt_ring_attention.cpp (attention, and
+// context parallelism's ring) and gpt_moe.cpp (the MoE blocks, expert
+// parallelism's dispatch). Only those files include it.
+#pragma once
+
+#include "trainer/kernels/arena.h"
+#include "trainer/model/gpt.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace keel::trainer {
+
+// Where one block's tensors sit within its unit's buffers.
+struct BlockOffsets {
+  size_t ln1_w = 0, ln1_b = 0, qkv_w = 0, qkv_b = 0, attproj_w = 0, attproj_b = 0, ln2_w = 0, ln2_b = 0;
+  size_t fc_w = 0, fc_b = 0, proj_w = 0, proj_b = 0;  // dense MLP
+  size_t router_w = 0;                                // MoE
+  // Of this rank's experts, by local index (table.expert_begin() + index).
+  std::vector<size_t> expert_fc_w, expert_fc_b, expert_proj_w, expert_proj_b;
+};
+
+// Block i of the model, unit `unit` of this stage's table.
+BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i, int unit);
+
+// Unit 0: the embeddings (first stage) and the final norm and the tied LM
+// head (last stage). The token embedding serves both where one stage is both.
+struct OuterOffsets {
+  size_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
+};
+
+// Where unit 0's tensors sit within its buffer.
+OuterOffsets outer_offsets(const ParameterTable& t);
+
+// A split backward (zero-bubble schedules) leaves the weight gradients to
+// Gpt::weight_gradients: it passes no unit gradients g, so each weight's
+// gradient goes nowhere, and keeps what the weight pass will read.
+inline float* gradient_at(float* g, size_t offset) { return g != nullptr ? g + offset : nullptr; }
+inline void keep_for_weight_pass(Backend& k, bool split, ArenaArray<float>& kept, const float* from, size_t numel) {
+  if (split) k.copy(kept.data(), from, numel * sizeof(float));
+}
+
+// The routing of one MoE block for the last forward: which token went to
+// which expert with what gate, grouped by expert so each expert runs one
+// GEMM over its tokens.
+//
+// With expert parallelism (docs/architecture.md "Expert parallelism") the
+// N*k slots of this rank's tokens, grouped by expert, are grouped by EP
+// rank too; all_to_all_v sends each EP rank its run of them, and this
+// rank's experts run on the R rows it receives ("expert side": every EP
+// rank's slots for them, source rank by source rank), whose outputs go
+// back the same way to the "token side". Without EP the two sides are one.
+struct Gpt::MoeLayer {
+  // Rows [begin, begin + rows) of the expert side are one run of local
+  // expert `expert`'s slots (one source rank's, under EP).
+  struct Segment {
+    int expert = 0;
+    int begin = 0;
+    int rows = 0;
+  };
+  ArenaArray<float> router_logits, probs;  // [N, E]
+  ArenaArray<int32_t> rows;                // [N*k]: token of each dispatched slot, grouped by expert
+  ArenaArray<float> gates;                 // [N*k]: its renormalised gate
+  // Expert side: input [R, C], fc [R, 4C], gelu [R, 4C]; token side:
+  // output [N*k, C]. R is N*k without EP and at most ep*N*k with it.
+  ArenaArray<float> xe, he, ge, ye;
+  std::vector<Segment> segments;             // the expert side's runs
+  std::vector<size_t> sent, received;        // under EP: slots to and from each EP rank
+  std::vector<int> expert_start;             // E + 1 slot offsets
+  std::vector<float> probs_host;             // [N, E]
+  std::vector<int32_t> slot;                 // [N, k]: slot of the token's j-th choice
+  std::vector<int32_t> choice;               // [N, k]: expert of the token's j-th choice
+  std::vector<float> gates_host;             // [N*k] by slot
+  std::vector<double> load;                  // [E]: f_e, the fraction of slots routed to e
+  std::vector<double> tokens;                // [E]: the slots routed to e on all dp x cp ranks
+  // With a split backward, what the weight pass reads: the experts'
+  // output gradients [R, C] and fc output gradients [R, 4C] (expert
+  // side), and the router logits' gradient [N, E].
+  ArenaArray<float> dy, dhe, drouter;
+  // Rows of the expert side the last forward used.
+  size_t expert_rows() const {
+    size_t rows = 0;
+    for (const Segment& seg : segments) rows = std::max(rows, static_cast<size_t>(seg.begin + seg.rows));
+    return rows;
+  }
+};
+
+// Shapes: N = B*T positions, Ns = N / tp of them in this rank's position
+// shard, and per rank Cl = C / tp attention channels, Fl = 4C / tp MLP
+// channels and Vl = Vp / tp vocabulary rows. "whole" buffers hold all N
+// positions and exist only with TP; without it they alias their shards.
+//
+// A Slot is one pass in flight (a microbatch through one of the stage's
+// chunks): everything its backward reads. The Scratch serves one pass at
+// a time, whichever slot it runs.
+struct Gpt::Slot {
+  struct Block {
+    ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
+    ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
+    std::unique_ptr<MoeLayer> moe;
+    // With a split backward: the output gradients of the MLP projection,
+    // fc (dense blocks), attention projection and qkv linears ([N, ...],
+    // all positions) and of the two LayerNorms ([Ns, C]), which the weight
+    // pass reads; an MoE block keeps its experts' in its MoeLayer.
+    ArenaArray<float> dproj, dfch, dattproj, dqkv, dln2, dln1;
+    const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
+    const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
+  };
+  int batch = 0;                        // B of its forward
+  int chunk = 0;                        // the stage's model chunk it runs
+  ArenaArray<int32_t> inputs, targets;  // [B, T]
+  // [Ns, C]: the chunk's input (the embedding's output on the first
+  // virtual stage, the previous one's output otherwise) and, before the
+  // last virtual stage, the gradient of the chunk's output.
+  ArenaArray<float> input, output_grad;
+  std::vector<Block> blocks;
+  ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;  // last stage
+  // With a split backward: the final LayerNorm's output gradient and the
+  // embedding's ([N, C], all positions).
+  ArenaArray<float> dlnf, dembed;
+};
+
+struct Gpt::Scratch {
+  std::vector<BlockOffsets> offsets;  // of the stage's blocks
+  OuterOffsets outer;
+  ArenaArray<float> xent_stats, xent_all;  // [N, 3] of this rank, [tp, N, 3] of all
+  // [N, C] with TP: the partial sums of a row-parallel linear or of the
+  // embedding (forward), a gathered output gradient and an input gradient
+  // to be summed (backward).
+  ArenaArray<float> partial, dwhole_out, dwhole_in;
+  // Gradient scratch, reused by every block. dresidual ends a backward as
+  // the gradient of the stage's input.
+  ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
+  // MoE gradient scratch: the gated output gradient [N*k, C] (token
+  // side), the experts' [R, ...] gradients (expert side) and the router's.
+  ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
+  // Under EP: a token-side [N*k, C] buffer (the rows to dispatch, the
+  // input gradients that came back) and an expert-side [R, C] one (the
+  // outputs to return, the output gradients that arrived).
+  ArenaArray<float> token_rows, expert_rows;
+  // CP's ring: the k and v [N, 2Cl] another rank sent, two so one is
+  // read while the next arrives, and the gradients of its k and v that
+  // travel with them; one chunk's partial output and log-sum-exp.
+  ArenaArray<float> ring[2], ring_grads[2], part_out, part_lse;
+};
+
+}  // namespace keel::trainer
