@@ -7,7 +7,7 @@
 #pragma once
 
 #include "common/config.h"
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 #include "trainer/parallel/schedule.h"
 
 #include <nlohmann/json.hpp>

@@ -12,7 +12,7 @@
 #include "common/layout_check.h"
 #include "tests/trainer/comm_formulas.h"
 #include "tests/trainer/trainer_runs.h"
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>

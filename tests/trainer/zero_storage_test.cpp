@@ -4,7 +4,7 @@
 #include "common/error.h"
 #include "trainer/comm/gloo_communicator.h"
 #include "trainer/kernels/cpu_backend.h"
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 #include "trainer/parallel/zero_storage.h"
 
 #include "tests/support/failure.h"

@@ -26,7 +26,7 @@
 #include "trainer/comm/communicator.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/arena.h"
-#include "trainer/model/model_storage.h"
+#include "trainer/params/model_storage.h"
 #include "trainer/parallel/context_split.h"
 #include "trainer/parallel/process_groups.h"
 

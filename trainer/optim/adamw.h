@@ -5,7 +5,7 @@
 #include "common/config.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/arena.h"
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 
 #include <cstdint>
 #include <vector>

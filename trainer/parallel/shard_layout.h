@@ -14,7 +14,7 @@
 #pragma once
 
 #include "trainer/kernels/backend.h"
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 
 #include <cstddef>
 #include <functional>

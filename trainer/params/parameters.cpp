@@ -1,4 +1,4 @@
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 
 #include "common/counter_rng.h"
 

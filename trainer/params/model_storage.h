@@ -7,7 +7,7 @@
 // model simply points into its flat buffers.
 #pragma once
 
-#include "trainer/model/parameters.h"
+#include "trainer/params/parameters.h"
 
 namespace keel::trainer {
 
