@@ -90,11 +90,11 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
 
 void Gpt::lay_out(Arena& arena) {
   const common::ModelConfig& config = config_;
-  const size_t B = static_cast<size_t>(max_batch_), T = static_cast<size_t>(context_.local_len());
-  const size_t C = static_cast<size_t>(config.n_embd), tp_size = static_cast<size_t>(tp_size_);
-  const size_t NHl = static_cast<size_t>(config.n_head) / tp_size, Cl = C / tp_size, Fl = 4 * C / tp_size;
-  const size_t Vl = static_cast<size_t>(config.padded_vocab()) / tp_size, N = B * T, Ns = N / tp_size;
-  const size_t E = static_cast<size_t>(config.n_expert), K = static_cast<size_t>(config.top_k);
+  const Sizes z = sizes();
+  auto count = [](int n) { return static_cast<size_t>(n); };
+  const size_t C = count(z.C), NHl = count(z.NHl), Cl = count(z.Cl), Fl = count(z.Fl), Vl = count(z.Vl);
+  const size_t B = count(max_batch_), T = count(z.T);
+  const size_t N = count(z.N(max_batch_)), Ns = count(z.Ns(max_batch_)), E = count(z.E), K = count(z.K);
   // Dropless: under EP every EP rank may route all its slots to this rank's experts.
   const size_t ep = ep_ != nullptr ? static_cast<size_t>(ep_->size()) : 1, R = ep * N * K;
   const bool first = stage().first(), last = stage().last();
@@ -184,7 +184,7 @@ void Gpt::lay_out(Arena& arena) {
   }
   Scratch& x = *scratch_;
   x.xent_stats = take(last ? N * 3 : 0);
-  x.xent_all = take(last && tp_ != nullptr ? tp_size * N * 3 : 0);
+  x.xent_all = take(last && tp_ != nullptr ? count(z.tp) * N * 3 : 0);
   x.partial = whole(C);
   x.dwhole_out = whole(C);
   x.dwhole_in = whole(C);
@@ -216,13 +216,28 @@ void Gpt::lay_out(Arena& arena) {
 
 Gpt::~Gpt() = default;
 
+Gpt::Sizes Gpt::sizes() const {
+  const int C = static_cast<int>(config_.n_embd), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  return {tp_size_,
+          context_.local_len(),
+          C,
+          C / tp_size_,
+          static_cast<int>(config_.n_head) / tp_size_,
+          4 * C / tp_size_,
+          static_cast<int>(config_.vocab_size),
+          Vl,
+          tp_rank_ * Vl,
+          static_cast<int>(config_.n_expert),
+          static_cast<int>(config_.top_k)};
+}
+
 int Gpt::slots() const { return static_cast<int>(slots_.size()); }
 
 const float* Gpt::logits(int slot) const { return slots_[static_cast<size_t>(slot)].logits.data(); }
 
 size_t Gpt::boundary_numel(int B) const {
-  return static_cast<size_t>(B) * static_cast<size_t>(context_.local_len()) / static_cast<size_t>(tp_size_) *
-         static_cast<size_t>(config_.n_embd);
+  const Sizes z = sizes();
+  return static_cast<size_t>(z.Ns(B)) * static_cast<size_t>(z.C);
 }
 float* Gpt::stage_input(int slot) { return slots_[static_cast<size_t>(slot)].input.data(); }
 const float* Gpt::stage_output(int slot) const {
@@ -255,10 +270,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.batch = B;
   s.chunk = chunk;
-  const int T = context_.local_len(), C = static_cast<int>(config_.n_embd);
-  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
-  const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
-  const int v_begin = tp_rank_ * Vl;
+  const Sizes z = sizes();
+  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, V = z.V, Vl = z.Vl, v_begin = z.v_begin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   const bool first_tp_rank = tp_rank_ == 0;
   Scratch& x = *scratch_;
@@ -361,14 +374,13 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
 
 void Gpt::backward(float loss_scale, int slot, bool weights) {
   Slot& s = slots_[static_cast<size_t>(slot)];
-  const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
+  const int B = s.batch;
   if (B == 0) throw common::Error(common::ErrorCode::kInternal, "Gpt::backward of a slot with no forward");
   if (!weights && !split_backward_) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::backward without weights on a model not split");
   }
-  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
-  const int V = static_cast<int>(config_.vocab_size), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
-  const int v_begin = tp_rank_ * Vl;
+  const Sizes z = sizes();
+  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, V = z.V, Vl = z.Vl, v_begin = z.v_begin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   Scratch& x = *scratch_;
   Backend& k = backend_;
@@ -468,8 +480,8 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
 
 void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B) {
   const OuterOffsets& outer = scratch_->outer;
-  const int C = static_cast<int>(config_.n_embd), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
-  const int Tc = context_.chunk_len();
+  const Sizes z = sizes();
+  const int C = z.C, Vl = z.Vl, Tc = context_.chunk_len();
   const size_t chunk_rows = static_cast<size_t>(B) * Tc;
   for (int c = 0; c < context_.chunks(); ++c) {
     backend_.embedding_backward(g0 + outer.wte,
@@ -480,12 +492,12 @@ void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* in
 
 void Gpt::weight_gradients(int slot) {
   Slot& s = slots_[static_cast<size_t>(slot)];
-  const int B = s.batch, T = context_.local_len(), C = static_cast<int>(config_.n_embd);
+  const int B = s.batch;
   if (B == 0 || !split_backward_) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::weight_gradients of a slot with no split backward");
   }
-  const int N = B * T, Ns = N / tp_size_, Cl = C / tp_size_, Fl = 4 * C / tp_size_;
-  const int Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const Sizes z = sizes();
+  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, Vl = z.Vl;
   const Scratch& x = *scratch_;
   Backend& k = backend_;
   const OuterOffsets& outer = x.outer;

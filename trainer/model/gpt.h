@@ -121,6 +121,8 @@ class Gpt {
   struct Slot;
   struct Scratch;
   struct MoeLayer;
+  struct Sizes;
+  Sizes sizes() const;
 
   // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
   // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v

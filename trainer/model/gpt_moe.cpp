@@ -13,7 +13,7 @@ namespace keel::trainer {
 
 void Gpt::plan_dispatch(MoeLayer& moe, const std::vector<int>& count) {
   const ParameterTable& table = storage_.table();
-  const int E = static_cast<int>(config_.n_expert), El = static_cast<int>(table.local_experts());
+  const int E = sizes().E, El = static_cast<int>(table.local_experts());
   const int first = static_cast<int>(table.expert_begin());
   moe.segments.clear();
   if (ep_ == nullptr) {
@@ -58,8 +58,8 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
-  const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
-  const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
+  const Sizes z = sizes();
+  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
 
   k.matmul_forward(moe.router_logits.data(), inp, p + o.router_w, nullptr, N, C, E);
   k.softmax_forward(moe.probs.data(), moe.router_logits.data(), N, E);
@@ -164,8 +164,8 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = x.offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
-  const int C = static_cast<int>(config_.n_embd), E = static_cast<int>(config_.n_expert);
-  const int K = static_cast<int>(config_.top_k), M = N * K, Fl = 4 * C / tp_size_;
+  const Sizes z = sizes();
+  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
   // Without g, a split backward.
   auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
     keep_for_weight_pass(k, g == nullptr, kept, from, numel);

@@ -10,7 +10,7 @@ namespace keel::trainer {
 
 void Gpt::visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
                         const std::function<void(int, int, const Backend::AttentionInputs&)>& visit) {
-  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int Cl = sizes().Cl, NHl = sizes().NHl;
   const int Tc = context_.chunk_len(), rank = context_.rank;
   const size_t rows = static_cast<size_t>(B) * Tc;
   const int ld_kv = packed ? 2 * Cl : 3 * Cl, k_at = packed ? 0 : Cl;
@@ -26,7 +26,7 @@ void Gpt::visible_pairs(const float* qkv, const float* held, bool packed, int ow
 }
 
 const float* Gpt::packed_keys(const float* qkv, int B) {
-  const int Cl = static_cast<int>(config_.n_embd) / tp_size_;
+  const int Cl = sizes().Cl;
   const int rows = B * context_.local_len();
   float* kv = scratch_->ring[0].data();
   backend_.copy_columns(kv, 2 * Cl, qkv + Cl, 3 * Cl, rows, 2 * Cl);
@@ -34,7 +34,7 @@ const float* Gpt::packed_keys(const float* qkv, int B) {
 }
 
 void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
-  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int Cl = sizes().Cl, NHl = sizes().NHl;
   Backend& k = backend_;
   if (cp_ == nullptr) {
     k.attention_forward(out, lse, Backend::self_attention(qkv, B, context_.local_len(), Cl, NHl));
@@ -74,7 +74,7 @@ void Gpt::attend(const float* qkv, float* out, float* lse, int B) {
 }
 
 void Gpt::attend_backward(const float* qkv, const float* out, const float* lse, int B) {
-  const int Cl = static_cast<int>(config_.n_embd) / tp_size_, NHl = static_cast<int>(config_.n_head) / tp_size_;
+  const int Cl = sizes().Cl, NHl = sizes().NHl;
   Backend& k = backend_;
   Scratch& x = *scratch_;
   if (cp_ == nullptr) {

@@ -45,6 +45,23 @@ inline void keep_for_weight_pass(Backend& k, bool split, ArenaArray<float>& kept
   if (split) k.copy(kept.data(), from, numel * sizeof(float));
 }
 
+// The shapes of this rank's part of the model (docs/architecture.md
+// "Parallel layout and communication"), derived in one place, Gpt::sizes().
+struct Gpt::Sizes {
+  int tp;       // TP ranks
+  int T;        // positions of a sequence on this CP rank
+  int C;        // channels of the residual stream
+  int Cl;       // attention channels of this TP rank: C / tp
+  int NHl;      // attention heads of this TP rank
+  int Fl;       // MLP channels of this TP rank: 4C / tp
+  int V;        // the real vocabulary
+  int Vl;       // padded vocabulary rows of this TP rank
+  int v_begin;  // the first of them
+  int E, K;     // experts, and experts per token (MoE)
+  int N(int B) const { return B * T; }         // positions of B sequences on this rank
+  int Ns(int B) const { return B * T / tp; }   // this TP rank's shard of them
+};
+
 // The routing of one MoE block for the last forward: which token went to
 // which expert with what gate, grouped by expert so each expert runs one
 // GEMM over its tokens.
