@@ -6,15 +6,12 @@
 // the last bit or two.
 #pragma once
 
+#include "trainer/kernels/host_device.h"
+
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define KEEL_HOST_DEVICE __host__ __device__
-#else
-#define KEEL_HOST_DEVICE
-#endif
 
 namespace keel::trainer {
 

@@ -11,6 +11,7 @@
 #include "trainer/kernels/cpu_backend.h"
 
 #include "trainer/kernels/adamw_step.h"
+#include "trainer/kernels/gelu.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -49,8 +50,6 @@ constexpr double kGemmTileFlops = 128e6;
 constexpr int kGemmMinEdge = 128;
 
 constexpr float kLayernormEps = 1e-5f;
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCubic = 0.044715f;
 
 inline float madd(float a, float b, float c) {
 #ifdef __FMA__
@@ -588,32 +587,25 @@ void CpuBackend::attention_merge(float* out, float* lse, const float* part_out, 
   }
 }
 
-// ---- GELU ----
-// 0.5 x (1 + tanh u) is written as x * sigmoid(2u): the same function, but
-// without the cancellation of 1 + tanh u for negative u, and needing only
-// one exp.
+// ---- GELU (gelu.h: the formula CUDA shares) ----
+
+namespace {
+
+// exp_approx as a type, so that the formula inlines it into the simd loop.
+struct ApproxExp {
+  float operator()(float x) const { return exp_approx(x); }
+};
+
+}  // namespace
 
 void CpuBackend::gelu_forward(float* out, const float* inp, size_t n) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
-    out[i] = x / (1.0f + exp_approx(-2.0f * u));
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = gelu(inp[i], ApproxExp{});
 }
 
 void CpuBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
-    const float e = exp_approx(-2.0f * u);
-    const float s = 1.0f / (1.0f + e);
-    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * (x * x));
-    // d/dx x s(2u) = s + 2 x s (1 - s) u', with 1 - s = e s.
-    const float grad = s + 2.0f * x * du * (e * s) * s;
-    dinp[i] += grad * dout[i];
-  }
+  for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(inp[i], ApproxExp{}) * dout[i];
 }
 
 // ---- residual ----

@@ -1,44 +1,28 @@
 // Elementwise kernels and AdamW. Each is memory-bound, so a grid-stride loop
 // with coalesced accesses and just enough blocks to fill the device is all
-// the speed there is to get. The math follows cpu_backend.cpp line by line
-// (AdamW's is shared with it: adamw_step.h) so the tests can compare the
+// the speed there is to get. The math is cpu_backend.cpp's (AdamW's and
+// GELU's shared with it: adamw_step.h, gelu.h) so the tests can compare the
 // two elementwise.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/adamw_step.h"
+#include "trainer/kernels/gelu.h"
 #include "trainer/kernels/cuda/launch.cuh"
 
 namespace keel::trainer::cuda {
 namespace {
 
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float kGeluCubic = 0.044715f;
+// expf clamped as the CPU's exp clamps its argument (gelu.h).
+struct ClampedExp {
+  __device__ float operator()(float x) const { return expf(fminf(fmaxf(x, -87.0f), 88.0f)); }
+};
 
-// exp of -2u, clamped as the CPU backend clamps it, so the backward's e * s
-// stays finite instead of becoming inf * 0.
-__device__ inline float gelu_exp(float x) {
-  const float u = kGeluScale * (x + kGeluCubic * (x * x * x));
-  return expf(fminf(fmaxf(-2.0f * u, -87.0f), 88.0f));
-}
-
-// gelu(x) = 0.5 x (1 + tanh u) = x * sigmoid(2u), which avoids the
-// cancellation of 1 + tanh u for negative u.
 __global__ void gelu_forward_kernel(float* out, const float* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) {
-    const float x = inp[i];
-    out[i] = x / (1.0f + gelu_exp(x));
-  }
+  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = gelu(inp[i], ClampedExp{});
 }
 
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) {
-    const float x = inp[i];
-    const float e = gelu_exp(x);
-    const float s = 1.0f / (1.0f + e);
-    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * (x * x));
-    const float grad = s + 2.0f * x * du * (e * s) * s;
-    dinp[i] += grad * dout[i];
-  }
+  for (size_t i = first_index(); i < n; i += grid_stride()) dinp[i] += gelu_grad(inp[i], ClampedExp{}) * dout[i];
 }
 
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
