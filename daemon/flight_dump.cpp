@@ -5,12 +5,9 @@
 
 #include <fmt/format.h>
 
-#include <cstring>
 
 namespace keel::daemon {
 namespace {
-
-std::string op_name(const char (&op)[health::kOpNameBytes]) { return std::string(op, strnlen(op, health::kOpNameBytes)); }
 
 // Seconds from `ns` to `now_ns`; null for a time never set.
 nlohmann::json age(int64_t ns, int64_t now_ns) {
@@ -37,7 +34,7 @@ nlohmann::json rank_collectives(const RankReport& rank, int64_t now_ns) {
                         {"name", health::group_name(g)},
                         {"size", g.size},
                         {"index", g.index},
-                        {"op", op_name(g.op)},
+                        {"op", health::board_text(g.op)},
                         {"seq_begun", g.seq_begun},
                         {"seq_done", g.seq_done},
                         {"state", health::collective_state_name(g.state)},
@@ -55,7 +52,7 @@ nlohmann::json rank_collectives(const RankReport& rank, int64_t now_ns) {
       recent.push_back({{"group", known ? health::group_name(s.groups[static_cast<size_t>(c.group)]) : "?"},
                         {"group_id", c.group},
                         {"seq", c.seq},
-                        {"op", op_name(c.op)},
+                        {"op", health::board_text(c.op)},
                         {"state", health::collective_state_name(c.state)},
                         {"bytes", c.bytes},
                         {"age_s", age(c.begin_ns, now_ns)},

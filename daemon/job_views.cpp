@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <deque>
 #include <fstream>
 
@@ -78,7 +77,7 @@ nlohmann::json status_json(const JobReport& report) {
         const bool in_flight = g.state == static_cast<uint32_t>(health::CollectiveState::kInFlight);
         const int64_t end = in_flight ? now_ns : g.done_ns;
         r["collective"] = {{"group", health::group_name(g)},
-                           {"op", std::string(g.op, strnlen(g.op, health::kOpNameBytes))},
+                           {"op", health::board_text(g.op)},
                            {"seq", g.seq_begun},
                            {"bytes", g.bytes},
                            {"state", health::collective_state_name(g.state)},

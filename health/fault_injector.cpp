@@ -8,16 +8,9 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <thread>
 
 namespace keel::health {
-namespace {
-
-// A field of a request read from keeld's side of the board: never past it.
-template <size_t N> std::string field(const char (&chars)[N]) { return std::string(chars, strnlen(chars, N)); }
-
-}  // namespace
 
 FaultInjector::FaultInjector(const common::Config& config, int rank, int64_t generation)
     : config_(config), rank_(rank), generation_(generation) {}
@@ -164,7 +157,7 @@ bool FaultInjector::apply(const FaultRequest& request, int64_t next_step) {
     f.checkpoint_fault.clear();
   }
   f.fault_generation = generation_;
-  const std::string target = field(request.target), group = field(request.group);
+  const std::string target = board_text(request.target), group = board_text(request.group);
   switch (static_cast<FaultKind>(request.kind)) {
     case FaultKind::kCrash:
       f.crash_rank = rank_;
@@ -191,7 +184,7 @@ bool FaultInjector::apply(const FaultRequest& request, int64_t next_step) {
       f.bitflip_rank = rank_;
       f.bitflip_step = step;
       if (!target.empty()) f.bitflip_target = target;
-      f.bitflip_tensor = field(request.tensor);
+      f.bitflip_tensor = board_text(request.tensor);
       f.bitflip_bit = request.bit;
       break;
     case FaultKind::kNan:

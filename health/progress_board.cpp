@@ -68,7 +68,7 @@ const char* sdc_verdict_name(uint32_t verdict) {
 }
 
 std::string group_name(const GroupRecord& group) {
-  return std::string(group.name, strnlen(group.name, kGroupNameBytes));
+  return board_text(group.name);
 }
 
 std::string group_kind(std::string_view group) {

@@ -182,14 +182,14 @@ struct BoardSnapshot {
   const GroupRecord* group(std::string_view name) const;
 };
 
-// A group's name as a string (stops at the first NUL, never reads past the
-// field: a board is not trusted).
-std::string group_name(const GroupRecord& group);
-// The same for a fixed-size text field of a board.
+// A fixed-size text field of a board as a string: stops at the first NUL
+// and never reads past the field (a board is not trusted).
 template <size_t N>
 std::string board_text(const char (&field)[N]) {
   return std::string(field, strnlen(field, N));
 }
+// A group's name (board_text of it).
+std::string group_name(const GroupRecord& group);
 
 // The kind of a process group: its mesh axis, the name without the
 // generation prefix and the index suffix ("dp" of "g3.dp.0", "expert_dp" of
