@@ -4,9 +4,9 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "trainer/kernels/backend_array.h"
-#include "trainer/kernels/backend_wrapper.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/kernels/known_answer.h"
+#include "trainer/train/fault_hooks.h"
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -42,24 +42,6 @@ std::string reexecute(char** argv) {
   execv("/proc/self/exe", argv);
   return std::strerror(errno);
 }
-
-// One bit of one matmul_forward output flipped: the smallest wrong answer
-// a core's GEMM kernel can give.
-class GemmBitFlip final : public BackendWrapper {
- public:
-  using BackendWrapper::BackendWrapper;
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
-                      int OC) override {
-    target_.matmul_forward(out, inp, weight, bias, N, C, OC);
-    float flipped = 0;
-    copy_to_host(&flipped, out, sizeof flipped);
-    uint32_t bits = 0;
-    std::memcpy(&bits, &flipped, sizeof bits);
-    bits ^= 1u;
-    std::memcpy(&flipped, &bits, sizeof bits);
-    copy_from_host(out, &flipped, sizeof flipped);
-  }
-};
 
 }  // namespace
 
@@ -138,9 +120,9 @@ void prove_blas_core(const BlasCore& blas, Backend& backend, bool inject_failure
       "BLAS core {} gave a wrong result in the known-answer kernel test ({}); falling back to OpenBLAS's own choice, "
       "{}: set train.blas_core = \"library\" to skip this test",
       blas.core, answers.failed_kernel, blas.library_core);
+  // settle_blas_core took keel's OPENBLAS_CORETYPE out of the environment,
+  // so the next image loads the library's own core.
   setenv(kRejectedCore, blas.core.c_str(), 1);
-  unsetenv(kCoreType);
-  unsetenv(kLibraryCore);
   const std::string why = reexecute(argv);
   // A run must not go on under a core that computes wrong numbers.
   throw common::Error(common::ErrorCode::kInternal,

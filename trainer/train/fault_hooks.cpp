@@ -86,4 +86,16 @@ void CheckpointFaults::written(int64_t step) {
   if (::pwrite(fd.get(), &flipped, 1, offset) != 1 || ::fsync(fd.get()) != 0) fail("write");
 }
 
+void GemmBitFlip::matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                                 int OC) {
+  target_.matmul_forward(out, inp, weight, bias, N, C, OC);
+  float first = 0;
+  copy_to_host(&first, out, sizeof first);
+  uint32_t bits = 0;
+  std::memcpy(&bits, &first, sizeof bits);
+  bits ^= 1u;
+  std::memcpy(&first, &bits, sizeof first);
+  copy_from_host(out, &first, sizeof first);
+}
+
 }  // namespace keel::trainer

@@ -7,6 +7,7 @@
 #include "checkpoint/file_system.h"
 #include "health/fault_injector.h"
 #include "trainer/kernels/backend.h"
+#include "trainer/kernels/backend_wrapper.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -49,6 +50,17 @@ class CheckpointFaults final : public checkpoint::FileSystemWrapper {
   std::mutex mutex_;
   std::filesystem::path last_file_;  // the rank file reserved last, and its step
   int64_t last_step_ = -1;
+};
+
+// bitflip_target = "blas_core" (FaultInjector::breaks_blas_core): the
+// backend the known-answer test proves a BLAS core on, with the lowest bit
+// of the first output of every matmul_forward flipped, the smallest wrong
+// answer a GEMM kernel can give.
+class GemmBitFlip final : public BackendWrapper {
+ public:
+  using BackendWrapper::BackendWrapper;
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) override;
 };
 
 }  // namespace keel::trainer

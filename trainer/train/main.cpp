@@ -80,11 +80,11 @@ void print_summary(const keel::trainer::RunSummary& s, const std::optional<keel:
 // restarted generation never reads the addresses of the one before.
 std::unique_ptr<keel::trainer::ProcessGroups> join_groups(const keel::trainer::WorkerEnv& worker,
                                                           const keel::common::ParallelConfig& parallel,
+                                                          std::chrono::milliseconds timeout,
                                                           keel::trainer::Backend& backend, keel::common::Store& store,
                                                           keel::health::BoardPublisher* board,
                                                           const std::shared_ptr<keel::trainer::FlightRecorder>& recorder) {
   auto log = keel::common::logger("trainer");
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
   keel::trainer::Mesh mesh(keel::trainer::Layout::from(parallel), worker.rank);
   auto groups = std::make_unique<keel::trainer::ProcessGroups>(mesh, [&](const keel::trainer::Group& group) {
     log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
@@ -211,7 +211,7 @@ int main(int argc, char** argv) {
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
       store = keel::common::connect_store(worker.store, worker.store_secret, timeout);
-      groups = join_groups(worker, parallel, *backend, *store, board ? &*board : nullptr, recorder);
+      groups = join_groups(worker, parallel, timeout, *backend, *store, board ? &*board : nullptr, recorder);
     }
     keel::trainer::TrainLoop loop(config, *backend, *groups,
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
