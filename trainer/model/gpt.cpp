@@ -387,10 +387,11 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   const OuterOffsets& outer = x.outer;
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
   const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
-  float* g0 = weights && (embeds || scores) ? storage_.unit_gradients(0) : nullptr;
-  auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
-    keep_for_weight_pass(k, !weights, kept, from, numel);
+  s.weight_terms.clear();
+  auto term = [&](const WeightTerm& t, float* dinp, const float* weight, float* kept) {
+    backward_term(s, weights, t, dinp, weight, kept);
   };
+  using Kind = WeightTerm::Kind;
   const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
   const int first = static_cast<int>(stage().chunk_begin(s.chunk));
   // The gradient of a sequence-parallel boundary, both ways: the shards of
@@ -399,21 +400,21 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   float* dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
   float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
   const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
-  const size_t NC = static_cast<size_t>(N) * C;
 
   if (scores) {
-    // Softmax cross-entropy gradient, written over the logits in place.
+    // Softmax cross-entropy gradient, written over the logits in place
+    // (the slot keeps them, so the weight pass reads them there).
     k.crossentropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(),
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
     k.zero(din_all, din_numel * sizeof(float));
     const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
-    k.matmul_backward(din_all, gradient_at(g0, outer.wte), nullptr, s.logits.data(), lnf_all, p0 + outer.wte, N, C, Vl);
+    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.data(), lnf_all, nullptr, nullptr, N, C, Vl},
+         din_all, p0 + outer.wte, nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
-    keep(s.dlnf, x.dln.data(), NsC);
     x.dresidual.zero();
-    k.layernorm_backward(x.dresidual.data(), gradient_at(g0, outer.lnf_w), gradient_at(g0, outer.lnf_b), x.dln.data(),
-                         s.blocks[blocks - 1].residual3.data(), p0 + outer.lnf_w, s.lnf_mean.data(), s.lnf_rstd.data(),
-                         Ns, C);
+    term({Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(), s.blocks[blocks - 1].residual3.data(),
+          s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C, C},
+         x.dresidual.data(), p0 + outer.lnf_w, s.dlnf.data());
   } else {
     k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
   }
@@ -426,56 +427,83 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     const int unit = first + static_cast<int>(i) + 1;
     const float* p = storage_.acquire_parameters(unit);
     if (i > 0) storage_.prefetch_parameters(unit - 1);
-    float* g = weights ? storage_.unit_gradients(unit) : nullptr;
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
     k.zero(din_all, din_numel * sizeof(float));
+    gather_positions(x.dresidual.data(), dout_all, NsC);
     if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
-      gather_positions(x.dresidual.data(), dout_all, NsC);
-      moe_backward(s, static_cast<int>(i), p, g, din_all, dout_all, loss_scale, N);
-      sum_into_positions(din_all, x.dln.data(), NsC);
+      moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
-      gather_positions(x.dresidual.data(), dout_all, NsC);
-      keep(blk.dproj, dout_all, NC);
       x.dfch_gelu.zero();
-      k.matmul_backward(x.dfch_gelu.data(), gradient_at(g, o.proj_w), gradient_at(g, o.proj_b), dout_all,
-                        blk.fch_gelu.data(), p + o.proj_w, N, Fl, C);
+      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, blk.fch_gelu.data(), nullptr, nullptr, N, Fl, C},
+           x.dfch_gelu.data(), p + o.proj_w, blk.dproj.data());
       x.dfch.zero();
       k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
-      keep(blk.dfch, x.dfch.data(), static_cast<size_t>(N) * Fl);
-      k.matmul_backward(din_all, gradient_at(g, o.fc_w), gradient_at(g, o.fc_b), x.dfch.data(), blk.ln2_all(),
-                        p + o.fc_w, N, C, Fl);
-      sum_into_positions(din_all, x.dln.data(), NsC);
+      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.data(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
+           p + o.fc_w, blk.dfch.data());
     }
-    keep(blk.dln2, x.dln.data(), NsC);
-    k.layernorm_backward(x.dresidual.data(), gradient_at(g, o.ln2_w), gradient_at(g, o.ln2_b), x.dln.data(),
-                         blk.residual2.data(), p + o.ln2_w, blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
+    sum_into_positions(din_all, x.dln.data(), NsC);
+    term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
+          blk.ln2_rstd.data(), Ns, C, C},
+         x.dresidual.data(), p + o.ln2_w, blk.dln2.data());
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    keep(blk.dattproj, dout_all, NC);
     x.datty.zero();
-    k.matmul_backward(x.datty.data(), gradient_at(g, o.attproj_w), gradient_at(g, o.attproj_b), dout_all,
-                      blk.atty.data(), p + o.attproj_w, N, Cl, C);
+    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.data(), nullptr, nullptr, N, Cl, C},
+         x.datty.data(), p + o.attproj_w, blk.dattproj.data());
     x.dqkv.zero();
     attend_backward(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
-    keep(blk.dqkv, x.dqkv.data(), static_cast<size_t>(N) * 3 * Cl);
     k.zero(din_all, din_numel * sizeof(float));
-    k.matmul_backward(din_all, gradient_at(g, o.qkv_w), gradient_at(g, o.qkv_b), x.dqkv.data(), blk.ln1_all(),
-                      p + o.qkv_w, N, C, 3 * Cl);
+    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
+         din_all, p + o.qkv_w, blk.dqkv.data());
     sum_into_positions(din_all, x.dln.data(), NsC);
-    keep(blk.dln1, x.dln.data(), NsC);
-    k.layernorm_backward(x.dresidual.data(), gradient_at(g, o.ln1_w), gradient_at(g, o.ln1_b), x.dln.data(), residual,
-                         p + o.ln1_w, blk.ln1_mean.data(), blk.ln1_rstd.data(), Ns, C);
-    if (weights) storage_.gradients_ready(unit);
+    term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
+          Ns, C, C},
+         x.dresidual.data(), p + o.ln1_w, blk.dln1.data());
+    term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
   }
   if (embeds) {
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    keep(s.dembed, dout_all, NC);
-    if (weights) embedding_backward(g0, dout_all, s.inputs.data(), B);
+    term({Kind::kEmbedding, 0, WeightTerm::kNone, WeightTerm::kNone, dout_all, nullptr, nullptr, nullptr, N, 0, C},
+         nullptr, nullptr, s.dembed.data());
   }
-  if (!weights) return;
-  if (embeds || scores) storage_.gradients_ready(0);
-  s.batch = 0;
+  if (embeds || scores) term({Kind::kUnitReady, 0}, nullptr, nullptr, nullptr);
+  if (weights) s.batch = 0;
+}
+
+void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, float* dinp, const float* weight, float* kept) {
+  run_term(s, t, dinp, weight, weights);
+  if (weights) return;
+  WeightTerm later = t;
+  if (kept != nullptr) {
+    backend_.copy(kept, t.dout, static_cast<size_t>(t.rows) * static_cast<size_t>(t.out) * sizeof(float));
+    later.dout = kept;
+  }
+  s.weight_terms.push_back(later);
+}
+
+void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float* weight, bool weight_grads) {
+  using Kind = WeightTerm::Kind;
+  if (t.kind == Kind::kUnitReady) {
+    if (weight_grads) storage_.gradients_ready(t.unit);
+    return;
+  }
+  float* g = weight_grads ? storage_.unit_gradients(t.unit) : nullptr;
+  auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
+  switch (t.kind) {
+    case Kind::kLinear:
+      backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
+      break;
+    case Kind::kLayerNorm:
+      backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.mean, t.rstd, t.rows,
+                                  t.out);
+      break;
+    case Kind::kEmbedding:
+      if (g != nullptr) embedding_backward(g, t.dout, s.inputs.data(), s.batch);
+      break;
+    case Kind::kUnitReady:
+      break;
+  }
 }
 
 void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B) {
@@ -492,59 +520,11 @@ void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* in
 
 void Gpt::weight_gradients(int slot) {
   Slot& s = slots_[static_cast<size_t>(slot)];
-  const int B = s.batch;
-  if (B == 0 || !split_backward_) {
+  if (s.batch == 0 || !split_backward_) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::weight_gradients of a slot with no split backward");
   }
-  const Sizes z = sizes();
-  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, Vl = z.Vl;
-  const Scratch& x = *scratch_;
-  Backend& k = backend_;
-  const OuterOffsets& outer = x.outer;
-  const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
-  float* g0 = embeds || scores ? storage_.unit_gradients(0) : nullptr;
-  const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
-  const int first = static_cast<int>(stage().chunk_begin(s.chunk));
-  // The order of backward(), so each gradient sums its terms as there.
-  if (scores) {
-    const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
-    k.matmul_backward(nullptr, g0 + outer.wte, nullptr, s.logits.data(), lnf_all, nullptr, N, C, Vl);
-    k.layernorm_backward(nullptr, g0 + outer.lnf_w, g0 + outer.lnf_b, s.dlnf.data(),
-                         s.blocks[blocks - 1].residual3.data(), nullptr, s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C);
-  }
-  for (size_t i = blocks; i-- > 0;) {
-    const Slot::Block& blk = s.blocks[i];
-    const BlockOffsets& o = x.offsets[static_cast<size_t>(first) + i];
-    const int unit = first + static_cast<int>(i) + 1;
-    float* g = storage_.unit_gradients(unit);
-    const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
-    if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
-      const MoeLayer& moe = *blk.moe;
-      const int E = static_cast<int>(config_.n_expert);
-      for (const MoeLayer::Segment& seg : moe.segments) {
-        const size_t r = static_cast<size_t>(seg.begin);
-        const size_t e = static_cast<size_t>(seg.expert);
-        k.matmul_backward(nullptr, g + o.expert_proj_w[e], g + o.expert_proj_b[e], moe.dy.data() + r * C,
-                          moe.ge.data() + r * Fl, nullptr, seg.rows, Fl, C);
-        k.matmul_backward(nullptr, g + o.expert_fc_w[e], g + o.expert_fc_b[e], moe.dhe.data() + r * Fl,
-                          moe.xe.data() + r * C, nullptr, seg.rows, C, Fl);
-      }
-      k.matmul_backward(nullptr, g + o.router_w, nullptr, moe.drouter.data(), blk.ln2_all(), nullptr, N, C, E);
-    } else {
-      k.matmul_backward(nullptr, g + o.proj_w, g + o.proj_b, blk.dproj.data(), blk.fch_gelu.data(), nullptr, N, Fl, C);
-      k.matmul_backward(nullptr, g + o.fc_w, g + o.fc_b, blk.dfch.data(), blk.ln2_all(), nullptr, N, C, Fl);
-    }
-    k.layernorm_backward(nullptr, g + o.ln2_w, g + o.ln2_b, blk.dln2.data(), blk.residual2.data(), nullptr,
-                         blk.ln2_mean.data(), blk.ln2_rstd.data(), Ns, C);
-    k.matmul_backward(nullptr, g + o.attproj_w, g + o.attproj_b, blk.dattproj.data(), blk.atty.data(), nullptr, N, Cl,
-                      C);
-    k.matmul_backward(nullptr, g + o.qkv_w, g + o.qkv_b, blk.dqkv.data(), blk.ln1_all(), nullptr, N, C, 3 * Cl);
-    k.layernorm_backward(nullptr, g + o.ln1_w, g + o.ln1_b, blk.dln1.data(), residual, nullptr, blk.ln1_mean.data(),
-                         blk.ln1_rstd.data(), Ns, C);
-    storage_.gradients_ready(unit);
-  }
-  if (embeds) embedding_backward(g0, s.dembed.data(), s.inputs.data(), B);
-  if (embeds || scores) storage_.gradients_ready(0);
+  for (const WeightTerm& t : s.weight_terms) run_term(s, t, nullptr, nullptr, true);
+  s.weight_terms.clear();
   s.batch = 0;
 }
 

@@ -122,6 +122,7 @@ class Gpt {
   struct Scratch;
   struct MoeLayer;
   struct Sizes;
+  struct WeightTerm;
   Sizes sizes() const;
 
   // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
@@ -150,8 +151,15 @@ class Gpt {
   // The embedding's gradients (unit 0's wte and wpe, g0) from the gradient
   // of its output, dout_all [N, C] of all positions.
   void embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B);
-  void moe_backward(Slot& slot, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
-                    int N);
+  void moe_backward(Slot& slot, int block, const float* p, bool weights, float* dinp, const float* dout,
+                    float loss_scale, int N);
+  // Backward's weight term `t` (gpt_state.h), with the input gradient
+  // into `dinp` (nullptr: none) through `weight`: with `weights` both run
+  // now and a kUnitReady hands the unit's gradients over; without, the
+  // input gradient runs now and the term is kept in the slot, its output
+  // gradient copied to `kept` (nullptr: the slot keeps it already).
+  void backward_term(Slot& slot, bool weights, const WeightTerm& t, float* dinp, const float* weight, float* kept);
+  void run_term(const Slot& slot, const WeightTerm& t, float* dinp, const float* weight, bool weight_grads);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the

@@ -158,18 +158,18 @@ std::vector<Gpt::ExpertTokens> Gpt::expert_tokens(int slot) const {
   return tokens;
 }
 
-void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp, const float* dout, float loss_scale,
-                       int N) {
+void Gpt::moe_backward(Slot& s, int block, const float* p, bool weights, float* dinp, const float* dout,
+                       float loss_scale, int N) {
   Scratch& x = *scratch_;
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = x.offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
   const Sizes z = sizes();
   const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
-  // Without g, a split backward.
-  auto keep = [&](ArenaArray<float>& kept, const float* from, size_t numel) {
-    keep_for_weight_pass(k, g == nullptr, kept, from, numel);
-  };
+  using Kind = WeightTerm::Kind;
+  const int unit = static_cast<int>(stage().chunk_begin(s.chunk)) + block + 1;
+  // Where a split backward keeps an output gradient (a fused one keeps none).
+  auto kept = [&](ArenaArray<float>& in, size_t at) { return weights ? nullptr : in.data() + at; };
 
   // Combine: out[n] = sum_j gate * y. Gate gradients first (with TP each
   // rank's y is a partial sum, so are they), then each expert's output
@@ -190,15 +190,17 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_backward(x.dge.data() + r * Fl, gradient_at(g, o.expert_proj_w[e]), gradient_at(g, o.expert_proj_b[e]),
-                      dy + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e], seg.rows, Fl, C);
+    backward_term(s, weights,
+                  {Kind::kLinear, unit, o.expert_proj_w[e], o.expert_proj_b[e], dy + r * C, moe.ge.data() + r * Fl,
+                   nullptr, nullptr, seg.rows, Fl, C},
+                  x.dge.data() + r * Fl, p + o.expert_proj_w[e], kept(moe.dy, r * C));
     k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
                     static_cast<size_t>(seg.rows) * Fl);
-    k.matmul_backward(x.dxe.data() + r * C, gradient_at(g, o.expert_fc_w[e]), gradient_at(g, o.expert_fc_b[e]),
-                      x.dhe.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], seg.rows, C, Fl);
+    backward_term(s, weights,
+                  {Kind::kLinear, unit, o.expert_fc_w[e], o.expert_fc_b[e], x.dhe.data() + r * Fl,
+                   moe.xe.data() + r * C, nullptr, nullptr, seg.rows, C, Fl},
+                  x.dxe.data() + r * C, p + o.expert_fc_w[e], kept(moe.dhe, r * Fl));
   }
-  keep(moe.dy, dy, moe.expert_rows() * C);
-  keep(moe.dhe, x.dhe.data(), moe.expert_rows() * Fl);
   const float* dxe = x.dxe.data();
   if (ep_ != nullptr) {
     exchange_rows(x.dxe.data(), moe.received, x.token_rows.data(), moe.sent, C);
@@ -232,9 +234,10 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, float* g, float* dinp
   // Every TP rank computed the router alike: its input gradient joins the
   // partial sums on TP rank 0 only, or the sum over the group would count it
   // tp times.
-  k.matmul_backward(tp_rank_ == 0 ? dinp : nullptr, gradient_at(g, o.router_w), nullptr, x.drouter.data(),
-                    s.blocks[static_cast<size_t>(block)].ln2_all(), p + o.router_w, N, C, E);
-  keep(moe.drouter, x.drouter.data(), static_cast<size_t>(N) * E);
+  backward_term(s, weights,
+                {Kind::kLinear, unit, o.router_w, WeightTerm::kNone, x.drouter.data(),
+                 s.blocks[static_cast<size_t>(block)].ln2_all(), nullptr, nullptr, N, C, E},
+                tp_rank_ == 0 ? dinp : nullptr, p + o.router_w, kept(moe.drouter, 0));
 }
 
 }  // namespace keel::trainer

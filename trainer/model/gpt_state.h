@@ -37,13 +37,25 @@ struct OuterOffsets {
 // Where unit 0's tensors sit within its buffer.
 OuterOffsets outer_offsets(const ParameterTable& t);
 
-// A split backward (zero-bubble schedules) leaves the weight gradients to
-// Gpt::weight_gradients: it passes no unit gradients g, so each weight's
-// gradient goes nowhere, and keeps what the weight pass will read.
-inline float* gradient_at(float* g, size_t offset) { return g != nullptr ? g + offset : nullptr; }
-inline void keep_for_weight_pass(Backend& k, bool split, ArenaArray<float>& kept, const float* from, size_t numel) {
-  if (split) k.copy(kept.data(), from, numel * sizeof(float));
-}
+// One weight-gradient term of backward: a linear's weight and bias
+// gradients from its output gradient and input, a LayerNorm's, the
+// embedding's, or the mark that a unit's gradients are complete. A split
+// backward (zero-bubble schedules) records its terms in order, each output
+// gradient copied to where the slot keeps it, and Gpt::weight_gradients
+// runs them in that order: each gradient sums its terms as a fused backward
+// does, bit for bit, with no order written twice.
+struct Gpt::WeightTerm {
+  enum class Kind { kLinear, kLayerNorm, kEmbedding, kUnitReady };
+  static constexpr size_t kNone = SIZE_MAX;  // an offset of no tensor (a linear without bias)
+  Kind kind = Kind::kUnitReady;
+  int unit = 0;
+  size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)
+  const float* dout = nullptr;          // [rows, out]: the output gradient
+  const float* inp = nullptr;           // [rows, in]: the forward's input
+  const float* mean = nullptr;          // LayerNorm: the forward's row statistics
+  const float* rstd = nullptr;
+  int rows = 0, in = 0, out = 0;
+};
 
 // The shapes of this rank's part of the model (docs/architecture.md
 // "Parallel layout and communication"), derived in one place, Gpt::sizes().
@@ -140,6 +152,8 @@ struct Gpt::Slot {
   // With a split backward: the final LayerNorm's output gradient and the
   // embedding's ([N, C], all positions).
   ArenaArray<float> dlnf, dembed;
+  // A split backward's weight terms, for weight_gradients().
+  std::vector<WeightTerm> weight_terms;
 };
 
 struct Gpt::Scratch {
