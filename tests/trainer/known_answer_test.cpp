@@ -122,7 +122,7 @@ TEST_SUITE("unit") {
                                               {"job.run_dir=" + (dir / "run").string()});
     CpuBackend cpu(1);
     OneWrongBit wrong(cpu, "matmul_forward");
-    keel::trainer::SdcGuard guard(config, wrong, 0, 1, 4, board, [](float*, size_t) {}, {});
+    keel::trainer::SdcGuard guard(config, wrong, 0, 1, 4, board, [](float*, size_t) {});
     try {
       guard.test_kernels(17);
       FAIL("a wrong kernel passed");

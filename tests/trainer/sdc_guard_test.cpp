@@ -31,7 +31,7 @@ struct Guarded {
     const auto config =
         keel::common::Config::parse("[data]\ntrain = \"x.bin\"\n[train]\nwarmup_steps = 5\n", "test", dir.path(), sets);
     guard = std::make_unique<keel::trainer::SdcGuard>(
-        config, cpu, 0, 1, 0, board, [](float*, size_t) {}, keel::trainer::ReplicatedState{});
+        config, cpu, 0, 1, 0, board, [](float*, size_t) {});
   }
 };
 

@@ -77,4 +77,10 @@ void ProcessGroups::leave(Communicator& comm, const std::string& cause) noexcept
   }
 }
 
+void ProcessGroups::sum_over_grid(float* values, size_t count) const {
+  for (Axis axis : kGridAxes) {
+    if (Communicator* group = get(axis)) group->all_reduce(values, count);
+  }
+}
+
 }  // namespace keel::trainer

@@ -57,6 +57,10 @@ class ProcessGroups {
   // which wakes it if it is blocked there and tells their ranks; `also`
   // (nullptr: nothing) hears the cause first. Replaces the last call's.
   void on_peer_failure(std::function<void(const std::string& cause)> also = nullptr);
+
+  // Sums `count` floats in place over every rank of the grid, one grid
+  // axis after another (the same order, so the same bits, on every rank).
+  void sum_over_grid(float* values, size_t count) const;
   // Tells every group that this rank is leaving, so that ranks sharing no
   // group with a failure stop at once too. Best effort: it never throws,
   // since the caller is about to report its own exit code.

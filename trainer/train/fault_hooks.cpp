@@ -9,7 +9,9 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 namespace keel::trainer {
@@ -30,6 +32,72 @@ void flip_if_due(Backend& backend, const health::FaultInjector& faults, std::str
   std::memcpy(&after, &bits, sizeof after);
   backend.copy_from_host(data + flip->index, &after, sizeof(float));
   faults.record_flip(target, sites[flip->site].name, flip->index, flip->bit, before, after);
+}
+
+StepFaults::StepFaults(const common::Config& config, const health::FaultInjector& faults, const ZeroStorage& storage,
+                       int micro_batch)
+    : faults_(faults), table_(storage.table()), n_layer_(config.model.n_layer) {
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    tensor_sites_.push_back({table_.specs()[t].name, table_.specs()[t].numel});
+    owned_sites_.push_back({table_.specs()[t].name, storage.owned_numel(t)});
+  }
+  const ModelStage& stage = table_.stage();
+  const size_t positions = static_cast<size_t>(micro_batch * config.model.seq_len / config.parallel.cp);
+  const size_t shard = positions / static_cast<size_t>(config.parallel.tp) * static_cast<size_t>(config.model.n_embd);
+  for (int64_t b = 0; b < stage.layers(); ++b) {
+    activation_sites_.push_back({fmt::format("h.{}.output", stage.layer(b)), shard});
+  }
+  const size_t vocabulary = static_cast<size_t>(config.model.padded_vocab() / config.parallel.tp);
+  if (stage.last()) activation_sites_.push_back({"logits", positions * vocabulary});
+  const auto& f = config.faults;
+  if (f.bitflip_tensor.empty()) return;
+  // The name must be one of the whole model's; a stage without it never flips.
+  std::vector<std::string> names;
+  if (f.bitflip_target == "activation") {
+    for (int64_t i = 0; i < config.model.n_layer; ++i) names.push_back(fmt::format("h.{}.output", i));
+    names.push_back("logits");
+  } else {
+    const ParameterTable whole(config.model);
+    for (const ParamSpec& spec : whole.specs()) names.push_back(spec.name);
+  }
+  if (std::find(names.begin(), names.end(), f.bitflip_tensor) == names.end()) {
+    throw common::Error(
+        common::ErrorCode::kBadConfig,
+        fmt::format("faults.bitflip_tensor = \"{}\" names no {} of this model; name one such as "
+                    "\"{}\", or leave it empty to draw one",
+                    f.bitflip_tensor, f.bitflip_target == "activation" ? "activation" : "tensor", names.front()));
+  }
+}
+
+void StepFaults::on_gradients(Backend& backend, int unit, float* grads, size_t numel) {
+  const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
+  if (poison_gradient_ && numel > 0) {
+    const float nan = std::nanf("");  // into the unit's first element
+    backend.copy_from_host(grads, &nan, sizeof(float));
+    poison_gradient_ = false;
+  }
+  flip_if_due(backend, faults_, "grad", tensor_sites_, [&](size_t t) {
+    return t >= first && t < end ? grads + (table_.specs()[t].offset - table_.unit_begin(unit)) : nullptr;
+  });
+}
+
+void StepFaults::on_activation(Backend& backend, int site, float* data) {
+  // Site i < n_layer is this stage's block of layer i; the logits come last.
+  const size_t local =
+      site == n_layer_ ? activation_sites_.size() - 1 : static_cast<size_t>(table_.stage().block_of(site));
+  flip_if_due(backend, faults_, "activation", activation_sites_,
+              [&](size_t s) { return s == local ? data : nullptr; });
+}
+
+void StepFaults::after_update(Backend& backend, ZeroStorage& storage, AdamW& optimizer) {
+  // Parameters are whole on every rank below ZeRO-3: a flip lands in this
+  // rank's copy after the update's all-gather, as a bad memory cell would.
+  const bool whole = storage.stage() < 3;
+  flip_if_due(backend, faults_, "param", whole ? tensor_sites_ : owned_sites_, [&](size_t t) {
+    return whole ? storage.params() + table_.specs()[t].offset : storage.owned_parameters(t);
+  });
+  flip_if_due(backend, faults_, "exp_avg", owned_sites_, [&](size_t t) { return optimizer.exp_avg(t); });
+  flip_if_due(backend, faults_, "exp_avg_sq", owned_sites_, [&](size_t t) { return optimizer.exp_avg_sq(t); });
 }
 
 CheckpointFaults::CheckpointFaults(checkpoint::FileSystem& target, const health::FaultInjector& faults)

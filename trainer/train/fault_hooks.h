@@ -5,9 +5,12 @@
 #pragma once
 
 #include "checkpoint/file_system.h"
+#include "common/config.h"
 #include "health/fault_injector.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/backend_wrapper.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/parallel/zero_storage.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -25,6 +28,39 @@ namespace keel::trainer {
 void flip_if_due(Backend& backend, const health::FaultInjector& faults, std::string_view target,
                  const std::vector<health::FaultInjector::Site>& sites,
                  const std::function<float*(size_t site)>& where);
+
+// The faults a training step meets (the Step calls these hooks): a bit
+// flipped in a gradient as backward hands its unit over, in an activation
+// as forward makes it, or in the parameters and Adam moments after the
+// update; a NaN in the step's first gradients ([faults] nan_target =
+// "gradient").
+class StepFaults {
+ public:
+  // The flip sites of this rank: the stage's tensors (whole, and the part
+  // it owns) and activations (each block's output shard, then the logits
+  // on the last stage), for microbatches of `micro_batch` sequences.
+  // Error(kBadConfig) when faults.bitflip_tensor names no tensor (or
+  // activation) of the whole model.
+  StepFaults(const common::Config& config, const health::FaultInjector& faults, const ZeroStorage& storage,
+             int micro_batch);
+
+  // Whether the next gradients handed over get a NaN in their first element.
+  void poison_next_gradients(bool poison) { poison_gradient_ = poison; }
+  // Unit `unit`'s gradients, numel floats at `grads`, as backward hands them over.
+  void on_gradients(Backend& backend, int unit, float* grads, size_t numel);
+  // Gpt's activation site `site` (Gpt::ActivationHook) at `data`.
+  void on_activation(Backend& backend, int site, float* data);
+  // After the update: the parameters (this rank's copy, after ZeRO's
+  // all-gather) and the Adam moments it owns.
+  void after_update(Backend& backend, ZeroStorage& storage, AdamW& optimizer);
+
+ private:
+  const health::FaultInjector& faults_;
+  const ParameterTable& table_;
+  int64_t n_layer_;
+  bool poison_gradient_ = false;
+  std::vector<health::FaultInjector::Site> tensor_sites_, owned_sites_, activation_sites_;
+};
 
 // checkpoint_fault, as a file system under the checkpointer (passed as
 // CheckpointerOptions::fs): this rank's file of the chosen checkpoint

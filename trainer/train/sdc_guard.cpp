@@ -78,8 +78,7 @@ uint64_t digest_of(Backend& backend, const std::vector<FloatSpan>& spans) {
 }
 
 SdcGuard::SdcGuard(const common::Config& config, Backend& backend, int rank, int world_size, int64_t generation,
-                   health::BoardPublisher& board, std::function<void(float*, size_t)> sum_over_world,
-                   ReplicatedState replicated)
+                   health::BoardPublisher& board, std::function<void(float*, size_t)> sum_over_world)
     : config_(config),
       backend_(backend),
       rank_(rank),
@@ -87,10 +86,12 @@ SdcGuard::SdcGuard(const common::Config& config, Backend& backend, int rank, int
       generation_(generation),
       board_(board),
       sum_over_world_(std::move(sum_over_world)),
-      replicated_(std::move(replicated)),
       rerun_(config.health.sdc_rerun),
-      last_kernel_test_(std::chrono::steady_clock::now()) {
-  if (config.health.sdc_digest_every > 0 && replicated_.spans.empty()) {
+      last_kernel_test_(std::chrono::steady_clock::now()) {}
+
+void SdcGuard::compare_replicas(ReplicatedState replicated) {
+  replicated_ = std::move(replicated);
+  if (config_.health.sdc_digest_every > 0 && replicated_.spans.empty()) {
     common::logger("sdc")->info("no replica digests: {}", replicated_.none_because);
   }
 }

@@ -73,8 +73,11 @@ class SdcGuard {
  public:
   // `sum_over_world` sums floats in place over every rank of the run.
   SdcGuard(const common::Config& config, Backend& backend, int rank, int world_size, int64_t generation,
-           health::BoardPublisher& board, std::function<void(float*, size_t)> sum_over_world,
-           ReplicatedState replicated);
+           health::BoardPublisher& board, std::function<void(float*, size_t)> sum_over_world);
+  // What this rank holds identically with its DP replicas, digested from
+  // now on (after_step); none until called, as its memory is placed after
+  // the guard exists.
+  void compare_replicas(ReplicatedState replicated);
 
   // ---- rerun on anomaly ----
   // Whether this rank's local fingerprints are taken (health.sdc_rerun):

@@ -1,6 +1,5 @@
 #include "trainer/train/train_loop.h"
 
-#include "common/clock.h"
 #include "common/error.h"
 #include "common/human_format.h"
 #include "common/layout_check.h"
@@ -11,8 +10,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <fstream>
 
 namespace keel::trainer {
 namespace {
@@ -37,26 +34,6 @@ std::vector<size_t> owned_numels(const ZeroStorage& storage) {
   return numels;
 }
 
-size_t tp_partial_numel(const ZeroStorage& storage) {
-  size_t numel = 0;
-  for (size_t t = 0; t < storage.table().specs().size(); ++t) {
-    if (storage.table().specs()[t].grad_partial_over_tp) numel += storage.owned_numel(t);
-  }
-  return numel;
-}
-
-// The token embedding where a pipeline ties it across its first and last
-// stage: the original on the first, the copy on the last; none otherwise.
-std::optional<size_t> tied_tensor(const ParameterTable& table) {
-  const ModelStage& stage = table.stage();
-  if (stage.count == 1 || (!stage.first() && !stage.last())) return std::nullopt;
-  const auto& specs = table.specs();
-  for (size_t t = 0; t < specs.size(); ++t) {
-    if (specs[t].name == "wte") return t;
-  }
-  return std::nullopt;
-}
-
 ModelStage stage_of(const common::Config& config, const ProcessGroups& groups) {
   return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp), groups.size(Axis::kPp));
 }
@@ -77,21 +54,13 @@ int slots_for(const std::vector<Action>& schedule, int microbatches) {
 
 }  // namespace
 
-int64_t TrainLoop::moe_layers_before(int64_t layer) const {
-  int64_t count = 0;
-  for (int64_t i = 0; i < layer; ++i) count += config_.model.is_moe_layer(i) ? 1 : 0;
-  return count;
-}
-
-TrainLoop::Buffers TrainLoop::lay_out_memory() {
-  Buffers buffers;
-  const auto tied = tied_tensor(table_);
+Step::Buffers TrainLoop::lay_out_memory() {
+  Step::Buffers buffers;
   state_memory_ = std::make_unique<Arena>(backend_, [&](Arena& arena) {
     storage_.lay_out(arena);
     optimizer_.lay_out(arena);
     model_.lay_out(arena);
-    buffers.tp_partial_grads = arena.take<float>(groups_.get(Axis::kTp) != nullptr ? tp_partial_numel(storage_) : 0);
-    buffers.tied_grads = arena.take<float>(tied ? storage_.owned_numel(*tied) : 0);
+    buffers = Step::lay_out(arena, storage_, groups_);
   });
   return buffers;
 }
@@ -113,14 +82,14 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
       model_(config.model, backend, micro_batch_, storage_, groups,
              slots_for(schedule_, static_cast<int>(config.parallel.micro_batches)), splits_backward(schedule_)),
-      buffers_(lay_out_memory()),
       rank_(rank),
       board_(rank.board != nullptr ? *rank.board : no_board_),
       faults_(config, rank.rank, rank.generation),
-      sdc_(
-          config, backend, rank.rank, rank.world_size, rank.generation, board_,
-          [this](float* values, size_t count) { sum_over_world(values, count); }, replicated_state()),
-      checkpoint_faults_(checkpoint::FileSystem::real(), faults_) {
+      sdc_(config, backend, rank.rank, rank.world_size, rank.generation, board_,
+           [&groups](float* values, size_t count) { groups.sum_over_grid(values, count); }),
+      checkpoint_faults_(checkpoint::FileSystem::real(), faults_),
+      step_({config_, backend_, groups_, schedule_, storage_, optimizer_, model_, train_, board_, faults_, sdc_},
+            lay_out_memory(), micro_batch_) {
   const Layout layout = Layout::from(config.parallel);
   for (Axis axis : kAxes) {
     if (groups.size(axis) != Mesh::group_size(layout, axis)) {
@@ -133,20 +102,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
     val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
-  describe_flip_sites();
-  storage_.on_local_gradients([this](int unit, float* grads, size_t numel) { on_local_gradients(unit, grads, numel); });
-  model_.on_activation([this](int site, float* data, size_t numel) {
-    // Site i < n_layer is this stage's block of layer i; the logits come last.
-    const size_t local =
-        site == config_.model.n_layer ? activation_sites_.size() - 1 : static_cast<size_t>(stage_.block_of(site));
-    flip_if_due(backend_, faults_, "activation", activation_sites_,
-                [&](size_t s) { return s == local ? data : nullptr; });
-    // The last block's output and the logits of a training forward:
-    // StepSignals says why these; validation's are not judged.
-    if (judging_activations_ && site >= config_.model.n_layer - 1) {
-      sdc_.add_local_activations(backend_.sum_squares(data, numel));
-    }
-  });
+  sdc_.compare_replicas(replicated_state());
   if (checkpoints_enabled()) {
     const auto& c = config.checkpoint;
     std::filesystem::create_directories(config.checkpoint_dir());
@@ -179,197 +135,6 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
   targets_.resize(tokens);
 }
 
-void TrainLoop::dump_first_gradients(std::filesystem::path dir, int rank) {
-  gradient_dump_dir_ = std::move(dir);
-  gradient_dump_rank_ = rank;
-}
-
-StepStats TrainLoop::train_step(int64_t step) {
-  const auto start = Clock::now();
-  StepStats stats;
-  stats.step = step;
-  stats.lr = learning_rate(config_.train, step);
-  Gradients g = compute_gradients(step);
-  // The parameters are untouched until apply_update, so a suspicious
-  // result is computed again from the same inputs before anything uses it.
-  const SdcGuard::Assessment assessment = sdc_.assess(g.signals);
-  stats.anomaly_score = assessment.score;
-  if (assessment.rerun) {
-    const Gradients first = g;
-    g = compute_gradients(step);
-    const auto outcome = sdc_.judge_rerun(step, assessment, first.signals, g.signals);
-    stats.loss_spike = outcome != SdcGuard::RerunOutcome::kTransient;
-    stats.skipped = outcome == SdcGuard::RerunOutcome::kSpikeSkipped;
-  } else if (!std::isfinite(g.signals.loss) || !std::isfinite(g.signals.grad_norm)) {
-    // Every rank holds the same loss and norm (both are summed over the
-    // world), so every rank refuses the same step and none waits for another.
-    sdc_.refuse(step, g.signals);
-  }
-  sdc_.accept(step, g.signals);
-  stats.loss = g.signals.loss;
-  stats.aux_loss = g.aux_loss;
-  stats.grad_norm = static_cast<float>(g.signals.grad_norm);
-  if (!stats.skipped) {
-    apply_update(static_cast<float>(stats.lr), g.signals.grad_norm, step);
-    flip_state_bit();
-  }
-  sdc_.after_step(step + 1);
-  stats.step_ms = seconds_since(start) * 1e3;
-  return stats;
-}
-
-TrainLoop::Gradients TrainLoop::compute_gradients(int64_t step) {
-  const int T = static_cast<int>(config_.model.seq_len);
-  const int64_t micro_batches = config_.parallel.micro_batches;
-  // Each rank's gradient is its share of the global mean: summing over
-  // dp x cp (a CP rank's loss is the mean over its share of the positions)
-  // then gives the gradient of the whole batch.
-  const double spike = faults_.loss_factor(step);
-  const float loss_scale = static_cast<float>(spike) / static_cast<float>(micro_batches * groups_.size(Axis::kDpCp));
-  const int64_t first_sample = static_cast<int64_t>(dp_rank_) * micro_batches * micro_batch_;
-
-  const auto start = Clock::now();
-  const int64_t wait_before = collective_wait_ns();
-  const int64_t cpu_wait_before = common::Clock::steady().cpu_wait_ns();
-  sdc_.begin_attempt();
-  storage_.zero_gradients();
-  double loss_sum = 0, aux_sum = 0;
-  const int64_t experts = config_.model.n_expert;
-  std::vector<float> expert_tokens(static_cast<size_t>(moe_layers_before(config_.model.n_layer) * experts), 0.0f);
-  StageWork work;
-  work.batch = [this](int) { return micro_batch_; };
-  work.forward = [&](int mb, int chunk, int slot) {
-    if (stage_.reads_tokens(chunk)) {
-      board_.set_phase(health::Phase::kData);
-      fill_train_batch(train_, static_cast<uint64_t>(config_.job.seed), step, config_.train.batch_size, T,
-                       first_sample + mb * micro_batch_, micro_batch_, inputs_.data(), targets_.data());
-    }
-    board_.set_phase(health::Phase::kForward);
-    judging_activations_ = sdc_.fingerprinting();
-    loss_sum += model_.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk);
-    judging_activations_ = false;
-    aux_sum += model_.aux_loss();
-    // The chunk's MoE blocks, each microbatch's counts over dp x cp already.
-    for (const auto& block : model_.expert_tokens(slot)) {
-      size_t at = static_cast<size_t>(moe_layers_before(block.layer) * experts);
-      for (double count : block.tokens) expert_tokens[at++] += static_cast<float>(count);
-    }
-  };
-  // Gradients are handed over, unit by unit, by the whole backward or by
-  // the weight pass split off it.
-  const bool split = splits_backward(schedule_);
-  auto hand_over = [&](int mb, int chunk) {
-    // Each chunk's last backward is the last microbatch's (interleaved
-    // schedules run the chunks in reverse, the last chunk first).
-    const bool last = mb + 1 == micro_batches;
-    storage_.begin_microbatch(last);
-    // Poisoned as backward hands its first unit over: its sum over DP may start then.
-    const bool first_of_last = last && chunk + 1 == static_cast<int>(stage_.chunks.size());
-    poison_gradient_ = first_of_last && faults_.poisons(step, "gradient");
-  };
-  work.backward = [&](int mb, int chunk, int slot) {
-    if (!split) hand_over(mb, chunk);
-    board_.set_phase(health::Phase::kBackward);
-    model_.backward(loss_scale, slot, /*weights=*/!split);
-  };
-  work.weight = [&](int mb, int chunk, int slot) {
-    hand_over(mb, chunk);
-    board_.set_phase(health::Phase::kBackward);
-    model_.weight_gradients(slot);
-  };
-  schedule_time_ += run_stage(schedule_, static_cast<int>(micro_batches), model_, groups_.get(Axis::kPp), work);
-  if (Communicator* pp = groups_.get(Axis::kPp); pp != nullptr && !expert_tokens.empty()) {
-    pp->all_reduce(expert_tokens.data(), expert_tokens.size());
-  }
-  step_expert_tokens_ = nlohmann::json::array();
-  for (size_t layer = 0; experts > 0 && layer < expert_tokens.size() / static_cast<size_t>(experts); ++layer) {
-    step_expert_tokens_.push_back(
-        std::vector<float>(expert_tokens.begin() + layer * experts, expert_tokens.begin() + (layer + 1) * experts));
-  }
-  // A slow rank's forward and backward take longer; its peers then wait
-  // for it in the gradient sums below. Stretched is the rank's own work, as
-  // its board counts compute: neither collective wait nor waiting for a CPU.
-  const int64_t not_working_ns =
-      collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
-  faults_.slow_compute(std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
-  loss_sum *= spike;
-  if (faults_.poisons(step, "loss")) loss_sum = std::nan("");
-  sdc_.add_local_loss(loss_sum);
-  storage_.reduce_gradients();
-  sum_norm_gradients_over_tp();
-  sum_tied_gradients();
-  if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
-  board_.set_phase(health::Phase::kOptimizer);
-  const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
-  const double batches = static_cast<double>(micro_batches * groups_.size(Axis::kDpCp));
-  return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},
-                   static_cast<float>(sums.aux_loss / batches)};
-}
-
-int64_t TrainLoop::collective_wait_ns() const {
-  int64_t ns = 0;
-  for (const auto& group : groups_.communicators()) ns += group.comm->stats().wait_ns;
-  return ns;
-}
-
-void TrainLoop::on_local_gradients(int unit, float* grads, size_t numel) {
-  const size_t first = table_.unit_first_tensor(unit), end = table_.unit_end_tensor(unit);
-  if (poison_gradient_ && numel > 0) {
-    const float nan = std::nanf("");  // into the unit's first element
-    backend_.copy_from_host(grads, &nan, sizeof(float));
-    poison_gradient_ = false;
-  }
-  flip_if_due(backend_, faults_, "grad", tensor_sites_, [&](size_t t) {
-    return t >= first && t < end ? grads + (table_.specs()[t].offset - table_.unit_begin(unit)) : nullptr;
-  });
-  if (sdc_.fingerprinting()) sdc_.add_local_gradients(backend_.sum_squares(grads, numel));
-}
-
-void TrainLoop::flip_state_bit() {
-  // Parameters are whole on every rank below ZeRO-3: a flip lands in this
-  // rank's copy after the update's all-gather, as a bad memory cell would.
-  const bool whole = storage_.stage() < 3;
-  flip_if_due(backend_, faults_, "param", whole ? tensor_sites_ : owned_sites_, [&](size_t t) {
-    return whole ? storage_.params() + table_.specs()[t].offset : storage_.owned_parameters(t);
-  });
-  flip_if_due(backend_, faults_, "exp_avg", owned_sites_, [&](size_t t) { return optimizer_.exp_avg(t); });
-  flip_if_due(backend_, faults_, "exp_avg_sq", owned_sites_, [&](size_t t) { return optimizer_.exp_avg_sq(t); });
-}
-
-void TrainLoop::describe_flip_sites() {
-  for (size_t t = 0; t < table_.specs().size(); ++t) {
-    tensor_sites_.push_back({table_.specs()[t].name, table_.specs()[t].numel});
-    owned_sites_.push_back({table_.specs()[t].name, storage_.owned_numel(t)});
-  }
-  // Gpt's activation sites on this stage: each block's output shard, then
-  // the logits on the last stage.
-  const size_t positions = static_cast<size_t>(micro_batch_ * config_.model.seq_len / config_.parallel.cp);
-  const size_t shard = positions / static_cast<size_t>(config_.parallel.tp) * static_cast<size_t>(config_.model.n_embd);
-  for (int64_t b = 0; b < stage_.layers(); ++b) {
-    activation_sites_.push_back({fmt::format("h.{}.output", stage_.layer(b)), shard});
-  }
-  const size_t vocabulary = static_cast<size_t>(config_.model.padded_vocab() / config_.parallel.tp);
-  if (stage_.last()) activation_sites_.push_back({"logits", positions * vocabulary});
-  const auto& f = config_.faults;
-  if (f.bitflip_tensor.empty()) return;
-  // The name must be one of the whole model's; a stage without it never flips.
-  std::vector<std::string> names;
-  if (f.bitflip_target == "activation") {
-    for (int64_t i = 0; i < config_.model.n_layer; ++i) names.push_back(fmt::format("h.{}.output", i));
-    names.push_back("logits");
-  } else {
-    const ParameterTable whole(config_.model);
-    for (const ParamSpec& spec : whole.specs()) names.push_back(spec.name);
-  }
-  if (std::find(names.begin(), names.end(), f.bitflip_tensor) == names.end()) {
-    throw common::Error(
-        common::ErrorCode::kBadConfig,
-        fmt::format("faults.bitflip_tensor = \"{}\" names no {} of this model; name one such as "
-                    "\"{}\", or leave it empty to draw one",
-                    f.bitflip_tensor, f.bitflip_target == "activation" ? "activation" : "tensor", names.front()));
-  }
-}
-
 ReplicatedState TrainLoop::replicated_state() {
   if (groups_.size(Axis::kDpCp) == 1) return {0, {}, "one DP rank holds no replica of another"};
   if (config_.parallel.ep > 1 && groups_.size(Axis::kExpertDp) == 1) {
@@ -397,134 +162,9 @@ ReplicatedState TrainLoop::replicated_state() {
   return {XXH3_64bits(set.data(), set.size()), std::move(spans), ""};
 }
 
-void TrainLoop::sum_over_world(float* values, size_t count) {
-  for (Axis axis : kGridAxes) {
-    if (Communicator* group = groups_.get(axis)) group->all_reduce(values, count);
-  }
-}
-
-void TrainLoop::sum_norm_gradients_over_tp() {
-  // Under sequence parallelism each TP rank holds the norms' gradient of
-  // its own positions: sum them, every tensor in one all-reduce.
-  Communicator* tp = groups_.get(Axis::kTp);
-  ArenaArray<float>& packed_partials = buffers_.tp_partial_grads;
-  if (tp == nullptr || packed_partials.size() == 0) return;
-  auto for_each_partial = [&](auto&& visit) {
-    size_t at = 0;
-    for (size_t t = 0; t < table_.specs().size(); ++t) {
-      if (!table_.specs()[t].grad_partial_over_tp) continue;
-      const size_t bytes = storage_.owned_numel(t) * sizeof(float);
-      visit(packed_partials.data() + at, storage_.owned_gradients(t), bytes);
-      at += storage_.owned_numel(t);
-    }
-  };
-  for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(packed, owned, bytes); });
-  tp->all_reduce(packed_partials.data(), packed_partials.size());
-  for_each_partial([&](float* packed, float* owned, size_t bytes) { backend_.copy(owned, packed, bytes); });
-}
-
-void TrainLoop::sum_tied_gradients() {
-  // Megatron's embedding group is the PP group's two ends; each adds the
-  // other's gradient to its own, and a + b == b + a bit for bit, so both
-  // copies take the same update.
-  const auto tied = tied_tensor(table_);
-  if (!tied) return;
-  float* owned = storage_.owned_gradients(*tied);
-  const size_t numel = storage_.owned_numel(*tied);
-  const int peer = stage_.first() ? stage_.count - 1 : 0;
-  groups_.get(Axis::kPp)->exchange({{owned, numel, peer}}, {{buffers_.tied_grads.data(), numel, peer}});
-  backend_.accumulate(owned, buffers_.tied_grads.data(), numel);
-}
-
-TrainLoop::StepSums TrainLoop::sum_step_scalars(double loss_sum, double aux_sum) {
-  const auto& specs = table_.specs();
-  // Every owned part once: a tensor replicated over TP counted on TP rank
-  // 0 only, the tied embedding on the first stage only.
-  double squares = 0, expert_squares = 0;
-  for (size_t t = 0; t < specs.size(); ++t) {
-    if ((tp_rank_ != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
-    (specs[t].expert ? expert_squares : squares) +=
-        backend_.sum_squares(storage_.owned_gradients(t), storage_.owned_numel(t));
-  }
-  // Below ZeRO-1 every dp x cp rank holds the whole of the other tensors
-  // but its EP rank's experts only: theirs sum over EP. (Sharded, every
-  // shard of either kind lies on one dp x cp rank, summed there below.)
-  if (Communicator* ep = groups_.get(Axis::kEp); ep != nullptr && storage_.stage() == 0) {
-    float over_ep = static_cast<float>(expert_squares);
-    ep->all_reduce(&over_ep, 1);
-    expert_squares = over_ep;
-  }
-  squares += expert_squares;
-  // The scalars share one small all-reduce per group instead of one each.
-  // Over TP: the norm's squares and the activation squares, which each TP
-  // rank holds for its own positions and vocabulary slice (the TP ranks of
-  // a DP rank computed the same losses). Over DP: the losses, the
-  // activation squares and, where ZeRO shards the gradients, the norm's
-  // squares (below that every DP rank holds the whole sum already).
-  StepSums sums{loss_sum, aux_sum, squares, sdc_.local_activation_squares()};
-  if (Communicator* tp = groups_.get(Axis::kTp)) {
-    float over_tp[2] = {static_cast<float>(sums.grad_squares), static_cast<float>(sums.activation_squares)};
-    tp->all_reduce(over_tp, 2);
-    sums.grad_squares = over_tp[0];
-    sums.activation_squares = over_tp[1];
-  }
-  if (Communicator* dp = groups_.get(Axis::kDpCp)) {
-    const bool sharded = storage_.stage() >= 1;
-    float over_dp[4] = {static_cast<float>(sums.loss), static_cast<float>(sums.aux_loss),
-                        static_cast<float>(sums.activation_squares), static_cast<float>(sums.grad_squares)};
-    dp->all_reduce(over_dp, sharded ? 4 : 3);
-    sums.loss = over_dp[0];
-    sums.aux_loss = over_dp[1];
-    sums.activation_squares = over_dp[2];
-    if (sharded) sums.grad_squares = over_dp[3];
-  }
-  // Over PP: each stage has its own tensors and activations, and the last
-  // the loss (the others add 0).
-  if (Communicator* pp = groups_.get(Axis::kPp)) {
-    float over_pp[4] = {static_cast<float>(sums.loss), static_cast<float>(sums.aux_loss),
-                        static_cast<float>(sums.activation_squares), static_cast<float>(sums.grad_squares)};
-    pp->all_reduce(over_pp, 4);
-    sums = StepSums{over_pp[0], over_pp[1], over_pp[3], over_pp[2]};
-  }
-  return sums;
-}
-
-void TrainLoop::apply_update(float lr, double norm, int64_t step) {
-  const float scale = optimizer_.clip_scale(norm);
-  for (size_t t = 0; t < table_.specs().size(); ++t) {
-    optimizer_.update(t, storage_.owned_parameters(t), storage_.owned_gradients(t), lr, scale, step);
-  }
-  storage_.publish_parameters();
-}
-
-void TrainLoop::write_gradients(int64_t step) {
-  nlohmann::json pieces = nlohmann::json::array();
-  for (size_t t = 0; t < table_.specs().size(); ++t) {
-    const ParamSpec& spec = table_.specs()[t];
-    const int64_t begin = storage_.owned_row_begin(t);
-    std::vector<float> owned(storage_.owned_numel(t));
-    backend_.copy_to_host(owned.data(), storage_.owned_gradients(t), owned.size() * sizeof(float));
-    for (const GlobalBlock& block : spec.global_blocks(begin, begin + storage_.owned_rows(t))) {
-      const auto first = owned.begin() + (block.local_row - begin) * block.cols;
-      pieces.push_back({{"name", spec.name},
-                        {"global_shape", spec.global_shape},
-                        {"row", block.row},
-                        {"col", block.col},
-                        {"rows", block.rows},
-                        {"cols", block.cols},
-                        {"values", std::vector<float>(first, first + block.rows * block.cols)}});
-    }
-  }
-  std::filesystem::create_directories(gradient_dump_dir_);
-  const auto path = gradient_dump_dir_ / fmt::format("rank-{:05d}.json", gradient_dump_rank_);
-  std::ofstream out(path);
-  out << nlohmann::json{{"step", step}, {"pieces", pieces}}.dump() << "\n";
-  if (!out) throw common::Error(common::ErrorCode::kInternal, "cannot write " + path.string());
-}
-
 MemoryUse TrainLoop::memory() const {
   return MemoryUse{storage_.parameter_bytes(), storage_.gradient_bytes(), optimizer_.state_bytes(),
-                   storage_.working_bytes() + buffers_.tp_partial_grads.bytes() + buffers_.tied_grads.bytes(),
+                   storage_.working_bytes() + step_.working_bytes(),
                    state_memory_->bytes()};
 }
 
@@ -675,7 +315,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
                              {"step_ms", stats.step_ms}};
     if (config_.model.n_expert > 0) {
       record["aux_loss"] = stats.aux_loss;
-      record["expert_tokens"] = step_expert_tokens_;
+      record["expert_tokens"] = step_.expert_tokens();
     }
     if (stats.anomaly_score) record["anomaly_score"] = *stats.anomaly_score;
     if (stats.loss_spike) record["loss_spike"] = true;
@@ -689,7 +329,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
                                               seconds_since(last_save) >= config_.checkpoint.every_seconds);
     float votes[3] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f};
-    sum_over_world(votes, 3);
+    groups_.sum_over_grid(votes, 3);
     if (votes[2] > 0.0f) sdc_.test_kernels(step + 1);
     const bool stop_now = votes[0] > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
@@ -756,7 +396,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     // their file was written: they agree on the outcome, so that a failed
     // final save is every rank's exit 13, never a clean stop.
     float failed = checkpointer_->wait() ? 0.0f : 1.0f;
-    sum_over_world(&failed, 1);
+    groups_.sum_over_grid(&failed, 1);
     summary.final_checkpoint_failed = failed > 0.0f;
   }
   board_.set_phase(health::Phase::kIdle);
@@ -764,7 +404,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
   summary.wall_s = seconds_since(run_start);
   summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;
   summary.memory = memory();
-  summary.schedules = schedule_time_;
+  summary.schedules = step_.schedule_time();
   return summary;
 }
 

@@ -1,6 +1,6 @@
-// The training loop of one rank: batches from the dataset, microbatched
-// forward/backward, the gradient sums of its DP and TP groups, clipping and
-// AdamW, periodic validation, metrics and progress with ETA.
+// The training run of one rank: its memory, model and optimizer state,
+// the steps (Step), periodic validation, checkpoints and resume, metrics
+// and progress with ETA.
 #pragma once
 
 #include "checkpoint/checkpointer.h"
@@ -22,6 +22,7 @@
 #include "trainer/train/metrics.h"
 #include "trainer/train/sdc_guard.h"
 #include "trainer/train/stage_executor.h"
+#include "trainer/train/step.h"
 
 #include <atomic>
 #include <filesystem>
@@ -32,19 +33,6 @@
 #include <vector>
 
 namespace keel::trainer {
-
-struct StepStats {
-  int64_t step = 0;
-  float loss = 0;       // mean cross-entropy over the step's microbatches
-  float aux_loss = 0;   // mean MoE load-balancing loss
-  float grad_norm = 0;  // before clipping
-  double lr = 0;
-  double step_ms = 0;
-  // The SDC guard's score of the step against its window (SdcGuard::assess); none before the window is full.
-  std::optional<double> anomaly_score;
-  bool loss_spike = false;  // anomalous twice alike: the data did it, no hardware
-  bool skipped = false;     // a loss spike whose update was not applied (health.spike_policy = "skip")
-};
 
 // Bytes this rank holds for the model's state: docs/architecture.md "Parallel layout and communication"'s ZeRO formulas
 // count the first three; `working` carries units to and from collectives.
@@ -104,7 +92,7 @@ class TrainLoop {
 
   // Writes the summed gradients of the first step to `dir`, each rank the
   // part it owns (rank-NNNNN.json), for layout parity checks.
-  void dump_first_gradients(std::filesystem::path dir, int rank);
+  void dump_first_gradients(std::filesystem::path dir, int rank) { step_.dump_first_gradients(std::move(dir), rank); }
 
   // Checkpoints (docs/architecture.md "Checkpoints"): with checkpoint.every_steps or every_seconds
   // set, run() saves into config.checkpoint_dir() on that schedule and once
@@ -138,7 +126,7 @@ class TrainLoop {
   // One optimizer step on the batch of global step `step`; loss and
   // gradient norm are the same on every rank. A suspicious result is
   // computed again before it is applied (SdcGuard).
-  StepStats train_step(int64_t step);
+  StepStats train_step(int64_t step) { return step_.run(step); }
 
   struct Evaluation {
     float loss = 0;  // mean cross-entropy per token
@@ -164,25 +152,8 @@ class TrainLoop {
 
  private:
   RunSummary train_until(const std::atomic<bool>& stop, int64_t stop_after);
-  // Forward, backward and the gradient sums of `step`'s batch, up to the
-  // global norm; the parameters stay untouched, so it can run again.
-  struct Gradients {
-    StepSignals signals;  // the loss, the norm and what the SDC guard judges them by
-    float aux_loss = 0;
-  };
-  Gradients compute_gradients(int64_t step);
-  // Time this rank spent inside collectives since the step began.
-  int64_t collective_wait_ns() const;
-  // The hooks of fault injection and of the SDC fingerprints.
-  void on_local_gradients(int unit, float* grads, size_t numel);
-  void flip_state_bit();
-  // Where fault injection may flip a bit of `target`, by tensor (or block
-  // output) name; Error(kBadConfig) when faults.bitflip_tensor names none.
-  void describe_flip_sites();
   // What this rank's DP replicas hold identically (SdcGuard's digests).
   ReplicatedState replicated_state();
-  // Sums `values` over the world in place, one grid axis after another.
-  void sum_over_world(float* values, size_t count);
   // Runs the forwards of `microbatches` through the pipeline (validation,
   // evaluation): fill(mb) puts microbatch mb's tokens in inputs_ and
   // targets_, batch(mb) says how many sequences it has. Returns the sum of
@@ -190,13 +161,8 @@ class TrainLoop {
   // on the others.
   double forward_pass(int microbatches, const std::function<int(int mb)>& batch,
                       const std::function<void(int mb)>& fill);
-  // How many MoE blocks come before block `layer`.
-  int64_t moe_layers_before(int64_t layer) const;
   // Sums a loss over the pipeline (only the last stage's is not 0) and the DP ranks.
   void sum_over_pipeline_and_dp(double* value);
-  // Gives both copies of the tied token embedding (first and last stage)
-  // the sum of their gradients.
-  void sum_tied_gradients();
   // A block of a global tensor this rank saves or loads, and where its rows
   // live in this rank's memory.
   struct StateBlock {
@@ -217,27 +183,9 @@ class TrainLoop {
   // Error(kBadConfig) unless the checkpoint holds exactly this model's
   // tensors at this model's global shapes.
   void check_shapes(const checkpoint::CheckpointReader& reader) const;
-  // Sums the gradients that sequence parallelism leaves partial over TP.
-  void sum_norm_gradients_over_tp();
-  // The step's scalars summed over the world, the same on every rank: the
-  // loss and aux loss sums, the squared gradient norm and the activation
-  // squares (StepSignals).
-  struct StepSums {
-    double loss = 0, aux_loss = 0, grad_squares = 0, activation_squares = 0;
-  };
-  StepSums sum_step_scalars(double loss_sum, double aux_sum);
-  // Clips by `norm` and applies AdamW to the owned parts.
-  void apply_update(float lr, double norm, int64_t step);
-  void write_gradients(int64_t step);
-  // The loop's own working arrays, placed after the model's.
-  struct Buffers {
-    // The norms' gradients, summed over TP in one all-reduce (sequence parallelism).
-    ArenaArray<float> tp_partial_grads;
-    // The other stage's gradient of the tied token embedding (pipelines).
-    ArenaArray<float> tied_grads;
-  };
-  // Places the storage, the optimizer, the model and the Buffers in state_memory_.
-  Buffers lay_out_memory();
+  // Places the storage, the optimizer, the model and the step's buffers in
+  // state_memory_, and returns the step's.
+  Step::Buffers lay_out_memory();
 
   common::Config config_;
   Backend& backend_;
@@ -260,28 +208,19 @@ class TrainLoop {
   ZeroStorage storage_;
   AdamW optimizer_;
   Gpt model_;
-  Buffers buffers_;
-  std::vector<int32_t> inputs_, targets_;
-  std::filesystem::path gradient_dump_dir_;
-  int gradient_dump_rank_ = 0;
+  std::vector<int32_t> inputs_, targets_;  // validation's and evaluation's microbatch
   RankContext rank_;
   health::BoardPublisher no_board_;
   health::BoardPublisher& board_;
   health::FaultInjector faults_;
-  // Whether the forward now running feeds the SDC guard its activation squares.
-  bool judging_activations_ = false;
-  // Whether backward's unit 0 gradient gets a NaN ([faults] nan_target = "gradient").
-  bool poison_gradient_ = false;
-  std::vector<health::FaultInjector::Site> tensor_sites_, owned_sites_, activation_sites_;
   SdcGuard sdc_;
   CheckpointFaults checkpoint_faults_;
   std::optional<checkpoint::Checkpointer> checkpointer_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;
-  StageTime schedule_time_;  // the training schedules' time over the run
-  // The last step's tokens per expert of each MoE block of the model, over
-  // the whole batch (metrics.jsonl's expert_tokens).
-  nlohmann::json step_expert_tokens_ = nlohmann::json::array();
+  // Declared last: it registers hooks on storage_ and model_ and refers to
+  // the members above.
+  Step step_;
 };
 
 }  // namespace keel::trainer
