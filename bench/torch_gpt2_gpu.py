@@ -14,7 +14,11 @@ run with torch.distributed.checkpoint.async_save (a single-process group):
 the stall (until async_save returns and training may go on), the time until
 the save is on disk, and a dcp.load of it, with the bytes written.
 
-Prints one JSON object per mode and one for DCP on stdout; progress on stderr.
+It first times causal F.scaled_dot_product_attention alone, forward +
+backward at the model's attention shape (keel-bench-attention's twin).
+
+Prints one JSON object per mode, one for attention and one for DCP on
+stdout; progress on stderr.
 
     python3 bench/torch_gpt2_gpu.py [--mode both] [--steps 60] [--warmup 10] [--dcp DIR]
 """
@@ -170,6 +174,35 @@ def measure_dcp(model, optimizer, directory):
             "save_bytes_per_s": written / save_s, "load_s": load_s, "load_bytes_per_s": written / load_s}
 
 
+def measure_attention(device, batch, iterations=20):
+    """Causal SDPA forward + backward at the model's attention shape, bf16,
+    FLOPs counted as keel-bench-attention counts them."""
+    heads, d = N_HEAD, N_EMBD // N_HEAD
+    gen = torch.Generator(device=device).manual_seed(2)
+    q, k, v = (torch.rand(batch, heads, SEQ, d, device=device, dtype=torch.bfloat16, generator=gen,
+                          requires_grad=True) for _ in range(3))
+    dout = torch.rand(batch, heads, SEQ, d, device=device, dtype=torch.bfloat16, generator=gen)
+    start, forwarded, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    forward_ms = backward_ms = 0.0
+    for i in range(3 + iterations):
+        start.record()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        forwarded.record()
+        out.backward(dout)
+        done.record()
+        done.synchronize()
+        if i >= 3:
+            forward_ms += start.elapsed_time(forwarded) / iterations
+            backward_ms += forwarded.elapsed_time(done) / iterations
+    flops = 4.0 * batch * heads * SEQ * SEQ * d / 2.0
+    return {"bench": "torch_attention", "torch_version": torch.__version__,
+            "shape": {"batch": batch, "heads": heads, "seq_len": SEQ, "head_dim": d},
+            "forward_ms": forward_ms, "backward_ms": backward_ms,
+            "forward_tflops": flops / (forward_ms * 1e-3) / 1e12,
+            "backward_tflops": 2.5 * flops / (backward_ms * 1e-3) / 1e12,
+            "tflops": 3.5 * flops / ((forward_ms + backward_ms) * 1e-3) / 1e12}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["eager", "compile", "both"], default="both")
@@ -184,6 +217,7 @@ def main():
         log("no CUDA device: this benchmark measures the GPU")
         return 1
     device = torch.device("cuda", 0)
+    print(json.dumps(measure_attention(device, args.batch)), flush=True)
     modes = ["eager", "compile"] if args.mode == "both" else [args.mode]
     for mode in modes:
         result, model, optimizer = run(mode, args, device)

@@ -4,6 +4,7 @@
 #include "tests/trainer/thread_count_guard.h"
 #include "tests/trainer/random_data.h"
 #include "trainer/kernels/cpu_backend.h"
+#include "trainer/kernels/dtype.h"
 
 #include <doctest/doctest.h>
 #include <omp.h>
@@ -496,6 +497,54 @@ TEST_SUITE("unit") {
                                           std::tuple{"dv of the first chunk", a.dv, rows(whole.dv, 0, split)},
                                           std::tuple{"dv of the second chunk", b.dv, rows(whole.dv, split, T)}}) {
       check_close(name, got, Ref(want.begin(), want.end()), 1e-5);
+    }
+  }
+
+  TEST_CASE("with bf16 GEMM inputs attention rounds q k v dout and the probabilities and nothing else") {
+    // Queries cross three query blocks; the views are qkv's strided ones,
+    // so the gradients must land in the caller's layout.
+    const AttentionShape s{2, 150, 32, 2};
+    CpuBackend fp32, bf16(0, keel::trainer::DType::kBF16);
+    auto rounded = [](Vec v) {
+      for (float& x : v) x = keel::trainer::bf16_rounded(x);
+      return v;
+    };
+    struct Result {
+      Vec out, lse, dqkv;
+    };
+    auto run = [&](CpuBackend& cpu, const Vec& qkv, const Vec& dout) {
+      Result r{nan_vec(s.out()), nan_vec(s.lse()), Vec(s.qkv(), 0.5f)};
+      const auto in = CpuBackend::self_attention(qkv.data(), s.B, s.T, s.C, s.NH);
+      cpu.attention_forward(r.out.data(), r.lse.data(), in);
+      cpu.attention_backward(CpuBackend::self_attention_grads(r.dqkv.data(), s.C), dout.data(), r.out.data(),
+                             r.lse.data(), in);
+      return r;
+    };
+    auto relative_l2 = [](const Vec& got, const Vec& want) {
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        diff += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+        norm += static_cast<double>(want[i]) * want[i];
+      }
+      return std::sqrt(diff / norm);
+    };
+    const Vec qkv = random_vec(s.qkv(), 85, -2.0f, 2.0f), dout = random_vec(s.out(), 86);
+    // On inputs bf16 holds exactly, the scores, and so lse, are float32's;
+    // only the rounded probabilities and score gradients move out and dqkv.
+    const Result exact = run(fp32, rounded(qkv), rounded(dout)), got = run(bf16, rounded(qkv), rounded(dout));
+    CHECK(got.lse == exact.lse);
+    CHECK(got.out != exact.out);
+    for (const auto& [name, a, b] : {std::tuple{"out", got.out, exact.out}, std::tuple{"dqkv", got.dqkv, exact.dqkv}}) {
+      CAPTURE(name);
+      CHECK(relative_l2(a, b) <= 1e-2);
+    }
+    // On any inputs: within bf16's rounding of float32 attention.
+    const Result want = run(fp32, qkv, dout), any = run(bf16, qkv, dout);
+    for (const auto& [name, a, b] : {std::tuple{"out", any.out, want.out}, std::tuple{"lse", any.lse, want.lse},
+                                     std::tuple{"dqkv", any.dqkv, want.dqkv}}) {
+      CAPTURE(name);
+      CHECK(relative_l2(a, b) <= 2e-2);
+      CHECK(relative_l2(a, b) > 0.0);
     }
   }
 

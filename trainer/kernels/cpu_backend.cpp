@@ -456,9 +456,47 @@ int visible_keys(const Backend::AttentionInputs& in, int t) {
   return std::clamp(in.q_offset + t - in.k_offset + 1, 0, in.Tk);
 }
 
+// With bf16 GEMM inputs attention multiplies what the GPU's tensor cores
+// do (attention_tc.cu): q, k and v rounded to bf16, here as compact copies
+// (rows of C), and `views` pointing at them; the probabilities, score
+// gradients and dout are rounded where the products take them.
+struct RoundedViews {
+  std::vector<float> q, k, v;
+  Backend::AttentionInputs views;
+};
+RoundedViews rounded_views(const Backend::AttentionInputs& in) {
+  RoundedViews r{{}, {}, {}, in};
+  auto round_rows = [&](std::vector<float>& to, const float* from, int rows, int ld) {
+    to.resize(static_cast<size_t>(rows) * in.C);
+#pragma omp parallel for schedule(static) if (to.size() > kParallelMin)
+    for (int row = 0; row < rows; ++row) {
+      for (int c = 0; c < in.C; ++c) {
+        to[static_cast<size_t>(row) * in.C + c] = bf16_rounded(from[static_cast<size_t>(row) * ld + c]);
+      }
+    }
+  };
+  round_rows(r.q, in.q, in.B * in.Tq, in.ld_q);
+  round_rows(r.k, in.k, in.B * in.Tk, in.ld_kv);
+  round_rows(r.v, in.v, in.B * in.Tk, in.ld_kv);
+  r.views.q = r.q.data();
+  r.views.k = r.k.data();
+  r.views.v = r.v.data();
+  r.views.ld_q = r.views.ld_kv = in.C;
+  return r;
+}
+
+void round_rows_to_bf16(float* rows, int count, int width, int ld) {
+  for (int r = 0; r < count; ++r) {
+    for (int j = 0; j < width; ++j) rows[static_cast<size_t>(r) * ld + j] = bf16_rounded(rows[static_cast<size_t>(r) * ld + j]);
+  }
+}
+
 }  // namespace
 
-void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
+void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs& views) {
+  const bool bf16 = gemm_inputs_ == DType::kBF16;
+  const RoundedViews rounded = bf16 ? rounded_views(views) : RoundedViews{{}, {}, {}, views};
+  const AttentionInputs& in = rounded.views;
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
@@ -495,14 +533,25 @@ void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs
         lse[static_cast<size_t>(bh) * Tq + t] =
             causal_softmax_row(a + static_cast<size_t>(t - r0) * Tk, visible_keys(in, t), keys);
       }
+      if (bf16) round_rows_to_bf16(a, r1 - r0, keys, Tk);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, keys, 1.0f, a, Tk, v, in.ld_kv, 0.0f, o, C);
     }
   }
 }
 
 void CpuBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
-                                    const float* lse, const AttentionInputs& in) {
+                                    const float* lse, const AttentionInputs& views) {
+  const bool bf16 = gemm_inputs_ == DType::kBF16;
+  const RoundedViews rounded = bf16 ? rounded_views(views) : RoundedViews{{}, {}, {}, views};
+  const AttentionInputs& in = rounded.views;
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
+  // dout rounded as a GEMM operand; D_t = dO_t . O_t takes it unrounded.
+  std::vector<float> dout_rounded;
+  if (bf16) {
+    dout_rounded.assign(dout, dout + static_cast<size_t>(B) * Tq * C);
+    round_rows_to_bf16(dout_rounded.data(), B * Tq, C, C);
+  }
+  const float* dout_operand = bf16 ? dout_rounded.data() : dout;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   // One (batch, head) per work item: dK and dV gather from every query
@@ -515,14 +564,13 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
     for (int bh = 0; bh < B * NH; ++bh) {
       const int b = bh / NH;
       const int h = bh % NH;
-      const size_t q_head = static_cast<size_t>(b) * Tq * in.ld_q + h * d;
-      const size_t kv_head = static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      const float* q = in.q + q_head;
-      const float* k = in.k + kv_head;
-      const float* v = in.v + kv_head;
-      float* dq = grads.dq + q_head;
-      float* dk = grads.dk + kv_head;
-      float* dv = grads.dv + kv_head;
+      const float* q = in.q + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+      const float* k = in.k + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* v = in.v + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      // The gradients are laid out as the caller's views.
+      float* dq = grads.dq + static_cast<size_t>(b) * Tq * views.ld_q + h * d;
+      float* dk = grads.dk + static_cast<size_t>(b) * Tk * views.ld_kv + h * d;
+      float* dv = grads.dv + static_cast<size_t>(b) * Tk * views.ld_kv + h * d;
       for (int blk = 0; blk < blocks; ++blk) {
         const int r0 = blk * kQueryBlock;
         const int r1 = std::min(Tq, r0 + kQueryBlock);
@@ -533,6 +581,7 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
         float* ds = dscores.data();
         const size_t first_row = (static_cast<size_t>(b) * Tq + r0) * C + h * d;
         const float* dy = dout + first_row;
+        const float* dy_operand = dout_operand + first_row;
         const float* o = out + first_row;
         // P again from the scores and the saved log-sum-exp.
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, scale,
@@ -545,9 +594,9 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
           for (int j = 0; j < len; ++j) p_row[j] = exp_approx(p_row[j] - shift);
           std::fill(p_row + len, p_row + keys, 0.0f);
         }
-        // dP = dO V^T, then dV += P^T dO.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, dy, C, v, in.ld_kv, 0.0f, ds, Tk);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy, C, 1.0f, dv, in.ld_kv);
+        // dP = dO V^T.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, dy_operand, C, v, in.ld_kv, 0.0f, ds,
+                    Tk);
         // dS = P * (dP - D) * scale with D = dO . O, zero past the visible keys.
         for (int t = r0; t < r1; ++t) {
           const float* p_row = p + static_cast<size_t>(t - r0) * Tk;
@@ -558,11 +607,17 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
           for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d) * scale;
           std::fill(ds_row + len, ds_row + keys, 0.0f);
         }
-        // dQ += dS K, dK += dS^T Q.
+        if (bf16) {
+          round_rows_to_bf16(p, rows, keys, Tk);
+          round_rows_to_bf16(ds, rows, keys, Tk);
+        }
+        // dV += P^T dO, dQ += dS K, dK += dS^T Q.
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy_operand, C, 1.0f, dv,
+                    views.ld_kv);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, ds, Tk, k, in.ld_kv, 1.0f,
-                    dq + static_cast<size_t>(r0) * in.ld_q, in.ld_q);
+                    dq + static_cast<size_t>(r0) * views.ld_q, views.ld_q);
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, ds, Tk,
-                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, in.ld_kv);
+                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, views.ld_kv);
       }
     }
   }

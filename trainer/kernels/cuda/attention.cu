@@ -12,9 +12,11 @@
 //   with D_t from the first pass;
 // * merge: a thread per channel of a query row, then one per row.
 // Every output row has one writer and every sum runs in order: no atomics.
-// CUDA cores only; the tensor-core tiling is [GPU performance]'s.
+// These are the float32 kernels (CUDA cores); with bf16 GEMM inputs and a
+// head of 64 or 128 the tensor-core kernels of attention_tc.cu run instead.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
+#include "trainer/kernels/cuda/attention_tc.h"
 #include "trainer/kernels/cuda/launch.cuh"
 
 #include <fmt/format.h>
@@ -243,6 +245,10 @@ void check_head_dim(int C, int NH) {
 void CudaBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   if (rows == 0) return;
+  if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in)) {
+    tensor_core_attention_forward(stream(), out, lse, in);
+    return;
+  }
   check_head_dim(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
     attention_forward_kernel<decltype(slots)::value>
@@ -256,8 +262,12 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
   if (query_rows == 0 || key_rows == 0) return;
-  check_head_dim(in.C, in.NH);
   auto* row_dots = static_cast<float*>(scratch(query_rows * sizeof(float)));
+  if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in, dout)) {
+    tensor_core_attention_backward(stream(), grads, dout, out, lse, in, row_dots);
+    return;
+  }
+  check_head_dim(in.C, in.NH);
   const float scale = attention_scale(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
     constexpr int kSlots = decltype(slots)::value;
