@@ -10,6 +10,8 @@
 //   the softmaxes use an exp written so the compiler vectorises it.
 #include "trainer/kernels/cpu_backend.h"
 
+#include "trainer/kernels/column_sums.h"
+
 #include "trainer/kernels/adamw_step.h"
 #include "trainer/kernels/gelu.h"
 
@@ -156,8 +158,8 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
   }
 }
 
-// dst[c] += sum over r of src[r*cols + c]. Each thread owns whole columns
-// and walks the rows in order, so the sum order is the same for any thread
+// dst[c] += sum over r of src[r*cols + c] in column_sums.h's order. Each
+// thread owns whole columns, so the order is the same for any thread
 // count; accumulating in double keeps long columns accurate.
 void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
   const int blocks = (cols + kChannelBlock - 1) / kChannelBlock;
@@ -165,13 +167,18 @@ void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
   for (int blk = 0; blk < blocks; ++blk) {
     const int c0 = blk * kChannelBlock;
     const int width = std::min(kChannelBlock, cols - c0);
-    double acc[kChannelBlock] = {};
-    for (int r = 0; r < rows; ++r) {
-      const float* row = src + static_cast<size_t>(r) * cols + c0;
+    double total[kChannelBlock] = {};
+    for (int r0 = 0; r0 < rows; r0 += kColumnChunkRows) {
+      double chunk[kChannelBlock] = {};
+      for (int r = r0; r < std::min(rows, r0 + kColumnChunkRows); ++r) {
+        const float* row = src + static_cast<size_t>(r) * cols + c0;
 #pragma omp simd
-      for (int j = 0; j < width; ++j) acc[j] += row[j];
+        for (int j = 0; j < width; ++j) chunk[j] += row[j];
+      }
+#pragma omp simd
+      for (int j = 0; j < width; ++j) total[j] += chunk[j];
     }
-    for (int j = 0; j < width; ++j) dst[c0 + j] += static_cast<float>(acc[j]);
+    for (int j = 0; j < width; ++j) dst[c0 + j] += static_cast<float>(total[j]);
   }
 }
 

@@ -9,11 +9,13 @@
 // float32 into a float32 output.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
+#include "trainer/kernels/column_sums.h"
 #include "trainer/kernels/cuda/cublaslt_gemm.h"
 #include "trainer/kernels/cuda/launch.cuh"
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <vector>
 
@@ -22,6 +24,29 @@ namespace {
 
 // cuBLASLt's preferred alignment for each operand's copy.
 constexpr size_t kSlotAlign = 256;
+
+// The bias gradient in column_sums.h's order: a thread per (column,
+// chunk of rows) sums its chunk in double; then a thread per column sums
+// the chunks in order. Both read along rows, so a warp's loads are one
+// contiguous run.
+__global__ void column_chunk_sums_kernel(double* chunk_sums, const float* src, int rows, int cols, int chunks) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= cols) return;
+  for (int k = static_cast<int>(blockIdx.y); k < chunks; k += static_cast<int>(gridDim.y)) {
+    const int r0 = k * kColumnChunkRows, r1 = min(rows, r0 + kColumnChunkRows);
+    double sum = 0.0;
+    for (int r = r0; r < r1; ++r) sum += src[static_cast<size_t>(r) * cols + c];
+    chunk_sums[static_cast<size_t>(k) * cols + c] = sum;
+  }
+}
+
+__global__ void add_chunk_sums_kernel(float* dst, const double* chunk_sums, int chunks, int cols) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= cols) return;
+  double total = 0.0;
+  for (int k = 0; k < chunks; ++k) total += chunk_sums[static_cast<size_t>(k) * cols + c];
+  dst[c] += static_cast<float>(total);
+}
 
 __global__ void round_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(in[i]);
@@ -74,7 +99,18 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
       gemm_->run(stream(), false, true, C, OC, N, gemm_type(), ops[2], C, ops[0], OC, 1.0f, dweight, C, nullptr);
     }
   }
-  if (dbias != nullptr) column_sum_accumulate(dbias, dout, N, OC, stream());
+  if (dbias != nullptr && N > 0 && OC > 0) {
+    // Scratch is free again: the GEMMs queued above read their operands first.
+    const int chunks = (N + kColumnChunkRows - 1) / kColumnChunkRows;
+    auto* chunk_sums = static_cast<double*>(scratch(static_cast<size_t>(chunks) * OC * sizeof(double)));
+    const unsigned column_blocks = static_cast<unsigned>((OC + kThreads - 1) / kThreads);
+    const unsigned chunk_blocks = static_cast<unsigned>(std::min(chunks, 65535));  // gridDim.y's limit
+    column_chunk_sums_kernel<<<dim3(column_blocks, chunk_blocks), kThreads, 0, stream()>>>(chunk_sums, dout, N, OC,
+                                                                                           chunks);
+    check_launch("matmul_backward (bias chunks)");
+    add_chunk_sums_kernel<<<column_blocks, kThreads, 0, stream()>>>(dbias, chunk_sums, chunks, OC);
+    check_launch("matmul_backward (bias)");
+  }
 }
 
 }  // namespace keel::trainer::cuda
