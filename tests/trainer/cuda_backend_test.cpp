@@ -37,6 +37,7 @@
 #include "common/counter_rng.h"
 #include "tests/trainer/cuda_fixture.h"
 #include "tests/trainer/random_data.h"
+#include "tests/trainer/relative_error.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/kernels/cuda/cuda_backend.h"
 #include "trainer/model/gpt.h"
@@ -54,6 +55,7 @@ using Ints = std::vector<int32_t>;
 
 using keel::test::random_ints;
 using keel::test::random_vec;
+using keel::test::relative_l2;
 
 // |got - want| <= rel * (|want| + floor) for every element: relative, with
 // rel * floor as its absolute part.
@@ -79,17 +81,6 @@ void check_close(const std::string& what, const Vec& got, const Vec& want, doubl
   CHECK(worst <= rel);
 }
 
-// ||got - want|| / ||want||.
-double relative_l2(const Vec& got, const Vec& want) {
-  REQUIRE(got.size() == want.size());
-  double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    diff += d * d;
-    norm += static_cast<double>(want[i]) * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
 
 // Named arrays in one backend's memory, copied in from host vectors.
 class Tensors {

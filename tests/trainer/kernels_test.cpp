@@ -3,6 +3,7 @@
 // the same inputs run with different thread counts for determinism.
 #include "tests/trainer/thread_count_guard.h"
 #include "tests/trainer/random_data.h"
+#include "tests/trainer/relative_error.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/kernels/dtype.h"
 
@@ -29,6 +30,7 @@ using Ints = std::vector<int32_t>;
 
 using keel::test::random_ints;
 using keel::test::random_vec;
+using keel::test::relative_l2;
 
 // Forward outputs start as NaN so a kernel that fails to overwrite them all
 // shows up in the comparison.
@@ -519,14 +521,6 @@ TEST_SUITE("unit") {
       cpu.attention_backward(CpuBackend::self_attention_grads(r.dqkv.data(), s.C), dout.data(), r.out.data(),
                              r.lse.data(), in);
       return r;
-    };
-    auto relative_l2 = [](const Vec& got, const Vec& want) {
-      double diff = 0, norm = 0;
-      for (size_t i = 0; i < want.size(); ++i) {
-        diff += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
-        norm += static_cast<double>(want[i]) * want[i];
-      }
-      return std::sqrt(diff / norm);
     };
     const Vec qkv = random_vec(s.qkv(), 85, -2.0f, 2.0f), dout = random_vec(s.out(), 86);
     // On inputs bf16 holds exactly, the scores, and so lse, are float32's;

@@ -1,0 +1,124 @@
+// The tensor-core attention kernels (trainer/kernels/cuda/
+// attention_tc_kernels.cuh), compiled for the host against the warp
+// emulator and launched as attention_tc.cu launches them, held to the CPU
+// backend's bf16 attention within the bound the gpu test holds the real
+// ones to. This runs on every CI machine: it proves the lane addressing,
+// fragment bookkeeping, masks, offsets and accumulation of the kernels;
+// speed and the hardware's own rounding are left to the gpu tests.
+#include "tests/trainer/warp_emulator.h"
+// After the emulator: the kernels use what it declares.
+#include "trainer/kernels/cuda/attention_tc_kernels.cuh"
+
+#include "tests/trainer/random_data.h"
+#include "tests/trainer/relative_error.h"
+#include "trainer/kernels/cpu_backend.h"
+#include "trainer/kernels/dtype.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+using keel::trainer::Backend;
+using keel::trainer::CpuBackend;
+using keel::test::random_vec;
+using keel::test::relative_l2;
+using Vec = std::vector<float>;
+namespace tc = keel::trainer::cuda::tc_attention;
+
+// Forward and backward as tensor_core_attention_forward and _backward
+// launch them, on host memory.
+template <int D>
+void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& grads, const float* dout,
+                        const Backend::AttentionInputs& in) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const unsigned heads = static_cast<unsigned>(in.B * in.NH);
+  keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kForwardSharedBytes<D>,
+                         [&] { tc::attention_forward_tc_kernel<D>(out, lse, in, scale * tc::kLog2e); });
+  const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
+  Vec row_dots(rows, NAN);
+  const unsigned warps_per_block = keel::trainer::cuda::kThreads / keel::trainer::cuda::kWarp;
+  keel::emulator::launch(static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), 1,
+                         keel::trainer::cuda::kThreads, 0,
+                         [&] { tc::attention_row_dots_kernel(row_dots.data(), dout, out, in); });
+  keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
+    tc::attention_backward_keys_tc_kernel<D>(grads, dout, lse, row_dots.data(), in, scale);
+  });
+  keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
+    tc::attention_backward_queries_tc_kernel<D>(grads, dout, lse, row_dots.data(), in, scale);
+  });
+}
+
+struct Shape {
+  int B, Tq, Tk, C, NH, q_offset, k_offset;
+};
+
+// q, k and v in one [B, T, 3C] buffer (self-attention's strided views) when
+// the query and key positions are the same, else three dense buffers.
+template <int D>
+void check_against_cpu(const Shape& s) {
+  const bool packed = s.Tq == s.Tk && s.q_offset == s.k_offset;
+  const int C = s.C, ld_q = packed ? 3 * C : C, ld_kv = packed ? 3 * C : C;
+  const size_t q_n = static_cast<size_t>(s.B) * s.Tq * ld_q, kv_n = static_cast<size_t>(s.B) * s.Tk * ld_kv;
+  const Vec q = random_vec(q_n, 111, -2.0f, 2.0f), kv_k = random_vec(kv_n, 112, -2.0f, 2.0f);
+  const Vec kv_v = random_vec(kv_n, 113, -2.0f, 2.0f), dout = random_vec(static_cast<size_t>(s.B) * s.Tq * C, 114);
+  // Gradients start non-zero: the kernels must add to them.
+  const Vec dq0 = random_vec(q_n, 115), dk0 = random_vec(kv_n, 116), dv0 = random_vec(kv_n, 117);
+  struct Result {
+    Vec out, lse, dq, dk, dv;
+  };
+  auto run = [&](auto&& attention) {
+    Result r{Vec(static_cast<size_t>(s.B) * s.Tq * C, NAN), Vec(static_cast<size_t>(s.B) * s.NH * s.Tq, NAN), dq0,
+             packed ? dq0 : dk0, packed ? dq0 : dv0};
+    const Backend::AttentionInputs in =
+        packed ? Backend::AttentionInputs{q.data(), q.data() + C, q.data() + 2 * C, ld_q, ld_kv, s.B, s.Tq, s.Tk, C,
+                                          s.NH, s.q_offset, s.k_offset}
+               : Backend::AttentionInputs{q.data(), kv_k.data(), kv_v.data(), ld_q, ld_kv, s.B, s.Tq, s.Tk, C,
+                                          s.NH, s.q_offset, s.k_offset};
+    // Packed, the three gradients are views of one buffer, as dqkv is.
+    const Backend::AttentionGrads grads = packed
+                                              ? Backend::AttentionGrads{r.dq.data(), r.dq.data() + C, r.dq.data() + 2 * C}
+                                              : Backend::AttentionGrads{r.dq.data(), r.dk.data(), r.dv.data()};
+    attention(r.out.data(), r.lse.data(), grads, dout.data(), in);
+    return r;
+  };
+  CpuBackend cpu(2, keel::trainer::DType::kBF16);
+  const Result want = run([&](float* out, float* lse, const Backend::AttentionGrads& grads, const float* dy,
+                              const Backend::AttentionInputs& in) {
+    cpu.attention_forward(out, lse, in);
+    cpu.attention_backward(grads, dy, out, lse, in);
+  });
+  const Result got = run(emulated_attention<D>);
+  for (size_t i = 0; i < want.lse.size(); ++i) {
+    if (std::isinf(want.lse[i])) CHECK(got.lse[i] == want.lse[i]);  // a query that sees no key
+  }
+  auto finite = [](Vec v) {
+    for (float& x : v) x = std::isinf(x) ? 0.0f : x;
+    return v;
+  };
+  for (const auto& [name, a, b] :
+       {std::tuple{"out", got.out, want.out}, std::tuple{"lse", finite(got.lse), finite(want.lse)},
+        std::tuple{"dq", got.dq, want.dq}, std::tuple{"dk", got.dk, want.dk}, std::tuple{"dv", got.dv, want.dv}}) {
+    CAPTURE(name);
+    CHECK(relative_l2(a, b) <= 1e-2);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("tensor-core attention kernels emulated on the host match the CPU's bf16 attention, head 64") {
+    // Self-attention over three tiles, the last cut short.
+    check_against_cpu<64>({1, 130, 130, 128, 2, 0, 0});
+    // A query chunk against a later key chunk (ring attention): queries
+    // 40..59 see none of its keys; tiles start off 64-row boundaries.
+    check_against_cpu<64>({2, 70, 50, 64, 1, 40, 60});
+  }
+
+  TEST_CASE("tensor-core attention kernels emulated on the host match the CPU's bf16 attention, head 128") {
+    check_against_cpu<128>({1, 65, 65, 128, 1, 0, 0});
+  }
+}
