@@ -35,16 +35,24 @@ __global__ void embedding_position_backward_kernel(float* dwpe, const float* dou
   }
 }
 
-// out[rows[m], c] += weights[m] * inp[m, c] for m in order, one thread per
-// column. `rows` may be a token list offset by -v_begin and filtered to
-// [0, limit); other rows are skipped (the embedding of a vocabulary shard).
+// Destination rows are split over this many blocks (grid y) by row %
+// kScatterGroups, so a scatter fills the device while each destination
+// element keeps one writer.
+constexpr int kScatterGroups = 64;
+
+// out[rows[m], c] += weights[m] * inp[m, c] for m in order: a thread per
+// column and group of destination rows, so each destination element sums
+// its terms in m order, as the CPU backend does. `rows` may be a token
+// list offset by -v_begin and filtered to [0, limit); other rows are
+// skipped (the embedding of a vocabulary shard).
 __global__ void scatter_columns_kernel(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
                                        const float* weights, int M, int C) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
+  const int group = static_cast<int>(blockIdx.y);
   for (int m = 0; m < M; ++m) {
     const int row = rows[m] - row_offset;
-    if (row < 0 || row >= limit) continue;
+    if (row < 0 || row >= limit || row % kScatterGroups != group) continue;
     const float x = inp[static_cast<size_t>(m) * C + c];
     out[static_cast<size_t>(row) * C + c] += weights != nullptr ? weights[m] * x : x;
   }
@@ -75,8 +83,8 @@ __global__ void gathered_row_dot_kernel(float* out, const float* a, const int32_
 void scatter_columns(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
                      const float* weights, int M, int C, cudaStream_t stream) {
   if (M <= 0 || C <= 0) return;
-  scatter_columns_kernel<<<(C + kThreads - 1) / kThreads, kThreads, 0, stream>>>(out, inp, rows, row_offset, limit,
-                                                                                weights, M, C);
+  const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), kScatterGroups);
+  scatter_columns_kernel<<<grid, kThreads, 0, stream>>>(out, inp, rows, row_offset, limit, weights, M, C);
   check_launch("scatter_columns");
 }
 
