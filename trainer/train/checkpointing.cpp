@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 
 
@@ -88,10 +89,15 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std
 }
 
 void TrainLoop::save_checkpoint(int64_t steps_done) {
+  const auto start = std::chrono::steady_clock::now();
   board_.set_phase(health::Phase::kCheckpoint);
   const auto blocks = state_blocks(true, saved_groups());
   std::vector<checkpoint::Piece> pieces;
-  for (const auto& b : blocks) pieces.push_back(b.piece);
+  size_t bytes = 0;
+  for (const auto& b : blocks) {
+    pieces.push_back(b.piece);
+    bytes += b.piece.bytes();
+  }
   // Waits for the previous save; the copy below is all training pays.
   const auto staging = checkpointer_->stage(std::move(pieces));
   if (backend_.host_memory()) {
@@ -114,6 +120,12 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   faults_.stall("checkpoint");
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
   last_saved_step_ = steps_done;
+  // All a save costs training: waiting for the previous one, the snapshot
+  // into the staging buffer and handing it to the writer.
+  common::logger("checkpoint")
+      ->info("checkpoint of step {} staged ({:.1f} MB on this rank): training stalled {:.1f} ms", steps_done,
+             static_cast<double>(bytes) / 1e6,
+             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
 }
 
 void TrainLoop::resume() {
@@ -230,6 +242,7 @@ void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
 }
 
 void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
+  const auto start = std::chrono::steady_clock::now();
   auto log = common::logger("checkpoint");
   checkpoint::CheckpointReader reader(dir);
   check_shapes(reader);
@@ -268,8 +281,11 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
     last_saved_step_ = start_step_;
     if (checkpointer_) checkpointer_->protect(start_step_);
   }
-  log->info("resuming from {} at step {} (saved as {})", dir.string(), start_step_,
-            reader.manifest().layout.dump());
+  size_t bytes = 0;
+  for (const auto& b : blocks) bytes += b.piece.bytes();
+  log->info("resuming from {} at step {} (saved as {}): loaded {:.1f} MB on this rank in {:.2f} s", dir.string(),
+            start_step_, reader.manifest().layout.dump(), static_cast<double>(bytes) / 1e6,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 void TrainLoop::cancel_checkpoint(const std::string& cause) {
