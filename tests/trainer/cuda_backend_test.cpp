@@ -460,6 +460,11 @@ TEST_SUITE("gpu") {
       const float* d_x = n == 0 ? nullptr : t.f("x");
       CHECK(gpu.sum(d_x, n) == doctest::Approx(cpu.sum(x.data(), n)).epsilon(1e-12));
       CHECK(gpu.sum_squares(d_x, n) == doctest::Approx(cpu.sum_squares(x.data(), n)).epsilon(1e-12));
+      // Many spans at once: each as sum_squares gives it, bit for bit.
+      const std::vector<keel::trainer::FloatSpan> spans = {{d_x, n / 3}, {d_x, 0}, {d_x + n / 3, n - n / 3}};
+      std::vector<double> each(spans.size(), NAN);
+      gpu.sum_squares_each(spans, each.data());
+      for (size_t i = 0; i < spans.size(); ++i) CHECK(each[i] == gpu.sum_squares(spans[i].data, spans[i].numel));
     }
   }
 
@@ -551,6 +556,27 @@ TEST_SUITE("gpu") {
       CHECK(relative_l2(on_gpu.read(name), on_cpu_bf16.read(name)) <= 1e-5);
     }
     check_close("dbias (float32 on both)", on_gpu.read("dbias"), on_cpu.read("dbias"), 1e-5, 1e-3);
+  }
+
+  TEST_CASE("the MLP's linear with its GELU fused into the bf16 GEMM matches the CPU's linear then GELU") {
+    if (!device_or_skip()) return;
+    // GPT-2's fc shape cut small: OC a multiple of 8 (cuBLASLt's GELU
+    // input leading dimension), N not.
+    const int N = 97, C = 72, OC = 136;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    const std::map<std::string, Vec> floats = {{"inp", random_vec(N * C, 50, -2.0f, 2.0f)},
+                                               {"w", random_vec(OC * C, 51)},
+                                               {"bias", random_vec(OC, 52)},
+                                               {"out", Vec(N * OC, NAN)},
+                                               {"pre", Vec(N * OC, NAN)}};
+    Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      k->matmul_gelu_forward(t->f("out"), t->f("pre"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+    }
+    // pre: only the summation order differs; out: cuBLASLt's GELU against gelu.h's.
+    check_close("pre", on_gpu.read("pre"), on_cpu.read("pre"), 1e-4, 1.0);
+    check_close("out", on_gpu.read("out"), on_cpu.read("out"), 1e-3, 1.0);
   }
 
   TEST_CASE("tensor-core attention matches the CPU's bf16 attention forward and backward and repeats its bits") {

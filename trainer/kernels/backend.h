@@ -26,6 +26,12 @@
 
 namespace keel::trainer {
 
+// A run of float32s in backend memory.
+struct FloatSpan {
+  const float* data = nullptr;
+  size_t numel = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;

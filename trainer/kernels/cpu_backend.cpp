@@ -444,6 +444,12 @@ void CpuBackend::matmul_forward(float* out, const float* inp, const float* weigh
   gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, out, OC);
 }
 
+void CpuBackend::matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+                                     int N, int C, int OC) {
+  matmul_forward(pre, inp, weight, bias, N, C, OC);
+  gelu_forward(out, pre, static_cast<size_t>(N) * OC);
+}
+
 void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                  const float* weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
@@ -848,6 +854,10 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
     const double xi = x[i];
     return xi * xi;
   });
+}
+
+void CpuBackend::sum_squares_each(const std::vector<FloatSpan>& spans, double* out) {
+  for (size_t i = 0; i < spans.size(); ++i) out[i] = sum_squares(spans[i].data, spans[i].numel);
 }
 
 double CpuBackend::sum(const float* x, size_t n) {

@@ -342,8 +342,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
-      k.matmul_forward(blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
-      k.gelu_forward(blk.fch_gelu.data(), blk.fch.data(), static_cast<size_t>(N) * Fl);
+      k.matmul_gelu_forward(blk.fch_gelu.data(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
       k.matmul_forward(partial_or(blk.residual3), blk.fch_gelu.data(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);

@@ -37,12 +37,6 @@
 
 namespace keel::trainer {
 
-// A run of float32s in backend memory.
-struct FloatSpan {
-  const float* data = nullptr;
-  size_t numel = 0;
-};
-
 // XXH3-64 of the spans' bytes, in order, as one stream.
 uint64_t digest_of(Backend& backend, const std::vector<FloatSpan>& spans);
 

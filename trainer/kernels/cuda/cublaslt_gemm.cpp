@@ -80,11 +80,24 @@ CublasLtGemm::~CublasLtGemm() {
 void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
                        const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
                        const float* bias) {
-  if (m <= 0 || n <= 0) return;
+  matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, beta, c, ldc, bias, nullptr, true);
+}
+
+bool CublasLtGemm::run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
+                            cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float* c, int ldc,
+                            const float* bias, float* gelu_input) {
+  if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
+  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, bias, gelu_input, false);
+}
+
+bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
+                          cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float beta, float* c,
+                          int ldc, const float* bias, float* gelu_input, bool required) {
+  if (m <= 0 || n <= 0) return true;
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating
     // backward GEMMs (a batch that routed no token to an expert).
-    if (beta == 1.0f && bias == nullptr) return;
+    if (beta == 1.0f && bias == nullptr) return true;
     throw common::Error(common::ErrorCode::kInternal,
                         fmt::format("a {}x{} GEMM over an empty inner dimension that is not an accumulation", m, n));
   }
@@ -94,20 +107,38 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  if (bias != nullptr) {
+  if (gelu_input != nullptr) {
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+        bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX);
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(gelu_input));
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(ldc));
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
+  } else if (bias != nullptr) {
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
+  if (bias != nullptr) set(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   // The layouts describe the stored matrices, before op().
   const Layout a_layout(ab_type, trans_a ? k : m, trans_a ? m : k, lda);
   const Layout b_layout(ab_type, trans_b ? n : k, trans_b ? k : n, ldb);
   const Layout c_layout(CUDA_R_32F, m, n, ldc);
 
-  const Shape shape = {trans_a,      trans_b,      m,
-                       n,            k,            lda,
-                       ldb,          ldc,          bias != nullptr,
-                       beta != 0.0f, ab_type,      alignment(a),
-                       alignment(b), alignment(c), bias != nullptr ? alignment(bias) : 0};
+  const Shape shape = {trans_a,
+                       trans_b,
+                       m,
+                       n,
+                       k,
+                       lda,
+                       ldb,
+                       ldc,
+                       bias != nullptr,
+                       beta != 0.0f,
+                       ab_type,
+                       alignment(a),
+                       alignment(b),
+                       alignment(c),
+                       bias != nullptr ? alignment(bias) : 0,
+                       gelu_input != nullptr,
+                       gelu_input != nullptr ? alignment(gelu_input) : 0};
   auto found = algos_.find(shape);
   if (found == algos_.end()) {
     Preference pref;
@@ -119,10 +150,15 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
     set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(shape[13]));
     cublasLtMatmulHeuristicResult_t result{};
     int found_count = 0;
-    check(cublasLtMatmulAlgoGetHeuristic(handle_, op.desc, a_layout.desc, b_layout.desc, c_layout.desc,
-                                         c_layout.desc, pref.desc, 1, &result, &found_count),
-          "cublasLtMatmulAlgoGetHeuristic");
-    if (found_count == 0) {
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        handle_, op.desc, a_layout.desc, b_layout.desc, c_layout.desc, c_layout.desc, pref.desc, 1, &result,
+        &found_count);
+    if (required) check(status, "cublasLtMatmulAlgoGetHeuristic");
+    if (status != CUBLAS_STATUS_SUCCESS || found_count == 0) {
+      if (!required) {
+        algos_.emplace(shape, std::nullopt);
+        return false;
+      }
       throw common::Error(common::ErrorCode::kInternal,
                           fmt::format("cuBLASLt has no algorithm for a {}x{}x{} {} GEMM (ops {}{}, bias {})", m, n, k,
                                       ab_type == CUDA_R_16BF ? "bf16" : "float32", trans_a ? 'T' : 'N',
@@ -130,10 +166,12 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
     }
     found = algos_.emplace(shape, result.algo).first;
   }
+  if (!found->second) return false;
   const float alpha = 1.0f;
   check(cublasLtMatmul(handle_, op.desc, &alpha, a, a_layout.desc, b, b_layout.desc, &beta, c, c_layout.desc, c,
-                       c_layout.desc, &found->second, workspace_, kWorkspaceBytes, stream),
+                       c_layout.desc, &*found->second, workspace_, kWorkspaceBytes, stream),
         "cublasLtMatmul");
+  return true;
 }
 
 }  // namespace keel::trainer::cuda

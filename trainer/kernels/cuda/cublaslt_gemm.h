@@ -18,6 +18,7 @@
 
 #include <array>
 #include <map>
+#include <optional>
 
 namespace keel::trainer::cuda {
 
@@ -33,16 +34,31 @@ class CublasLtGemm {
   // no bias), which leave C as it is.
   void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
            const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
+  // C = GELU(op(A) op(B) + bias) with the GELU's input written to
+  // gelu_input (m x n, leading dimension ldc): the GELU_AUX_BIAS epilogue
+  // (GELU_AUX without bias). False, with nothing written, when cuBLASLt has
+  // no algorithm for it at this shape (ldc must be a multiple of 8): the
+  // caller runs the two steps itself.
+  bool run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+                const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* bias,
+                float* gelu_input);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,
   // beta, the inputs' type and the alignment of each pointer (parameters
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
-  using Shape = std::array<int64_t, 15>;
+  using Shape = std::array<int64_t, 17>;
+  // The GEMM both entry points describe; `gelu_input` null: no GELU.
+  // False when the heuristic has no algorithm and `required` is not set.
+  bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+              const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias,
+              float* gelu_input, bool required);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
-  std::map<Shape, cublasLtMatmulAlgo_t> algos_;
+  // The algorithm of each shape; none where cuBLASLt offered none for an
+  // optional epilogue, so that it is not asked again.
+  std::map<Shape, std::optional<cublasLtMatmulAlgo_t>> algos_;
 };
 
 }  // namespace keel::trainer::cuda

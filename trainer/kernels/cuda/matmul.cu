@@ -85,6 +85,18 @@ void CudaBackend::matmul_forward(float* out, const float* inp, const float* weig
   gemm_->run(stream(), true, false, OC, N, C, gemm_type(), ops[0], C, ops[1], C, 0.0f, out, OC, bias);
 }
 
+void CudaBackend::matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+                                      int N, int C, int OC) {
+  // Fused for the speed path only: cuBLASLt's GELU is not gelu.h's to the
+  // last bit, and the float32 path is the one held to the CPU at 1e-4.
+  if (gemm_inputs_ == DType::kBF16) {
+    const auto ops = gemm_operands({{weight, static_cast<size_t>(OC) * C}, {inp, static_cast<size_t>(N) * C}});
+    if (gemm_->run_gelu(stream(), true, false, OC, N, C, gemm_type(), ops[0], C, ops[1], C, out, OC, bias, pre)) return;
+  }
+  matmul_forward(pre, inp, weight, bias, N, C, OC);
+  gelu_forward(out, pre, static_cast<size_t>(N) * OC);
+}
+
 void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                   const float* weight, int N, int C, int OC) {
   if (dinp != nullptr || dweight != nullptr) {
