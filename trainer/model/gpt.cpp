@@ -158,7 +158,6 @@ void Gpt::lay_out(Arena& arena) {
       }
       if (dense_at[i]) {
         blk.fch = take(N * Fl);
-        blk.fch_gelu = take(N * Fl);
       }
       if (split_backward_) {
         blk.dproj = take(dense_at[i] ? N * C : 0);
@@ -194,6 +193,7 @@ void Gpt::lay_out(Arena& arena) {
   x.dqkv = take(N * 3 * Cl);
   x.dfch = take(N * Fl);
   x.dfch_gelu = take(N * Fl);
+  x.fch_gelu = take(std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
   if (any_moe) {
     x.dye = take(N * K * C);
     x.dge = take(R * Fl);
@@ -342,8 +342,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
-      k.matmul_gelu_forward(blk.fch_gelu.data(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
-      k.matmul_forward(partial_or(blk.residual3), blk.fch_gelu.data(), p + o.proj_w,
+      k.matmul_gelu_forward(x.fch_gelu.data(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.data(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     }
@@ -434,7 +434,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
       x.dfch_gelu.zero();
-      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, blk.fch_gelu.data(), nullptr, nullptr, N, Fl, C},
+      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.data()},
            x.dfch_gelu.data(), p + o.proj_w, blk.dproj.data());
       x.dfch.zero();
       k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
@@ -490,9 +490,15 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
   float* g = weight_grads ? storage_.unit_gradients(t.unit) : nullptr;
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
-    case Kind::kLinear:
-      backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
+    case Kind::kLinear: {
+      const float* inp = t.inp;
+      if (t.gelu_of != nullptr && g != nullptr) {
+        backend_.gelu_forward(scratch_->fch_gelu.data(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
+        inp = scratch_->fch_gelu.data();
+      }
+      backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.rows, t.in, t.out);
       break;
+    }
     case Kind::kLayerNorm:
       backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.mean, t.rstd, t.rows,
                                   t.out);

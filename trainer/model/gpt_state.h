@@ -55,6 +55,11 @@ struct Gpt::WeightTerm {
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
   int rows = 0, in = 0, out = 0;
+  // A linear whose input was GELU(gelu_of) (the MLP's projection): the
+  // input is not kept but recomputed into scratch when the weight
+  // gradient needs it, bit for bit what the forward fed the GEMM on the
+  // CPU (llm.c's GELU recompute: N x 4C floats a block less memory).
+  const float* gelu_of = nullptr;
 };
 
 // The shapes of this rank's part of the model (docs/architecture.md
@@ -130,7 +135,7 @@ struct Gpt::MoeLayer {
 struct Gpt::Slot {
   struct Block {
     ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
-    ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, fch_gelu, residual3;
+    ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, residual3;
     std::unique_ptr<MoeLayer> moe;
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
@@ -167,6 +172,9 @@ struct Gpt::Scratch {
   // Gradient scratch, reused by every block. dresidual ends a backward as
   // the gradient of the stage's input.
   ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
+  // GELU(fch) of the block running now: made by the forward for the MLP's
+  // projection, remade by the backward for its weight gradient.
+  ArenaArray<float> fch_gelu;
   // MoE gradient scratch: the gated output gradient [N*k, C] (token
   // side), the experts' [R, ...] gradients (expert side) and the router's.
   ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
