@@ -579,6 +579,29 @@ TEST_SUITE("gpu") {
     check_close("out", on_gpu.read("out"), on_cpu.read("out"), 1e-3, 1.0);
   }
 
+  TEST_CASE("the projection's backward through GELU's derivative on the bf16 GEMM matches the CPU's") {
+    if (!device_or_skip()) return;
+    // The MLP's projection cut small: its input is GELU(pre) [N, C], C a
+    // multiple of 8 (cuBLASLt's GELU input leading dimension).
+    const int N = 97, C = 136, OC = 72;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    Vec pre = random_vec(N * C, 53, -3.0f, 3.0f), gelu(N * C);
+    cpu_bf16.gelu_forward(gelu.data(), pre.data(), gelu.size());
+    const std::map<std::string, Vec> floats = {
+        {"pre", pre},          {"inp", gelu},         {"w", random_vec(OC * C, 54)}, {"dout", random_vec(N * OC, 55)},
+        {"dpre", Vec(N * C, NAN)}, {"dw", random_vec(OC * C, 56)}, {"db", random_vec(OC, 57)}};
+    Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      k->matmul_backward_through_gelu(t->f("dpre"), t->f("dw"), t->f("db"), t->f("dout"), t->f("inp"), t->f("w"),
+                                      t->f("pre"), N, C, OC);
+    }
+    // dpre overwritten (NaN before): cuBLASLt's GELU derivative against gelu.h's.
+    check_close("dpre", on_gpu.read("dpre"), on_cpu.read("dpre"), 2e-3, 1.0);
+    CHECK(relative_l2(on_gpu.read("dw"), on_cpu.read("dw")) <= 1e-5);
+    check_close("db", on_gpu.read("db"), on_cpu.read("db"), 1e-5, 1e-3);
+  }
+
   TEST_CASE("tensor-core attention matches the CPU's bf16 attention forward and backward and repeats its bits") {
     if (!device_or_skip()) return;
     using keel::trainer::DType;

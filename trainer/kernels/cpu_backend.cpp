@@ -450,6 +450,22 @@ void CpuBackend::matmul_gelu_forward(float* out, float* pre, const float* inp, c
   gelu_forward(out, pre, static_cast<size_t>(N) * OC);
 }
 
+void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
+                                              const float* inp, const float* weight, const float* pre, int N, int C,
+                                              int OC) {
+  const size_t n = static_cast<size_t>(N) * C;
+  if (dpre == nullptr) {
+    matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
+    return;
+  }
+  if (gelu_input_grad_.size() < n) gelu_input_grad_.resize(n);
+  float* dgelu = gelu_input_grad_.data();
+  zero(dgelu, n * sizeof(float));
+  matmul_backward(dgelu, dweight, dbias, dout, inp, weight, N, C, OC);
+  zero(dpre, n * sizeof(float));
+  gelu_backward(dpre, pre, dgelu, n);
+}
+
 void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                  const float* weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},

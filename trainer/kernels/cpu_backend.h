@@ -47,6 +47,8 @@ class CpuBackend final : public Backend {
   int threads_;
   DType gemm_inputs_;
   std::vector<float> rounded_;  // grows to the largest call's operands, then stays
+  // matmul_backward_through_gelu's gradient of GELU's output, likewise.
+  std::vector<float> gelu_input_grad_;
   HostStream stream_;
 };
 

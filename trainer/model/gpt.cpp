@@ -192,7 +192,6 @@ void Gpt::lay_out(Arena& arena) {
   x.datty = take(N * Cl);
   x.dqkv = take(N * 3 * Cl);
   x.dfch = take(N * Fl);
-  x.dfch_gelu = take(N * Fl);
   x.fch_gelu = take(std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
   if (any_moe) {
     x.dye = take(N * K * C);
@@ -433,11 +432,9 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
-      x.dfch_gelu.zero();
+      // The projection's input gradient through GELU's derivative: dfch.
       term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.data()},
-           x.dfch_gelu.data(), p + o.proj_w, blk.dproj.data());
-      x.dfch.zero();
-      k.gelu_backward(x.dfch.data(), blk.fch.data(), x.dfch_gelu.data(), static_cast<size_t>(N) * Fl);
+           x.dfch.data(), p + o.proj_w, blk.dproj.data());
       term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.data(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
            p + o.fc_w, blk.dfch.data());
     }
@@ -490,15 +487,19 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
   float* g = weight_grads ? storage_.unit_gradients(t.unit) : nullptr;
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
-    case Kind::kLinear: {
-      const float* inp = t.inp;
-      if (t.gelu_of != nullptr && g != nullptr) {
-        backend_.gelu_forward(scratch_->fch_gelu.data(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
-        inp = scratch_->fch_gelu.data();
+    case Kind::kLinear:
+      if (t.gelu_of == nullptr) {
+        backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
+      } else {
+        const float* inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
+        if (g != nullptr) {
+          backend_.gelu_forward(scratch_->fch_gelu.data(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
+          inp = scratch_->fch_gelu.data();
+        }
+        backend_.matmul_backward_through_gelu(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.gelu_of, t.rows,
+                                              t.in, t.out);
       }
-      backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.rows, t.in, t.out);
       break;
-    }
     case Kind::kLayerNorm:
       backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.mean, t.rstd, t.rows,
                                   t.out);

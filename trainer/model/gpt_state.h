@@ -55,10 +55,12 @@ struct Gpt::WeightTerm {
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
   int rows = 0, in = 0, out = 0;
-  // A linear whose input was GELU(gelu_of) (the MLP's projection): the
-  // input is not kept but recomputed into scratch when the weight
-  // gradient needs it, bit for bit what the forward fed the GEMM on the
-  // CPU (llm.c's GELU recompute: N x 4C floats a block less memory).
+  // A linear whose input was GELU(gelu_of) (the MLP's projection): its
+  // input gradient is taken on through GELU's derivative, the gradient of
+  // gelu_of overwriting dinp (Backend::matmul_backward_through_gelu); its
+  // input is not kept but recomputed into scratch when the weight gradient
+  // needs it, bit for bit what the forward fed the GEMM on the CPU (llm.c's
+  // GELU recompute: N x 4C floats a block less memory).
   const float* gelu_of = nullptr;
 };
 
@@ -171,7 +173,7 @@ struct Gpt::Scratch {
   ArenaArray<float> partial, dwhole_out, dwhole_in;
   // Gradient scratch, reused by every block. dresidual ends a backward as
   // the gradient of the stage's input.
-  ArenaArray<float> dresidual, dln, datty, dqkv, dfch, dfch_gelu;
+  ArenaArray<float> dresidual, dln, datty, dqkv, dfch;
   // GELU(fch) of the block running now: made by the forward for the MLP's
   // projection, remade by the backward for its weight gradient.
   ArenaArray<float> fch_gelu;

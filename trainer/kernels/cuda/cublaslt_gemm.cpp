@@ -80,19 +80,29 @@ CublasLtGemm::~CublasLtGemm() {
 void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
                        const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
                        const float* bias) {
-  matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, beta, c, ldc, bias, nullptr, true);
+  matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, beta, c, ldc, bias, Activation::kNone, nullptr,
+         true);
 }
 
 bool CublasLtGemm::run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
                             cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float* c, int ldc,
                             const float* bias, float* gelu_input) {
   if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
-  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, bias, gelu_input, false);
+  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, bias, Activation::kGelu,
+                gelu_input, false);
+}
+
+bool CublasLtGemm::run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
+                                 cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float* c,
+                                 int ldc, const float* gelu_input) {
+  if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
+  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, nullptr,
+                Activation::kGeluGrad, gelu_input, false);
 }
 
 bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
                           cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float beta, float* c,
-                          int ldc, const float* bias, float* gelu_input, bool required) {
+                          int ldc, const float* bias, Activation activation, const float* aux, bool required) {
   if (m <= 0 || n <= 0) return true;
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating
@@ -107,10 +117,13 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  if (gelu_input != nullptr) {
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
-        bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX);
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(gelu_input));
+  if (activation != Activation::kNone) {
+    // kGeluGrad takes no bias here: the bias gradient is keel's own sum.
+    const cublasLtEpilogue_t epilogue = activation == Activation::kGeluGrad ? CUBLASLT_EPILOGUE_DGELU
+                                        : bias != nullptr                    ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                                             : CUBLASLT_EPILOGUE_GELU_AUX;
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(ldc));
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
   } else if (bias != nullptr) {
@@ -137,8 +150,8 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
                        alignment(b),
                        alignment(c),
                        bias != nullptr ? alignment(bias) : 0,
-                       gelu_input != nullptr,
-                       gelu_input != nullptr ? alignment(gelu_input) : 0};
+                       static_cast<int64_t>(activation),
+                       aux != nullptr ? alignment(aux) : 0};
   auto found = algos_.find(shape);
   if (found == algos_.end()) {
     Preference pref;

@@ -42,17 +42,25 @@ class CublasLtGemm {
   bool run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
                 const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* bias,
                 float* gelu_input);
+  // C = GELU'(gelu_input) * (op(A) op(B)), elementwise: the DGELU epilogue,
+  // GELU's backward (gelu_input m x n, leading dimension ldc). False as
+  // run_gelu is.
+  bool run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+                     const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* gelu_input);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,
   // beta, the inputs' type and the alignment of each pointer (parameters
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
   using Shape = std::array<int64_t, 17>;
-  // The GEMM both entry points describe; `gelu_input` null: no GELU.
-  // False when the heuristic has no algorithm and `required` is not set.
+  // What the epilogue does besides the bias.
+  enum class Activation { kNone, kGelu, kGeluGrad };
+  // The GEMM every entry point describes, `aux` the GELU input the
+  // activation writes (kGelu) or reads (kGeluGrad). False when the
+  // heuristic has no algorithm and `required` is not set.
   bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
               const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias,
-              float* gelu_input, bool required);
+              Activation activation, const float* aux, bool required);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

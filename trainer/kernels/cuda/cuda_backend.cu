@@ -79,6 +79,7 @@ CudaBackend::~CudaBackend() {
   // Kernels still queued may use the scratch memory.
   cudaStreamSynchronize(stream_->get());
   cudaFree(scratch_);
+  cudaFree(gelu_scratch_);
 }
 
 // ---- memory ----
@@ -161,17 +162,21 @@ void CudaBackend::snapshot_to_host(const std::vector<HostCopy>& copies) {
   copy_stream_->synchronize();
 }
 
-void* CudaBackend::scratch(size_t bytes) {
-  if (bytes > scratch_bytes_) {
+void* CudaBackend::scratch(size_t bytes) { return grown(scratch_, scratch_bytes_, bytes); }
+
+void* CudaBackend::gelu_scratch(size_t bytes) { return grown(gelu_scratch_, gelu_scratch_bytes_, bytes); }
+
+void* CudaBackend::grown(void*& buffer, size_t& size, size_t bytes) {
+  if (bytes > size) {
     // Queued kernels may still use the old memory.
     stream_->synchronize();
-    cudaFree(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    check(cudaMalloc(&scratch_, bytes), "cudaMalloc (scratch)");
-    scratch_bytes_ = bytes;
+    cudaFree(buffer);
+    buffer = nullptr;
+    size = 0;
+    check(cudaMalloc(&buffer, bytes), "cudaMalloc (scratch)");
+    size = bytes;
   }
-  return scratch_;
+  return buffer;
 }
 
 // ---- reductions ----

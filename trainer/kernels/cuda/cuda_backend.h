@@ -86,6 +86,11 @@ class CudaBackend final : public Backend {
   // needs partial results (they all run in order on the compute stream).
   // It only grows, so after the first step no kernel allocates.
   void* scratch(size_t bytes);
+  // The same for matmul_backward_through_gelu's gradient of GELU's output,
+  // which must outlive the GEMM operands that scratch holds meanwhile.
+  void* gelu_scratch(size_t bytes);
+  // Grows `buffer` (of `size` bytes) to at least `bytes`.
+  void* grown(void*& buffer, size_t& size, size_t bytes);
   // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
   double chunked_sum(const float* x, size_t n, bool squares);
   // The GEMM operands as the GEMMs take them: the pointers themselves, or
@@ -104,6 +109,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CublasLtGemm> gemm_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  void* gelu_scratch_ = nullptr;
+  size_t gelu_scratch_bytes_ = 0;
 };
 
 }  // namespace keel::trainer::cuda

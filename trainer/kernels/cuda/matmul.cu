@@ -97,6 +97,30 @@ void CudaBackend::matmul_gelu_forward(float* out, float* pre, const float* inp, 
   gelu_forward(out, pre, static_cast<size_t>(N) * OC);
 }
 
+void CudaBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
+                                               const float* inp, const float* weight, const float* pre, int N, int C,
+                                               int OC) {
+  if (dpre != nullptr && gemm_inputs_ == DType::kBF16) {
+    // dpre^T[C,N] = GELU'(pre^T) * (W^T[C,OC] dout^T[OC,N]), fused; as in
+    // matmul_gelu_forward, for the speed path only.
+    const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC}, {weight, static_cast<size_t>(OC) * C}});
+    if (gemm_->run_gelu_grad(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC, dpre, C, pre)) {
+      matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
+      return;
+    }
+  }
+  if (dpre == nullptr) {
+    matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
+    return;
+  }
+  const size_t n = static_cast<size_t>(N) * C;
+  auto* dgelu = static_cast<float*>(gelu_scratch(n * sizeof(float)));
+  zero(dgelu, n * sizeof(float));
+  matmul_backward(dgelu, dweight, dbias, dout, inp, weight, N, C, OC);
+  zero(dpre, n * sizeof(float));
+  gelu_backward(dpre, pre, dgelu, n);
+}
+
 void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                   const float* weight, int N, int C, int OC) {
   if (dinp != nullptr || dweight != nullptr) {
