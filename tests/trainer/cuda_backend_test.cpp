@@ -465,6 +465,10 @@ TEST_SUITE("gpu") {
       std::vector<double> each(spans.size(), NAN);
       gpu.sum_squares_each(spans, each.data());
       for (size_t i = 0; i < spans.size(); ++i) CHECK(each[i] == gpu.sum_squares(spans[i].data, spans[i].numel));
+      // Queued, then taken at once: the same values, in queue order.
+      for (const auto& span : spans) gpu.queue_sum_squares(span.data, span.numel);
+      CHECK(gpu.take_queued_sums() == each);
+      CHECK(gpu.take_queued_sums().empty());
     }
   }
 

@@ -915,6 +915,22 @@ TEST_SUITE("unit") {
     CHECK(each[1] == 0.0);
   }
 
+  TEST_CASE("queued sums of squares come out in queue order bit for bit as sum_squares and the queue empties") {
+    CpuBackend cpu;
+    Vec x = random_vec(200003, 57, -2.0f, 2.0f);
+    cpu.queue_sum_squares(x.data(), 150000);
+    cpu.queue_sum_squares(x.data(), 0);
+    cpu.queue_sum_squares(x.data() + 150000, 50003);
+    const double first = cpu.sum_squares(x.data(), 150000), last = cpu.sum_squares(x.data() + 150000, 50003);
+    x[0] = 1e6f;  // the queue holds values, not pointers to read later
+    const std::vector<double> sums = cpu.take_queued_sums();
+    REQUIRE(sums.size() == 3);
+    CHECK(std::memcmp(&sums[0], &first, sizeof(double)) == 0);
+    CHECK(sums[1] == 0.0);
+    CHECK(std::memcmp(&sums[2], &last, sizeof(double)) == 0);
+    CHECK(cpu.take_queued_sums().empty());
+  }
+
   TEST_CASE("backward kernels accumulate into their gradients") {
     CpuBackend cpu;
     // Runs backward once and twice into zeroed gradients; twice must be

@@ -49,6 +49,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rounded_;  // grows to the largest call's operands, then stays
   // matmul_backward_through_gelu's gradient of GELU's output, likewise.
   std::vector<float> gelu_input_grad_;
+  std::vector<double> queued_sums_;  // queue_sum_squares' values, computed at once
   HostStream stream_;
 };
 

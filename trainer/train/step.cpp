@@ -58,14 +58,14 @@ Step::Step(Parts parts, Buffers buffers, int micro_batch)
       faults_(parts.config, parts.faults, parts.storage, micro_batch) {
   p_.storage.on_local_gradients([this](int unit, float* grads, size_t numel) {
     faults_.on_gradients(p_.backend, unit, grads, numel);
-    if (p_.sdc.fingerprinting()) p_.sdc.add_local_gradients(p_.backend.sum_squares(grads, numel));
+    if (p_.sdc.fingerprinting()) queue_fingerprint(Fingerprint::kGradients, grads, numel);
   });
   p_.model.on_activation([this](int site, float* data, size_t numel) {
     faults_.on_activation(p_.backend, site, data);
     // The last block's output and the logits of a training forward:
     // StepSignals says why these; validation's are not judged.
     if (judging_activations_ && site >= p_.config.model.n_layer - 1) {
-      p_.sdc.add_local_activations(p_.backend.sum_squares(data, numel));
+      queue_fingerprint(Fingerprint::kActivations, data, numel);
     }
   });
   const size_t tokens = static_cast<size_t>(micro_batch_) * p_.config.model.seq_len;
@@ -189,10 +189,28 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   sum_tied_gradients();
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   p_.board.set_phase(health::Phase::kOptimizer);
+  take_fingerprints();
   const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
   const double batches = static_cast<double>(micro_batches * p_.groups.size(Axis::kDpCp));
   return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},
                    static_cast<float>(sums.aux_loss / batches)};
+}
+
+void Step::queue_fingerprint(Fingerprint kind, const float* data, size_t numel) {
+  p_.backend.queue_sum_squares(data, numel);
+  fingerprints_.push_back(kind);
+}
+
+void Step::take_fingerprints() {
+  const std::vector<double> squares = p_.backend.take_queued_sums();
+  for (size_t i = 0; i < squares.size() && i < fingerprints_.size(); ++i) {
+    if (fingerprints_[i] == Fingerprint::kGradients) {
+      p_.sdc.add_local_gradients(squares[i]);
+    } else {
+      p_.sdc.add_local_activations(squares[i]);
+    }
+  }
+  fingerprints_.clear();
 }
 
 int64_t Step::collective_wait_ns() const {

@@ -96,6 +96,13 @@ class Step {
     float aux_loss = 0;
   };
   Gradients compute_gradients(int64_t step);
+  // The SDC fingerprints of an attempt: sums of squares queued on the
+  // backend as gradients and activations appear, handed to the SDC guard
+  // in that order once the attempt's backward is done (one wait for the
+  // device, not one per unit).
+  enum class Fingerprint { kGradients, kActivations };
+  void queue_fingerprint(Fingerprint kind, const float* data, size_t numel);
+  void take_fingerprints();
   // Time this rank spent inside collectives since the step began.
   int64_t collective_wait_ns() const;
   // How many MoE blocks come before block `layer`.
@@ -124,6 +131,7 @@ class Step {
   StepFaults faults_;
   // Whether the forward now running feeds the SDC guard its activation squares.
   bool judging_activations_ = false;
+  std::vector<Fingerprint> fingerprints_;  // what each queued sum is
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;

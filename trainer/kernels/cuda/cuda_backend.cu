@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <new>
 #include <vector>
 
@@ -80,6 +81,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_->get());
   cudaFree(scratch_);
   cudaFree(gelu_scratch_);
+  cudaFree(queued_partials_);
 }
 
 // ---- memory ----
@@ -195,6 +197,44 @@ double CudaBackend::chunked_sum(const float* x, size_t n, bool squares) {
 }
 
 double CudaBackend::sum_squares(const float* x, size_t n) { return chunked_sum(x, n, true); }
+
+void CudaBackend::queue_sum_squares(const float* x, size_t n) {
+  if (queued_starts_.empty()) queued_starts_.push_back(0);
+  const size_t begin = queued_starts_.back(), chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  if (begin + chunks > queued_capacity_) {
+    // Grows (the first step only), keeping the partials queued so far.
+    const size_t capacity = std::max(2 * queued_capacity_, begin + chunks);
+    double* grown_partials = nullptr;
+    check(cudaMalloc(&grown_partials, capacity * sizeof(double)), "cudaMalloc (queued sums)");
+    stream_->synchronize();
+    if (begin > 0) {
+      check(cudaMemcpy(grown_partials, queued_partials_, begin * sizeof(double), cudaMemcpyDeviceToDevice),
+            "cudaMemcpy (queued sums)");
+    }
+    cudaFree(queued_partials_);
+    queued_partials_ = grown_partials;
+    queued_capacity_ = capacity;
+  }
+  if (chunks > 0) {
+    chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(queued_partials_ + begin, x, n, true);
+    check_launch("queue_sum_squares");
+  }
+  queued_starts_.push_back(begin + chunks);
+}
+
+std::vector<double> CudaBackend::take_queued_sums() {
+  if (queued_starts_.empty()) return {};
+  std::vector<double> host(queued_starts_.back());
+  if (!host.empty()) copy_to_host(host.data(), queued_partials_, host.size() * sizeof(double));
+  std::vector<double> sums;
+  for (size_t i = 0; i + 1 < queued_starts_.size(); ++i) {
+    double total = 0.0;  // as chunked_sum adds them
+    for (size_t c = queued_starts_[i]; c < queued_starts_[i + 1]; ++c) total += host[c];
+    sums.push_back(total);
+  }
+  queued_starts_.clear();
+  return sums;
+}
 
 void CudaBackend::sum_squares_each(const std::vector<FloatSpan>& spans, double* out) {
   // Every span's chunk partials side by side, one copy back, then each

@@ -111,6 +111,11 @@ class CudaBackend final : public Backend {
   size_t scratch_bytes_ = 0;
   void* gelu_scratch_ = nullptr;
   size_t gelu_scratch_bytes_ = 0;
+  // queue_sum_squares: every queued sum's chunk partials side by side, and
+  // where each sum's run of them starts.
+  double* queued_partials_ = nullptr;
+  size_t queued_capacity_ = 0;  // partials
+  std::vector<size_t> queued_starts_;  // one per sum, then the end
 };
 
 }  // namespace keel::trainer::cuda
