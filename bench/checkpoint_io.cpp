@@ -14,6 +14,7 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/parallel_copy.h"
+#include "common/clock.h"
 #include "checkpoint/paths.h"
 #include "checkpoint/reader.h"
 #include "tests/support/process.h"
@@ -37,7 +38,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+using keel::common::seconds_since;
 
 void drop_cache(const fs::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);

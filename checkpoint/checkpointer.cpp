@@ -4,6 +4,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/paths.h"
 #include "checkpoint/reader.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
@@ -17,7 +18,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+using keel::common::seconds_since;
 
 }  // namespace
 

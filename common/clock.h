@@ -48,6 +48,11 @@ class FakeClock final : public Clock {
   std::atomic<int64_t> cpu_wait_{0};
 };
 
+// Seconds of std::chrono::steady_clock since `start`: how long a piece of
+// work took, for logs, metrics and benchmarks (timeouts read a Clock).
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 inline constexpr int64_t seconds_to_ns(double s) { return static_cast<int64_t>(s * 1e9); }
 inline constexpr double ns_to_seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }
 

@@ -1,3 +1,4 @@
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/tcp_store.h"
 
@@ -37,7 +38,7 @@ namespace {
 // Made before main, so that forked children share it with their parent.
 const std::string kSecret = new_store_secret();
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+using keel::common::seconds_since;
 
 // The keel Error a call raises, or nullopt when it returns normally.
 template <typename F>

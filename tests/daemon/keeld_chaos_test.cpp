@@ -7,6 +7,7 @@
 //
 // The short chaos run is in the default suite; the long one and the trials
 // carry the label chaos.
+#include "common/clock.h"
 #include "tests/daemon/health_job.h"
 
 #include <doctest/doctest.h>
@@ -24,9 +25,7 @@
 namespace keel::test {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+using keel::common::seconds_since;
 
 // Three replicas (so a flipped bit is named by the digests), digests every
 // 5 steps, every checkpoint kept (a rollback may go back past `keep`), and

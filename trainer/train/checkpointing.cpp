@@ -5,6 +5,7 @@
 #include "checkpoint/manifest.h"
 #include "checkpoint/parallel_copy.h"
 #include "checkpoint/reader.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
@@ -125,7 +126,7 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   common::logger("checkpoint")
       ->info("checkpoint of step {} staged ({:.1f} MB on this rank): training stalled {:.1f} ms", steps_done,
              static_cast<double>(bytes) / 1e6,
-             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+             common::seconds_since(start) * 1e3);
 }
 
 void TrainLoop::resume() {
@@ -285,7 +286,7 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
   for (const auto& b : blocks) bytes += b.piece.bytes();
   log->info("resuming from {} at step {} (saved as {}): loaded {:.1f} MB on this rank in {:.2f} s", dir.string(),
             start_step_, reader.manifest().layout.dump(), static_cast<double>(bytes) / 1e6,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+            common::seconds_since(start));
 }
 
 void TrainLoop::cancel_checkpoint(const std::string& cause) {

@@ -14,10 +14,7 @@ namespace keel::trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using common::seconds_since;
 
 size_t tp_partial_numel(const ZeroStorage& storage) {
   size_t numel = 0;

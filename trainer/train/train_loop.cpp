@@ -1,5 +1,6 @@
 #include "trainer/train/train_loop.h"
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/human_format.h"
 #include "common/layout_check.h"
@@ -15,10 +16,7 @@ namespace keel::trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using common::seconds_since;
 
 std::string format_rate(double tokens_per_s) {
   return tokens_per_s >= 1e4 ? fmt::format("{:.1f}k", tokens_per_s / 1e3) : fmt::format("{:.0f}", tokens_per_s);
