@@ -873,10 +873,6 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
   });
 }
 
-void CpuBackend::sum_squares_each(const std::vector<FloatSpan>& spans, double* out) {
-  for (size_t i = 0; i < spans.size(); ++i) out[i] = sum_squares(spans[i].data, spans[i].numel);
-}
-
 void CpuBackend::queue_sum_squares(const float* x, size_t n) { queued_sums_.push_back(sum_squares(x, n)); }
 
 std::vector<double> CpuBackend::take_queued_sums() { return std::exchange(queued_sums_, {}); }

@@ -259,17 +259,19 @@ Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
   const auto& specs = table_.specs();
   // Every owned part once: a tensor replicated over TP counted on TP rank
   // 0 only, the tied embedding on the first stage only.
-  std::vector<FloatSpan> counted;
+  // Queued and taken at once: one wait for the device, not one a tensor.
   std::vector<bool> expert;
   for (size_t t = 0; t < specs.size(); ++t) {
     if ((p_.groups.rank(Axis::kTp) != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
-    counted.push_back({p_.storage.owned_gradients(t), p_.storage.owned_numel(t)});
+    p_.backend.queue_sum_squares(p_.storage.owned_gradients(t), p_.storage.owned_numel(t));
     expert.push_back(specs[t].expert);
   }
-  std::vector<double> tensor_squares(counted.size());
-  p_.backend.sum_squares_each(counted, tensor_squares.data());
+  const std::vector<double> tensor_squares = p_.backend.take_queued_sums();
+  if (tensor_squares.size() != expert.size()) {
+    throw common::Error(common::ErrorCode::kInternal, "sums of squares were queued on the backend before the norm's");
+  }
   double squares = 0, expert_squares = 0;
-  for (size_t i = 0; i < counted.size(); ++i) (expert[i] ? expert_squares : squares) += tensor_squares[i];
+  for (size_t i = 0; i < expert.size(); ++i) (expert[i] ? expert_squares : squares) += tensor_squares[i];
   // Below ZeRO-1 every dp x cp rank holds the whole of the other tensors
   // but its EP rank's experts only: theirs sum over EP. (Sharded, every
   // shard of either kind lies on one dp x cp rank, summed there below.)

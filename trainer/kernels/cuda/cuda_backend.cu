@@ -236,34 +236,6 @@ std::vector<double> CudaBackend::take_queued_sums() {
   return sums;
 }
 
-void CudaBackend::sum_squares_each(const std::vector<FloatSpan>& spans, double* out) {
-  // Every span's chunk partials side by side, one copy back, then each
-  // span's partials in order as chunked_sum adds them.
-  std::vector<size_t> first_chunk(spans.size() + 1, 0);
-  for (size_t i = 0; i < spans.size(); ++i) {
-    first_chunk[i + 1] = first_chunk[i] + (spans[i].numel + kReduceChunk - 1) / kReduceChunk;
-  }
-  const size_t chunks = first_chunk.back();
-  if (chunks == 0) {
-    std::fill(out, out + spans.size(), 0.0);
-    return;
-  }
-  auto* partials = static_cast<double*>(scratch(chunks * sizeof(double)));
-  for (size_t i = 0; i < spans.size(); ++i) {
-    if (spans[i].numel == 0) continue;
-    chunk_sums_kernel<<<static_cast<unsigned>(first_chunk[i + 1] - first_chunk[i]), kThreads, 0, stream()>>>(
-        partials + first_chunk[i], spans[i].data, spans[i].numel, true);
-    check_launch("sum_squares_each");
-  }
-  std::vector<double> host(chunks);
-  copy_to_host(host.data(), partials, chunks * sizeof(double));
-  for (size_t i = 0; i < spans.size(); ++i) {
-    double total = 0.0;
-    for (size_t c = first_chunk[i]; c < first_chunk[i + 1]; ++c) total += host[c];
-    out[i] = total;
-  }
-}
-
 double CudaBackend::sum(const float* x, size_t n) { return chunked_sum(x, n, false); }
 
 }  // namespace keel::trainer::cuda
