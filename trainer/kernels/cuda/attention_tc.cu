@@ -39,12 +39,18 @@ namespace {
 
 using namespace tc_attention;
 
+// Above 48 KiB a kernel must ask for its dynamic shared memory; each
+// launch site asks once (a function-local static), not at every launch.
+template <class Kernel>
+bool allow_shared_memory(Kernel kernel, size_t bytes) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        "cudaFuncSetAttribute (attention's shared memory)");
+  return true;
+}
+
 template <class Kernel, class... Args>
 void launch_tiles(const char* name, Kernel kernel, int tiles, const Inputs& in, size_t shared_bytes,
                   cudaStream_t stream, Args... args) {
-  // Above 48 KiB a kernel must ask for its dynamic shared memory.
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)),
-        name);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(in.B * in.NH));
   kernel<<<grid, kTileThreads, shared_bytes, stream>>>(args...);
   check_launch(name);
@@ -76,6 +82,8 @@ bool tensor_core_attention_fits(const Inputs& in, const float* dout) {
 void tensor_core_attention_forward(cudaStream_t stream, float* out, float* lse, const Inputs& in) {
   with_head_dim(in, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
+    static const bool allowed = allow_shared_memory(attention_forward_tc_kernel<D>, kForwardSharedBytes<D>);
+    (void)allowed;
     launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D>, tiles_of(in.Tq), in,
                  kForwardSharedBytes<D>, stream, out, lse, in, attention_scale(D) * kLog2e);
   });
@@ -89,6 +97,9 @@ void tensor_core_attention_backward(cudaStream_t stream, const Backend::Attentio
   with_head_dim(in, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     const size_t shared_bytes = kBackwardSharedBytes<D>;
+    static const bool allowed = allow_shared_memory(attention_backward_keys_tc_kernel<D>, shared_bytes) &&
+                                allow_shared_memory(attention_backward_queries_tc_kernel<D>, shared_bytes);
+    (void)allowed;
     launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D>, tiles_of(in.Tk),
                  in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
                  attention_scale(D));
