@@ -198,9 +198,19 @@ void Step::queue_fingerprint(Fingerprint kind, const float* data, size_t numel) 
   fingerprints_.push_back(kind);
 }
 
+std::vector<double> Step::take_sums(size_t expected) {
+  std::vector<double> sums = p_.backend.take_queued_sums();
+  if (sums.size() != expected) {
+    throw common::Error(common::ErrorCode::kInternal, fmt::format("{} sums of squares were queued on the backend "
+                                                                  "where the step queued {}",
+                                                                  sums.size(), expected));
+  }
+  return sums;
+}
+
 void Step::take_fingerprints() {
-  const std::vector<double> squares = p_.backend.take_queued_sums();
-  for (size_t i = 0; i < squares.size() && i < fingerprints_.size(); ++i) {
+  const std::vector<double> squares = take_sums(fingerprints_.size());
+  for (size_t i = 0; i < squares.size(); ++i) {
     if (fingerprints_[i] == Fingerprint::kGradients) {
       p_.sdc.add_local_gradients(squares[i]);
     } else {
@@ -266,10 +276,7 @@ Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
     p_.backend.queue_sum_squares(p_.storage.owned_gradients(t), p_.storage.owned_numel(t));
     expert.push_back(specs[t].expert);
   }
-  const std::vector<double> tensor_squares = p_.backend.take_queued_sums();
-  if (tensor_squares.size() != expert.size()) {
-    throw common::Error(common::ErrorCode::kInternal, "sums of squares were queued on the backend before the norm's");
-  }
+  const std::vector<double> tensor_squares = take_sums(expert.size());
   double squares = 0, expert_squares = 0;
   for (size_t i = 0; i < expert.size(); ++i) (expert[i] ? expert_squares : squares) += tensor_squares[i];
   // Below ZeRO-1 every dp x cp rank holds the whole of the other tensors

@@ -103,6 +103,9 @@ class Step {
   enum class Fingerprint { kGradients, kActivations };
   void queue_fingerprint(Fingerprint kind, const float* data, size_t numel);
   void take_fingerprints();
+  // The backend's queued sums, which must be the `expected` the step
+  // queued since it last took them.
+  std::vector<double> take_sums(size_t expected);
   // Time this rank spent inside collectives since the step began.
   int64_t collective_wait_ns() const;
   // How many MoE blocks come before block `layer`.
