@@ -55,7 +55,9 @@ Step::Step(Parts parts, Buffers buffers, int micro_batch)
       faults_(parts.config, parts.faults, parts.storage, micro_batch) {
   p_.storage.on_local_gradients([this](int unit, float* grads, size_t numel) {
     faults_.on_gradients(p_.backend, unit, grads, numel);
-    if (p_.sdc.fingerprinting()) queue_fingerprint(Fingerprint::kGradients, grads, numel);
+    // Fingerprints belong to an attempt; a backward run outside one (a
+    // caller driving the model directly) queues nothing.
+    if (attempting_ && p_.sdc.fingerprinting()) queue_fingerprint(Fingerprint::kGradients, grads, numel);
   });
   p_.model.on_activation([this](int site, float* data, size_t numel) {
     faults_.on_activation(p_.backend, site, data);
@@ -118,6 +120,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   const int64_t wait_before = collective_wait_ns();
   const int64_t cpu_wait_before = common::Clock::steady().cpu_wait_ns();
   p_.sdc.begin_attempt();
+  attempting_ = true;
   p_.storage.zero_gradients();
   double loss_sum = 0, aux_sum = 0;
   const int64_t experts = p_.config.model.n_expert;
@@ -187,6 +190,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   p_.board.set_phase(health::Phase::kOptimizer);
   take_fingerprints();
+  attempting_ = false;
   const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
   const double batches = static_cast<double>(micro_batches * p_.groups.size(Axis::kDpCp));
   return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},

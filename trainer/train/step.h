@@ -135,6 +135,7 @@ class Step {
   // Whether the forward now running feeds the SDC guard its activation squares.
   bool judging_activations_ = false;
   std::vector<Fingerprint> fingerprints_;  // what each queued sum is
+  bool attempting_ = false;                // inside compute_gradients, until its fingerprints are taken
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;
