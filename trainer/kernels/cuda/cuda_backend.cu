@@ -27,21 +27,16 @@ constexpr int kColumnBlock = kThreads;
 __global__ void chunk_sums_kernel(double* partials, const float* x, size_t n, bool squares) {
   const size_t begin = blockIdx.x * kReduceChunk;
   const size_t end = begin + kReduceChunk < n ? begin + kReduceChunk : n;
-  double acc = 0.0;
-  for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const double xi = x[i];
-    acc += squares ? xi * xi : xi;
-  }
-  acc = block_sum(acc);
+  const size_t first = begin + threadIdx.x;
+  const size_t count = first < end ? (end - first + blockDim.x - 1) / blockDim.x : 0;
+  const double acc = block_sum(add_in_order(0.0, x + first, count, blockDim.x, squares));
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
 __global__ void column_sum_kernel(float* dst, const float* src, int rows, int cols) {
   const int c = blockIdx.x * kColumnBlock + threadIdx.x;
   if (c >= cols) return;
-  double acc = 0.0;
-  for (int r = 0; r < rows; ++r) acc += src[static_cast<size_t>(r) * cols + c];
-  dst[c] += static_cast<float>(acc);
+  dst[c] += static_cast<float>(add_in_order(0.0, src + c, rows, cols));
 }
 
 }  // namespace

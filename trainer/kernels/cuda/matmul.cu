@@ -34,18 +34,15 @@ __global__ void column_chunk_sums_kernel(double* chunk_sums, const float* src, i
   if (c >= cols) return;
   for (int k = static_cast<int>(blockIdx.y); k < chunks; k += static_cast<int>(gridDim.y)) {
     const int r0 = k * kColumnChunkRows, r1 = min(rows, r0 + kColumnChunkRows);
-    double sum = 0.0;
-    for (int r = r0; r < r1; ++r) sum += src[static_cast<size_t>(r) * cols + c];
-    chunk_sums[static_cast<size_t>(k) * cols + c] = sum;
+    const float* column = src + static_cast<size_t>(r0) * cols + c;
+    chunk_sums[static_cast<size_t>(k) * cols + c] = add_in_order(0.0, column, r1 - r0, cols);
   }
 }
 
 __global__ void add_chunk_sums_kernel(float* dst, const double* chunk_sums, int chunks, int cols) {
   const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= cols) return;
-  double total = 0.0;
-  for (int k = 0; k < chunks; ++k) total += chunk_sums[static_cast<size_t>(k) * cols + c];
-  dst[c] += static_cast<float>(total);
+  dst[c] += static_cast<float>(add_in_order(0.0, chunk_sums + c, chunks, cols));
 }
 
 __global__ void round_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
