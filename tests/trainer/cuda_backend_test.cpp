@@ -332,6 +332,23 @@ std::vector<KernelCase> kernel_cases() {
                        },
                        1e-4, 1e-4});
     }
+    // A row 16 blocks wide whose logits climb along it: the running max of
+    // the one-pass statistics moves at nearly every element.
+    {
+      const int Nw = 5, Vw = 4099;
+      Vec logits = random_vec(Nw * Vw, 35, -6.0f, 6.0f);
+      for (int n = 0; n < Nw; ++n) {
+        for (int c = 0; c < Vw; ++c) logits[n * Vw + c] += 0.01f * c;
+      }
+      cases.push_back({"cross-entropy statistics, a wide row with climbing logits",
+                       {{"logits", logits}, {"stats", Vec(Nw * 3, nan)}},
+                       {{"targets", random_ints(Nw, Vw, 36)}},
+                       {"stats"},
+                       [=](Backend& k, Tensors& t) {
+                         k.crossentropy_stats(t.f("stats"), t.f("logits"), t.i("targets"), Nw, 0, Vw, Vw);
+                       },
+                       1e-4, 1e-4});
+    }
     Vec stats = random_vec(S * N * 3, 34, 0.5f, 4.0f);
     for (int n = 0; n < N; ++n) stats[(N + n) * 3] = -INFINITY, stats[(N + n) * 3 + 1] = 0.0f;  // an empty shard
     cases.push_back(
