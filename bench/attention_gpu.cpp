@@ -5,6 +5,7 @@
 // half of two T x T x d products) and 2.5 times that backward. Prints one
 // JSON object; scripts/gpu-check puts it beside torch's SDPA at the same
 // shape (bench/torch_gpt2_gpu.py).
+#include "bench/gpu_timing.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/kernels/cuda/cuda_backend.h"
 
@@ -14,12 +15,12 @@
 
 #include <cstdio>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace {
 
+using keel::bench::check;
 using keel::trainer::Backend;
 using keel::trainer::DType;
 using keel::trainer::cuda::CudaBackend;
@@ -29,10 +30,6 @@ struct Shape {
   int C() const { return NH * d; }
   double forward_flops() const { return 4.0 * B * NH * static_cast<double>(T) * T * d / 2.0; }
 };
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 // Milliseconds per forward and per backward, the mean over `iterations`
 // after `warmup`, timed by events on the backend's stream.

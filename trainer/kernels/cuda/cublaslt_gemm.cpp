@@ -63,6 +63,15 @@ void set(cublasLtMatmulPreference_t desc, cublasLtMatmulPreferenceAttributes_t a
 
 }  // namespace
 
+const char* gemm_inputs_name(GemmInputs inputs) {
+  switch (inputs) {
+    case GemmInputs::kF32: return "float32";
+    case GemmInputs::kBF16: return "bf16";
+    case GemmInputs::kF32RoundedToBF16: return "float32 rounded to bf16 by cuBLASLt";
+  }
+  return "?";
+}
+
 CublasLtGemm::CublasLtGemm() {
   check(cublasLtCreate(&handle_), "cublasLtCreate");
   const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
@@ -77,31 +86,31 @@ CublasLtGemm::~CublasLtGemm() {
   cublasLtDestroy(handle_);
 }
 
-void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                        const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
                        const float* bias) {
-  matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, beta, c, ldc, bias, Activation::kNone, nullptr,
+  matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, beta, c, ldc, bias, Activation::kNone, nullptr,
          true);
 }
 
 bool CublasLtGemm::run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                            cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float* c, int ldc,
+                            GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float* c, int ldc,
                             const float* bias, float* gelu_input) {
   if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
-  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, bias, Activation::kGelu,
+  return matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, 0.0f, c, ldc, bias, Activation::kGelu,
                 gelu_input, false);
 }
 
 bool CublasLtGemm::run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                                 cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float* c,
+                                 GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float* c,
                                  int ldc, const float* gelu_input) {
   if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
-  return matmul(stream, trans_a, trans_b, m, n, k, ab_type, a, lda, b, ldb, 0.0f, c, ldc, nullptr,
+  return matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, 0.0f, c, ldc, nullptr,
                 Activation::kGeluGrad, gelu_input, false);
 }
 
 bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                          cudaDataType_t ab_type, const void* a, int lda, const void* b, int ldb, float beta, float* c,
+                          GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float beta, float* c,
                           int ldc, const float* bias, Activation activation, const float* aux, bool required) {
   if (m <= 0 || n <= 0) return true;
   if (k <= 0) {
@@ -112,7 +121,10 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
                         fmt::format("a {}x{} GEMM over an empty inner dimension that is not an accumulation", m, n));
   }
   OpDesc op;
-  check(cublasLtMatmulDescCreate(&op.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasComputeType_t compute =
+      inputs == GemmInputs::kF32RoundedToBF16 ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F;
+  const cudaDataType_t ab_type = inputs == GemmInputs::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+  check(cublasLtMatmulDescCreate(&op.desc, compute, CUDA_R_32F), "cublasLtMatmulDescCreate");
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
@@ -145,7 +157,7 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
                        ldc,
                        bias != nullptr,
                        beta != 0.0f,
-                       ab_type,
+                       static_cast<int64_t>(inputs),
                        alignment(a),
                        alignment(b),
                        alignment(c),
@@ -174,7 +186,7 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
       }
       throw common::Error(common::ErrorCode::kInternal,
                           fmt::format("cuBLASLt has no algorithm for a {}x{}x{} {} GEMM (ops {}{}, bias {})", m, n, k,
-                                      ab_type == CUDA_R_16BF ? "bf16" : "float32", trans_a ? 'T' : 'N',
+                                      gemm_inputs_name(inputs), trans_a ? 'T' : 'N',
                                       trans_b ? 'T' : 'N', bias != nullptr));
     }
     found = algos_.emplace(shape, result.algo).first;

@@ -1,10 +1,8 @@
 // One GEMM through cuBLASLt, for the CUDA backend's matmuls. Column-major,
 // as cuBLAS sees memory: C[m,n] = op(A) op(B) + beta C, plus bias[m] on
 // every column when bias is non-null (the BIAS epilogue). A and B are
-// float32 or bfloat16; C, the bias and the scalars are float32.
-//
-// Numerics: CUBLAS_COMPUTE_32F: float32 inputs get no TF32 rounding, and
-// bfloat16 inputs run on tensor cores with float32 accumulation.
+// stored and multiplied as GemmInputs says; C, the bias and the scalars
+// are float32.
 // Determinism: the algorithm comes from cuBLASLt's heuristic once per shape
 // and is then reused, so a shape always runs the same code. cuBLAS
 // documents bitwise reproducibility run to run on GPUs of the same
@@ -22,6 +20,19 @@
 
 namespace keel::trainer::cuda {
 
+// How A and B are stored and multiplied. Every product accumulates in
+// float32.
+enum class GemmInputs {
+  // float32, multiplied in float32: CUBLAS_COMPUTE_32F gives no TF32 rounding.
+  kF32,
+  // bfloat16, on tensor cores.
+  kBF16,
+  // float32, which cuBLASLt rounds to bfloat16 for the tensor cores itself
+  // (CUBLAS_COMPUTE_32F_FAST_16BF): no bf16 copy of either operand.
+  kF32RoundedToBF16,
+};
+const char* gemm_inputs_name(GemmInputs inputs);
+
 class CublasLtGemm {
  public:
   CublasLtGemm();
@@ -32,25 +43,25 @@ class CublasLtGemm {
   // Throws common::Error (kInternal) when cuBLASLt fails or finds no
   // algorithm for the shape. k = 0 is allowed for accumulations (beta 1,
   // no bias), which leave C as it is.
-  void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+  void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
            const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
   // C = GELU(op(A) op(B) + bias) with the GELU's input written to
   // gelu_input (m x n, leading dimension ldc): the GELU_AUX_BIAS epilogue
   // (GELU_AUX without bias). False, with nothing written, when cuBLASLt has
   // no algorithm for it at this shape (ldc must be a multiple of 8): the
   // caller runs the two steps itself.
-  bool run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+  bool run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                 const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* bias,
                 float* gelu_input);
   // C = GELU'(gelu_input) * (op(A) op(B)), elementwise: the DGELU epilogue,
   // GELU's backward (gelu_input m x n, leading dimension ldc). False as
   // run_gelu is.
-  bool run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+  bool run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                      const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* gelu_input);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,
-  // beta, the inputs' type and the alignment of each pointer (parameters
+  // beta, the inputs and the alignment of each pointer (parameters
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
   using Shape = std::array<int64_t, 17>;
   // What the epilogue does besides the bias.
@@ -58,7 +69,7 @@ class CublasLtGemm {
   // The GEMM every entry point describes, `aux` the GELU input the
   // activation writes (kGelu) or reads (kGeluGrad). False when the
   // heuristic has no algorithm and `required` is not set.
-  bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, cudaDataType_t ab_type,
+  bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
               const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias,
               Activation activation, const float* aux, bool required);
 

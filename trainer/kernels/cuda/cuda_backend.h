@@ -30,8 +30,6 @@
 #include "trainer/kernels/cuda/cuda_stream.h"
 #include "trainer/kernels/dtype.h"
 
-#include <library_types.h>
-
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
@@ -41,6 +39,7 @@
 namespace keel::trainer::cuda {
 
 class CublasLtGemm;
+enum class GemmInputs;
 
 // cudaSuccess when a CUDA device can be used. Otherwise the error, and *why
 // (if non-null) says it in words: cudaErrorNoDevice or
@@ -100,7 +99,8 @@ class CudaBackend final : public Backend {
     size_t count;
   };
   std::vector<const void*> gemm_operands(std::initializer_list<Operand> operands);
-  cudaDataType_t gemm_type() const { return gemm_inputs_ == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F; }
+  // How the GEMMs take those operands (cublaslt_gemm.h). matmul.cu.
+  GemmInputs gemm_type() const;
 
   int device_;
   DType gemm_inputs_;

@@ -53,6 +53,10 @@ size_t slot_bytes(size_t count) { return (count * sizeof(__nv_bfloat16) + kSlotA
 
 }  // namespace
 
+GemmInputs CudaBackend::gemm_type() const {
+  return gemm_inputs_ == DType::kBF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
+}
+
 std::vector<const void*> CudaBackend::gemm_operands(std::initializer_list<Operand> operands) {
   std::vector<const void*> out;
   if (gemm_inputs_ == DType::kF32) {
