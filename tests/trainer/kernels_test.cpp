@@ -1,6 +1,7 @@
 // CpuBackend against three independent oracles: central finite differences
 // for every backward, naive double-precision loops for every forward, and
 // the same inputs run with different thread counts for determinism.
+#include "common/error.h"
 #include "tests/trainer/thread_count_guard.h"
 #include "tests/trainer/random_data.h"
 #include "tests/trainer/relative_error.h"
@@ -422,6 +423,48 @@ TEST_SUITE("unit") {
       CHECK(got.db == run(fp32, inp, w, dout).db);
       CHECK(got.out != run(fp32, inp, w, dout).out);  // the rounding really happened
     }
+  }
+
+  TEST_CASE("a bf16 activation multiplies as its float32 original does under bf16 GEMM inputs") {
+    using keel::trainer::bf16;
+    const int N = 200, C = 400, OC = 90;
+    CpuBackend cpu(0, keel::trainer::DType::kBF16);
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 26), w = random_vec(static_cast<size_t>(OC) * C, 27);
+    const Vec dout = random_vec(static_cast<size_t>(N) * OC, 28);
+    std::vector<bf16> inp16(inp.size());
+    for (size_t i = 0; i < inp.size(); ++i) inp16[i] = keel::trainer::to_bf16(inp[i]);
+    Vec out = nan_vec(dout.size()), out16 = nan_vec(dout.size());
+    Vec dw(w.size(), 0.25f), dw16(w.size(), 0.25f);
+    cpu.matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
+    cpu.matmul_forward(out16.data(), inp16.data(), w.data(), nullptr, N, C, OC);
+    cpu.matmul_backward(nullptr, dw.data(), nullptr, dout.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(nullptr, dw16.data(), nullptr, dout.data(), inp16.data(), w.data(), N, C, OC);
+    CHECK(out16 == out);
+    CHECK(dw16 == dw);
+  }
+
+  TEST_CASE("a bf16 GEMM operand on a backend with float32 GEMM inputs is an internal error") {
+    CpuBackend cpu(0, keel::trainer::DType::kF32);
+    std::vector<keel::trainer::bf16> inp(6);
+    Vec w(6, 1.0f), out(4, 0.0f);
+    try {
+      cpu.matmul_forward(out.data(), inp.data(), w.data(), nullptr, 2, 3, 2);
+      FAIL("no error");
+    } catch (const keel::common::Error& e) {
+      CHECK(e.code() == keel::common::ErrorCode::kInternal);
+    }
+  }
+
+  TEST_CASE("a bf16 GELU output holds the float32 output rounded to nearest, ties to even") {
+    CpuBackend cpu;
+    const Vec inp = random_vec(50000, 29, -8.0f, 8.0f);
+    Vec out = nan_vec(inp.size());
+    std::vector<keel::trainer::bf16> out16(inp.size(), keel::trainer::bf16{0xffff});
+    cpu.gelu_forward(out.data(), inp.data(), inp.size());
+    cpu.gelu_forward(out16.data(), inp.data(), inp.size());
+    size_t mismatches = 0;
+    for (size_t i = 0; i < inp.size(); ++i) mismatches += out16[i].bits != keel::trainer::to_bf16(out[i]).bits;
+    CHECK(mismatches == 0);
   }
 
   TEST_CASE("attention forward matches a naive reference within and across query blocks") {

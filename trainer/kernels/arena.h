@@ -36,6 +36,21 @@ template <class T> class ArenaArray {
   size_t count_ = 0;
 };
 
+// `count` elements of a type chosen when the arena is laid out: an
+// activation that only GEMMs read is kept in their input type
+// (Backend::gemm_inputs(), docs/architecture.md "Dtypes").
+class ArenaBuffer {
+ public:
+  ArenaBuffer() = default;
+  ArenaBuffer(ArenaArray<std::byte> bytes, DType dtype) : bytes_(bytes), dtype_(dtype) {}
+  Buffer buffer() const { return Buffer(bytes_.data(), dtype_); }
+  size_t size() const { return bytes_.size() / dtype_bytes(dtype_); }
+
+ private:
+  ArenaArray<std::byte> bytes_;
+  DType dtype_ = DType::kF32;
+};
+
 class Arena {
  public:
   static constexpr size_t kAlign = 256;
@@ -68,6 +83,9 @@ class Arena {
     }
     T* data = base_ != nullptr ? reinterpret_cast<T*>(base_ + offset) : nullptr;
     return ArenaArray<T>(&backend_, data, count);
+  }
+  ArenaBuffer take_buffer(DType dtype, size_t count) {
+    return ArenaBuffer(take<std::byte>(count * dtype_bytes(dtype)), dtype);
   }
   // The single allocation's size.
   size_t bytes() const { return planned_; }

@@ -75,10 +75,12 @@ class Backend {
   // kernels queued before it.
   virtual Stream& compute_stream() = 0;
 
-  // What the two matmul kernels multiply (docs/architecture.md "Dtypes"):
+  // What the matmul kernels multiply (docs/architecture.md "Dtypes"):
   // kF32, or kBF16: every operand rounded to bfloat16 (nearest, ties to
-  // even) and the products summed in float32. Every buffer, and every other
-  // kernel, stays float32 either way.
+  // even) and the products summed in float32. A float32 operand is rounded
+  // where the GEMM takes it; with kBF16 an activation input may also come
+  // as bf16 already (the GELU output, which only GEMMs read), so that
+  // nothing rounds it twice. Every other buffer stays float32.
   virtual DType gemm_inputs() const = 0;
 
   // ---- the layout of attention's inputs ----

@@ -10,9 +10,9 @@
 //   the softmaxes use an exp written so the compiler vectorises it.
 #include "trainer/kernels/cpu_backend.h"
 
-#include "trainer/kernels/column_sums.h"
-
+#include "common/error.h"
 #include "trainer/kernels/adamw_step.h"
+#include "trainer/kernels/column_sums.h"
 #include "trainer/kernels/gelu.h"
 
 #include <cblas.h>
@@ -412,30 +412,38 @@ void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, c
 
 // ---- matmul ----
 
-std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<const float*, size_t>> operands) {
-  std::vector<const float*> out;
-  if (gemm_inputs_ == DType::kF32) {
-    for (const auto& [data, count] : operands) out.push_back(data);
-    return out;
-  }
+std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<ConstBuffer, size_t>> operands) {
   size_t total = 0;
-  for (const auto& [data, count] : operands) total += data != nullptr ? count : 0;
+  for (const auto& [buffer, count] : operands) {
+    if (buffer.dtype == DType::kBF16 && gemm_inputs_ != DType::kBF16) {
+      throw common::Error(common::ErrorCode::kInternal, "a bf16 GEMM operand on a backend with float32 GEMM inputs");
+    }
+    if (buffer.data != nullptr && gemm_inputs_ == DType::kBF16) total += count;
+  }
   if (rounded_.size() < total) rounded_.resize(total);
   float* slot = rounded_.data();
-  for (const auto& [data, count] : operands) {
-    if (data == nullptr) {
-      out.push_back(nullptr);
+  std::vector<const float*> out;
+  for (const auto& [buffer, count] : operands) {
+    if (buffer.data == nullptr || gemm_inputs_ == DType::kF32) {
+      out.push_back(buffer.f32());
       continue;
     }
+    if (buffer.dtype == DType::kBF16) {
+      const auto* from = static_cast<const bf16*>(buffer.data);
 #pragma omp parallel for schedule(static) if (count > kParallelMin)
-    for (size_t i = 0; i < count; ++i) slot[i] = bf16_rounded(data[i]);
+      for (size_t i = 0; i < count; ++i) slot[i] = to_float(from[i]);
+    } else {
+      const float* from = buffer.f32();
+#pragma omp parallel for schedule(static) if (count > kParallelMin)
+      for (size_t i = 0; i < count; ++i) slot[i] = bf16_rounded(from[i]);
+    }
     out.push_back(slot);
     slot += count;
   }
   return out;
 }
 
-void CpuBackend::matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+void CpuBackend::matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                                 int OC) {
   if (bias != nullptr) {
 #pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * OC > kParallelMin)
@@ -445,14 +453,14 @@ void CpuBackend::matmul_forward(float* out, const float* inp, const float* weigh
   gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, out, OC);
 }
 
-void CpuBackend::matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+void CpuBackend::matmul_gelu_forward(Buffer out, float* pre, ConstBuffer inp, const float* weight, const float* bias,
                                      int N, int C, int OC) {
   matmul_forward(pre, inp, weight, bias, N, C, OC);
   gelu_forward(out, pre, static_cast<size_t>(N) * OC);
 }
 
 void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
-                                              const float* inp, const float* weight, const float* pre, int N, int C,
+                                              ConstBuffer inp, const float* weight, const float* pre, int N, int C,
                                               int OC) {
   const size_t n = static_cast<size_t>(N) * C;
   if (dpre == nullptr) {
@@ -467,7 +475,7 @@ void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float
   gelu_backward(dpre, pre, dgelu, n);
 }
 
-void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, ConstBuffer inp,
                                  const float* weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                   {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
@@ -683,9 +691,16 @@ struct ApproxExp {
 
 }  // namespace
 
-void CpuBackend::gelu_forward(float* out, const float* inp, size_t n) {
+void CpuBackend::gelu_forward(Buffer out, const float* inp, size_t n) {
+  if (out.dtype == DType::kBF16) {
+    auto* to = static_cast<bf16*>(out.data);
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+    for (size_t i = 0; i < n; ++i) to[i] = to_bf16(gelu(inp[i], ApproxExp{}));
+    return;
+  }
+  auto* to = static_cast<float*>(out.data);
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) out[i] = gelu(inp[i], ApproxExp{});
+  for (size_t i = 0; i < n; ++i) to[i] = gelu(inp[i], ApproxExp{});
 }
 
 void CpuBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {

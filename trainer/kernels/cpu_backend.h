@@ -40,9 +40,11 @@ class CpuBackend final : public Backend {
 #undef KEEL_BACKEND_KERNEL
 
  private:
-  // The operands of one matmul call as the GEMMs take them: the pointers
-  // themselves, or bf16-rounded copies in rounded_ (a null operand stays null).
-  std::vector<const float*> gemm_operands(std::initializer_list<std::pair<const float*, size_t>> operands);
+  // The operands of one matmul call as the GEMMs take them: the float32
+  // pointers themselves, or with bf16 GEMM inputs copies in rounded_ of
+  // their values rounded to bf16 (a bf16 operand widened as it is). A null
+  // operand stays null.
+  std::vector<const float*> gemm_operands(std::initializer_list<std::pair<ConstBuffer, size_t>> operands);
 
   int threads_;
   DType gemm_inputs_;

@@ -51,6 +51,7 @@ struct Buffer {
   Buffer(std::nullptr_t) {}
   Buffer(float* p) : data(p) {}
   Buffer(bf16* p) : data(p), dtype(DType::kBF16) {}
+  Buffer(void* p, DType type) : data(p), dtype(type) {}
   void* data = nullptr;
   DType dtype = DType::kF32;
 };
@@ -60,6 +61,8 @@ struct ConstBuffer {
   ConstBuffer(const float* p) : data(p) {}
   ConstBuffer(const bf16* p) : data(p), dtype(DType::kBF16) {}
   ConstBuffer(Buffer b) : data(b.data), dtype(b.dtype) {}
+  // The float32 data, or null when the buffer holds bf16.
+  const float* f32() const { return dtype == DType::kF32 ? static_cast<const float*>(data) : nullptr; }
   const void* data = nullptr;
   DType dtype = DType::kF32;
 };

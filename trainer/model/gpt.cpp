@@ -192,7 +192,8 @@ void Gpt::lay_out(Arena& arena) {
   x.datty = take(N * Cl);
   x.dqkv = take(N * 3 * Cl);
   x.dfch = take(N * Fl);
-  x.fch_gelu = take(std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
+  x.fch_gelu = arena.take_buffer(backend_.gemm_inputs(),
+                                 std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
   if (any_moe) {
     x.dye = take(N * K * C);
     x.dge = take(R * Fl);
@@ -341,8 +342,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
-      k.matmul_gelu_forward(x.fch_gelu.data(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
-      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.data(), p + o.proj_w,
+      k.matmul_gelu_forward(x.fch_gelu.buffer(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     }
@@ -491,10 +492,10 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
       if (t.gelu_of == nullptr) {
         backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
       } else {
-        const float* inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
+        ConstBuffer inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
         if (g != nullptr) {
-          backend_.gelu_forward(scratch_->fch_gelu.data(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
-          inp = scratch_->fch_gelu.data();
+          backend_.gelu_forward(scratch_->fch_gelu.buffer(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
+          inp = scratch_->fch_gelu.buffer();
         }
         backend_.matmul_backward_through_gelu(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.gelu_of, t.rows,
                                               t.in, t.out);

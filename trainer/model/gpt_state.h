@@ -175,8 +175,10 @@ struct Gpt::Scratch {
   // the gradient of the stage's input.
   ArenaArray<float> dresidual, dln, datty, dqkv, dfch;
   // GELU(fch) of the block running now: made by the forward for the MLP's
-  // projection, remade by the backward for its weight gradient.
-  ArenaArray<float> fch_gelu;
+  // projection, remade by the backward for its weight gradient. Only those
+  // GEMMs read it, so it is kept in their input type: bf16 on the GPU's
+  // speed path, written so by the GELU instead of rounded by each GEMM.
+  ArenaBuffer fch_gelu;
   // MoE gradient scratch: the gated output gradient [N*k, C] (token
   // side), the experts' [R, ...] gradients (expert side) and the router's.
   ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;

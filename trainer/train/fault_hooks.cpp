@@ -154,7 +154,7 @@ void CheckpointFaults::written(int64_t step) {
   if (::pwrite(fd.get(), &flipped, 1, offset) != 1 || ::fsync(fd.get()) != 0) fail("write");
 }
 
-void GemmBitFlip::matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+void GemmBitFlip::matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                                  int OC) {
   target_.matmul_forward(out, inp, weight, bias, N, C, OC);
   float first = 0;

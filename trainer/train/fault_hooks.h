@@ -95,7 +95,7 @@ class CheckpointFaults final : public checkpoint::FileSystemWrapper {
 class GemmBitFlip final : public BackendWrapper {
  public:
   using BackendWrapper::BackendWrapper;
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+  void matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                       int OC) override;
 };
 

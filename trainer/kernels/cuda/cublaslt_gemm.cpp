@@ -93,14 +93,6 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
          true);
 }
 
-bool CublasLtGemm::run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                            GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float* c, int ldc,
-                            const float* bias, float* gelu_input) {
-  if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
-  return matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, 0.0f, c, ldc, bias, Activation::kGelu,
-                gelu_input, false);
-}
-
 bool CublasLtGemm::run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
                                  GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float* c,
                                  int ldc, const float* gelu_input) {
@@ -129,12 +121,9 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  if (activation != Activation::kNone) {
-    // kGeluGrad takes no bias here: the bias gradient is keel's own sum.
-    const cublasLtEpilogue_t epilogue = activation == Activation::kGeluGrad ? CUBLASLT_EPILOGUE_DGELU
-                                        : bias != nullptr                    ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
-                                                                             : CUBLASLT_EPILOGUE_GELU_AUX;
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (activation == Activation::kGeluGrad) {
+    // No bias here: the bias gradient is keel's own sum.
+    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU);
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(ldc));
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));

@@ -45,17 +45,10 @@ class CublasLtGemm {
   // no bias), which leave C as it is.
   void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
            const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
-  // C = GELU(op(A) op(B) + bias) with the GELU's input written to
-  // gelu_input (m x n, leading dimension ldc): the GELU_AUX_BIAS epilogue
-  // (GELU_AUX without bias). False, with nothing written, when cuBLASLt has
-  // no algorithm for it at this shape (ldc must be a multiple of 8): the
-  // caller runs the two steps itself.
-  bool run_gelu(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-                const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* bias,
-                float* gelu_input);
   // C = GELU'(gelu_input) * (op(A) op(B)), elementwise: the DGELU epilogue,
-  // GELU's backward (gelu_input m x n, leading dimension ldc). False as
-  // run_gelu is.
+  // GELU's backward (gelu_input m x n, leading dimension ldc). False, with
+  // nothing written, when cuBLASLt has no algorithm for it at this shape
+  // (ldc must be a multiple of 8): the caller runs the steps itself.
   bool run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                      const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* gelu_input);
 
@@ -65,9 +58,9 @@ class CublasLtGemm {
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
   using Shape = std::array<int64_t, 17>;
   // What the epilogue does besides the bias.
-  enum class Activation { kNone, kGelu, kGeluGrad };
-  // The GEMM every entry point describes, `aux` the GELU input the
-  // activation writes (kGelu) or reads (kGeluGrad). False when the
+  enum class Activation { kNone, kGeluGrad };
+  // The GEMM every entry point describes, `aux` the GELU input kGeluGrad
+  // reads. False when the
   // heuristic has no algorithm and `required` is not set.
   bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
               const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias,

@@ -92,10 +92,11 @@ class CudaBackend final : public Backend {
   void* grown(void*& buffer, size_t& size, size_t bytes);
   // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
   double chunked_sum(const float* x, size_t n, bool squares);
-  // The GEMM operands as the GEMMs take them: the pointers themselves, or
-  // bf16 copies in scratch (a null operand stays null). matmul.cu.
+  // The GEMM operands as the GEMMs take them: the pointers themselves (a
+  // bf16 operand, or any with float32 GEMM inputs), or bf16 copies in
+  // scratch (a null operand stays null). matmul.cu.
   struct Operand {
-    const float* data;
+    ConstBuffer data;
     size_t count;
   };
   std::vector<const void*> gemm_operands(std::initializer_list<Operand> operands);

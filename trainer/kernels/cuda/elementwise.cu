@@ -6,8 +6,10 @@
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/adamw_step.h"
-#include "trainer/kernels/gelu.h"
 #include "trainer/kernels/cuda/launch.cuh"
+#include "trainer/kernels/gelu.h"
+
+#include <cuda_bf16.h>
 
 namespace keel::trainer::cuda {
 namespace {
@@ -17,8 +19,11 @@ struct ClampedExp {
   __device__ float operator()(float x) const { return expf(fminf(fmaxf(x, -87.0f), 88.0f)); }
 };
 
-__global__ void gelu_forward_kernel(float* out, const float* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = gelu(inp[i], ClampedExp{});
+__device__ inline void store(float* to, float value) { *to = value; }
+__device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfloat16_rn(value); }
+
+template <typename Out> __global__ void gelu_forward_kernel(Out* out, const float* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) store(out + i, gelu(inp[i], ClampedExp{}));
 }
 
 __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
@@ -44,8 +49,12 @@ __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict
 
 }  // namespace
 
-void CudaBackend::gelu_forward(float* out, const float* inp, size_t n) {
-  launch("gelu_forward", gelu_forward_kernel, n, stream(), out, inp);
+void CudaBackend::gelu_forward(Buffer out, const float* inp, size_t n) {
+  if (out.dtype == DType::kBF16) {
+    launch("gelu_forward", gelu_forward_kernel<__nv_bfloat16>, n, stream(), static_cast<__nv_bfloat16*>(out.data), inp);
+  } else {
+    launch("gelu_forward", gelu_forward_kernel<float>, n, stream(), static_cast<float*>(out.data), inp);
+  }
 }
 
 void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
