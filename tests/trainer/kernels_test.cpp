@@ -314,6 +314,39 @@ TEST_SUITE("unit") {
     CHECK(fused_rstd == apart_rstd);
   }
 
+  TEST_CASE("a bf16 LayerNorm output holds the float32 output rounded, with the same statistics and sum") {
+    using keel::trainer::bf16;
+    CpuBackend cpu;
+    const int N = 33, C = 96;
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 12, -3.0f, 5.0f), addend = random_vec(inp.size(), 13);
+    const Vec w = random_vec(C, 14, 0.5f, 1.5f), b = random_vec(C, 15);
+    auto rounded = [](const Vec& v) {
+      std::vector<uint16_t> bits(v.size());
+      for (size_t i = 0; i < v.size(); ++i) bits[i] = keel::trainer::to_bf16(v[i]).bits;
+      return bits;
+    };
+    auto bits_of = [](const std::vector<bf16>& v) {
+      std::vector<uint16_t> bits(v.size());
+      for (size_t i = 0; i < v.size(); ++i) bits[i] = v[i].bits;
+      return bits;
+    };
+    Vec out = nan_vec(inp.size()), mean = nan_vec(N), rstd = nan_vec(N), mean16 = nan_vec(N), rstd16 = nan_vec(N);
+    std::vector<bf16> out16(inp.size(), bf16{0xffff});
+    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+    cpu.layernorm_forward(out16.data(), mean16.data(), rstd16.data(), inp.data(), w.data(), b.data(), N, C);
+    CHECK(bits_of(out16) == rounded(out));
+    CHECK(mean16 == mean);
+    CHECK(rstd16 == rstd);
+    Vec sum = inp, sum16 = inp;
+    cpu.add_layernorm_forward(sum.data(), addend.data(), out.data(), mean.data(), rstd.data(), w.data(), b.data(), N,
+                              C);
+    cpu.add_layernorm_forward(sum16.data(), addend.data(), out16.data(), mean16.data(), rstd16.data(), w.data(),
+                              b.data(), N, C);
+    CHECK(sum16 == sum);
+    CHECK(bits_of(out16) == rounded(out));
+    CHECK(rstd16 == rstd);
+  }
+
   TEST_CASE("layernorm backward matches finite differences") {
     CpuBackend cpu;
     const int N = 10, C = 8;

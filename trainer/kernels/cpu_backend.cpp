@@ -316,7 +316,11 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
 
 namespace {
 
-void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
+inline void put(float* to, float value) { *to = value; }
+inline void put(bf16* to, float value) { *to = to_bf16(value); }
+
+template <typename Out>
+void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
   const float mu = row_sum(x, C) / static_cast<float>(C);
   // Two passes: the variance from centred values does not cancel.
   const float var = fixed_order_sum<float>(C, [x, mu](size_t i) {
@@ -326,32 +330,46 @@ void layernorm_row(float* o, float* mean, float* rstd, const float* x, const flo
                     static_cast<float>(C);
   const float rs = 1.0f / std::sqrt(var + kLayernormEps);
 #pragma omp simd
-  for (int c = 0; c < C; ++c) o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
+  for (int c = 0; c < C; ++c) put(o + c, (x[c] - mu) * rs * weight[c] + bias[c]);
   *mean = mu;
   *rstd = rs;
 }
 
 }  // namespace
 
-void CpuBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+void CpuBackend::layernorm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
                                    const float* bias, int N, int C) {
+  auto rows = [&](auto* o) {
 #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; ++n) {
-    const size_t row = static_cast<size_t>(n) * C;
-    layernorm_row(out + row, mean + n, rstd + n, inp + row, weight, bias, C);
+    for (int n = 0; n < N; ++n) {
+      const size_t row = static_cast<size_t>(n) * C;
+      layernorm_row(o + row, mean + n, rstd + n, inp + row, weight, bias, C);
+    }
+  };
+  if (out.dtype == DType::kBF16) {
+    rows(static_cast<bf16*>(out.data));
+  } else {
+    rows(static_cast<float*>(out.data));
   }
 }
 
-void CpuBackend::add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
                                        const float* weight, const float* bias, int N, int C) {
+  auto rows = [&](auto* o) {
 #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; ++n) {
-    const size_t row = static_cast<size_t>(n) * C;
-    float* x = sum + row;
-    const float* a = addend + row;
+    for (int n = 0; n < N; ++n) {
+      const size_t row = static_cast<size_t>(n) * C;
+      float* x = sum + row;
+      const float* a = addend + row;
 #pragma omp simd
-    for (int c = 0; c < C; ++c) x[c] += a[c];
-    layernorm_row(out + row, mean + n, rstd + n, x, weight, bias, C);
+      for (int c = 0; c < C; ++c) x[c] += a[c];
+      layernorm_row(o + row, mean + n, rstd + n, x, weight, bias, C);
+    }
+  };
+  if (out.dtype == DType::kBF16) {
+    rows(static_cast<bf16*>(out.data));
+  } else {
+    rows(static_cast<float*>(out.data));
   }
 }
 

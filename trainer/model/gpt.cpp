@@ -101,6 +101,11 @@ void Gpt::lay_out(Arena& arena) {
   auto take = [&arena](size_t count) { return arena.take<float>(count); };
   // With TP a buffer of all N positions; without, an empty one (the shard serves).
   auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
+  // The LayerNorm outputs only GEMMs read, in the GEMMs' input type where
+  // sequence parallelism's all-gather can carry it.
+  const DType gemm_in = backend_.gemm_inputs();
+  const DType ln_type = tp_ == nullptr || tp_->carries(gemm_in) ? gemm_in : DType::kF32;
+  auto ln_out = [&](DType type, size_t rows) { return arena.take_buffer(type, rows * C); };
   // A slot holds one pass through a chunk: its block i is block i of
   // whichever chunk runs in it, so it has room for the longest chunk, and
   // for an MoE block where any chunk's i-th block is one (a dense MLP where
@@ -125,18 +130,20 @@ void Gpt::lay_out(Arena& arena) {
     s.output_grad = take(last && chunks == 1 ? 0 : Ns * C);
     for (size_t i = 0; i < static_cast<size_t>(slot_blocks); ++i) {
       Slot::Block blk;
-      blk.ln1 = take(Ns * C);
+      blk.ln1 = ln_out(ln_type, Ns);
       blk.ln1_mean = take(Ns);
       blk.ln1_rstd = take(Ns);
-      blk.ln1_whole = whole(C);
+      blk.ln1_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
       blk.qkv = take(N * 3 * Cl);
       blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
       blk.atty = take(N * Cl);
       blk.residual2 = take(Ns * C);
-      blk.ln2 = take(Ns * C);
+      // An MoE block's dispatch copies rows of ln2 (float32 only).
+      const DType ln2_type = moe_at[i] ? DType::kF32 : ln_type;
+      blk.ln2 = ln_out(ln2_type, Ns);
       blk.ln2_mean = take(Ns);
       blk.ln2_rstd = take(Ns);
-      blk.ln2_whole = whole(C);
+      blk.ln2_whole = ln_out(ln2_type, tp_ != nullptr ? N : 0);
       blk.residual3 = take(Ns * C);
       if (moe_at[i]) {
         any_moe = true;
@@ -170,10 +177,10 @@ void Gpt::lay_out(Arena& arena) {
       s.blocks.push_back(std::move(blk));
     }
     if (last) {
-      s.lnf = take(Ns * C);
+      s.lnf = ln_out(ln_type, Ns);
       s.lnf_mean = take(Ns);
       s.lnf_rstd = take(Ns);
-      s.lnf_whole = whole(C);
+      s.lnf_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
       s.logits = take(N * Vl);
       s.losses = take(N);
       s.lse = take(N);
@@ -247,7 +254,7 @@ const float* Gpt::stage_output(int slot) const {
 float* Gpt::output_gradient(int slot) { return slots_[static_cast<size_t>(slot)].output_grad.data(); }
 const float* Gpt::input_gradient() const { return scratch_->dresidual.data(); }
 
-void Gpt::gather_positions(const float* shard, float* whole, size_t shard_numel) {
+void Gpt::gather_positions(ConstBuffer shard, Buffer whole, size_t shard_numel) {
   if (tp_ != nullptr) tp_->all_gather(shard, whole, shard_numel);
 }
 
@@ -321,9 +328,9 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     const float* p = storage_.acquire_parameters(unit);
     if (i + 1 < blocks) storage_.prefetch_parameters(unit + 1);
     // Attention branch.
-    k.layernorm_forward(blk.ln1.data(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
+    k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
                         p + o.ln1_b, Ns, C);
-    gather_positions(blk.ln1.data(), blk.ln1_whole.data(), NsC);
+    gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
     k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
     attend(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
@@ -332,16 +339,16 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
     // residual add. (The block's output add stays apart: the activation
     // hook must see it before the next block reads it.)
-    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.data(), blk.ln2_mean.data(),
+    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(),
                             blk.ln2_rstd.data(), p + o.ln2_w, p + o.ln2_b, Ns, C);
     if (config_.is_moe_layer(stage().layer(first + i))) {
       // Every TP rank routes all N tokens alike and runs its slice of each
       // expert, like the dense MLP; the row-parallel partials sum into the shards.
-      gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
-      moe_forward(s, i, p, blk.ln2_all(), partial_or(blk.residual3), N);
+      gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
+      moe_forward(s, i, p, blk.ln2_all().f32(), partial_or(blk.residual3), N);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
-      gather_positions(blk.ln2.data(), blk.ln2_whole.data(), NsC);
+      gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
       k.matmul_gelu_forward(x.fch_gelu.buffer(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
       k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
@@ -354,12 +361,12 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   if (!scores) return 0.0f;
 
   upload(targets, s.targets);
-  k.layernorm_forward(s.lnf.data(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0 + outer.lnf_w, p0 + outer.lnf_b,
-                      Ns, C);
-  gather_positions(s.lnf.data(), s.lnf_whole.data(), NsC);
+  k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0 + outer.lnf_w,
+                      p0 + outer.lnf_b, Ns, C);
+  gather_positions(s.lnf.buffer(), s.lnf_whole.buffer(), NsC);
   // The LM head is tied to the token embedding: each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
-  const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
+  const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
   k.matmul_forward(s.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
   if (activation_hook_) {
     activation_hook_(static_cast<int>(config_.n_layer), s.logits.data(), static_cast<size_t>(N) * Vl);
@@ -406,7 +413,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     k.crossentropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(),
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
     k.zero(din_all, din_numel * sizeof(float));
-    const float* lnf_all = tp_ != nullptr ? s.lnf_whole.data() : s.lnf.data();
+    const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
     term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.data(), lnf_all, nullptr, nullptr, N, C, Vl},
          din_all, p0 + outer.wte, nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
@@ -502,8 +509,8 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
       }
       break;
     case Kind::kLayerNorm:
-      backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.mean, t.rstd, t.rows,
-                                  t.out);
+      backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp.f32(), weight, t.mean, t.rstd,
+                                  t.rows, t.out);
       break;
     case Kind::kEmbedding:
       if (g != nullptr) embedding_backward(g, t.dout, s.inputs.data(), s.batch);

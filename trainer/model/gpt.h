@@ -164,7 +164,7 @@ class Gpt {
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the
   // shard itself for the whole.
-  void gather_positions(const float* shard, float* whole, size_t shard_numel);
+  void gather_positions(ConstBuffer shard, Buffer whole, size_t shard_numel);
   void sum_into_positions(const float* partial, float* shard, size_t shard_numel);
 
   common::ModelConfig config_;

@@ -60,6 +60,9 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   Backend& k = backend_;
   const Sizes z = sizes();
   const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
+  if (inp == nullptr) {
+    throw common::Error(common::ErrorCode::kInternal, "an MoE block's LayerNorm output is not float32 (Gpt::lay_out)");
+  }
 
   k.matmul_forward(moe.router_logits.data(), inp, p + o.router_w, nullptr, N, C, E);
   k.softmax_forward(moe.probs.data(), moe.router_logits.data(), N, E);

@@ -51,7 +51,7 @@ struct Gpt::WeightTerm {
   int unit = 0;
   size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)
   const float* dout = nullptr;          // [rows, out]: the output gradient
-  const float* inp = nullptr;           // [rows, in]: the forward's input
+  ConstBuffer inp = nullptr;            // [rows, in]: the forward's input (a LayerNorm's: float32)
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
   int rows = 0, in = 0, out = 0;
@@ -136,16 +136,20 @@ struct Gpt::MoeLayer {
 // a time, whichever slot it runs.
 struct Gpt::Slot {
   struct Block {
-    ArenaArray<float> ln1, ln1_mean, ln1_rstd, ln1_whole, qkv, attn_lse, atty, residual2;
-    ArenaArray<float> ln2, ln2_mean, ln2_rstd, ln2_whole, fch, residual3;
+    // The LayerNorm outputs, read only by GEMMs, are in the GEMMs' input
+    // type (ln2 float32 where an MoE block may run, whose dispatch copies
+    // its rows; all float32 where the TP communicator carries only float32).
+    ArenaBuffer ln1, ln1_whole, ln2, ln2_whole;
+    ArenaArray<float> ln1_mean, ln1_rstd, qkv, attn_lse, atty, residual2;
+    ArenaArray<float> ln2_mean, ln2_rstd, fch, residual3;
     std::unique_ptr<MoeLayer> moe;
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
     // all positions) and of the two LayerNorms ([Ns, C]), which the weight
     // pass reads; an MoE block keeps its experts' in its MoeLayer.
     ArenaArray<float> dproj, dfch, dattproj, dqkv, dln2, dln1;
-    const float* ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.data() : ln1.data(); }
-    const float* ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.data() : ln2.data(); }
+    ConstBuffer ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.buffer() : ln1.buffer(); }
+    ConstBuffer ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.buffer() : ln2.buffer(); }
   };
   int batch = 0;                        // B of its forward
   int chunk = 0;                        // the stage's model chunk it runs
@@ -155,7 +159,8 @@ struct Gpt::Slot {
   // last virtual stage, the gradient of the chunk's output.
   ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
-  ArenaArray<float> lnf, lnf_mean, lnf_rstd, lnf_whole, logits, losses, lse;  // last stage
+  ArenaBuffer lnf, lnf_whole;                            // last stage, in the GEMMs' input type
+  ArenaArray<float> lnf_mean, lnf_rstd, logits, losses, lse;  // last stage
   // With a split backward: the final LayerNorm's output gradient and the
   // embedding's ([N, C], all positions).
   ArenaArray<float> dlnf, dembed;

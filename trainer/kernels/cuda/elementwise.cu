@@ -19,9 +19,6 @@ struct ClampedExp {
   __device__ float operator()(float x) const { return expf(fminf(fmaxf(x, -87.0f), 88.0f)); }
 };
 
-__device__ inline void store(float* to, float value) { *to = value; }
-__device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfloat16_rn(value); }
-
 template <typename Out> __global__ void gelu_forward_kernel(Out* out, const float* inp, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) store(out + i, gelu(inp[i], ClampedExp{}));
 }

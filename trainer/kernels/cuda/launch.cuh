@@ -2,6 +2,7 @@
 // fixed-order reductions. Internal to trainer/kernels/cuda.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -83,6 +84,11 @@ template <typename T> __device__ inline T block_sum(T x) {
   T total = lane() < kThreads / kWarp ? warps[lane()] : T(0);
   return warp_sum(total);
 }
+// A float32 result stored as an output buffer holds it: as it is, or
+// rounded to bf16 (nearest, ties to even, as dtype.h's to_bf16).
+__device__ inline void store(float* to, float value) { *to = value; }
+__device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfloat16_rn(value); }
+
 // acc plus x[0], x[stride], ..., x[(count - 1) * stride], each as a double
 // (squared when `squares`), added one after another in that order: the
 // one-load-at-a-time loop's sum to the bit, with kLoadsInFlight loads

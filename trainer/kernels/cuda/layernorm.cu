@@ -15,13 +15,13 @@ constexpr int kRowChunk = 32;
 
 // With kAdd, inp is `sum`: each lane first adds the addend into the
 // elements it later reads, so the row needs no synchronisation.
-template <bool kAdd>
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* addend,
+template <bool kAdd, typename Out>
+__global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, const float* inp, const float* addend,
                                          const float* weight, const float* bias, int N, int C) {
   const size_t n = global_warp();
   if (n >= static_cast<size_t>(N)) return;
   const float* x = inp + n * C;
-  float* o = out + n * C;
+  Out* o = out + n * C;
   if constexpr (kAdd) {
     float* sum = const_cast<float*>(x);
     for (int c = lane(); c < C; c += kWarp) sum[c] += addend[n * C + c];
@@ -36,7 +36,7 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
     ss += d * d;
   }
   const float rs = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + kEps);
-  for (int c = lane(); c < C; c += kWarp) o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
+  for (int c = lane(); c < C; c += kWarp) store(o + c, (x[c] - mu) * rs * weight[c] + bias[c]);
   if (lane() == 0) {
     mean[n] = mu;
     rstd[n] = rs;
@@ -85,21 +85,31 @@ __global__ void layernorm_param_partials_kernel(float* partial_w, float* partial
   partial_b[static_cast<size_t>(chunk) * C + c] = pb;
 }
 
+// layernorm_forward_kernel for the dtype of `out`.
+template <bool kAdd>
+void launch_layernorm_forward(cudaStream_t stream, Buffer out, float* mean, float* rstd, const float* inp,
+                              const float* addend, const float* weight, const float* bias, int N, int C) {
+  if (N <= 0) return;
+  if (out.dtype == DType::kBF16) {
+    layernorm_forward_kernel<kAdd><<<grid_for_warps(N), kThreads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(out.data), mean, rstd, inp, addend, weight, bias, N, C);
+  } else {
+    layernorm_forward_kernel<kAdd><<<grid_for_warps(N), kThreads, 0, stream>>>(
+        static_cast<float*>(out.data), mean, rstd, inp, addend, weight, bias, N, C);
+  }
+}
+
 }  // namespace
 
-void CudaBackend::layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+void CudaBackend::layernorm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
                                     const float* bias, int N, int C) {
-  if (N <= 0) return;
-  layernorm_forward_kernel<false>
-      <<<grid_for_warps(N), kThreads, 0, stream()>>>(out, mean, rstd, inp, nullptr, weight, bias, N, C);
+  launch_layernorm_forward<false>(stream(), out, mean, rstd, inp, nullptr, weight, bias, N, C);
   check_launch("layernorm_forward");
 }
 
-void CudaBackend::add_layernorm_forward(float* sum, const float* addend, float* out, float* mean, float* rstd,
+void CudaBackend::add_layernorm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
                                         const float* weight, const float* bias, int N, int C) {
-  if (N <= 0) return;
-  layernorm_forward_kernel<true>
-      <<<grid_for_warps(N), kThreads, 0, stream()>>>(out, mean, rstd, sum, addend, weight, bias, N, C);
+  launch_layernorm_forward<true>(stream(), out, mean, rstd, sum, addend, weight, bias, N, C);
   check_launch("add_layernorm_forward");
 }
 
