@@ -669,8 +669,9 @@ TEST_SUITE("gpu") {
       k->matmul_backward_through_gelu(t->f("dpre"), t->f("dw"), t->f("db"), t->f("dout"), t->f("inp"), t->f("w"),
                                       t->f("pre"), N, C, OC);
     }
-    // dpre overwritten (NaN before): cuBLASLt's GELU derivative against gelu.h's.
-    check_close("dpre", on_gpu.read("dpre"), on_cpu.read("dpre"), 2e-3, 1.0);
+    // dpre overwritten (NaN before), by gelu.h's derivative on both
+    // backends: only the GEMMs' summation order and the exp differ.
+    check_close("dpre", on_gpu.read("dpre"), on_cpu.read("dpre"), 1e-4, 1.0);
     CHECK(relative_l2(on_gpu.read("dw"), on_cpu.read("dw")) <= 1e-5);
     check_close("db", on_gpu.read("db"), on_cpu.read("db"), 1e-5, 1e-3);
   }

@@ -89,26 +89,11 @@ CublasLtGemm::~CublasLtGemm() {
 void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                        const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
                        const float* bias) {
-  matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, beta, c, ldc, bias, Activation::kNone, nullptr,
-         true);
-}
-
-bool CublasLtGemm::run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                                 GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float* c,
-                                 int ldc, const float* gelu_input) {
-  if (m <= 0 || n <= 0 || k <= 0 || ldc % 8 != 0) return false;
-  return matmul(stream, trans_a, trans_b, m, n, k, inputs, a, lda, b, ldb, 0.0f, c, ldc, nullptr,
-                Activation::kGeluGrad, gelu_input, false);
-}
-
-bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k,
-                          GemmInputs inputs, const void* a, int lda, const void* b, int ldb, float beta, float* c,
-                          int ldc, const float* bias, Activation activation, const float* aux, bool required) {
-  if (m <= 0 || n <= 0) return true;
+  if (m <= 0 || n <= 0) return;
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating
     // backward GEMMs (a batch that routed no token to an expert).
-    if (beta == 1.0f && bias == nullptr) return true;
+    if (beta == 1.0f && bias == nullptr) return;
     throw common::Error(common::ErrorCode::kInternal,
                         fmt::format("a {}x{} GEMM over an empty inner dimension that is not an accumulation", m, n));
   }
@@ -121,16 +106,10 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
   set(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  if (activation == Activation::kGeluGrad) {
-    // No bias here: the bias gradient is keel's own sum.
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU);
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(ldc));
-    set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
-  } else if (bias != nullptr) {
+  if (bias != nullptr) {
     set(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
-  if (bias != nullptr) set(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   // The layouts describe the stored matrices, before op().
   const Layout a_layout(ab_type, trans_a ? k : m, trans_a ? m : k, lda);
   const Layout b_layout(ab_type, trans_b ? n : k, trans_b ? k : n, ldb);
@@ -150,9 +129,7 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
                        alignment(a),
                        alignment(b),
                        alignment(c),
-                       bias != nullptr ? alignment(bias) : 0,
-                       static_cast<int64_t>(activation),
-                       aux != nullptr ? alignment(aux) : 0};
+                       bias != nullptr ? alignment(bias) : 0};
   auto found = algos_.find(shape);
   if (found == algos_.end()) {
     Preference pref;
@@ -167,12 +144,8 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         handle_, op.desc, a_layout.desc, b_layout.desc, c_layout.desc, c_layout.desc, pref.desc, 1, &result,
         &found_count);
-    if (required) check(status, "cublasLtMatmulAlgoGetHeuristic");
-    if (status != CUBLAS_STATUS_SUCCESS || found_count == 0) {
-      if (!required) {
-        algos_.emplace(shape, std::nullopt);
-        return false;
-      }
+    check(status, "cublasLtMatmulAlgoGetHeuristic");
+    if (found_count == 0) {
       throw common::Error(common::ErrorCode::kInternal,
                           fmt::format("cuBLASLt has no algorithm for a {}x{}x{} {} GEMM (ops {}{}, bias {})", m, n, k,
                                       gemm_inputs_name(inputs), trans_a ? 'T' : 'N',
@@ -180,12 +153,10 @@ bool CublasLtGemm::matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m
     }
     found = algos_.emplace(shape, result.algo).first;
   }
-  if (!found->second) return false;
   const float alpha = 1.0f;
   check(cublasLtMatmul(handle_, op.desc, &alpha, a, a_layout.desc, b, b_layout.desc, &beta, c, c_layout.desc, c,
-                       c_layout.desc, &*found->second, workspace_, kWorkspaceBytes, stream),
+                       c_layout.desc, &found->second, workspace_, kWorkspaceBytes, stream),
         "cublasLtMatmul");
-  return true;
 }
 
 }  // namespace keel::trainer::cuda

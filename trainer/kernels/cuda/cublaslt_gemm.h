@@ -16,7 +16,6 @@
 
 #include <array>
 #include <map>
-#include <optional>
 
 namespace keel::trainer::cuda {
 
@@ -45,32 +44,17 @@ class CublasLtGemm {
   // no bias), which leave C as it is.
   void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
            const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
-  // C = GELU'(gelu_input) * (op(A) op(B)), elementwise: the DGELU epilogue,
-  // GELU's backward (gelu_input m x n, leading dimension ldc). False, with
-  // nothing written, when cuBLASLt has no algorithm for it at this shape
-  // (ldc must be a multiple of 8): the caller runs the steps itself.
-  bool run_gelu_grad(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-                     const void* a, int lda, const void* b, int ldb, float* c, int ldc, const float* gelu_input);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,
   // beta, the inputs and the alignment of each pointer (parameters
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
-  using Shape = std::array<int64_t, 17>;
-  // What the epilogue does besides the bias.
-  enum class Activation { kNone, kGeluGrad };
-  // The GEMM every entry point describes, `aux` the GELU input kGeluGrad
-  // reads. False when the
-  // heuristic has no algorithm and `required` is not set.
-  bool matmul(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-              const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias,
-              Activation activation, const float* aux, bool required);
+  using Shape = std::array<int64_t, 15>;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
-  // The algorithm of each shape; none where cuBLASLt offered none for an
-  // optional epilogue, so that it is not asked again.
-  std::map<Shape, std::optional<cublasLtMatmulAlgo_t>> algos_;
+  // The algorithm of each shape.
+  std::map<Shape, cublasLtMatmulAlgo_t> algos_;
 };
 
 }  // namespace keel::trainer::cuda

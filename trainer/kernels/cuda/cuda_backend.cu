@@ -75,7 +75,6 @@ CudaBackend::~CudaBackend() {
   // Kernels still queued may use the scratch memory.
   cudaStreamSynchronize(stream_->get());
   cudaFree(scratch_);
-  cudaFree(gelu_scratch_);
   cudaFree(queued_partials_);
 }
 
@@ -161,7 +160,6 @@ void CudaBackend::snapshot_to_host(const std::vector<HostCopy>& copies) {
 
 void* CudaBackend::scratch(size_t bytes) { return grown(scratch_, scratch_bytes_, bytes); }
 
-void* CudaBackend::gelu_scratch(size_t bytes) { return grown(gelu_scratch_, gelu_scratch_bytes_, bytes); }
 
 void* CudaBackend::grown(void*& buffer, size_t& size, size_t bytes) {
   if (bytes > size) {

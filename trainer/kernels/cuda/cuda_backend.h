@@ -85,9 +85,9 @@ class CudaBackend final : public Backend {
   // needs partial results (they all run in order on the compute stream).
   // It only grows, so after the first step no kernel allocates.
   void* scratch(size_t bytes);
-  // The same for matmul_backward_through_gelu's gradient of GELU's output,
-  // which must outlive the GEMM operands that scratch holds meanwhile.
-  void* gelu_scratch(size_t bytes);
+  // grad = GELU'(pre) * grad, elementwise (elementwise.cu): the last step
+  // of matmul_backward_through_gelu.
+  void gelu_backward_in_place(float* grad, const float* pre, size_t n);
   // Grows `buffer` (of `size` bytes) to at least `bytes`.
   void* grown(void*& buffer, size_t& size, size_t bytes);
   // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
@@ -110,8 +110,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CublasLtGemm> gemm_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  void* gelu_scratch_ = nullptr;
-  size_t gelu_scratch_bytes_ = 0;
   // queue_sum_squares: every queued sum's chunk partials side by side, and
   // where each sum's run of them starts.
   double* queued_partials_ = nullptr;

@@ -27,6 +27,10 @@ __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float*
   for (size_t i = first_index(); i < n; i += grid_stride()) dinp[i] += gelu_grad(inp[i], ClampedExp{}) * dout[i];
 }
 
+__global__ void gelu_backward_in_place_kernel(float* grad, const float* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) grad[i] = gelu_grad(inp[i], ClampedExp{}) * grad[i];
+}
+
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
 }
@@ -56,6 +60,10 @@ void CudaBackend::gelu_forward(Buffer out, const float* inp, size_t n) {
 
 void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
   launch("gelu_backward", gelu_backward_kernel, n, stream(), dinp, inp, dout);
+}
+
+void CudaBackend::gelu_backward_in_place(float* grad, const float* pre, size_t n) {
+  launch("gelu_backward_in_place", gelu_backward_in_place_kernel, n, stream(), grad, pre);
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {
