@@ -1,8 +1,9 @@
 // keel-bench-mlp: the MLP on the GPU at GPT-2 124M's shape (8192 tokens,
 // C 768, hidden 3072, bf16 GEMM inputs), side by side in one run:
-//   forward   GELU's output written as bf16, which the projection's GEMM
-//             takes as it is, against float32, which that GEMM rounds into
-//             a copy first (what the trainer did before);
+//   forward   the pre-activation and GELU's output kept as bf16 (the
+//             projection's GEMM takes the output as it is), against
+//             float32, which that GEMM rounds into a copy first (what the
+//             trainer did before);
 //   backward  the projection's backward through GELU as the backend runs
 //             it (the GEMM written over dpre, GELU' applied in place)
 //             against accumulating steps into zeroed buffers.
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
   float* pre = device_array(n * H);
   float* hidden = device_array(n * H);  // GELU(pre), the projection's input
   auto* hidden16 = static_cast<keel::trainer::bf16*>(gpu.alloc(n * H * sizeof(keel::trainer::bf16)));
+  auto* pre16 = static_cast<keel::trainer::bf16*>(gpu.alloc(n * H * sizeof(keel::trainer::bf16)));
   float* w_proj = device_array(static_cast<size_t>(C) * H);
   float* out = device_array(n * C);
   float* dout = device_array(n * C);
@@ -71,39 +73,40 @@ int main(int argc, char** argv) {
   float* dw_proj = device_array(static_cast<size_t>(C) * H);
   float* db_proj = device_array(C);
 
-  // The MLP's forward with GELU's output kept as the projection takes it,
-  // then in float32 (which the projection's GEMM rounds).
-  auto forward = [&](keel::trainer::Buffer gelu_out) {
+  // The MLP's forward as the trainer runs it (the pre-activation and GELU's
+  // output kept as bf16, which the projection takes as it is), then all in
+  // float32 (which the projection's GEMM rounds).
+  auto forward = [&](keel::trainer::Buffer gelu_out, keel::trainer::Buffer kept_pre) {
     return time_ms(
         gpu.stream(),
         [&] {
-          gpu.matmul_gelu_forward(gelu_out, pre, inp, w_fc, b_fc, N, C, H);
+          gpu.matmul_gelu_forward(gelu_out, kept_pre, inp, w_fc, b_fc, N, C, H);
           gpu.matmul_forward(out, gelu_out, w_proj, nullptr, N, H, C);
         },
         warmup, iterations);
   };
-  const double forward_bf16 = forward(hidden16), forward_f32 = forward(hidden);
+  const double forward_bf16 = forward(hidden16, pre16), forward_f32 = forward(hidden, pre);
   // The projection's backward, GELU's output remade as the trainer does:
   // as the backend runs it, then in steps that accumulate into zeroed
   // buffers (what it did where cuBLASLt offered no DGELU).
   const double backward_backend = time_ms(
       gpu.stream(),
       [&] {
-        gpu.gelu_forward(hidden16, pre, n * H);
-        gpu.matmul_backward_through_gelu(dpre, dw_proj, db_proj, dout, hidden16, w_proj, pre, N, H, C);
+        gpu.gelu_forward(hidden16, pre16, n * H);
+        gpu.matmul_backward_through_gelu(dpre, dw_proj, db_proj, dout, hidden16, w_proj, pre16, N, H, C);
       },
       warmup, iterations);
   const double backward_accumulating = time_ms(
       gpu.stream(),
       [&] {
-        gpu.gelu_forward(hidden16, pre, n * H);
+        gpu.gelu_forward(hidden16, pre16, n * H);
         gpu.zero(dhidden, n * H * sizeof(float));
         gpu.matmul_backward(dhidden, dw_proj, db_proj, dout, hidden16, w_proj, N, H, C);
         gpu.zero(dpre, n * H * sizeof(float));
-        gpu.gelu_backward(dpre, pre, dhidden, n * H);
+        gpu.gelu_backward(dpre, pre16, dhidden, n * H);
       },
       warmup, iterations);
-  for (void* ptr : std::initializer_list<void*>{inp, w_fc, b_fc, pre, hidden, hidden16, w_proj, out, dout, dpre,
+  for (void* ptr : std::initializer_list<void*>{inp, w_fc, b_fc, pre, pre16, hidden, hidden16, w_proj, out, dout, dpre,
                                                 dhidden, dw_proj, db_proj}) {
     gpu.free(ptr);
   }

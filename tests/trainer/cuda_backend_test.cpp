@@ -625,6 +625,32 @@ TEST_SUITE("gpu") {
     CHECK(relative_l2(on_gpu.read("out"), on_cpu.read("out")) <= 1e-3);
   }
 
+  TEST_CASE("a bf16 pre-activation on the GPU is the linear's output rounded, read back as the CPU reads it") {
+    if (!device_or_skip()) return;
+    const int N = 97, C = 72, OC = 136;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    const std::map<std::string, Vec> floats = {
+        {"inp", random_vec(N * C, 63, -2.0f, 2.0f)}, {"w", random_vec(OC * C, 64)},     {"bias", random_vec(OC, 65)},
+        {"w_proj", random_vec(C * OC, 66)},          {"dout", random_vec(N * C, 67)},    {"out", Vec(N * OC, NAN)},
+        {"dpre", Vec(N * OC, NAN)},                  {"dw", Vec(C * OC, 0.0f)},          {"db", Vec(C, 0.0f)}};
+    Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      t->add_bf16("pre16", static_cast<size_t>(N) * OC);
+      k->matmul_gelu_forward(t->f("out"), t->h("pre16"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->matmul_backward_through_gelu(t->f("dpre"), t->f("dw"), t->f("db"), t->f("dout"), t->f("out"), t->f("w_proj"),
+                                      t->h("pre16"), N, OC, C);
+    }
+    // The two GEMMs differ in their summation order only, so a bf16 value
+    // now and then rounds one step apart; the GELU reads what was rounded.
+    check_close("pre16", on_gpu.read_bf16("pre16"), on_cpu.read_bf16("pre16"), 8e-3, 1.0);
+    Vec gelu_of_pre = on_gpu.read_bf16("pre16"), want(gelu_of_pre.size());
+    cpu_bf16.gelu_forward(want.data(), gelu_of_pre.data(), want.size());
+    check_close("out", on_gpu.read("out"), want, 1e-5, 1.0);
+    CHECK(relative_l2(on_gpu.read("dpre"), on_cpu.read("dpre")) <= 1e-2);
+    CHECK(relative_l2(on_gpu.read("dw"), on_cpu.read("dw")) <= 1e-2);
+  }
+
   TEST_CASE("a LayerNorm written as bf16 is the float32 one rounded on the GPU and matches the CPU's") {
     if (!device_or_skip()) return;
     const int N = 70, C = 200;

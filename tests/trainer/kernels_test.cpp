@@ -488,6 +488,37 @@ TEST_SUITE("unit") {
     }
   }
 
+  TEST_CASE("a bf16 pre-activation is the linear's output rounded, and GELU both ways reads the rounded value") {
+    using keel::trainer::bf16;
+    const int N = 40, C = 24, OC = 64;
+    CpuBackend cpu(0, keel::trainer::DType::kBF16);
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 30, -2.0f, 2.0f), w = random_vec(static_cast<size_t>(OC) * C, 31);
+    const Vec bias = random_vec(OC, 32);
+    const size_t n = static_cast<size_t>(N) * OC;
+    // As float32, then rounded by hand.
+    Vec pre = nan_vec(n), out = nan_vec(n);
+    cpu.matmul_forward(pre.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+    for (float& x : pre) x = keel::trainer::bf16_rounded(x);
+    cpu.gelu_forward(out.data(), pre.data(), n);
+    // Kept as bf16.
+    std::vector<bf16> pre16(n, bf16{0xffff});
+    Vec out16 = nan_vec(n);
+    cpu.matmul_gelu_forward(out16.data(), pre16.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+    Vec widened(n);
+    for (size_t i = 0; i < n; ++i) widened[i] = keel::trainer::to_float(pre16[i]);
+    CHECK(widened == pre);
+    CHECK(out16 == out);
+    // The backward through GELU at the bf16 pre-activation is the one at its float32 widening.
+    const Vec w_proj = random_vec(static_cast<size_t>(C) * OC, 33), dout = random_vec(static_cast<size_t>(N) * C, 34);
+    Vec dpre = nan_vec(n), dpre16 = nan_vec(n), dw(w_proj.size(), 0.0f), dw16(w_proj.size(), 0.0f);
+    cpu.matmul_backward_through_gelu(dpre.data(), dw.data(), nullptr, dout.data(), out.data(), w_proj.data(), pre.data(),
+                                     N, OC, C);
+    cpu.matmul_backward_through_gelu(dpre16.data(), dw16.data(), nullptr, dout.data(), out.data(), w_proj.data(),
+                                     pre16.data(), N, OC, C);
+    CHECK(dpre16 == dpre);
+    CHECK(dw16 == dw);
+  }
+
   TEST_CASE("a bf16 GELU output holds the float32 output rounded to nearest, ties to even") {
     CpuBackend cpu;
     const Vec inp = random_vec(50000, 29, -8.0f, 8.0f);

@@ -318,6 +318,24 @@ namespace {
 
 inline void put(float* to, float value) { *to = value; }
 inline void put(bf16* to, float value) { *to = to_bf16(value); }
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return to_float(x); }
+
+// f(typed out, typed in) for the dtypes of a Buffer and a ConstBuffer.
+template <typename F> void with_types(Buffer out, ConstBuffer in, F&& f) {
+  auto with_in = [&](auto* to) {
+    if (in.dtype == DType::kBF16) {
+      f(to, static_cast<const bf16*>(in.data));
+    } else {
+      f(to, static_cast<const float*>(in.data));
+    }
+  };
+  if (out.dtype == DType::kBF16) {
+    with_in(static_cast<bf16*>(out.data));
+  } else {
+    with_in(static_cast<float*>(out.data));
+  }
+}
 
 template <typename Out>
 void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
@@ -471,14 +489,24 @@ void CpuBackend::matmul_forward(float* out, ConstBuffer inp, const float* weight
   gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, out, OC);
 }
 
-void CpuBackend::matmul_gelu_forward(Buffer out, float* pre, ConstBuffer inp, const float* weight, const float* bias,
+void CpuBackend::matmul_gelu_forward(Buffer out, Buffer pre, ConstBuffer inp, const float* weight, const float* bias,
                                      int N, int C, int OC) {
-  matmul_forward(pre, inp, weight, bias, N, C, OC);
-  gelu_forward(out, pre, static_cast<size_t>(N) * OC);
+  const size_t n = static_cast<size_t>(N) * OC;
+  if (pre.dtype == DType::kBF16) {
+    if (linear_out_.size() < n) linear_out_.resize(n);
+    matmul_forward(linear_out_.data(), inp, weight, bias, N, C, OC);
+    with_types(pre, ConstBuffer(linear_out_.data()), [n](auto* to, const auto* from) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+      for (size_t i = 0; i < n; ++i) put(to + i, widen(from[i]));
+    });
+  } else {
+    matmul_forward(static_cast<float*>(pre.data), inp, weight, bias, N, C, OC);
+  }
+  gelu_forward(out, pre, n);
 }
 
 void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
-                                              ConstBuffer inp, const float* weight, const float* pre, int N, int C,
+                                              ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
                                               int OC) {
   const size_t n = static_cast<size_t>(N) * C;
   if (dpre == nullptr) {
@@ -709,21 +737,30 @@ struct ApproxExp {
 
 }  // namespace
 
-void CpuBackend::gelu_forward(Buffer out, const float* inp, size_t n) {
-  if (out.dtype == DType::kBF16) {
-    auto* to = static_cast<bf16*>(out.data);
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (size_t i = 0; i < n; ++i) to[i] = to_bf16(gelu(inp[i], ApproxExp{}));
+void CpuBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
+  if (out.dtype == DType::kF32 && inp.dtype == DType::kF32) {
+    float* to = static_cast<float*>(out.data);
+    const float* from = inp.f32();
+#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
+    for (size_t i = 0; i < n; ++i) to[i] = gelu(from[i], ApproxExp{});
     return;
   }
-  auto* to = static_cast<float*>(out.data);
-#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) to[i] = gelu(inp[i], ApproxExp{});
+  with_types(out, inp, [n](auto* to, const auto* from) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+    for (size_t i = 0; i < n; ++i) put(to + i, gelu(widen(from[i]), ApproxExp{}));
+  });
 }
 
-void CpuBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
+void CpuBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, size_t n) {
+  if (inp.dtype == DType::kF32) {
+    const float* x = inp.f32();
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(inp[i], ApproxExp{}) * dout[i];
+    for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(x[i], ApproxExp{}) * dout[i];
+    return;
+  }
+  const auto* x = static_cast<const bf16*>(inp.data);
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(to_float(x[i]), ApproxExp{}) * dout[i];
 }
 
 // ---- residual ----

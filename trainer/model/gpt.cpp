@@ -164,7 +164,7 @@ void Gpt::lay_out(Arena& arena) {
         blk.moe = std::move(moe);
       }
       if (dense_at[i]) {
-        blk.fch = take(N * Fl);
+        blk.fch = arena.take_buffer(gemm_in, N * Fl);
       }
       if (split_backward_) {
         blk.dproj = take(dense_at[i] ? N * C : 0);
@@ -349,7 +349,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
-      k.matmul_gelu_forward(x.fch_gelu.buffer(), blk.fch.data(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.matmul_gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
       k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
@@ -441,7 +441,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
       // The projection's input gradient through GELU's derivative: dfch.
-      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.data()},
+      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.buffer()},
            x.dfch.data(), p + o.proj_w, blk.dproj.data());
       term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.data(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
            p + o.fc_w, blk.dfch.data());
@@ -496,7 +496,7 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
     case Kind::kLinear:
-      if (t.gelu_of == nullptr) {
+      if (t.gelu_of.data == nullptr) {
         backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
       } else {
         ConstBuffer inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient

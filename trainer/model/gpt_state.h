@@ -61,7 +61,7 @@ struct Gpt::WeightTerm {
   // input is not kept but recomputed into scratch when the weight gradient
   // needs it, bit for bit what the forward fed the GEMM on the CPU (llm.c's
   // GELU recompute: N x 4C floats a block less memory).
-  const float* gelu_of = nullptr;
+  ConstBuffer gelu_of = nullptr;
 };
 
 // The shapes of this rank's part of the model (docs/architecture.md
@@ -141,7 +141,11 @@ struct Gpt::Slot {
     // its rows; all float32 where the TP communicator carries only float32).
     ArenaBuffer ln1, ln1_whole, ln2, ln2_whole;
     ArenaArray<float> ln1_mean, ln1_rstd, qkv, attn_lse, atty, residual2;
-    ArenaArray<float> ln2_mean, ln2_rstd, fch, residual3;
+    ArenaArray<float> ln2_mean, ln2_rstd, residual3;
+    // The MLP's pre-activation (dense blocks), kept for GELU's backward, in
+    // the GEMMs' input type as torch's autocast keeps it: bf16 halves the
+    // largest array a block keeps.
+    ArenaBuffer fch;
     std::unique_ptr<MoeLayer> moe;
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],

@@ -74,6 +74,7 @@ CudaBackend::CudaBackend(int device, DType gemm_inputs) : device_(device), gemm_
 CudaBackend::~CudaBackend() {
   // Kernels still queued may use the scratch memory.
   cudaStreamSynchronize(stream_->get());
+  cudaFree(linear_out_);
   cudaFree(scratch_);
   cudaFree(queued_partials_);
 }
@@ -159,6 +160,7 @@ void CudaBackend::snapshot_to_host(const std::vector<HostCopy>& copies) {
 }
 
 void* CudaBackend::scratch(size_t bytes) { return grown(scratch_, scratch_bytes_, bytes); }
+void* CudaBackend::linear_out(size_t bytes) { return grown(linear_out_, linear_out_bytes_, bytes); }
 
 
 void* CudaBackend::grown(void*& buffer, size_t& size, size_t bytes) {

@@ -87,7 +87,10 @@ class CudaBackend final : public Backend {
   void* scratch(size_t bytes);
   // grad = GELU'(pre) * grad, elementwise (elementwise.cu): the last step
   // of matmul_backward_through_gelu.
-  void gelu_backward_in_place(float* grad, const float* pre, size_t n);
+  void gelu_backward_in_place(float* grad, ConstBuffer pre, size_t n);
+  // matmul_gelu_forward's float32 linear output where pre is kept as bf16:
+  // it must outlive the GEMM operands that scratch holds meanwhile.
+  void* linear_out(size_t bytes);
   // Grows `buffer` (of `size` bytes) to at least `bytes`.
   void* grown(void*& buffer, size_t& size, size_t bytes);
   // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
@@ -110,6 +113,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CublasLtGemm> gemm_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  void* linear_out_ = nullptr;
+  size_t linear_out_bytes_ = 0;
   // queue_sum_squares: every queued sum's chunk partials side by side, and
   // where each sum's run of them starts.
   double* queued_partials_ = nullptr;

@@ -19,16 +19,31 @@ struct ClampedExp {
   __device__ float operator()(float x) const { return expf(fminf(fmaxf(x, -87.0f), 88.0f)); }
 };
 
-template <typename Out> __global__ void gelu_forward_kernel(Out* out, const float* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) store(out + i, gelu(inp[i], ClampedExp{}));
+template <typename Out, typename In> __global__ void gelu_forward_kernel(Out* out, const In* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) store(out + i, gelu(load(inp + i), ClampedExp{}));
 }
 
-__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) dinp[i] += gelu_grad(inp[i], ClampedExp{}) * dout[i];
+template <typename In>
+__global__ void gelu_backward_kernel(float* dinp, const In* inp, const float* dout, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    dinp[i] += gelu_grad(load(inp + i), ClampedExp{}) * dout[i];
+  }
 }
 
-__global__ void gelu_backward_in_place_kernel(float* grad, const float* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) grad[i] = gelu_grad(inp[i], ClampedExp{}) * grad[i];
+template <typename In> __global__ void gelu_backward_in_place_kernel(float* grad, const In* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) grad[i] = gelu_grad(load(inp + i), ClampedExp{}) * grad[i];
+}
+
+// The GELU kernels for the element types of their buffers.
+template <typename Out, typename In> void launch_gelu_forward(cudaStream_t stream, Out* out, const In* inp, size_t n) {
+  launch("gelu_forward", gelu_forward_kernel<Out, In>, n, stream, out, inp);
+}
+template <typename In>
+void launch_gelu_backward(cudaStream_t stream, float* dinp, const In* inp, const float* dout, size_t n) {
+  launch("gelu_backward", gelu_backward_kernel<In>, n, stream, dinp, inp, dout);
+}
+template <typename In> void launch_gelu_backward_in_place(cudaStream_t stream, float* grad, const In* inp, size_t n) {
+  launch("gelu_backward_in_place", gelu_backward_in_place_kernel<In>, n, stream, grad, inp);
 }
 
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
@@ -50,20 +65,16 @@ __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict
 
 }  // namespace
 
-void CudaBackend::gelu_forward(Buffer out, const float* inp, size_t n) {
-  if (out.dtype == DType::kBF16) {
-    launch("gelu_forward", gelu_forward_kernel<__nv_bfloat16>, n, stream(), static_cast<__nv_bfloat16*>(out.data), inp);
-  } else {
-    launch("gelu_forward", gelu_forward_kernel<float>, n, stream(), static_cast<float*>(out.data), inp);
-  }
+void CudaBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
+  with_type(out, [&](auto* to) { with_type(inp, [&](const auto* from) { launch_gelu_forward(stream(), to, from, n); }); });
 }
 
-void CudaBackend::gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-  launch("gelu_backward", gelu_backward_kernel, n, stream(), dinp, inp, dout);
+void CudaBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, size_t n) {
+  with_type(inp, [&](const auto* from) { launch_gelu_backward(stream(), dinp, from, dout, n); });
 }
 
-void CudaBackend::gelu_backward_in_place(float* grad, const float* pre, size_t n) {
-  launch("gelu_backward_in_place", gelu_backward_in_place_kernel, n, stream(), grad, pre);
+void CudaBackend::gelu_backward_in_place(float* grad, ConstBuffer pre, size_t n) {
+  with_type(pre, [&](const auto* from) { launch_gelu_backward_in_place(stream(), grad, from, n); });
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "trainer/kernels/dtype.h"
 
 namespace keel::trainer::cuda {
 
@@ -88,6 +89,25 @@ template <typename T> __device__ inline T block_sum(T x) {
 // rounded to bf16 (nearest, ties to even, as dtype.h's to_bf16).
 __device__ inline void store(float* to, float value) { *to = value; }
 __device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfloat16_rn(value); }
+// An input buffer's element as float32 (a bf16 one widened, exactly).
+__device__ inline float load(const float* from) { return *from; }
+__device__ inline float load(const __nv_bfloat16* from) { return __bfloat162float(*from); }
+
+// f(typed pointer) for the dtype of a buffer, on the device's element types.
+template <typename F> void with_type(Buffer buffer, F&& f) {
+  if (buffer.dtype == DType::kBF16) {
+    f(static_cast<__nv_bfloat16*>(buffer.data));
+  } else {
+    f(static_cast<float*>(buffer.data));
+  }
+}
+template <typename F> void with_type(ConstBuffer buffer, F&& f) {
+  if (buffer.dtype == DType::kBF16) {
+    f(static_cast<const __nv_bfloat16*>(buffer.data));
+  } else {
+    f(static_cast<const float*>(buffer.data));
+  }
+}
 
 // acc plus x[0], x[stride], ..., x[(count - 1) * stride], each as a double
 // (squared when `squares`), added one after another in that order: the

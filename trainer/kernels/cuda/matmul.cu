@@ -89,19 +89,26 @@ void CudaBackend::matmul_forward(float* out, ConstBuffer inp, const float* weigh
   gemm_->run(stream(), true, false, OC, N, C, gemm_type(), ops[0], C, ops[1], C, 0.0f, out, OC, bias);
 }
 
-void CudaBackend::matmul_gelu_forward(Buffer out, float* pre, ConstBuffer inp, const float* weight, const float* bias,
+void CudaBackend::matmul_gelu_forward(Buffer out, Buffer pre, ConstBuffer inp, const float* weight, const float* bias,
                                       int N, int C, int OC) {
   // Two steps, not cuBLASLt's GELU_AUX_BIAS epilogue: at GPT-2's shapes
   // cuBLASLt ran that epilogue as a kernel of its own anyway (keel-bench-mlp
   // on the H200: 0.176 ms fused, 0.193 ms apart, a layer), and apart, the
   // GELU writes the bf16 the next GEMM takes, which no epilogue offers
   // beside a float32 pre-activation and bias.
-  matmul_forward(pre, inp, weight, bias, N, C, OC);
-  gelu_forward(out, pre, static_cast<size_t>(N) * OC);
+  const size_t n = static_cast<size_t>(N) * OC;
+  if (pre.dtype == DType::kBF16) {
+    auto* linear = static_cast<float*>(linear_out(n * sizeof(float)));
+    matmul_forward(linear, inp, weight, bias, N, C, OC);
+    launch("round_to_bf16", round_to_bf16_kernel, n, stream(), static_cast<__nv_bfloat16*>(pre.data), linear);
+  } else {
+    matmul_forward(static_cast<float*>(pre.data), inp, weight, bias, N, C, OC);
+  }
+  gelu_forward(out, pre, n);
 }
 
 void CudaBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
-                                               ConstBuffer inp, const float* weight, const float* pre, int N, int C,
+                                               ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
                                                int OC) {
   if (dpre != nullptr && N > 0 && C > 0) {
     // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], written over dpre (beta 0),
