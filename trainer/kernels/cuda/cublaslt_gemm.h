@@ -3,6 +3,7 @@
 // every column when bias is non-null (the BIAS epilogue). A and B are
 // stored and multiplied as GemmInputs says; C, the bias and the scalars
 // are float32.
+//
 // Determinism: the algorithm comes from cuBLASLt's heuristic once per shape
 // and is then reused, so a shape always runs the same code. cuBLAS
 // documents bitwise reproducibility run to run on GPUs of the same

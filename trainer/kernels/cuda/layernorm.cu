@@ -90,13 +90,10 @@ template <bool kAdd>
 void launch_layernorm_forward(cudaStream_t stream, Buffer out, float* mean, float* rstd, const float* inp,
                               const float* addend, const float* weight, const float* bias, int N, int C) {
   if (N <= 0) return;
-  if (out.dtype == DType::kBF16) {
-    layernorm_forward_kernel<kAdd><<<grid_for_warps(N), kThreads, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(out.data), mean, rstd, inp, addend, weight, bias, N, C);
-  } else {
-    layernorm_forward_kernel<kAdd><<<grid_for_warps(N), kThreads, 0, stream>>>(
-        static_cast<float*>(out.data), mean, rstd, inp, addend, weight, bias, N, C);
-  }
+  with_type(out, [&](auto* to) {
+    layernorm_forward_kernel<kAdd>
+        <<<grid_for_warps(N), kThreads, 0, stream>>>(to, mean, rstd, inp, addend, weight, bias, N, C);
+  });
 }
 
 }  // namespace

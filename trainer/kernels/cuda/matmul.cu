@@ -2,11 +2,12 @@
 // column-major [cols, rows] to cuBLAS, so each product below is written
 // transposed: out^T = W x^T and so on.
 //
-// With bf16 GEMM inputs (CudaBackend's gemm_inputs) each operand is rounded
-// to bf16 (nearest, ties to even) into scratch just before its GEMM: the
-// float32 weights stay the only copy, so the optimizer, the checkpoint and
-// the gradient reduction never see bf16, and the product accumulates in
-// float32 into a float32 output.
+// With bf16 GEMM inputs (CudaBackend's gemm_inputs) each float32 operand is
+// rounded to bf16 (nearest, ties to even) into scratch just before its
+// GEMM, and a bf16 operand (an activation its producer wrote so) is taken
+// as it is: the float32 weights stay the only copy, so the optimizer, the
+// checkpoint and the gradient reduction never see bf16, and the product
+// accumulates in float32 into a float32 output.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/column_sums.h"
