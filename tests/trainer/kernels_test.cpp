@@ -476,6 +476,19 @@ TEST_SUITE("unit") {
     CHECK(dw16 == dw);
   }
 
+  TEST_CASE("a backend reports the working buffers its GEMMs grew, and float32 GEMMs grow none") {
+    const int N = 30, C = 20, OC = 10;
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 35), w = random_vec(static_cast<size_t>(OC) * C, 36);
+    Vec out(static_cast<size_t>(N) * OC);
+    CpuBackend fp32(0, keel::trainer::DType::kF32), bf16(0, keel::trainer::DType::kBF16);
+    CHECK(bf16.scratch_bytes() == 0);
+    fp32.matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
+    bf16.matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
+    CHECK(fp32.scratch_bytes() == 0);
+    // Both operands' rounded copies, kept for the next call.
+    CHECK(bf16.scratch_bytes() >= (inp.size() + w.size()) * sizeof(float));
+  }
+
   TEST_CASE("a bf16 GEMM operand on a backend with float32 GEMM inputs is an internal error") {
     CpuBackend cpu(0, keel::trainer::DType::kF32);
     std::vector<keel::trainer::bf16> inp(6);

@@ -47,6 +47,11 @@ class Backend {
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory
+  // Bytes of the backend's own working buffers (GEMM operand copies,
+  // reduction partials, a GEMM library's workspace), which grow to the
+  // largest call's need and then stay: memory beside what alloc() handed
+  // out, so that a rank's footprint is its allocations plus this.
+  virtual size_t scratch_bytes() const = 0;
 
   // ---- host staging (docs/architecture.md "Checkpoints") ----
   // Page-locks host memory [data, data + bytes) so copies between it and

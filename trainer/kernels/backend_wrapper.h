@@ -23,6 +23,7 @@ class BackendWrapper : public Backend {
     target_.copy_to_host(host_dst, src, bytes);
   }
   void copy(void* dst, const void* src, size_t bytes) override { target_.copy(dst, src, bytes); }
+  size_t scratch_bytes() const override { return target_.scratch_bytes(); }
   void pin_host(void* data, size_t bytes) override { target_.pin_host(data, bytes); }
   void unpin_host(void* data) override { target_.unpin_host(data); }
   void snapshot_to_host(const std::vector<HostCopy>& copies) override { target_.snapshot_to_host(copies); }

@@ -446,6 +446,11 @@ void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, c
   }
 }
 
+size_t CpuBackend::scratch_bytes() const {
+  return (rounded_.capacity() + gelu_input_grad_.capacity() + linear_out_.capacity()) * sizeof(float) +
+         queued_sums_.capacity() * sizeof(double);
+}
+
 // ---- matmul ----
 
 std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<ConstBuffer, size_t>> operands) {

@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  size_t scratch_bytes() const override;
   bool host_memory() const override { return true; }
   Stream& compute_stream() override { return stream_; }
 

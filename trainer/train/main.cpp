@@ -60,7 +60,8 @@ void print_summary(const keel::trainer::RunSummary& s, const std::optional<keel:
                            {{"params_bytes", s.memory.params},
                             {"grads_bytes", s.memory.grads},
                             {"optimizer_bytes", s.memory.optimizer},
-                            {"total_bytes", s.memory.total}}}};
+                            {"total_bytes", s.memory.total},
+                            {"backend_scratch_bytes", s.memory.backend_scratch}}}};
     out["final_val_loss"] = s.final_val_loss ? nlohmann::json(*s.final_val_loss) : nlohmann::json(nullptr);
     out["blas"] = blas ? blas->to_json() : nlohmann::json(nullptr);
     std::cout << out.dump() << std::endl;

@@ -42,6 +42,9 @@ struct MemoryUse {
   size_t optimizer = 0;
   size_t working = 0;
   size_t total = 0;  // the one allocation: all of the above and the activations
+  // The backend's own working buffers beside it (Backend::scratch_bytes),
+  // as large as they grew by the summary's time.
+  size_t backend_scratch = 0;
 };
 
 struct RunSummary {

@@ -10,10 +10,6 @@
 namespace keel::trainer::cuda {
 namespace {
 
-// llm.c's figure: enough for every algorithm Hopper's heuristic offers at
-// GPT-2 shapes.
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
-
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
     throw common::Error(common::ErrorCode::kInternal, fmt::format("{}: {} ({})", what, cublasLtGetStatusString(status),

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <cstddef>
 #include <map>
 
 namespace keel::trainer::cuda {
@@ -39,6 +40,10 @@ class CublasLtGemm {
   ~CublasLtGemm();
   CublasLtGemm(const CublasLtGemm&) = delete;
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
+
+  // cuBLASLt's workspace, allocated once: llm.c's figure, enough for every
+  // algorithm Hopper's heuristic offers at GPT-2 shapes.
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
   // Throws common::Error (kInternal) when cuBLASLt fails or finds no
   // algorithm for the shape. k = 0 is allowed for accumulations (beta 1,

@@ -159,6 +159,10 @@ void CudaBackend::snapshot_to_host(const std::vector<HostCopy>& copies) {
   copy_stream_->synchronize();
 }
 
+size_t CudaBackend::scratch_bytes() const {
+  return scratch_bytes_ + linear_out_bytes_ + queued_capacity_ * sizeof(double) + CublasLtGemm::kWorkspaceBytes;
+}
+
 void* CudaBackend::scratch(size_t bytes) { return grown(scratch_, scratch_bytes_, bytes); }
 void* CudaBackend::linear_out(size_t bytes) { return grown(linear_out_, linear_out_bytes_, bytes); }
 

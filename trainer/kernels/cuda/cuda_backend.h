@@ -71,6 +71,7 @@ class CudaBackend final : public Backend {
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  size_t scratch_bytes() const override;
   void pin_host(void* data, size_t bytes) override;
   void unpin_host(void* data) override;
   void snapshot_to_host(const std::vector<HostCopy>& copies) override;
