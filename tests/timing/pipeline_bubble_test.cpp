@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 namespace {
@@ -35,14 +36,16 @@ struct StageIdle {
 // stage (the bench's balanced model has sixteen, but takes twice as long).
 const std::vector<std::string> kSmallModel = {"model.n_layer=4", "model.n_embd=256"};
 const std::vector<std::string> kLargerModel = {"model.n_layer=8", "model.n_embd=512", "model.n_head=8"};
-StageIdle run_pp2(const Fixture& f, Schedule schedule, const std::vector<std::string>& model = kSmallModel) {
+// `repeat` numbers runs of the same layout, each in a run directory of its own.
+StageIdle run_pp2(const Fixture& f, Schedule schedule, const std::vector<std::string>& model = kSmallModel,
+                  int repeat = 0) {
   const Layout layout{.micro_batches = 8,
                       .pp = 2,
                       .pp_virtual = schedule == Schedule::kInterleaved ? 2 : 1,
                       .zero_bubble = schedule == Schedule::kZeroBubble};
   std::vector<std::string> sets = model;
   sets.insert(sets.end(), {"train.batch_size=64", "train.steps=6", "train.val_every=0"});
-  const Run run = f.run(layout, layout.name() + "_" + model[1], sets);
+  const Run run = f.run(layout, layout.name() + "_" + model[1] + "_" + std::to_string(repeat), sets);
   // The first stage's schedule spans the pipeline: its first forward is
   // the first action of a step and its last backward (or W) the last.
   const double span = keel::test::last_json_line(run.outputs[0]).at("schedules").at("total_s");
@@ -75,15 +78,23 @@ TEST_SUITE("timing") {
   TEST_CASE("the busiest-waiting stage of a PP2 run idles less under the zero-bubble schedule than under 1F1B") {
     // ZB-H1 passes a gradient on after B alone and runs the Ws where 1F1B
     // waits, while the transfers are in flight: here its worst stage idles
-    // 0.09 to 0.12 of the wall time against 1F1B's 0.16 to 0.18.
+    // 0.09 to 0.12 of the wall time against 1F1B's 0.15 to 0.25, but single
+    // runs overlap now and then (ZB-H1 0.176 once, 1F1B 0.121 once), so
+    // each schedule's figure is the mean of two runs.
     Fixture f;
-    const StageIdle plain = run_pp2(f, Schedule::kOneFOneB), zb = run_pp2(f, Schedule::kZeroBubble);
-    // The schedule ran: the last stage kept a microbatch for its W past
-    // the next forward, which 1F1B never does there.
-    CHECK(plain.peak_alive == std::vector<int>{2, 1});
-    CHECK(zb.peak_alive == std::vector<int>{2, 2});
-    MESSAGE("worst stage idle: 1F1B " << plain.worst() << ", ZB-H1 " << zb.worst());
-    CHECK(zb.worst() < plain.worst());
+    double plain_worst = 0.0, zb_worst = 0.0;
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      const StageIdle plain = run_pp2(f, Schedule::kOneFOneB, kSmallModel, repeat),
+                      zb = run_pp2(f, Schedule::kZeroBubble, kSmallModel, repeat);
+      // The schedule ran: the last stage kept a microbatch for its W past
+      // the next forward, which 1F1B never does there.
+      CHECK(plain.peak_alive == std::vector<int>{2, 1});
+      CHECK(zb.peak_alive == std::vector<int>{2, 2});
+      MESSAGE("worst stage idle: 1F1B " << plain.worst() << ", ZB-H1 " << zb.worst());
+      plain_worst += plain.worst() / 2;
+      zb_worst += zb.worst() / 2;
+    }
+    CHECK(zb_worst < plain_worst);
   }
 
   TEST_CASE(
