@@ -321,22 +321,6 @@ inline void put(bf16* to, float value) { *to = to_bf16(value); }
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return to_float(x); }
 
-// f(typed out, typed in) for the dtypes of a Buffer and a ConstBuffer.
-template <typename F> void with_types(Buffer out, ConstBuffer in, F&& f) {
-  auto with_in = [&](auto* to) {
-    if (in.dtype == DType::kBF16) {
-      f(to, static_cast<const bf16*>(in.data));
-    } else {
-      f(to, static_cast<const float*>(in.data));
-    }
-  };
-  if (out.dtype == DType::kBF16) {
-    with_in(static_cast<bf16*>(out.data));
-  } else {
-    with_in(static_cast<float*>(out.data));
-  }
-}
-
 template <typename Out>
 void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
   const float mu = row_sum(x, C) / static_cast<float>(C);
@@ -357,23 +341,18 @@ void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float
 
 void CpuBackend::layernorm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
                                    const float* bias, int N, int C) {
-  auto rows = [&](auto* o) {
+  with_type<bf16>(out, [&](auto* o) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) {
       const size_t row = static_cast<size_t>(n) * C;
       layernorm_row(o + row, mean + n, rstd + n, inp + row, weight, bias, C);
     }
-  };
-  if (out.dtype == DType::kBF16) {
-    rows(static_cast<bf16*>(out.data));
-  } else {
-    rows(static_cast<float*>(out.data));
-  }
+  });
 }
 
 void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
                                        const float* weight, const float* bias, int N, int C) {
-  auto rows = [&](auto* o) {
+  with_type<bf16>(out, [&](auto* o) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) {
       const size_t row = static_cast<size_t>(n) * C;
@@ -383,12 +362,7 @@ void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer o
       for (int c = 0; c < C; ++c) x[c] += a[c];
       layernorm_row(o + row, mean + n, rstd + n, x, weight, bias, C);
     }
-  };
-  if (out.dtype == DType::kBF16) {
-    rows(static_cast<bf16*>(out.data));
-  } else {
-    rows(static_cast<float*>(out.data));
-  }
+  });
 }
 
 void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -500,10 +474,9 @@ void CpuBackend::matmul_gelu_forward(Buffer out, Buffer pre, ConstBuffer inp, co
   if (pre.dtype == DType::kBF16) {
     if (linear_out_.size() < n) linear_out_.resize(n);
     matmul_forward(linear_out_.data(), inp, weight, bias, N, C, OC);
-    with_types(pre, ConstBuffer(linear_out_.data()), [n](auto* to, const auto* from) {
+    auto* rounded = static_cast<bf16*>(pre.data);
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
-      for (size_t i = 0; i < n; ++i) put(to + i, widen(from[i]));
-    });
+    for (size_t i = 0; i < n; ++i) rounded[i] = to_bf16(linear_out_[i]);
   } else {
     matmul_forward(static_cast<float*>(pre.data), inp, weight, bias, N, C, OC);
   }
@@ -743,29 +716,19 @@ struct ApproxExp {
 }  // namespace
 
 void CpuBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
-  if (out.dtype == DType::kF32 && inp.dtype == DType::kF32) {
-    float* to = static_cast<float*>(out.data);
-    const float* from = inp.f32();
+  with_type<bf16>(out, [&](auto* to) {
+    with_type<bf16>(inp, [&](const auto* from) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-    for (size_t i = 0; i < n; ++i) to[i] = gelu(from[i], ApproxExp{});
-    return;
-  }
-  with_types(out, inp, [n](auto* to, const auto* from) {
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (size_t i = 0; i < n; ++i) put(to + i, gelu(widen(from[i]), ApproxExp{}));
+      for (size_t i = 0; i < n; ++i) put(to + i, gelu(widen(from[i]), ApproxExp{}));
+    });
   });
 }
 
 void CpuBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, size_t n) {
-  if (inp.dtype == DType::kF32) {
-    const float* x = inp.f32();
+  with_type<bf16>(inp, [&](const auto* x) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-    for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(x[i], ApproxExp{}) * dout[i];
-    return;
-  }
-  const auto* x = static_cast<const bf16*>(inp.data);
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(to_float(x[i]), ApproxExp{}) * dout[i];
+    for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(widen(x[i]), ApproxExp{}) * dout[i];
+  });
 }
 
 // ---- residual ----

@@ -67,4 +67,22 @@ struct ConstBuffer {
   DType dtype = DType::kF32;
 };
 
+// f(typed pointer) for a buffer's dtype. Bf16 is the element type that
+// stands for bfloat16 where the code runs: `bf16` above on the host,
+// `__nv_bfloat16` in CUDA kernels.
+template <class Bf16, class F> void with_type(Buffer buffer, F&& f) {
+  if (buffer.dtype == DType::kBF16) {
+    f(static_cast<Bf16*>(buffer.data));
+  } else {
+    f(static_cast<float*>(buffer.data));
+  }
+}
+template <class Bf16, class F> void with_type(ConstBuffer buffer, F&& f) {
+  if (buffer.dtype == DType::kBF16) {
+    f(static_cast<const Bf16*>(buffer.data));
+  } else {
+    f(static_cast<const float*>(buffer.data));
+  }
+}
+
 }  // namespace keel::trainer

@@ -166,7 +166,6 @@ size_t CudaBackend::scratch_bytes() const {
 void* CudaBackend::scratch(size_t bytes) { return grown(scratch_, scratch_bytes_, bytes); }
 void* CudaBackend::linear_out(size_t bytes) { return grown(linear_out_, linear_out_bytes_, bytes); }
 
-
 void* CudaBackend::grown(void*& buffer, size_t& size, size_t bytes) {
   if (bytes > size) {
     // Queued kernels may still use the old memory.

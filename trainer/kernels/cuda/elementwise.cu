@@ -66,15 +66,18 @@ __global__ void adamw_kernel(float* __restrict__ params, const float* __restrict
 }  // namespace
 
 void CudaBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
-  with_type(out, [&](auto* to) { with_type(inp, [&](const auto* from) { launch_gelu_forward(stream(), to, from, n); }); });
+  with_type<__nv_bfloat16>(out, [&](auto* to) {
+    with_type<__nv_bfloat16>(inp, [&](const auto* from) { launch_gelu_forward(stream(), to, from, n); });
+  });
 }
 
 void CudaBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, size_t n) {
-  with_type(inp, [&](const auto* from) { launch_gelu_backward(stream(), dinp, from, dout, n); });
+  with_type<__nv_bfloat16>(inp, [&](const auto* from) { launch_gelu_backward(stream(), dinp, from, dout, n); });
 }
 
 void CudaBackend::gelu_backward_in_place(float* grad, ConstBuffer pre, size_t n) {
-  with_type(pre, [&](const auto* from) { launch_gelu_backward_in_place(stream(), grad, from, n); });
+  with_type<__nv_bfloat16>(pre,
+                           [&](const auto* from) { launch_gelu_backward_in_place(stream(), grad, from, n); });
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {

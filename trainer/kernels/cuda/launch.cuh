@@ -93,22 +93,6 @@ __device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfl
 __device__ inline float load(const float* from) { return *from; }
 __device__ inline float load(const __nv_bfloat16* from) { return __bfloat162float(*from); }
 
-// f(typed pointer) for the dtype of a buffer, on the device's element types.
-template <typename F> void with_type(Buffer buffer, F&& f) {
-  if (buffer.dtype == DType::kBF16) {
-    f(static_cast<__nv_bfloat16*>(buffer.data));
-  } else {
-    f(static_cast<float*>(buffer.data));
-  }
-}
-template <typename F> void with_type(ConstBuffer buffer, F&& f) {
-  if (buffer.dtype == DType::kBF16) {
-    f(static_cast<const __nv_bfloat16*>(buffer.data));
-  } else {
-    f(static_cast<const float*>(buffer.data));
-  }
-}
-
 // acc plus x[0], x[stride], ..., x[(count - 1) * stride], each as a double
 // (squared when `squares`), added one after another in that order: the
 // one-load-at-a-time loop's sum to the bit, with kLoadsInFlight loads

@@ -90,7 +90,7 @@ template <bool kAdd>
 void launch_layernorm_forward(cudaStream_t stream, Buffer out, float* mean, float* rstd, const float* inp,
                               const float* addend, const float* weight, const float* bias, int N, int C) {
   if (N <= 0) return;
-  with_type(out, [&](auto* to) {
+  with_type<__nv_bfloat16>(out, [&](auto* to) {
     layernorm_forward_kernel<kAdd>
         <<<grid_for_warps(N), kThreads, 0, stream>>>(to, mean, rstd, inp, addend, weight, bias, N, C);
   });
