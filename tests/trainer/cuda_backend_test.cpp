@@ -499,7 +499,35 @@ TEST_SUITE("gpu") {
       for (const auto& span : spans) gpu.queue_sum_squares(span.data, span.numel);
       CHECK(gpu.take_queued_sums() == each);
       CHECK(gpu.take_queued_sums().empty());
+      gpu.queue_sums_of_squares(spans);
+      CHECK(gpu.take_queued_sums() == each);
     }
+  }
+
+  TEST_CASE("squares of many spans queued at once are each span's sum_squares bit for bit, in order") {
+    if (!device_or_skip()) return;
+    CudaBackend gpu;
+    // 150 spans (three launches of at most 64), empty ones at a launch's
+    // edges and between, lengths across the reduction's chunk edges.
+    const Vec x = random_vec(3'000'000, 77, -3.0f, 3.0f);
+    Tensors t(gpu, {{"x", x}}, {});
+    std::vector<keel::trainer::FloatSpan> spans;
+    const std::vector<size_t> lengths = {0, 1, 768, 65535, 65536, 65537, 2304, 0, 131073, 3};
+    size_t offset = 0;
+    for (size_t i = 0; i < 150; ++i) {
+      const size_t n = i == 63 || i == 64 || i == 149 ? 0 : lengths[i % lengths.size()];
+      if (offset + n > x.size()) offset = 0;
+      spans.push_back({t.f("x") + offset, n});
+      offset += n;
+    }
+    std::vector<double> each;
+    for (const auto& span : spans) each.push_back(gpu.sum_squares(span.data, span.numel));
+    gpu.queue_sum_squares(t.f("x"), 5);  // one queued before stays first
+    gpu.queue_sums_of_squares(spans);
+    const std::vector<double> got = gpu.take_queued_sums();
+    REQUIRE(got.size() == spans.size() + 1);
+    CHECK(got[0] == gpu.sum_squares(t.f("x"), 5));
+    CHECK(std::vector<double>(got.begin() + 1, got.end()) == each);
   }
 
   TEST_CASE("CUDA kernels do nothing on an empty range") {
@@ -605,7 +633,8 @@ TEST_SUITE("gpu") {
     Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
       t->add_bf16("gelu16", static_cast<size_t>(N) * OC);
-      k->matmul_gelu_forward(t->h("gelu16"), t->f("pre"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->matmul_forward(t->f("pre"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->gelu_forward(t->h("gelu16"), t->f("pre"), static_cast<size_t>(N) * OC);
       k->gelu_forward(t->f("gelu"), t->f("pre"), static_cast<size_t>(N) * OC);
       k->matmul_forward(t->f("out"), t->h("gelu16"), t->f("w_proj"), nullptr, N, OC, C);
       k->matmul_forward(t->f("out_from_f32"), t->f("gelu"), t->f("w_proj"), nullptr, N, OC, C);
@@ -625,6 +654,80 @@ TEST_SUITE("gpu") {
     CHECK(relative_l2(on_gpu.read("out"), on_cpu.read("out")) <= 1e-3);
   }
 
+  TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {
+    if (!device_or_skip()) return;
+    // cuBLASLt writes bf16 itself without a bias and with rows of whole
+    // 16-byte vectors (OC 136); with a bias, or OC 137, keel rounds the
+    // float32 output after the GEMM.
+    const int N = 97, C = 72;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    for (const int OC : {136, 137}) {
+      for (const bool bias : {false, true}) {
+        CAPTURE(OC);
+        CAPTURE(bias);
+        const std::map<std::string, Vec> floats = {{"inp", random_vec(N * C, 68, -2.0f, 2.0f)},
+                                                   {"w", random_vec(OC * C, 69)},
+                                                   {"bias", random_vec(OC, 70)},
+                                                   {"out", Vec(N * OC, NAN)}};
+        Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+        for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+          t->add_bf16("out16", static_cast<size_t>(N) * OC);
+          const float* b = bias ? t->f("bias") : nullptr;
+          k->matmul_forward(t->f("out"), t->f("inp"), t->f("w"), b, N, C, OC);
+          k->matmul_forward(t->h("out16"), t->f("inp"), t->f("w"), b, N, C, OC);
+        }
+        // Within one bf16 step of the GPU's own float32 output (cuBLASLt
+        // may sum in another order for a bf16 output) and of the CPU's.
+        Vec rounded = on_gpu.read("out");
+        for (float& x : rounded) x = keel::trainer::bf16_rounded(x);
+        check_close("out16 against the float32 output", on_gpu.read_bf16("out16"), rounded, 8e-3, 1.0);
+        check_close("out16 against the CPU", on_gpu.read_bf16("out16"), on_cpu.read_bf16("out16"), 8e-3, 1.0);
+      }
+    }
+  }
+
+  TEST_CASE("bf16 logits on the GPU score, sum and back-propagate as the CPU's, the gradient written over them") {
+    if (!device_or_skip()) return;
+    // The classifier of one vocabulary shard with padding (V 517 of 2 x 304)
+    // as the trainer runs it with bf16 GEMM inputs: logits written as bf16
+    // by cuBLASLt, the statistics and their squares read from them, the
+    // gradient written over them in place and taken by the GEMMs as it is.
+    const int N = 37, C = 72, Vl = 304, V = 517, v_begin = 304;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    const Ints targets = random_ints(N, V, 74);
+    const std::map<std::string, Vec> floats = {
+        {"inp", random_vec(N * C, 75, -2.0f, 2.0f)}, {"w", random_vec(Vl * C, 76)},   {"stats", Vec(N * 3, NAN)},
+        {"dinp", Vec(N * C, 0.0f)},                 {"dw", Vec(Vl * C, 0.0f)},       {"db", Vec(Vl, 0.0f)}};
+    Tensors on_cpu(cpu_bf16, floats, {{"targets", targets}}), on_gpu(gpu, floats, {{"targets", targets}});
+    std::map<Tensors*, std::vector<double>> squares;
+    Vec lse(N), losses(N);
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      t->add_bf16("logits", static_cast<size_t>(N) * Vl);
+      k->matmul_forward(t->h("logits"), t->f("inp"), t->f("w"), nullptr, N, C, Vl);
+      k->queue_sum_squares(t->h("logits"), static_cast<size_t>(N) * Vl);
+      k->crossentropy_stats(t->f("stats"), t->h("logits"), t->i("targets"), N, v_begin, Vl, V);
+      squares[t] = k->take_queued_sums();
+      // Both backwards from the CPU's lse, so only the kernels differ.
+      if (t == &on_cpu) cpu_bf16.crossentropy_combine(losses.data(), lse.data(), t->f("stats"), 1, N);
+      float* d_lse = static_cast<float*>(k->alloc(N * sizeof(float)));
+      k->copy_from_host(d_lse, lse.data(), N * sizeof(float));
+      k->crossentropy_backward(t->h("logits"), t->h("logits"), d_lse, t->i("targets"), 0.5f, N, v_begin, Vl, V);
+      k->matmul_backward(t->f("dinp"), t->f("dw"), t->f("db"), t->h("logits"), t->f("inp"), t->f("w"), N, C, Vl);
+      k->copy_to_host(lse.data(), d_lse, N * sizeof(float));  // waits for the kernels
+      k->free(d_lse);
+    }
+    REQUIRE(squares[&on_gpu].size() == 1);
+    CHECK(squares[&on_gpu][0] == doctest::Approx(squares[&on_cpu][0]).epsilon(1e-2));
+    check_close("stats", on_gpu.read("stats"), on_cpu.read("stats"), 2e-2, 1.0);
+    // The gradient: a bf16 step apart now and then (the logits were).
+    check_close("dlogits", on_gpu.read_bf16("logits"), on_cpu.read_bf16("logits"), 2e-2, 1e-2);
+    CHECK(relative_l2(on_gpu.read("dinp"), on_cpu.read("dinp")) <= 1e-2);
+    CHECK(relative_l2(on_gpu.read("dw"), on_cpu.read("dw")) <= 1e-2);
+    CHECK(relative_l2(on_gpu.read("db"), on_cpu.read("db")) <= 1e-2);
+  }
+
   TEST_CASE("a bf16 pre-activation on the GPU is the linear's output rounded, read back as the CPU reads it") {
     if (!device_or_skip()) return;
     const int N = 97, C = 72, OC = 136;
@@ -637,7 +740,8 @@ TEST_SUITE("gpu") {
     Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
       t->add_bf16("pre16", static_cast<size_t>(N) * OC);
-      k->matmul_gelu_forward(t->f("out"), t->h("pre16"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->matmul_forward(t->h("pre16"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
+      k->gelu_forward(t->f("out"), t->h("pre16"), static_cast<size_t>(N) * OC);
       k->matmul_backward_through_gelu(t->f("dpre"), t->f("dw"), t->f("db"), t->f("dout"), t->f("out"), t->f("w_proj"),
                                       t->h("pre16"), N, OC, C);
     }
@@ -694,10 +798,20 @@ TEST_SUITE("gpu") {
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
       k->matmul_backward_through_gelu(t->f("dpre"), t->f("dw"), t->f("db"), t->f("dout"), t->f("inp"), t->f("w"),
                                       t->f("pre"), N, C, OC);
+      // dpre kept as bf16, as the trainer keeps it (no weight gradients).
+      t->add_bf16("dpre16", static_cast<size_t>(N) * C);
+      k->matmul_backward_through_gelu(t->h("dpre16"), nullptr, nullptr, t->f("dout"), nullptr, t->f("w"), t->f("pre"),
+                                      N, C, OC);
     }
     // dpre overwritten (NaN before), by gelu.h's derivative on both
     // backends: only the GEMMs' summation order and the exp differ.
     check_close("dpre", on_gpu.read("dpre"), on_cpu.read("dpre"), 1e-4, 1.0);
+    // The bf16 dpre is the float32 one rounded: a bf16 step apart at most.
+    for (Tensors* t : {&on_cpu, &on_gpu}) {
+      Vec rounded = t->read("dpre");
+      for (float& x : rounded) x = keel::trainer::bf16_rounded(x);
+      check_close("dpre16", t->read_bf16("dpre16"), rounded, 8e-3, 1e-2);
+    }
     CHECK(relative_l2(on_gpu.read("dw"), on_cpu.read("dw")) <= 1e-5);
     check_close("db", on_gpu.read("db"), on_cpu.read("db"), 1e-5, 1e-3);
   }

@@ -508,15 +508,27 @@ TEST_SUITE("unit") {
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 30, -2.0f, 2.0f), w = random_vec(static_cast<size_t>(OC) * C, 31);
     const Vec bias = random_vec(OC, 32);
     const size_t n = static_cast<size_t>(N) * OC;
+    // Without a bias (the logits) and with one (the MLP's pre-activation).
+    for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
+      CAPTURE(b != nullptr);
+      Vec linear = nan_vec(n);
+      std::vector<bf16> linear16(n, bf16{0xffff});
+      cpu.matmul_forward(linear.data(), inp.data(), w.data(), b, N, C, OC);
+      cpu.matmul_forward(linear16.data(), inp.data(), w.data(), b, N, C, OC);
+      size_t mismatches = 0;
+      for (size_t i = 0; i < n; ++i) mismatches += linear16[i].bits != keel::trainer::to_bf16(linear[i]).bits;
+      CHECK(mismatches == 0);
+    }
     // As float32, then rounded by hand.
     Vec pre = nan_vec(n), out = nan_vec(n);
     cpu.matmul_forward(pre.data(), inp.data(), w.data(), bias.data(), N, C, OC);
     for (float& x : pre) x = keel::trainer::bf16_rounded(x);
     cpu.gelu_forward(out.data(), pre.data(), n);
-    // Kept as bf16.
+    // Kept as bf16, and GELU of that.
     std::vector<bf16> pre16(n, bf16{0xffff});
     Vec out16 = nan_vec(n);
-    cpu.matmul_gelu_forward(out16.data(), pre16.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+    cpu.matmul_forward(pre16.data(), inp.data(), w.data(), bias.data(), N, C, OC);
+    cpu.gelu_forward(out16.data(), pre16.data(), n);
     Vec widened(n);
     for (size_t i = 0; i < n; ++i) widened[i] = keel::trainer::to_float(pre16[i]);
     CHECK(widened == pre);
@@ -530,6 +542,13 @@ TEST_SUITE("unit") {
                                      pre16.data(), N, OC, C);
     CHECK(dpre16 == dpre);
     CHECK(dw16 == dw);
+    // Kept as bf16, dpre is the float32 one rounded, bit for bit.
+    std::vector<bf16> dpre_kept(n, bf16{0xffff});
+    cpu.matmul_backward_through_gelu(dpre_kept.data(), nullptr, nullptr, dout.data(), nullptr, w_proj.data(),
+                                     pre16.data(), N, OC, C);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < n; ++i) mismatches += dpre_kept[i].bits != keel::trainer::to_bf16(dpre[i]).bits;
+    CHECK(mismatches == 0);
   }
 
   TEST_CASE("a bf16 GELU output holds the float32 output rounded to nearest, ties to even") {
@@ -1020,6 +1039,52 @@ TEST_SUITE("unit") {
     }
   }
 
+  TEST_CASE("bf16 logits score, sum and back-propagate as their float32 widening, the gradient rounded") {
+    using keel::trainer::bf16;
+    // A shard of a TP-split vocabulary with padded columns (v_begin 8,
+    // 40 real of Vl 48), and a bias gradient over the bf16 gradient.
+    const int N = 6, Vl = 48, V = 48, v_begin = 8, C = 20;
+    CpuBackend cpu(0, keel::trainer::DType::kBF16);
+    const size_t n = static_cast<size_t>(N) * Vl;
+    std::vector<bf16> logits16(n);
+    Vec widened(n);
+    const Vec raw = random_vec(n, 71, -6.0f, 6.0f);
+    for (size_t i = 0; i < n; ++i) {
+      logits16[i] = keel::trainer::to_bf16(raw[i]);
+      widened[i] = keel::trainer::to_float(logits16[i]);
+    }
+    const std::vector<int32_t> targets = {8, 20, 47, 3, 2, 30};  // two before the shard
+    Vec stats(static_cast<size_t>(N) * 3), stats16(stats.size()), lse(N), losses(N);
+    cpu.crossentropy_stats(stats.data(), widened.data(), targets.data(), N, v_begin, Vl, V);
+    cpu.crossentropy_stats(stats16.data(), logits16.data(), targets.data(), N, v_begin, Vl, V);
+    CHECK(stats16 == stats);
+    cpu.crossentropy_combine(losses.data(), lse.data(), stats.data(), 1, N);
+    // The gradient written over the bf16 logits in place is the float32 one rounded.
+    Vec dlogits(n);
+    cpu.crossentropy_backward(dlogits.data(), widened.data(), lse.data(), targets.data(), 0.25f, N, v_begin, Vl, V);
+    cpu.crossentropy_backward(logits16.data(), logits16.data(), lse.data(), targets.data(), 0.25f, N, v_begin, Vl, V);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < n; ++i) mismatches += logits16[i].bits != keel::trainer::to_bf16(dlogits[i]).bits;
+    CHECK(mismatches == 0);
+    // Squares (the SDC fingerprint of the logits) and a linear's backward
+    // from the bf16 gradient: those of its widening, bit for bit.
+    Vec dwide(n);
+    for (size_t i = 0; i < n; ++i) dwide[i] = keel::trainer::to_float(logits16[i]);
+    cpu.queue_sum_squares(logits16.data(), n);
+    const double squares = cpu.sum_squares(dwide.data(), n);
+    const std::vector<double> queued = cpu.take_queued_sums();
+    REQUIRE(queued.size() == 1);
+    CHECK(std::memcmp(&queued[0], &squares, sizeof(double)) == 0);
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 72), w = random_vec(static_cast<size_t>(Vl) * C, 73);
+    Vec dinp(inp.size(), 0.0f), dw(w.size(), 0.0f), db(Vl, 0.0f);
+    Vec dinp16 = dinp, dw16 = dw, db16 = db;
+    cpu.matmul_backward(dinp.data(), dw.data(), db.data(), dwide.data(), inp.data(), w.data(), N, C, Vl);
+    cpu.matmul_backward(dinp16.data(), dw16.data(), db16.data(), logits16.data(), inp.data(), w.data(), N, C, Vl);
+    CHECK(dinp16 == dinp);
+    CHECK(dw16 == dw);
+    CHECK(db16 == db);
+  }
+
   TEST_CASE("queued sums of squares come out in queue order bit for bit as sum_squares and the queue empties") {
     CpuBackend cpu;
     Vec x = random_vec(200003, 57, -2.0f, 2.0f);
@@ -1034,6 +1099,13 @@ TEST_SUITE("unit") {
     CHECK(sums[1] == 0.0);
     CHECK(std::memcmp(&sums[2], &last, sizeof(double)) == 0);
     CHECK(cpu.take_queued_sums().empty());
+    // Many at once: the same sums, in order.
+    cpu.queue_sums_of_squares({{x.data() + 1, 149999}, {x.data(), 0}, {x.data() + 150000, 50003}});
+    const std::vector<double> many = cpu.take_queued_sums();
+    REQUIRE(many.size() == 3);
+    CHECK(many[0] == cpu.sum_squares(x.data() + 1, 149999));
+    CHECK(many[1] == 0.0);
+    CHECK(std::memcmp(&many[2], &last, sizeof(double)) == 0);
   }
 
   TEST_CASE("backward kernels accumulate into their gradients") {

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     check.storage().zero_gradients();
     float loss = model.forward(inputs.data(), targets.data(), B);
     float aux = model.aux_loss();
-    auto logits = download(backend, model.logits(), static_cast<size_t>(B) * T * config.model.padded_vocab());
+    auto logits = download(backend, model.logits().f32(), static_cast<size_t>(B) * T * config.model.padded_vocab());
     write_npy(out / "check_logits.npy", logits.data(), {B, T, config.model.padded_vocab()});
     write_npy(out / "check_loss.npy", &loss, {1});
     write_npy(out / "check_aux_loss.npy", &aux, {1});

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -103,6 +104,13 @@ inline Acc fixed_order_sum(size_t n, Load load) {
   return acc[0];
 }
 
+// A result stored as an output buffer holds it (bf16: rounded to nearest,
+// ties to even); an input element as float32 (bf16 widened, exactly).
+inline void put(float* to, float value) { *to = value; }
+inline void put(bf16* to, float value) { *to = to_bf16(value); }
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return to_float(x); }
+
 inline float row_sum(const float* x, int n) {
   return fixed_order_sum<float>(n, [x](size_t i) { return x[i]; });
 }
@@ -162,7 +170,7 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
 // dst[c] += sum over r of src[r*cols + c] in column_sums.h's order. Each
 // thread owns whole columns, so the order is the same for any thread
 // count; accumulating in double keeps long columns accurate.
-void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
+template <typename T> void column_sum_accumulate(float* dst, const T* src, int rows, int cols) {
   const int blocks = (cols + kChannelBlock - 1) / kChannelBlock;
 #pragma omp parallel for schedule(static) if (static_cast<size_t>(rows) * cols > kParallelMin)
   for (int blk = 0; blk < blocks; ++blk) {
@@ -172,9 +180,9 @@ void column_sum_accumulate(float* dst, const float* src, int rows, int cols) {
     for (int r0 = 0; r0 < rows; r0 += kColumnChunkRows) {
       double chunk[kChannelBlock] = {};
       for (int r = r0; r < std::min(rows, r0 + kColumnChunkRows); ++r) {
-        const float* row = src + static_cast<size_t>(r) * cols + c0;
+        const T* row = src + static_cast<size_t>(r) * cols + c0;
 #pragma omp simd
-        for (int j = 0; j < width; ++j) chunk[j] += row[j];
+        for (int j = 0; j < width; ++j) chunk[j] += widen(row[j]);
       }
 #pragma omp simd
       for (int j = 0; j < width; ++j) total[j] += chunk[j];
@@ -316,11 +324,6 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
 
 namespace {
 
-inline void put(float* to, float value) { *to = value; }
-inline void put(bf16* to, float value) { *to = to_bf16(value); }
-inline float widen(float x) { return x; }
-inline float widen(bf16 x) { return to_float(x); }
-
 template <typename Out>
 void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
   const float mu = row_sum(x, C) / static_cast<float>(C);
@@ -427,6 +430,16 @@ size_t CpuBackend::scratch_bytes() const {
 
 // ---- matmul ----
 
+namespace {
+
+// A float32 result kept as bf16 (linear_out_ rounded into its buffer).
+void round_into(bf16* to, const float* from, size_t n) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) to[i] = to_bf16(from[i]);
+}
+
+}  // namespace
+
 std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<ConstBuffer, size_t>> operands) {
   size_t total = 0;
   for (const auto& [buffer, count] : operands) {
@@ -458,36 +471,28 @@ std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::p
   return out;
 }
 
-void CpuBackend::matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                                 int OC) {
+  const size_t n = static_cast<size_t>(N) * OC;
+  float* linear = static_cast<float*>(out.data);
+  if (out.dtype == DType::kBF16) {
+    if (linear_out_.size() < n) linear_out_.resize(n);
+    linear = linear_out_.data();
+  }
   if (bias != nullptr) {
-#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * OC > kParallelMin)
-    for (int n = 0; n < N; ++n) std::memcpy(out + static_cast<size_t>(n) * OC, bias, sizeof(float) * OC);
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+    for (int r = 0; r < N; ++r) std::memcpy(linear + static_cast<size_t>(r) * OC, bias, sizeof(float) * OC);
   }
   const auto ops = gemm_operands({{inp, static_cast<size_t>(N) * C}, {weight, static_cast<size_t>(OC) * C}});
-  gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+  gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, linear, OC);
+  if (out.dtype == DType::kBF16) round_into(static_cast<bf16*>(out.data), linear, n);
 }
 
-void CpuBackend::matmul_gelu_forward(Buffer out, Buffer pre, ConstBuffer inp, const float* weight, const float* bias,
-                                     int N, int C, int OC) {
-  const size_t n = static_cast<size_t>(N) * OC;
-  if (pre.dtype == DType::kBF16) {
-    if (linear_out_.size() < n) linear_out_.resize(n);
-    matmul_forward(linear_out_.data(), inp, weight, bias, N, C, OC);
-    auto* rounded = static_cast<bf16*>(pre.data);
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (size_t i = 0; i < n; ++i) rounded[i] = to_bf16(linear_out_[i]);
-  } else {
-    matmul_forward(static_cast<float*>(pre.data), inp, weight, bias, N, C, OC);
-  }
-  gelu_forward(out, pre, n);
-}
-
-void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
+void CpuBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float* dbias, ConstBuffer dout,
                                               ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
                                               int OC) {
   const size_t n = static_cast<size_t>(N) * C;
-  if (dpre == nullptr) {
+  if (dpre.data == nullptr) {
     matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
     return;
   }
@@ -495,18 +500,24 @@ void CpuBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float
   float* dgelu = gelu_input_grad_.data();
   zero(dgelu, n * sizeof(float));
   matmul_backward(dgelu, dweight, dbias, dout, inp, weight, N, C, OC);
-  zero(dpre, n * sizeof(float));
-  gelu_backward(dpre, pre, dgelu, n);
+  float* wide = static_cast<float*>(dpre.data);
+  if (dpre.dtype == DType::kBF16) {
+    if (linear_out_.size() < n) linear_out_.resize(n);
+    wide = linear_out_.data();
+  }
+  zero(wide, n * sizeof(float));
+  gelu_backward(wide, pre, dgelu, n);
+  if (dpre.dtype == DType::kBF16) round_into(static_cast<bf16*>(dpre.data), wide, n);
 }
 
-void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, ConstBuffer inp,
+void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
                                  const float* weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                   {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
                                   {dweight != nullptr ? inp : nullptr, static_cast<size_t>(N) * C}});
   if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, ops[0], OC, ops[1], C, 1.0f, dinp, C);
   if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, ops[0], OC, ops[2], C, 1.0f, dweight, C);
-  if (dbias != nullptr) column_sum_accumulate(dbias, dout, N, OC);
+  if (dbias != nullptr) with_type<bf16>(dout, [&](const auto* d) { column_sum_accumulate(dbias, d, N, OC); });
 }
 
 // ---- attention ----
@@ -758,31 +769,42 @@ void CpuBackend::accumulate_columns(float* dst, int dst_ld, const float* src, in
 
 // ---- cross-entropy ----
 
-void CpuBackend::crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,
+void CpuBackend::crossentropy_stats(float* stats, ConstBuffer logits, const int32_t* targets, int N, int v_begin,
                                     int Vl, int V) {
   // The shard's real classes are its first `real` columns.
   const int real = std::clamp(V - v_begin, 0, Vl);
+  with_type<bf16>(logits, [&](const auto* all) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(all)>>;
 #pragma omp parallel
-  {
-    std::vector<float> e(static_cast<size_t>(real));
+    {
+      // A bf16 row widened once, then the float32 row's code.
+      std::vector<float> e(static_cast<size_t>(real)), widened(std::is_same_v<T, bf16> ? real : 0);
 #pragma omp for schedule(static)
-    for (int n = 0; n < N; ++n) {
-      const float* x = logits + static_cast<size_t>(n) * Vl;
-      float* s = stats + static_cast<size_t>(n) * 3;
-      const int target = targets[n] - v_begin;
-      s[2] = target >= 0 && target < real ? x[target] : 0.0f;
-      if (real == 0) {
-        s[0] = -std::numeric_limits<float>::infinity();
-        s[1] = 0.0f;
-        continue;
-      }
-      const float max = row_max(x, real);
+      for (int n = 0; n < N; ++n) {
+        const T* row = all + static_cast<size_t>(n) * Vl;
+        const float* x = nullptr;
+        if constexpr (std::is_same_v<T, bf16>) {
+          for (int c = 0; c < real; ++c) widened[c] = widen(row[c]);
+          x = widened.data();
+        } else {
+          x = row;
+        }
+        float* s = stats + static_cast<size_t>(n) * 3;
+        const int target = targets[n] - v_begin;
+        s[2] = target >= 0 && target < real ? x[target] : 0.0f;
+        if (real == 0) {
+          s[0] = -std::numeric_limits<float>::infinity();
+          s[1] = 0.0f;
+          continue;
+        }
+        const float max = row_max(x, real);
 #pragma omp simd
-      for (int c = 0; c < real; ++c) e[c] = exp_approx(x[c] - max);
-      s[0] = max;
-      s[1] = row_sum(e.data(), real);
+        for (int c = 0; c < real; ++c) e[c] = exp_approx(x[c] - max);
+        s[0] = max;
+        s[1] = row_sum(e.data(), real);
+      }
     }
-  }
+  });
 }
 
 void CpuBackend::crossentropy_combine(float* losses, float* lse, const float* stats, int S, int N) {
@@ -802,19 +824,25 @@ void CpuBackend::crossentropy_combine(float* losses, float* lse, const float* st
   }
 }
 
-void CpuBackend::crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+void CpuBackend::crossentropy_backward(Buffer dlogits, ConstBuffer logits, const float* lse, const int32_t* targets,
                                        float dloss, int N, int v_begin, int Vl, int V) {
   const int real = std::clamp(V - v_begin, 0, Vl);
+  with_type<bf16>(dlogits, [&](auto* dall) {
+    with_type<bf16>(logits, [&](const auto* all) {
 #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; ++n) {
-    const float* x = logits + static_cast<size_t>(n) * Vl;
-    float* d = dlogits + static_cast<size_t>(n) * Vl;
-    const float shift = lse[n];
-    const int target = targets[n] - v_begin;
+      for (int n = 0; n < N; ++n) {
+        const auto* x = all + static_cast<size_t>(n) * Vl;
+        auto* d = dall + static_cast<size_t>(n) * Vl;
+        const float shift = lse[n];
+        const int target = targets[n] - v_begin;
 #pragma omp simd
-    for (int c = 0; c < real; ++c) d[c] = dloss * (exp_approx(x[c] - shift) - (c == target ? 1.0f : 0.0f));
-    std::fill(d + real, d + Vl, 0.0f);
-  }
+        for (int c = 0; c < real; ++c) {
+          put(d + c, dloss * (exp_approx(widen(x[c]) - shift) - (c == target ? 1.0f : 0.0f)));
+        }
+        for (int c = real; c < Vl; ++c) put(d + c, 0.0f);
+      }
+    });
+  });
 }
 
 // ---- router softmax ----
@@ -911,7 +939,18 @@ double CpuBackend::sum_squares(const float* x, size_t n) {
   });
 }
 
-void CpuBackend::queue_sum_squares(const float* x, size_t n) { queued_sums_.push_back(sum_squares(x, n)); }
+void CpuBackend::queue_sum_squares(ConstBuffer x, size_t n) {
+  with_type<bf16>(x, [&](const auto* from) {
+    queued_sums_.push_back(chunked_sum(n, [from](size_t i) {
+      const double xi = widen(from[i]);
+      return xi * xi;
+    }));
+  });
+}
+
+void CpuBackend::queue_sums_of_squares(const std::vector<FloatSpan>& spans) {
+  for (const FloatSpan& span : spans) queue_sum_squares(span.data, span.numel);
+}
 
 std::vector<double> CpuBackend::take_queued_sums() { return std::exchange(queued_sums_, {}); }
 

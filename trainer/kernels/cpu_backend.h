@@ -52,7 +52,8 @@ class CpuBackend final : public Backend {
   std::vector<float> rounded_;  // grows to the largest call's operands, then stays
   // matmul_backward_through_gelu's gradient of GELU's output, likewise.
   std::vector<float> gelu_input_grad_;
-  // matmul_gelu_forward's float32 linear output where pre is kept as bf16.
+  // matmul_forward's float32 output where out is bf16, and
+  // matmul_backward_through_gelu's dpre where that is.
   std::vector<float> linear_out_;
   std::vector<double> queued_sums_;  // queue_sum_squares' values, computed at once
   HostStream stream_;

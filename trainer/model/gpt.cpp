@@ -4,6 +4,8 @@
 #include "trainer/kernels/arena.h"
 #include "trainer/model/gpt_state.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <string>
 
@@ -168,7 +170,7 @@ void Gpt::lay_out(Arena& arena) {
       }
       if (split_backward_) {
         blk.dproj = take(dense_at[i] ? N * C : 0);
-        blk.dfch = take(dense_at[i] ? N * Fl : 0);
+        blk.dfch = arena.take_buffer(gemm_in, dense_at[i] ? N * Fl : 0);
         blk.dattproj = take(N * C);
         blk.dqkv = take(N * 3 * Cl);
         blk.dln2 = take(Ns * C);
@@ -181,7 +183,7 @@ void Gpt::lay_out(Arena& arena) {
       s.lnf_mean = take(Ns);
       s.lnf_rstd = take(Ns);
       s.lnf_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
-      s.logits = take(N * Vl);
+      s.logits = arena.take_buffer(gemm_in, N * Vl);
       s.losses = take(N);
       s.lse = take(N);
       s.dlnf = take(split_backward_ ? Ns * C : 0);
@@ -198,7 +200,7 @@ void Gpt::lay_out(Arena& arena) {
   x.dln = take(Ns * C);
   x.datty = take(N * Cl);
   x.dqkv = take(N * 3 * Cl);
-  x.dfch = take(N * Fl);
+  x.dfch = arena.take_buffer(gemm_in, N * Fl);
   x.fch_gelu = arena.take_buffer(backend_.gemm_inputs(),
                                  std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
   if (any_moe) {
@@ -240,7 +242,7 @@ Gpt::Sizes Gpt::sizes() const {
 
 int Gpt::slots() const { return static_cast<int>(slots_.size()); }
 
-const float* Gpt::logits(int slot) const { return slots_[static_cast<size_t>(slot)].logits.data(); }
+ConstBuffer Gpt::logits(int slot) const { return slots_[static_cast<size_t>(slot)].logits.buffer(); }
 
 size_t Gpt::boundary_numel(int B) const {
   const Sizes z = sizes();
@@ -349,7 +351,10 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     } else {
       gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
-      k.matmul_gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      // The pre-activation is kept for GELU's backward; GELU reads it as
+      // kept (rounded, when bf16), as the backward will.
+      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
       k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p + o.proj_w,
                        first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
@@ -367,11 +372,11 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   // The LM head is tied to the token embedding: each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
   const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-  k.matmul_forward(s.logits.data(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
+  k.matmul_forward(s.logits.buffer(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
   if (activation_hook_) {
-    activation_hook_(static_cast<int>(config_.n_layer), s.logits.data(), static_cast<size_t>(N) * Vl);
+    activation_hook_(static_cast<int>(config_.n_layer), s.logits.buffer(), static_cast<size_t>(N) * Vl);
   }
-  k.crossentropy_stats(x.xent_stats.data(), s.logits.data(), s.targets.data(), N, v_begin, Vl, V);
+  k.crossentropy_stats(x.xent_stats.data(), s.logits.buffer(), s.targets.data(), N, v_begin, Vl, V);
   if (tp_ != nullptr) tp_->all_gather(x.xent_stats.data(), x.xent_all.data(), static_cast<size_t>(N) * 3);
   k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
                          tp_size_, N);
@@ -394,7 +399,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
   const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
   s.weight_terms.clear();
-  auto term = [&](const WeightTerm& t, float* dinp, const float* weight, float* kept) {
+  auto term = [&](const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept) {
     backward_term(s, weights, t, dinp, weight, kept);
   };
   using Kind = WeightTerm::Kind;
@@ -410,11 +415,11 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place
     // (the slot keeps them, so the weight pass reads them there).
-    k.crossentropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(),
+    k.crossentropy_backward(s.logits.buffer(), s.logits.buffer(), s.lse.data(), s.targets.data(),
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
     k.zero(din_all, din_numel * sizeof(float));
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.data(), lnf_all, nullptr, nullptr, N, C, Vl},
+    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl},
          din_all, p0 + outer.wte, nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
@@ -440,11 +445,12 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
-      // The projection's input gradient through GELU's derivative: dfch.
+      // The projection's input gradient through GELU's derivative: dfch,
+      // in the GEMMs' input type, as fc's backward GEMMs take it.
       term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.buffer()},
-           x.dfch.data(), p + o.proj_w, blk.dproj.data());
-      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.data(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
-           p + o.fc_w, blk.dfch.data());
+           x.dfch.buffer(), p + o.proj_w, blk.dproj.data());
+      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
+           p + o.fc_w, blk.dfch.buffer());
     }
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
@@ -475,29 +481,40 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   if (weights) s.batch = 0;
 }
 
-void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, float* dinp, const float* weight, float* kept) {
+void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept) {
   run_term(s, t, dinp, weight, weights);
   if (weights) return;
   WeightTerm later = t;
-  if (kept != nullptr) {
-    backend_.copy(kept, t.dout, static_cast<size_t>(t.rows) * static_cast<size_t>(t.out) * sizeof(float));
+  if (kept.data != nullptr) {
+    if (kept.dtype != t.dout.dtype) {
+      throw common::Error(common::ErrorCode::kInternal, fmt::format("a {} output gradient to keep in a {} array",
+                                                                    dtype_name(t.dout.dtype), dtype_name(kept.dtype)));
+    }
+    backend_.copy(kept.data, t.dout.data,
+                  static_cast<size_t>(t.rows) * static_cast<size_t>(t.out) * dtype_bytes(kept.dtype));
     later.dout = kept;
   }
   s.weight_terms.push_back(later);
 }
 
-void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float* weight, bool weight_grads) {
+void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, const float* weight, bool weight_grads) {
   using Kind = WeightTerm::Kind;
   if (t.kind == Kind::kUnitReady) {
     if (weight_grads) storage_.gradients_ready(t.unit);
     return;
   }
+  // Only GELU's backward writes an input gradient in the GEMMs' type (the
+  // MLP's dfch); every other input gradient is summed into, in float32.
+  if (dinp.dtype != DType::kF32 && t.gelu_of.data == nullptr) {
+    throw common::Error(common::ErrorCode::kInternal, "a bf16 input gradient for a term that sums into it");
+  }
+  float* dinp32 = static_cast<float*>(dinp.data);
   float* g = weight_grads ? storage_.unit_gradients(t.unit) : nullptr;
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
     case Kind::kLinear:
       if (t.gelu_of.data == nullptr) {
-        backend_.matmul_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
+        backend_.matmul_backward(dinp32, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
       } else {
         ConstBuffer inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
         if (g != nullptr) {
@@ -509,11 +526,11 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, float* dinp, const float*
       }
       break;
     case Kind::kLayerNorm:
-      backend_.layernorm_backward(dinp, at(t.weight), at(t.bias), t.dout, t.inp.f32(), weight, t.mean, t.rstd,
+      backend_.layernorm_backward(dinp32, at(t.weight), at(t.bias), t.dout.f32(), t.inp.f32(), weight, t.mean, t.rstd,
                                   t.rows, t.out);
       break;
     case Kind::kEmbedding:
-      if (g != nullptr) embedding_backward(g, t.dout, s.inputs.data(), s.batch);
+      if (g != nullptr) embedding_backward(g, t.dout.f32(), s.inputs.data(), s.batch);
       break;
     case Kind::kUnitReady:
       break;

@@ -104,8 +104,10 @@ class Gpt {
   std::vector<ExpertTokens> expert_tokens(int slot = 0) const;
 
   // [B, seq_len/cp, this rank's vocabulary slice] after forward() on the
-  // last stage, in backend memory (with CP in ContextSplit's order).
-  const float* logits(int slot = 0) const;
+  // last stage, in backend memory (with CP in ContextSplit's order), in the
+  // GEMMs' input type (bf16 where they take bf16, as torch's autocast
+  // keeps them).
+  ConstBuffer logits(int slot = 0) const;
 
   // `hook` (nullptr: none) sees activations of every forward(), which it
   // may change (fault injection flips a bit there, and the SDC guard sums
@@ -113,8 +115,8 @@ class Gpt {
   // i < n_layer is the output of block i (on the stage that runs it), this
   // rank's [N/tp, C] shard of the residual stream that the next block
   // reads; site n_layer is the logits (last stage), [N, this rank's
-  // vocabulary slice].
-  using ActivationHook = std::function<void(int site, float* data, size_t numel)>;
+  // vocabulary slice], in logits()' type.
+  using ActivationHook = std::function<void(int site, Buffer data, size_t numel)>;
   void on_activation(ActivationHook hook) { activation_hook_ = std::move(hook); }
 
  private:
@@ -158,8 +160,8 @@ class Gpt {
   // now and a kUnitReady hands the unit's gradients over; without, the
   // input gradient runs now and the term is kept in the slot, its output
   // gradient copied to `kept` (nullptr: the slot keeps it already).
-  void backward_term(Slot& slot, bool weights, const WeightTerm& t, float* dinp, const float* weight, float* kept);
-  void run_term(const Slot& slot, const WeightTerm& t, float* dinp, const float* weight, bool weight_grads);
+  void backward_term(Slot& slot, bool weights, const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept);
+  void run_term(const Slot& slot, const WeightTerm& t, Buffer dinp, const float* weight, bool weight_grads);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the

@@ -115,8 +115,9 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, moe.xe.data() + r * C,
-                          p + o.expert_fc_w[e], p + o.expert_fc_b[e], seg.rows, C, Fl);
+    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e],
+                     seg.rows, C, Fl);
+    k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(seg.rows) * Fl);
     // The row-parallel bias once over the TP group, on its rank 0.
     k.matmul_forward(expert_out + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e],
                      tp_rank_ == 0 ? p + o.expert_proj_b[e] : nullptr, seg.rows, Fl, C);

@@ -50,7 +50,7 @@ struct Gpt::WeightTerm {
   Kind kind = Kind::kUnitReady;
   int unit = 0;
   size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)
-  const float* dout = nullptr;          // [rows, out]: the output gradient
+  ConstBuffer dout = nullptr;           // [rows, out]: the output gradient (bf16: the logits' or dfch)
   ConstBuffer inp = nullptr;            // [rows, in]: the forward's input (a LayerNorm's: float32)
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
@@ -150,8 +150,10 @@ struct Gpt::Slot {
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
     // all positions) and of the two LayerNorms ([Ns, C]), which the weight
-    // pass reads; an MoE block keeps its experts' in its MoeLayer.
-    ArenaArray<float> dproj, dfch, dattproj, dqkv, dln2, dln1;
+    // pass reads; an MoE block keeps its experts' in its MoeLayer. dfch
+    // is in the GEMMs' input type, as the backward writes it.
+    ArenaArray<float> dproj, dattproj, dqkv, dln2, dln1;
+    ArenaBuffer dfch;
     ConstBuffer ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.buffer() : ln1.buffer(); }
     ConstBuffer ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.buffer() : ln2.buffer(); }
   };
@@ -163,8 +165,10 @@ struct Gpt::Slot {
   // last virtual stage, the gradient of the chunk's output.
   ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
-  ArenaBuffer lnf, lnf_whole;                            // last stage, in the GEMMs' input type
-  ArenaArray<float> lnf_mean, lnf_rstd, logits, losses, lse;  // last stage
+  // Last stage. ln_f's output and the logits are in the GEMMs' input type;
+  // the backward writes the logits' gradient over them.
+  ArenaBuffer lnf, lnf_whole, logits;
+  ArenaArray<float> lnf_mean, lnf_rstd, losses, lse;
   // With a split backward: the final LayerNorm's output gradient and the
   // embedding's ([N, C], all positions).
   ArenaArray<float> dlnf, dembed;
@@ -182,7 +186,10 @@ struct Gpt::Scratch {
   ArenaArray<float> partial, dwhole_out, dwhole_in;
   // Gradient scratch, reused by every block. dresidual ends a backward as
   // the gradient of the stage's input.
-  ArenaArray<float> dresidual, dln, datty, dqkv, dfch;
+  // dfch, the MLP's pre-activation gradient that only fc's GEMMs read, is
+  // in their input type.
+  ArenaArray<float> dresidual, dln, datty, dqkv;
+  ArenaBuffer dfch;
   // GELU(fch) of the block running now: made by the forward for the MLP's
   // projection, remade by the backward for its weight gradient. Only those
   // GEMMs read it, so it is kept in their input type: bf16 on the GPU's

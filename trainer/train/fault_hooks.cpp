@@ -18,20 +18,37 @@ namespace keel::trainer {
 
 void flip_if_due(Backend& backend, const health::FaultInjector& faults, std::string_view target,
                  const std::vector<health::FaultInjector::Site>& sites,
-                 const std::function<float*(size_t site)>& where) {
+                 const std::function<Buffer(size_t site)>& where) {
   const auto flip = faults.bitflip(target, sites);
   if (!flip) return;
-  float* data = where(flip->site);
-  if (data == nullptr) return;
-  float before = 0;
-  backend.copy_to_host(&before, data + flip->index, sizeof(float));
+  const Buffer data = where(flip->site);
+  if (data.data == nullptr) return;
+  const FlippedBit flipped = flip_bit(backend, data, flip->index, flip->bit);
+  faults.record_flip(target, sites[flip->site].name, flip->index, flipped.bit, flipped.before, flipped.after);
+}
+
+FlippedBit flip_bit(Backend& backend, Buffer data, size_t index, int bit) {
+  FlippedBit flipped;
+  if (data.dtype == DType::kBF16) {
+    bf16 value;
+    auto* at = static_cast<bf16*>(data.data) + index;
+    backend.copy_to_host(&value, at, sizeof value);
+    flipped.before = to_float(value);
+    flipped.bit = std::max(bit, 16);
+    value.bits ^= static_cast<uint16_t>(1u << (flipped.bit - 16));
+    flipped.after = to_float(value);
+    backend.copy_from_host(at, &value, sizeof value);
+    return flipped;
+  }
+  float* at = static_cast<float*>(data.data) + index;
+  backend.copy_to_host(&flipped.before, at, sizeof(float));
   uint32_t bits = 0;
-  std::memcpy(&bits, &before, sizeof bits);
-  bits ^= uint32_t{1} << flip->bit;
-  float after = 0;
-  std::memcpy(&after, &bits, sizeof after);
-  backend.copy_from_host(data + flip->index, &after, sizeof(float));
-  faults.record_flip(target, sites[flip->site].name, flip->index, flip->bit, before, after);
+  std::memcpy(&bits, &flipped.before, sizeof bits);
+  bits ^= uint32_t{1} << bit;
+  std::memcpy(&flipped.after, &bits, sizeof bits);
+  flipped.bit = bit;
+  backend.copy_from_host(at, &flipped.after, sizeof(float));
+  return flipped;
 }
 
 StepFaults::StepFaults(const common::Config& config, const health::FaultInjector& faults, const ZeroStorage& storage,
@@ -81,12 +98,12 @@ void StepFaults::on_gradients(Backend& backend, int unit, float* grads, size_t n
   });
 }
 
-void StepFaults::on_activation(Backend& backend, int site, float* data) {
+void StepFaults::on_activation(Backend& backend, int site, Buffer data) {
   // Site i < n_layer is this stage's block of layer i; the logits come last.
   const size_t local =
       site == n_layer_ ? activation_sites_.size() - 1 : static_cast<size_t>(table_.stage().block_of(site));
   flip_if_due(backend, faults_, "activation", activation_sites_,
-              [&](size_t s) { return s == local ? data : nullptr; });
+              [&](size_t s) { return s == local ? data : Buffer(nullptr); });
 }
 
 void StepFaults::after_update(Backend& backend, ZeroStorage& storage, AdamW& optimizer) {
@@ -154,16 +171,10 @@ void CheckpointFaults::written(int64_t step) {
   if (::pwrite(fd.get(), &flipped, 1, offset) != 1 || ::fsync(fd.get()) != 0) fail("write");
 }
 
-void GemmBitFlip::matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+void GemmBitFlip::matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                                  int OC) {
   target_.matmul_forward(out, inp, weight, bias, N, C, OC);
-  float first = 0;
-  copy_to_host(&first, out, sizeof first);
-  uint32_t bits = 0;
-  std::memcpy(&bits, &first, sizeof bits);
-  bits ^= 1u;
-  std::memcpy(&first, &bits, sizeof first);
-  copy_from_host(out, &first, sizeof first);
+  flip_bit(*this, out, 0, 0);
 }
 
 }  // namespace keel::trainer

@@ -22,12 +22,22 @@
 namespace keel::trainer {
 
 // Flips the bit due now on `target` (FaultInjector::bitflip over `sites`)
-// when `where(site)` says where that site's floats are in backend memory
-// at this moment; nullptr: not reachable here (another unit's gradients,
+// when `where(site)` says where that site's elements are in backend memory
+// at this moment; a null buffer: not reachable here (another unit's gradients,
 // another block's output), so nothing flips and the flip stays due.
 void flip_if_due(Backend& backend, const health::FaultInjector& faults, std::string_view target,
                  const std::vector<health::FaultInjector::Site>& sites,
-                 const std::function<float*(size_t site)>& where);
+                 const std::function<Buffer(size_t site)>& where);
+
+// Flips bit `bit` of element `index` of `data` in backend memory, the bit
+// numbered as in a float32 (a bf16 element holds bits 16-31 of one; a
+// lower bit flips its lowest, bit 16). Returns the element before and
+// after, and the bit it flipped.
+struct FlippedBit {
+  float before = 0, after = 0;
+  int bit = 0;
+};
+FlippedBit flip_bit(Backend& backend, Buffer data, size_t index, int bit);
 
 // The faults a training step meets (the Step calls these hooks): a bit
 // flipped in a gradient as backward hands its unit over, in an activation
@@ -49,7 +59,7 @@ class StepFaults {
   // Unit `unit`'s gradients, numel floats at `grads`, as backward hands them over.
   void on_gradients(Backend& backend, int unit, float* grads, size_t numel);
   // Gpt's activation site `site` (Gpt::ActivationHook) at `data`.
-  void on_activation(Backend& backend, int site, float* data);
+  void on_activation(Backend& backend, int site, Buffer data);
   // After the update: the parameters (this rank's copy, after ZeRO's
   // all-gather) and the Adam moments it owns.
   void after_update(Backend& backend, ZeroStorage& storage, AdamW& optimizer);
@@ -95,7 +105,7 @@ class CheckpointFaults final : public checkpoint::FileSystemWrapper {
 class GemmBitFlip final : public BackendWrapper {
  public:
   using BackendWrapper::BackendWrapper;
-  void matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+  void matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                       int OC) override;
 };
 

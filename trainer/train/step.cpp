@@ -59,7 +59,7 @@ Step::Step(Parts parts, Buffers buffers, int micro_batch)
     // caller driving the model directly) queues nothing.
     if (attempting_ && p_.sdc.fingerprinting()) queue_fingerprint(Fingerprint::kGradients, grads, numel);
   });
-  p_.model.on_activation([this](int site, float* data, size_t numel) {
+  p_.model.on_activation([this](int site, Buffer data, size_t numel) {
     faults_.on_activation(p_.backend, site, data);
     // The last block's output and the logits of a training forward:
     // StepSignals says why these; validation's are not judged.
@@ -197,7 +197,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
                    static_cast<float>(sums.aux_loss / batches)};
 }
 
-void Step::queue_fingerprint(Fingerprint kind, const float* data, size_t numel) {
+void Step::queue_fingerprint(Fingerprint kind, ConstBuffer data, size_t numel) {
   p_.backend.queue_sum_squares(data, numel);
   fingerprints_.push_back(kind);
 }
@@ -273,13 +273,16 @@ Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
   const auto& specs = table_.specs();
   // Every owned part once: a tensor replicated over TP counted on TP rank
   // 0 only, the tied embedding on the first stage only.
-  // Queued and taken at once: one wait for the device, not one a tensor.
+  // Queued together and taken at once: one wait for the device, not one a
+  // tensor, and on the GPU one launch for all of them.
   std::vector<bool> expert;
+  std::vector<FloatSpan> tensors;
   for (size_t t = 0; t < specs.size(); ++t) {
     if ((p_.groups.rank(Axis::kTp) != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
-    p_.backend.queue_sum_squares(p_.storage.owned_gradients(t), p_.storage.owned_numel(t));
+    tensors.push_back({p_.storage.owned_gradients(t), p_.storage.owned_numel(t)});
     expert.push_back(specs[t].expert);
   }
+  p_.backend.queue_sums_of_squares(tensors);
   const std::vector<double> tensor_squares = take_sums(expert.size());
   double squares = 0, expert_squares = 0;
   for (size_t i = 0; i < expert.size(); ++i) (expert[i] ? expert_squares : squares) += tensor_squares[i];

@@ -101,7 +101,7 @@ class Step {
   // in that order once the attempt's backward is done (one wait for the
   // device, not one per unit).
   enum class Fingerprint { kGradients, kActivations };
-  void queue_fingerprint(Fingerprint kind, const float* data, size_t numel);
+  void queue_fingerprint(Fingerprint kind, ConstBuffer data, size_t numel);
   void take_fingerprints();
   // The backend's queued sums, which must be the `expected` the step
   // queued since it last took them.

@@ -83,9 +83,17 @@ CublasLtGemm::~CublasLtGemm() {
 }
 
 void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-                       const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc,
+                       const void* a, int lda, const void* b, int ldb, float beta, Buffer c, int ldc,
                        const float* bias) {
   if (m <= 0 || n <= 0) return;
+  const bool bf16_c = c.dtype == DType::kBF16;
+  if (bf16_c && (bias != nullptr || inputs != GemmInputs::kBF16)) {
+    // cuBLASLt would want a bf16 bias (cublasLt.h: the bias takes C's
+    // type), which would change the sum the CPU reference rounds.
+    throw common::Error(common::ErrorCode::kInternal,
+                        fmt::format("a bf16 GEMM output with {} inputs{}", gemm_inputs_name(inputs),
+                                    bias != nullptr ? " and a bias" : ""));
+  }
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating
     // backward GEMMs (a batch that routed no token to an expert).
@@ -109,7 +117,7 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
   // The layouts describe the stored matrices, before op().
   const Layout a_layout(ab_type, trans_a ? k : m, trans_a ? m : k, lda);
   const Layout b_layout(ab_type, trans_b ? n : k, trans_b ? k : n, ldb);
-  const Layout c_layout(CUDA_R_32F, m, n, ldc);
+  const Layout c_layout(bf16_c ? CUDA_R_16BF : CUDA_R_32F, m, n, ldc);
 
   const Shape shape = {trans_a,
                        trans_b,
@@ -122,19 +130,20 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
                        bias != nullptr,
                        beta != 0.0f,
                        static_cast<int64_t>(inputs),
+                       bf16_c,
                        alignment(a),
                        alignment(b),
-                       alignment(c),
+                       alignment(c.data),
                        bias != nullptr ? alignment(bias) : 0};
   auto found = algos_.find(shape);
   if (found == algos_.end()) {
     Preference pref;
     check(cublasLtMatmulPreferenceCreate(&pref.desc), "cublasLtMatmulPreferenceCreate");
     set(pref.desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kWorkspaceBytes);
-    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(shape[11]));
-    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(shape[12]));
-    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(shape[13]));
-    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(shape[13]));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(alignment(a)));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(alignment(b)));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(alignment(c.data)));
+    set(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(alignment(c.data)));
     cublasLtMatmulHeuristicResult_t result{};
     int found_count = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -150,7 +159,7 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
     found = algos_.emplace(shape, result.algo).first;
   }
   const float alpha = 1.0f;
-  check(cublasLtMatmul(handle_, op.desc, &alpha, a, a_layout.desc, b, b_layout.desc, &beta, c, c_layout.desc, c,
+  check(cublasLtMatmul(handle_, op.desc, &alpha, a, a_layout.desc, b, b_layout.desc, &beta, c.data, c_layout.desc, c.data,
                        c_layout.desc, &found->second, workspace_, kWorkspaceBytes, stream),
         "cublasLtMatmul");
 }

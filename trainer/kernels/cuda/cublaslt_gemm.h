@@ -1,8 +1,10 @@
 // One GEMM through cuBLASLt, for the CUDA backend's matmuls. Column-major,
 // as cuBLAS sees memory: C[m,n] = op(A) op(B) + beta C, plus bias[m] on
 // every column when bias is non-null (the BIAS epilogue). A and B are
-// stored and multiplied as GemmInputs says; C, the bias and the scalars
-// are float32.
+// stored and multiplied as GemmInputs says; the bias and the scalars are
+// float32, and so is C, but for a product of bf16 inputs without bias,
+// which cuBLASLt can write as bf16 (its float32 result rounded to nearest)
+// instead of keel writing float32 and rounding it in a pass of its own.
 //
 // Determinism: the algorithm comes from cuBLASLt's heuristic once per shape
 // and is then reused, so a shape always runs the same code. cuBLAS
@@ -14,6 +16,8 @@
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
+
+#include "trainer/kernels/dtype.h"
 
 #include <array>
 #include <cstddef>
@@ -46,16 +50,17 @@ class CublasLtGemm {
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
   // Throws common::Error (kInternal) when cuBLASLt fails or finds no
-  // algorithm for the shape. k = 0 is allowed for accumulations (beta 1,
-  // no bias), which leave C as it is.
+  // algorithm for the shape, or for a bf16 C beside a bias or inputs that
+  // are not kBF16. k = 0 is allowed for accumulations (beta 1, no bias),
+  // which leave C as it is.
   void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-           const void* a, int lda, const void* b, int ldb, float beta, float* c, int ldc, const float* bias);
+           const void* a, int lda, const void* b, int ldb, float beta, Buffer c, int ldc, const float* bias);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,
-  // beta, the inputs and the alignment of each pointer (parameters
+  // beta, the inputs, C's type and the alignment of each pointer (parameters
   // are offsets into one buffer, so a weight may be aligned to 4 bytes only).
-  using Shape = std::array<int64_t, 15>;
+  using Shape = std::array<int64_t, 16>;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -24,12 +24,43 @@ constexpr size_t kReduceChunk = size_t{1} << 16;
 // Columns per block of column_sum_accumulate.
 constexpr int kColumnBlock = kThreads;
 
-__global__ void chunk_sums_kernel(double* partials, const float* x, size_t n, bool squares) {
-  const size_t begin = blockIdx.x * kReduceChunk;
+size_t chunks_of(size_t n) { return (n + kReduceChunk - 1) / kReduceChunk; }
+
+// The sum of chunk `chunk` of x[0, n) (of its squares with `squares`), by
+// the block: every thread must call.
+template <typename T> __device__ double chunk_sum(const T* x, size_t n, size_t chunk, bool squares) {
+  const size_t begin = chunk * kReduceChunk;
   const size_t end = begin + kReduceChunk < n ? begin + kReduceChunk : n;
   const size_t first = begin + threadIdx.x;
   const size_t count = first < end ? (end - first + blockDim.x - 1) / blockDim.x : 0;
-  const double acc = block_sum(add_in_order(0.0, x + first, count, blockDim.x, squares));
+  return block_sum(add_in_order(0.0, x + first, count, blockDim.x, squares));
+}
+
+template <typename T> __global__ void chunk_sums_kernel(double* partials, const T* x, size_t n, bool squares) {
+  const double acc = chunk_sum(x, n, blockIdx.x, squares);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// Up to kMax spans for one launch of span_squares_kernel, passed by value
+// (kernel parameters, about 1.3 KB): block b sums a chunk of the span
+// whose blocks start at the last first_block[s] <= b.
+struct SpanBatch {
+  static constexpr int kMax = 64;
+  const float* data[kMax];
+  size_t numel[kMax];
+  unsigned first_block[kMax + 1];  // [count]: all the batch's blocks
+  int count;
+};
+
+// Each chunk of each span as chunk_sums_kernel sums it, so a span's
+// partials are bit for bit those of queue_sum_squares.
+__global__ void span_squares_kernel(double* partials, SpanBatch batch) {
+  int lo = 0, hi = batch.count;  // the span: the last s in [0, count) with first_block[s] <= blockIdx.x
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (batch.first_block[mid] <= blockIdx.x ? lo : hi) = mid;
+  }
+  const double acc = chunk_sum(batch.data[lo], batch.numel[lo], blockIdx.x - batch.first_block[lo], true);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
@@ -183,7 +214,7 @@ void* CudaBackend::grown(void*& buffer, size_t& size, size_t bytes) {
 
 double CudaBackend::chunked_sum(const float* x, size_t n, bool squares) {
   if (n == 0) return 0.0;
-  const size_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  const size_t chunks = chunks_of(n);
   auto* partials = static_cast<double*>(scratch(chunks * sizeof(double)));
   chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(partials, x, n, squares);
   check_launch(squares ? "sum_squares" : "sum");
@@ -196,9 +227,42 @@ double CudaBackend::chunked_sum(const float* x, size_t n, bool squares) {
 
 double CudaBackend::sum_squares(const float* x, size_t n) { return chunked_sum(x, n, true); }
 
-void CudaBackend::queue_sum_squares(const float* x, size_t n) {
+void CudaBackend::queue_sum_squares(ConstBuffer x, size_t n) {
+  const size_t chunks = chunks_of(n);
+  double* partials = queued_room(chunks);
+  if (chunks > 0) {
+    with_type<__nv_bfloat16>(x, [&](const auto* from) {
+      chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(partials, from, n, true);
+    });
+    check_launch("queue_sum_squares");
+  }
+  queued_starts_.push_back(queued_starts_.back() + chunks);
+}
+
+void CudaBackend::queue_sums_of_squares(const std::vector<FloatSpan>& spans) {
+  for (size_t first = 0; first < spans.size(); first += SpanBatch::kMax) {
+    SpanBatch batch{};
+    batch.count = static_cast<int>(std::min<size_t>(SpanBatch::kMax, spans.size() - first));
+    unsigned blocks = 0;
+    for (int s = 0; s < batch.count; ++s) {
+      batch.data[s] = spans[first + s].data;
+      batch.numel[s] = spans[first + s].numel;
+      batch.first_block[s] = blocks;
+      blocks += static_cast<unsigned>(chunks_of(batch.numel[s]));
+    }
+    batch.first_block[batch.count] = blocks;
+    double* partials = queued_room(blocks);
+    if (blocks > 0) {
+      span_squares_kernel<<<blocks, kThreads, 0, stream()>>>(partials, batch);
+      check_launch("queue_sums_of_squares");
+    }
+    for (int s = 0; s < batch.count; ++s) queued_starts_.push_back(queued_starts_.back() + chunks_of(batch.numel[s]));
+  }
+}
+
+double* CudaBackend::queued_room(size_t chunks) {
   if (queued_starts_.empty()) queued_starts_.push_back(0);
-  const size_t begin = queued_starts_.back(), chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  const size_t begin = queued_starts_.back();
   if (begin + chunks > queued_capacity_) {
     // Grows (the first step only), keeping the partials queued so far.
     const size_t capacity = std::max(2 * queued_capacity_, begin + chunks);
@@ -213,11 +277,7 @@ void CudaBackend::queue_sum_squares(const float* x, size_t n) {
     queued_partials_ = grown_partials;
     queued_capacity_ = capacity;
   }
-  if (chunks > 0) {
-    chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(queued_partials_ + begin, x, n, true);
-    check_launch("queue_sum_squares");
-  }
-  queued_starts_.push_back(begin + chunks);
+  return queued_partials_ + begin;
 }
 
 std::vector<double> CudaBackend::take_queued_sums() {

@@ -86,16 +86,21 @@ class CudaBackend final : public Backend {
   // needs partial results (they all run in order on the compute stream).
   // It only grows, so after the first step no kernel allocates.
   void* scratch(size_t bytes);
-  // grad = GELU'(pre) * grad, elementwise (elementwise.cu): the last step
-  // of matmul_backward_through_gelu.
-  void gelu_backward_in_place(float* grad, ConstBuffer pre, size_t n);
-  // matmul_gelu_forward's float32 linear output where pre is kept as bf16:
-  // it must outlive the GEMM operands that scratch holds meanwhile.
+  // out = GELU'(pre) * grad, elementwise, rounded when out is bf16; out
+  // may be grad itself (elementwise.cu): the last step of
+  // matmul_backward_through_gelu.
+  void gelu_derivative_times(Buffer out, const float* grad, ConstBuffer pre, size_t n);
+  // A float32 GEMM output to be kept as bf16 (matmul_forward's where
+  // cuBLASLt cannot write bf16 itself, matmul_backward_through_gelu's):
+  // it must outlive the GEMM operands scratch holds meanwhile.
   void* linear_out(size_t bytes);
   // Grows `buffer` (of `size` bytes) to at least `bytes`.
   void* grown(void*& buffer, size_t& size, size_t bytes);
   // Sums of x or x^2 over fixed chunks, then of the chunks in order, on the host.
   double chunked_sum(const float* x, size_t n, bool squares);
+  // Where the next queued sum's `chunks` partials go, queued_partials_
+  // grown to hold them (keeping those queued before).
+  double* queued_room(size_t chunks);
   // The GEMM operands as the GEMMs take them: the pointers themselves (a
   // bf16 operand, or any with float32 GEMM inputs), or bf16 copies in
   // scratch (a null operand stays null). matmul.cu.

@@ -30,8 +30,12 @@ __global__ void gelu_backward_kernel(float* dinp, const In* inp, const float* do
   }
 }
 
-template <typename In> __global__ void gelu_backward_in_place_kernel(float* grad, const In* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) grad[i] = gelu_grad(load(inp + i), ClampedExp{}) * grad[i];
+// out may be grad: each element is read, then written, by one thread.
+template <typename Out, typename In>
+__global__ void gelu_derivative_times_kernel(Out* out, const float* grad, const In* inp, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    store(out + i, gelu_grad(load(inp + i), ClampedExp{}) * grad[i]);
+  }
 }
 
 // The GELU kernels for the element types of their buffers.
@@ -42,8 +46,9 @@ template <typename In>
 void launch_gelu_backward(cudaStream_t stream, float* dinp, const In* inp, const float* dout, size_t n) {
   launch("gelu_backward", gelu_backward_kernel<In>, n, stream, dinp, inp, dout);
 }
-template <typename In> void launch_gelu_backward_in_place(cudaStream_t stream, float* grad, const In* inp, size_t n) {
-  launch("gelu_backward_in_place", gelu_backward_in_place_kernel<In>, n, stream, grad, inp);
+template <typename Out, typename In>
+void launch_gelu_derivative_times(cudaStream_t stream, Out* out, const float* grad, const In* inp, size_t n) {
+  launch("gelu_derivative_times", gelu_derivative_times_kernel<Out, In>, n, stream, out, grad, inp);
 }
 
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
@@ -75,9 +80,10 @@ void CudaBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout,
   with_type<__nv_bfloat16>(inp, [&](const auto* from) { launch_gelu_backward(stream(), dinp, from, dout, n); });
 }
 
-void CudaBackend::gelu_backward_in_place(float* grad, ConstBuffer pre, size_t n) {
-  with_type<__nv_bfloat16>(pre,
-                           [&](const auto* from) { launch_gelu_backward_in_place(stream(), grad, from, n); });
+void CudaBackend::gelu_derivative_times(Buffer out, const float* grad, ConstBuffer pre, size_t n) {
+  with_type<__nv_bfloat16>(out, [&](auto* to) {
+    with_type<__nv_bfloat16>(pre, [&](const auto* from) { launch_gelu_derivative_times(stream(), to, grad, from, n); });
+  });
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {

@@ -92,8 +92,10 @@ __device__ inline void store(__nv_bfloat16* to, float value) { *to = __float2bfl
 // An input buffer's element as float32 (a bf16 one widened, exactly).
 __device__ inline float load(const float* from) { return *from; }
 __device__ inline float load(const __nv_bfloat16* from) { return __bfloat162float(*from); }
+__device__ inline double load(const double* from) { return *from; }
 
 // acc plus x[0], x[stride], ..., x[(count - 1) * stride], each as a double
+// (a bf16 one widened)
 // (squared when `squares`), added one after another in that order: the
 // one-load-at-a-time loop's sum to the bit, with kLoadsInFlight loads
 // issued, unconditionally, before the first of their adds. One at a time,
@@ -110,12 +112,12 @@ __device__ inline double add_in_order(double acc, const T* x, size_t count, size
     for (int u = 0; u < kLoadsInFlight; ++u) v[u] = x[(i + u) * stride];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      const double xu = v[u];
+      const double xu = load(v + u);
       acc += squares ? xu * xu : xu;
     }
   }
   for (; i < count; ++i) {
-    const double xi = x[i * stride];
+    const double xi = load(x + i * stride);
     acc += squares ? xi * xi : xi;
   }
   return acc;

@@ -30,12 +30,13 @@ constexpr size_t kSlotAlign = 256;
 // chunk of rows) sums its chunk in double; then a thread per column sums
 // the chunks in order. Both read along rows, so a warp's loads are one
 // contiguous run.
-__global__ void column_chunk_sums_kernel(double* chunk_sums, const float* src, int rows, int cols, int chunks) {
+template <typename T>
+__global__ void column_chunk_sums_kernel(double* chunk_sums, const T* src, int rows, int cols, int chunks) {
   const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= cols) return;
   for (int k = static_cast<int>(blockIdx.y); k < chunks; k += static_cast<int>(gridDim.y)) {
     const int r0 = k * kColumnChunkRows, r1 = min(rows, r0 + kColumnChunkRows);
-    const float* column = src + static_cast<size_t>(r0) * cols + c;
+    const T* column = src + static_cast<size_t>(r0) * cols + c;
     chunk_sums[static_cast<size_t>(k) * cols + c] = add_in_order(0.0, column, r1 - r0, cols);
   }
 }
@@ -83,49 +84,48 @@ std::vector<const void*> CudaBackend::gemm_operands(std::initializer_list<Operan
   return out;
 }
 
-void CudaBackend::matmul_forward(float* out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+void CudaBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
                                  int OC) {
   const auto ops = gemm_operands({{weight, static_cast<size_t>(OC) * C}, {inp, static_cast<size_t>(N) * C}});
   // out^T[OC,N] = (W^T)^T[OC,C] x^T[C,N] + bias: W row-major [OC,C] is W^T to cuBLAS.
-  gemm_->run(stream(), true, false, OC, N, C, gemm_type(), ops[0], C, ops[1], C, 0.0f, out, OC, bias);
-}
-
-void CudaBackend::matmul_gelu_forward(Buffer out, Buffer pre, ConstBuffer inp, const float* weight, const float* bias,
-                                      int N, int C, int OC) {
-  // Two steps, not cuBLASLt's GELU_AUX_BIAS epilogue: at GPT-2's shapes
-  // cuBLASLt ran that epilogue as a kernel of its own anyway (keel-bench-mlp
-  // on the H200: 0.176 ms fused, 0.193 ms apart, a layer), and apart, the
-  // GELU writes the bf16 the next GEMM takes, which no epilogue offers
-  // beside a float32 pre-activation and bias.
-  const size_t n = static_cast<size_t>(N) * OC;
-  if (pre.dtype == DType::kBF16) {
-    auto* linear = static_cast<float*>(linear_out(n * sizeof(float)));
-    matmul_forward(linear, inp, weight, bias, N, C, OC);
-    launch("round_to_bf16", round_to_bf16_kernel, n, stream(), static_cast<__nv_bfloat16*>(pre.data), linear);
-  } else {
-    matmul_forward(static_cast<float*>(pre.data), inp, weight, bias, N, C, OC);
+  const auto product = [&](Buffer to) {
+    gemm_->run(stream(), true, false, OC, N, C, gemm_type(), ops[0], C, ops[1], C, 0.0f, to, OC, bias);
+  };
+  // A bf16 out straight from cuBLASLt where it can write one: no bias (a
+  // bf16 one would be rounded before the add, unlike the CPU's), bf16
+  // inputs, and rows of whole 16-byte vectors. Otherwise float32 into
+  // linear_out, rounded after, as the CPU does.
+  if (out.dtype == DType::kF32 || (bias == nullptr && gemm_type() == GemmInputs::kBF16 && OC % 8 == 0)) {
+    product(out);
+    return;
   }
-  gelu_forward(out, pre, n);
+  const size_t n = static_cast<size_t>(N) * OC;
+  auto* linear = static_cast<float*>(linear_out(n * sizeof(float)));
+  product(linear);
+  launch("round_to_bf16", round_to_bf16_kernel, n, stream(), static_cast<__nv_bfloat16*>(out.data), linear);
 }
 
-void CudaBackend::matmul_backward_through_gelu(float* dpre, float* dweight, float* dbias, const float* dout,
+void CudaBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float* dbias, ConstBuffer dout,
                                                ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
                                                int OC) {
-  if (dpre != nullptr && N > 0 && C > 0) {
-    // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], written over dpre (beta 0),
-    // then dpre = GELU'(pre) * dpre in place: gelu.h's derivative, as the
-    // CPU's. Not cuBLASLt's DGELU epilogue, which cuBLASLt ran as a kernel
-    // of its own at GPT-2's shapes (cublasLt::globalKernel, 2.3 ms of a
-    // 36.5 ms step on the H200, 6ef341d), reading the GEMM's output back
-    // as this kernel does.
+  if (dpre.data != nullptr && N > 0 && C > 0) {
+    // grad^T[C,N] = W^T[C,OC] dout^T[OC,N] in float32 (beta 0: over dpre
+    // itself when that is float32), then dpre = GELU'(pre) * grad in one
+    // pass: gelu.h's derivative, as the CPU's. Not cuBLASLt's DGELU
+    // epilogue, which cuBLASLt ran as a kernel of its own at GPT-2's shapes
+    // (cublasLt::globalKernel, 2.3 ms of a 36.5 ms step on the H200,
+    // 6ef341d), reading the GEMM's output back as this kernel does.
+    const size_t n = static_cast<size_t>(N) * C;
+    auto* grad = dpre.dtype == DType::kF32 ? static_cast<float*>(dpre.data)
+                                           : static_cast<float*>(linear_out(n * sizeof(float)));
     const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC}, {weight, static_cast<size_t>(OC) * C}});
-    gemm_->run(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC, 0.0f, dpre, C, nullptr);
-    gelu_backward_in_place(dpre, pre, static_cast<size_t>(N) * C);
+    gemm_->run(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC, 0.0f, grad, C, nullptr);
+    gelu_derivative_times(dpre, grad, pre, n);
   }
   matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
 }
 
-void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, ConstBuffer inp,
+void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
                                   const float* weight, int N, int C, int OC) {
   if (dinp != nullptr || dweight != nullptr) {
     const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
@@ -145,8 +145,10 @@ void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, con
     auto* chunk_sums = static_cast<double*>(scratch(static_cast<size_t>(chunks) * OC * sizeof(double)));
     const unsigned column_blocks = static_cast<unsigned>((OC + kThreads - 1) / kThreads);
     const unsigned chunk_blocks = static_cast<unsigned>(std::min(chunks, 65535));  // gridDim.y's limit
-    column_chunk_sums_kernel<<<dim3(column_blocks, chunk_blocks), kThreads, 0, stream()>>>(chunk_sums, dout, N, OC,
-                                                                                           chunks);
+    with_type<__nv_bfloat16>(dout, [&](const auto* d) {
+      column_chunk_sums_kernel<<<dim3(column_blocks, chunk_blocks), kThreads, 0, stream()>>>(chunk_sums, d, N, OC,
+                                                                                             chunks);
+    });
     check_launch("matmul_backward (bias chunks)");
     add_chunk_sums_kernel<<<column_blocks, kThreads, 0, stream()>>>(dbias, chunk_sums, chunks, OC);
     check_launch("matmul_backward (bias)");

@@ -19,15 +19,16 @@ __host__ __device__ inline int real_classes(int V, int v_begin, int Vl) {
 // of exp(x - max) rescaled as the max grows, and the block combines them.
 // Two passes (max, then sum) read the 200 KB rows twice from memory: the
 // H200 profile of c6a9a61 had this kernel at 1.3 ms a step at 124M.
-__global__ void crossentropy_stats_kernel(float* stats, const float* logits, const int32_t* targets, int v_begin,
-                                          int Vl, int real) {
+template <typename T>
+__global__ void crossentropy_stats_kernel(float* stats, const T* logits, const int32_t* targets, int v_begin, int Vl,
+                                          int real) {
   const size_t n = blockIdx.x;
-  const float* x = logits + n * Vl;
+  const T* x = logits + n * Vl;
   float* s = stats + n * 3;
   float max = -INFINITY, sum = 0.0f;
 #pragma unroll 4
   for (int c = threadIdx.x; c < real; c += blockDim.x) {
-    const float xc = x[c];
+    const float xc = load(x + c);
     if (xc > max) {
       sum = sum * expf(max - xc) + 1.0f;
       max = xc;
@@ -41,7 +42,7 @@ __global__ void crossentropy_stats_kernel(float* stats, const float* logits, con
     const int target = targets[n] - v_begin;
     s[0] = real > 0 ? row_max : -INFINITY;
     s[1] = real > 0 ? sum : 0.0f;
-    s[2] = target >= 0 && target < real ? x[target] : 0.0f;
+    s[2] = target >= 0 && target < real ? load(x + target) : 0.0f;
   }
 }
 
@@ -63,17 +64,18 @@ __global__ void crossentropy_combine_kernel(float* losses, float* lse, const flo
 }
 
 // One block per row (no division per logit to find its row); dlogits may
-// alias logits.
-__global__ void crossentropy_backward_kernel(float* dlogits, const float* logits, const float* lse,
-                                             const int32_t* targets, float dloss, int v_begin, int Vl, int real) {
+// alias logits: each element is read, then written, by one thread.
+template <typename D, typename T>
+__global__ void crossentropy_backward_kernel(D* dlogits, const T* logits, const float* lse, const int32_t* targets,
+                                             float dloss, int v_begin, int Vl, int real) {
   const size_t n = blockIdx.x;
-  const float* x = logits + n * Vl;
-  float* dx = dlogits + n * Vl;
+  const T* x = logits + n * Vl;
+  D* dx = dlogits + n * Vl;
   const float row_lse = lse[n];
   const int target = targets[n] - v_begin;
 #pragma unroll 4
   for (int c = threadIdx.x; c < Vl; c += blockDim.x)
-    dx[c] = c < real ? dloss * (expf(x[c] - row_lse) - (c == target ? 1.0f : 0.0f)) : 0.0f;
+    store(dx + c, c < real ? dloss * (expf(load(x + c) - row_lse) - (c == target ? 1.0f : 0.0f)) : 0.0f);
 }
 
 // One warp per row.
@@ -108,11 +110,13 @@ __global__ void softmax_backward_kernel(float* dlogits, const float* dprobs, con
 
 }  // namespace
 
-void CudaBackend::crossentropy_stats(float* stats, const float* logits, const int32_t* targets, int N, int v_begin,
+void CudaBackend::crossentropy_stats(float* stats, ConstBuffer logits, const int32_t* targets, int N, int v_begin,
                                      int Vl, int V) {
   if (N <= 0) return;
-  crossentropy_stats_kernel<<<N, kThreads, 0, stream()>>>(stats, logits, targets, v_begin, Vl,
-                                                          real_classes(V, v_begin, Vl));
+  with_type<__nv_bfloat16>(logits, [&](const auto* x) {
+    crossentropy_stats_kernel<<<N, kThreads, 0, stream()>>>(stats, x, targets, v_begin, Vl,
+                                                            real_classes(V, v_begin, Vl));
+  });
   check_launch("crossentropy_stats");
 }
 
@@ -122,11 +126,15 @@ void CudaBackend::crossentropy_combine(float* losses, float* lse, const float* s
   check_launch("crossentropy_combine");
 }
 
-void CudaBackend::crossentropy_backward(float* dlogits, const float* logits, const float* lse,
+void CudaBackend::crossentropy_backward(Buffer dlogits, ConstBuffer logits, const float* lse,
                                         const int32_t* targets, float dloss, int N, int v_begin, int Vl, int V) {
   if (N <= 0) return;
-  crossentropy_backward_kernel<<<N, kThreads, 0, stream()>>>(dlogits, logits, lse, targets, dloss, v_begin, Vl,
-                                                             real_classes(V, v_begin, Vl));
+  with_type<__nv_bfloat16>(dlogits, [&](auto* dx) {
+    with_type<__nv_bfloat16>(logits, [&](const auto* x) {
+      crossentropy_backward_kernel<<<N, kThreads, 0, stream()>>>(dx, x, lse, targets, dloss, v_begin, Vl,
+                                                                 real_classes(V, v_begin, Vl));
+    });
+  });
   check_launch("crossentropy_backward");
 }
 
