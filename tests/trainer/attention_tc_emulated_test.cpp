@@ -17,7 +17,11 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -30,14 +34,14 @@ using Vec = std::vector<float>;
 namespace tc = keel::trainer::cuda::tc_attention;
 
 // Forward and backward as tensor_core_attention_forward and _backward
-// launch them, on host memory.
-template <int D>
+// launch them, on host memory, for views whose elements are T.
+template <int D, typename T>
 void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& grads, const float* dout,
                         const Backend::AttentionInputs& in) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const unsigned heads = static_cast<unsigned>(in.B * in.NH);
   keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kForwardSharedBytes<D>,
-                         [&] { tc::attention_forward_tc_kernel<D>(out, lse, in, scale * tc::kLog2e); });
+                         [&] { tc::attention_forward_tc_kernel<D, T>(out, lse, in, scale * tc::kLog2e); });
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   Vec row_dots(rows, NAN);
   const unsigned warps_per_block = keel::trainer::cuda::kThreads / keel::trainer::cuda::kWarp;
@@ -45,10 +49,10 @@ void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& g
                          keel::trainer::cuda::kThreads, 0,
                          [&] { tc::attention_row_dots_kernel(row_dots.data(), dout, out, in); });
   keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
-    tc::attention_backward_keys_tc_kernel<D>(grads, dout, lse, row_dots.data(), in, scale);
+    tc::attention_backward_keys_tc_kernel<D, T>(grads, dout, lse, row_dots.data(), in, scale);
   });
   keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
-    tc::attention_backward_queries_tc_kernel<D>(grads, dout, lse, row_dots.data(), in, scale);
+    tc::attention_backward_queries_tc_kernel<D, T>(grads, dout, lse, row_dots.data(), in, scale);
   });
 }
 
@@ -57,7 +61,9 @@ struct Shape {
 };
 
 // q, k and v in one [B, T, 3C] buffer (self-attention's strided views) when
-// the query and key positions are the same, else three dense buffers.
+// the query and key positions are the same, else three dense buffers; as
+// float32, and as bf16, which must give the bits of the float32 views the
+// kernels round as they load them.
 template <int D>
 void check_against_cpu(const Shape& s) {
   const bool packed = s.Tq == s.Tk && s.q_offset == s.k_offset;
@@ -70,14 +76,26 @@ void check_against_cpu(const Shape& s) {
   struct Result {
     Vec out, lse, dq, dk, dv;
   };
-  auto run = [&](auto&& attention) {
+  auto rounded = [](const Vec& v) {
+    std::vector<keel::trainer::bf16> r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) r[i] = keel::trainer::to_bf16(v[i]);
+    return r;
+  };
+  const std::vector<keel::trainer::bf16> q16 = rounded(q), k16 = rounded(kv_k), v16 = rounded(kv_v);
+  auto run = [&](auto&& attention, keel::trainer::DType dtype = keel::trainer::DType::kF32) {
     Result r{Vec(static_cast<size_t>(s.B) * s.Tq * C, NAN), Vec(static_cast<size_t>(s.B) * s.NH * s.Tq, NAN), dq0,
              packed ? dq0 : dk0, packed ? dq0 : dv0};
+    const bool bf16 = dtype == keel::trainer::DType::kBF16;
+    const size_t width = static_cast<size_t>(C) * keel::trainer::dtype_bytes(dtype);
+    const auto* qs = bf16 ? static_cast<const void*>(q16.data()) : q.data();
+    const auto* base = static_cast<const std::byte*>(qs);
     const Backend::AttentionInputs in =
-        packed ? Backend::AttentionInputs{q.data(), q.data() + C, q.data() + 2 * C, ld_q, ld_kv, s.B, s.Tq, s.Tk, C,
-                                          s.NH, s.q_offset, s.k_offset}
-               : Backend::AttentionInputs{q.data(), kv_k.data(), kv_v.data(), ld_q, ld_kv, s.B, s.Tq, s.Tk, C,
-                                          s.NH, s.q_offset, s.k_offset};
+        packed ? Backend::AttentionInputs{base, base + width, base + 2 * width, ld_q, ld_kv, s.B, s.Tq, s.Tk, C,
+                                          s.NH, s.q_offset, s.k_offset, dtype}
+               : Backend::AttentionInputs{qs,
+                                          bf16 ? static_cast<const void*>(k16.data()) : kv_k.data(),
+                                          bf16 ? static_cast<const void*>(v16.data()) : kv_v.data(),
+                                          ld_q, ld_kv, s.B, s.Tq, s.Tk, C, s.NH, s.q_offset, s.k_offset, dtype};
     // Packed, the three gradients are views of one buffer, as dqkv is.
     const Backend::AttentionGrads grads = packed
                                               ? Backend::AttentionGrads{r.dq.data(), r.dq.data() + C, r.dq.data() + 2 * C}
@@ -86,12 +104,25 @@ void check_against_cpu(const Shape& s) {
     return r;
   };
   CpuBackend cpu(2, keel::trainer::DType::kBF16);
-  const Result want = run([&](float* out, float* lse, const Backend::AttentionGrads& grads, const float* dy,
-                              const Backend::AttentionInputs& in) {
+  auto on_cpu = [&](float* out, float* lse, const Backend::AttentionGrads& grads, const float* dy,
+                    const Backend::AttentionInputs& in) {
     cpu.attention_forward(out, lse, in);
     cpu.attention_backward(grads, dy, out, lse, in);
-  });
-  const Result got = run(emulated_attention<D>);
+  };
+  const Result want = run(on_cpu), want16 = run(on_cpu, keel::trainer::DType::kBF16);
+  const Result got = run(emulated_attention<D, float>);
+  const Result got16 = run(emulated_attention<D, __nv_bfloat16>, keel::trainer::DType::kBF16);
+  auto same_bits = [](const Vec& a, const Vec& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  // On bf16 views: the kernels' bits, and the CPU's, of the float32 views.
+  for (const auto& [name, part] : {std::pair{"out", &Result::out}, std::pair{"lse", &Result::lse},
+                                    std::pair{"dq", &Result::dq}, std::pair{"dk", &Result::dk},
+                                    std::pair{"dv", &Result::dv}}) {
+    CAPTURE(name);
+    CHECK(same_bits(got16.*part, got.*part));
+    CHECK(same_bits(want16.*part, want.*part));
+  }
   for (size_t i = 0; i < want.lse.size(); ++i) {
     if (std::isinf(want.lse[i])) CHECK(got.lse[i] == want.lse[i]);  // a query that sees no key
   }

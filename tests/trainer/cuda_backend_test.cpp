@@ -869,6 +869,44 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("GPU attention on bf16 q, k and v gives the bits of the float32 views they round") {
+    if (!device_or_skip()) return;
+    // Self-attention over qkv [B, T, 3C]: head 64 on the tensor cores, and
+    // head 32 on the float32 kernels, which take bf16 views widened.
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    for (const int NH : {2, 4}) {
+      const int B = 2, T = 70, C = 128;
+      CAPTURE(C / NH);
+      const size_t qkv_n = static_cast<size_t>(B) * T * 3 * C, q_n = static_cast<size_t>(B) * T * C;
+      Vec qkv = random_vec(qkv_n, 118, -2.0f, 2.0f);
+      // The float32 kernels do not round: give them values bf16 holds.
+      if (C / NH != 64) {
+        for (float& x : qkv) x = keel::trainer::bf16_rounded(x);
+      }
+      const std::map<std::string, Vec> floats = {{"qkv", qkv},
+                                                 {"out", Vec(q_n, NAN)},
+                                                 {"lse", Vec(static_cast<size_t>(B) * NH * T, NAN)},
+                                                 {"dout", random_vec(q_n, 119)},
+                                                 {"dqkv", random_vec(qkv_n, 120)}};
+      Tensors on_f32(gpu, floats, {}), on_bf16(gpu, floats, {});
+      std::vector<keel::trainer::bf16> qkv16(qkv_n);
+      for (size_t i = 0; i < qkv_n; ++i) qkv16[i] = keel::trainer::to_bf16(qkv[i]);
+      on_bf16.add_bf16("qkv16", qkv_n);
+      gpu.copy_from_host(on_bf16.h("qkv16"), qkv16.data(), qkv_n * sizeof(keel::trainer::bf16));
+      for (auto [t, view] : {std::pair<Tensors*, keel::trainer::ConstBuffer>{&on_f32, on_f32.f("qkv")},
+                             {&on_bf16, on_bf16.h("qkv16")}}) {
+        const auto in = Backend::self_attention(view, B, T, C, NH);
+        gpu.attention_forward(t->f("out"), t->f("lse"), in);
+        gpu.attention_backward(Backend::self_attention_grads(t->f("dqkv"), C), t->f("dout"), t->f("out"), t->f("lse"),
+                               in);
+      }
+      for (const char* name : {"out", "lse", "dqkv"}) {
+        CAPTURE(name);
+        CHECK(on_bf16.read(name) == on_f32.read(name));
+      }
+    }
+  }
+
   TEST_CASE("the same GPU training run twice gives the same bits") {
     if (!device_or_skip()) return;
     const auto config = small_model(4);

@@ -489,7 +489,7 @@ TEST_SUITE("unit") {
     CHECK(bf16.scratch_bytes() >= (inp.size() + w.size()) * sizeof(float));
   }
 
-  TEST_CASE("a bf16 GEMM operand on a backend with float32 GEMM inputs is an internal error") {
+  TEST_CASE("a bf16 GEMM operand or attention input on a backend with float32 GEMM inputs is an internal error") {
     CpuBackend cpu(0, keel::trainer::DType::kF32);
     std::vector<keel::trainer::bf16> inp(6);
     Vec w(6, 1.0f), out(4, 0.0f);
@@ -499,9 +499,19 @@ TEST_SUITE("unit") {
     } catch (const keel::common::Error& e) {
       CHECK(e.code() == keel::common::ErrorCode::kInternal);
     }
+    // Nor may attention's q, k and v be bf16 there.
+    std::vector<keel::trainer::bf16> qkv(2 * 3 * 4);
+    Vec att_out(2 * 4), lse(2);
+    try {
+      cpu.attention_forward(att_out.data(), lse.data(),
+                            CpuBackend::self_attention(qkv.data(), 1, 2, 4, 1));
+      FAIL("no error");
+    } catch (const keel::common::Error& e) {
+      CHECK(e.code() == keel::common::ErrorCode::kInternal);
+    }
   }
 
-  TEST_CASE("a bf16 pre-activation is the linear's output rounded, and GELU both ways reads the rounded value") {
+  TEST_CASE("a bf16 matmul output is the float32 output rounded, and GELU both ways reads the rounded value") {
     using keel::trainer::bf16;
     const int N = 40, C = 24, OC = 64;
     CpuBackend cpu(0, keel::trainer::DType::kBF16);

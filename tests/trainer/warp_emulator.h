@@ -10,7 +10,7 @@
 // that a kernel's lane addressing and fragment bookkeeping are right, the
 // part a GPU run would otherwise be the first to test. It also stops on
 // what the hardware would fault on or silently misread: an ldmatrix row
-// not 16-byte aligned, a float4 load not 16-byte aligned, shared memory
+// not 16-byte aligned, a float4 or 16-byte load not 16-byte aligned, shared memory
 // outside the block's dynamic allocation. Shared memory starts as NaN
 // bytes, so reading what no thread wrote shows in the results. Sums
 // inside one mma run in double, the hardware's order being unspecified.
@@ -55,6 +55,9 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+};
 
 namespace keel::emulator {
 
@@ -234,6 +237,13 @@ inline uint32_t bf16_pair(float lo, float hi) {
 inline float4 load_float4(const float* p) {
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) emulator::fail("float4 load not 16-byte aligned");
   return {p[0], p[1], p[2], p[3]};
+}
+
+inline uint4 load_16_bytes(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) emulator::fail("16-byte load not 16-byte aligned");
+  uint4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
 }  // namespace keel::trainer::cuda

@@ -85,25 +85,28 @@ class Backend {
   // even) and the products summed in float32. A float32 operand is rounded
   // where the GEMM takes it; with kBF16 an activation input may also come
   // as bf16 already (the GELU output, which only GEMMs read), so that
-  // nothing rounds it twice. Every other buffer stays float32.
+  // nothing rounds it twice; so may attention's q, k and v.
   virtual DType gemm_inputs() const = 0;
 
   // ---- the layout of attention's inputs ----
   // Queries and keys live in separate views, so the same kernels serve
   // self-attention (q, k and v side by side in one qkv buffer) and ring
   // attention (a chunk of queries against another rank's chunk of keys).
-  // Rows are positions: q[b, t] is row b*Tq + t of `q`, ld_q floats after
-  // the row before it; k and v likewise over Tk rows with ld_kv. Head h owns
-  // channels h*d..(h+1)*d of every row, d = C / NH. Query row t sits at
-  // position q_offset + t and key row j at k_offset + j; a query sees the
-  // keys at or before its own position. Scores are scaled by 1/sqrt(d).
+  // Rows are positions: q[b, t] is row b*Tq + t of `q`, ld_q elements
+  // after the row before it; k and v likewise over Tk rows with ld_kv. Head
+  // h owns channels h*d..(h+1)*d of every row, d = C / NH. Query row t sits
+  // at position q_offset + t and key row j at k_offset + j; a query sees
+  // the keys at or before its own position. Scores are scaled by 1/sqrt(d).
+  // q, k and v hold `dtype` elements: bf16 only where gemm_inputs() is
+  // kBF16 (the qkv linear's output kept so), kInternal otherwise.
   struct AttentionInputs {
-    const float* q;
-    const float* k;
-    const float* v;
+    const void* q;
+    const void* k;
+    const void* v;
     int ld_q, ld_kv;
     int B, Tq, Tk, C, NH;
     int q_offset = 0, k_offset = 0;
+    DType dtype = DType::kF32;
   };
   // The gradients of q, k and v, laid out as the inputs.
   struct AttentionGrads {
@@ -112,8 +115,10 @@ class Backend {
     float* dv;
   };
   // Self-attention over qkv[B, T, 3C]: q, then k, then v at every position.
-  static AttentionInputs self_attention(const float* qkv, int B, int T, int C, int NH) {
-    return {qkv, qkv + C, qkv + 2 * C, 3 * C, 3 * C, B, T, T, C, NH};
+  static AttentionInputs self_attention(ConstBuffer qkv, int B, int T, int C, int NH) {
+    const auto* base = static_cast<const std::byte*>(qkv.data);
+    const size_t width = static_cast<size_t>(C) * dtype_bytes(qkv.dtype);
+    return {base, base + width, base + 2 * width, 3 * C, 3 * C, B, T, T, C, NH, 0, 0, qkv.dtype};
   }
   static AttentionGrads self_attention_grads(float* dqkv, int C) { return {dqkv, dqkv + C, dqkv + 2 * C}; }
 

@@ -529,24 +529,34 @@ int visible_keys(const Backend::AttentionInputs& in, int t) {
   return std::clamp(in.q_offset + t - in.k_offset + 1, 0, in.Tk);
 }
 
-// With bf16 GEMM inputs attention multiplies what the GPU's tensor cores
-// do (attention_tc.cu): q, k and v rounded to bf16, here as compact copies
+// The float32 views attention computes on. With bf16 GEMM inputs it
+// multiplies what the GPU's tensor cores do (attention_tc.cu): q, k and v
+// rounded to bf16 (bf16 ones widened as they are), here as compact copies
 // (rows of C), and `views` pointing at them; the probabilities, score
-// gradients and dout are rounded where the products take them.
-struct RoundedViews {
+// gradients and dout are rounded where the products take them. With
+// float32 GEMM inputs, the caller's float32 views as they are.
+struct FloatViews {
   std::vector<float> q, k, v;
   Backend::AttentionInputs views;
 };
-RoundedViews rounded_views(const Backend::AttentionInputs& in) {
-  RoundedViews r{{}, {}, {}, in};
-  auto round_rows = [&](std::vector<float>& to, const float* from, int rows, int ld) {
-    to.resize(static_cast<size_t>(rows) * in.C);
-#pragma omp parallel for schedule(static) if (to.size() > kParallelMin)
-    for (int row = 0; row < rows; ++row) {
-      for (int c = 0; c < in.C; ++c) {
-        to[static_cast<size_t>(row) * in.C + c] = bf16_rounded(from[static_cast<size_t>(row) * ld + c]);
-      }
+FloatViews float_views(const Backend::AttentionInputs& in, bool bf16_inputs) {
+  if (!bf16_inputs) {
+    if (in.dtype != DType::kF32) {
+      throw common::Error(common::ErrorCode::kInternal, "bf16 attention inputs on a backend with float32 GEMM inputs");
     }
+    return {{}, {}, {}, in};
+  }
+  FloatViews r{{}, {}, {}, in};
+  auto round_rows = [&](std::vector<float>& to, const void* from, int rows, int ld) {
+    to.resize(static_cast<size_t>(rows) * in.C);
+    with_type<bf16>(ConstBuffer(from, in.dtype), [&](const auto* x) {
+#pragma omp parallel for schedule(static) if (to.size() > kParallelMin)
+      for (int row = 0; row < rows; ++row) {
+        for (int c = 0; c < in.C; ++c) {
+          to[static_cast<size_t>(row) * in.C + c] = bf16_rounded(widen(x[static_cast<size_t>(row) * ld + c]));
+        }
+      }
+    });
   };
   round_rows(r.q, in.q, in.B * in.Tq, in.ld_q);
   round_rows(r.k, in.k, in.B * in.Tk, in.ld_kv);
@@ -555,6 +565,7 @@ RoundedViews rounded_views(const Backend::AttentionInputs& in) {
   r.views.k = r.k.data();
   r.views.v = r.v.data();
   r.views.ld_q = r.views.ld_kv = in.C;
+  r.views.dtype = DType::kF32;
   return r;
 }
 
@@ -568,8 +579,8 @@ void round_rows_to_bf16(float* rows, int count, int width, int ld) {
 
 void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs& views) {
   const bool bf16 = gemm_inputs_ == DType::kBF16;
-  const RoundedViews rounded = bf16 ? rounded_views(views) : RoundedViews{{}, {}, {}, views};
-  const AttentionInputs& in = rounded.views;
+  const FloatViews floats = float_views(views, bf16);
+  const AttentionInputs& in = floats.views;
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
@@ -588,9 +599,9 @@ void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs
       const int r0 = unit % blocks * kQueryBlock;
       const int r1 = std::min(Tq, r0 + kQueryBlock);
       const int keys = visible_keys(in, r1 - 1);
-      const float* q = in.q + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
-      const float* k = in.k + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      const float* v = in.v + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
       float* o = out + (static_cast<size_t>(b) * Tq + r0) * C + h * d;
       float* a = probs.data();
       if (keys == 0) {
@@ -615,8 +626,8 @@ void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs
 void CpuBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
                                     const float* lse, const AttentionInputs& views) {
   const bool bf16 = gemm_inputs_ == DType::kBF16;
-  const RoundedViews rounded = bf16 ? rounded_views(views) : RoundedViews{{}, {}, {}, views};
-  const AttentionInputs& in = rounded.views;
+  const FloatViews floats = float_views(views, bf16);
+  const AttentionInputs& in = floats.views;
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   // dout rounded as a GEMM operand; D_t = dO_t . O_t takes it unrounded.
   std::vector<float> dout_rounded;
@@ -637,9 +648,9 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
     for (int bh = 0; bh < B * NH; ++bh) {
       const int b = bh / NH;
       const int h = bh % NH;
-      const float* q = in.q + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
-      const float* k = in.k + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      const float* v = in.v + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
       // The gradients are laid out as the caller's views.
       float* dq = grads.dq + static_cast<size_t>(b) * Tq * views.ld_q + h * d;
       float* dk = grads.dk + static_cast<size_t>(b) * Tk * views.ld_kv + h * d;

@@ -61,6 +61,7 @@ struct ConstBuffer {
   ConstBuffer(const float* p) : data(p) {}
   ConstBuffer(const bf16* p) : data(p), dtype(DType::kBF16) {}
   ConstBuffer(Buffer b) : data(b.data), dtype(b.dtype) {}
+  ConstBuffer(const void* p, DType type) : data(p), dtype(type) {}
   // The float32 data, or null when the buffer holds bf16.
   const float* f32() const { return dtype == DType::kF32 ? static_cast<const float*>(data) : nullptr; }
   const void* data = nullptr;

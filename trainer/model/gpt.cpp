@@ -136,7 +136,9 @@ void Gpt::lay_out(Arena& arena) {
       blk.ln1_mean = take(Ns);
       blk.ln1_rstd = take(Ns);
       blk.ln1_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
-      blk.qkv = take(N * 3 * Cl);
+      // Read by attention only, in the GEMMs' input type where no ring
+      // passes its keys around (the ring carries float32).
+      blk.qkv = arena.take_buffer(cp_ == nullptr ? gemm_in : DType::kF32, N * 3 * Cl);
       blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
       blk.atty = take(N * Cl);
       blk.residual2 = take(Ns * C);
@@ -333,8 +335,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
                         p + o.ln1_b, Ns, C);
     gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
-    k.matmul_forward(blk.qkv.data(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
-    attend(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
+    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
+    attend(blk.qkv.buffer(), blk.atty.data(), blk.attn_lse.data(), B);
     k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
     sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
@@ -462,7 +464,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.data(), nullptr, nullptr, N, Cl, C},
          x.datty.data(), p + o.attproj_w, blk.dattproj.data());
     x.dqkv.zero();
-    attend_backward(blk.qkv.data(), blk.atty.data(), blk.attn_lse.data(), B);
+    attend_backward(blk.qkv.buffer(), blk.atty.data(), blk.attn_lse.data(), B);
     k.zero(din_all, din_numel * sizeof(float));
     term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
          din_all, p + o.qkv_w, blk.dqkv.data());

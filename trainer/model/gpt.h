@@ -130,9 +130,11 @@ class Gpt {
   // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
   // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v
   // around the group and merge what each chunk of keys gives.
-  void attend(const float* qkv, float* out, float* lse, int B);
+  // qkv is in the GEMMs' input type without CP, float32 with it (the ring
+  // carries float32 keys).
+  void attend(ConstBuffer qkv, float* out, float* lse, int B);
   // Its gradient from the scratch datty into the scratch dqkv.
-  void attend_backward(const float* qkv, const float* out, const float* lse, int B);
+  void attend_backward(ConstBuffer qkv, const float* out, const float* lse, int B);
   // This rank's k and v of qkv [N, 3Cl], packed as [N, 2Cl] into the
   // ring's first buffer: what travels around the ring.
   const float* packed_keys(const float* qkv, int B);

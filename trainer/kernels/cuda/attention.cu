@@ -36,15 +36,22 @@ constexpr int kMaxHeadDim = 256;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // A row (b, h, t) of `rows` per (batch, head), and where its head starts
-// in the query, key and value views.
+// in the query, key and value views, whose elements are T.
+template <typename T>
 struct Row {
   size_t b, h, t, bh;
   int d;  // head dimension
   __device__ Row(size_t row, int rows, const Inputs& in)
       : b(row / rows / in.NH), h(row / rows % in.NH), t(row % rows), bh(row / rows), d(in.C / in.NH) {}
-  __device__ const float* q(const Inputs& in, size_t t_q) const { return in.q + (b * in.Tq + t_q) * in.ld_q + h * d; }
-  __device__ const float* k(const Inputs& in, size_t s) const { return in.k + (b * in.Tk + s) * in.ld_kv + h * d; }
-  __device__ const float* v(const Inputs& in, size_t s) const { return in.v + (b * in.Tk + s) * in.ld_kv + h * d; }
+  __device__ const T* q(const Inputs& in, size_t t_q) const {
+    return static_cast<const T*>(in.q) + (b * in.Tq + t_q) * in.ld_q + h * d;
+  }
+  __device__ const T* k(const Inputs& in, size_t s) const {
+    return static_cast<const T*>(in.k) + (b * in.Tk + s) * in.ld_kv + h * d;
+  }
+  __device__ const T* v(const Inputs& in, size_t s) const {
+    return static_cast<const T*>(in.v) + (b * in.Tk + s) * in.ld_kv + h * d;
+  }
   // Where query row t_q starts in a dense [B, Tq, C] tensor (out, dout).
   __device__ size_t dense(const Inputs& in, size_t t_q) const { return (b * in.Tq + t_q) * in.C + h * d; }
 };
@@ -54,20 +61,20 @@ __device__ inline int visible_keys(const Inputs& in, int t) {
   return max(0, min(in.q_offset + t - in.k_offset + 1, in.Tk));
 }
 
-__device__ inline float dot(const float* x, const float* y, int d) {
+template <typename X, typename Y> __device__ inline float dot(const X* x, const Y* y, int d) {
   float acc = 0.0f;
-  for (int j = 0; j < d; ++j) acc += x[j] * y[j];
+  for (int j = 0; j < d; ++j) acc += load(x + j) * load(y + j);
   return acc;
 }
 
 // acc[i] += weight * row[lane + i * 32] for the lane's channels; `store`
 // adds (or writes) them to dst.
-template <int kSlots>
-__device__ inline void add_scaled(float (&acc)[kSlots], float weight, const float* row, int d) {
+template <int kSlots, typename R>
+__device__ inline void add_scaled(float (&acc)[kSlots], float weight, const R* row, int d) {
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     const int j = lane() + i * kWarp;
-    if (j < d) acc[i] += weight * row[j];
+    if (j < d) acc[i] += weight * load(row + j);
   }
 }
 
@@ -80,13 +87,13 @@ __device__ inline void store(float* dst, const float (&acc)[kSlots], float scale
   }
 }
 
-template <int kSlots>
+template <int kSlots, typename T>
 __global__ void attention_forward_kernel(float* out, float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
-  const Row r(row, in.Tq, in);
+  const Row<T> r(row, in.Tq, in);
   const int d = r.d;
-  const float* q = r.q(in, r.t);
+  const T* q = r.q(in, r.t);
   const int len = visible_keys(in, static_cast<int>(r.t));
 
   float max = -INFINITY, sum = 0.0f;
@@ -114,19 +121,20 @@ __global__ void attention_forward_kernel(float* out, float* lse, Inputs in, floa
 struct Probability {
   float p, dp;
 };
-__device__ inline Probability probability(const float* q, const float* dy, const float* k, const float* v, int d,
-                                          float scale, float lse) {
+template <typename T>
+__device__ inline Probability probability(const T* q, const float* dy, const T* k, const T* v, int d, float scale,
+                                          float lse) {
   return {expf(dot(q, k, d) * scale - lse), dot(dy, v, d)};
 }
 
-template <int kSlots>
+template <int kSlots, typename T>
 __global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, float* row_dots, const float* dout,
                                                 const float* out, const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
-  const Row r(row, in.Tq, in);
+  const Row<T> r(row, in.Tq, in);
   const int d = r.d;
-  const float* q = r.q(in, r.t);
+  const T* q = r.q(in, r.t);
   const float* dy = dout + r.dense(in, r.t);
   const float* o = out + r.dense(in, r.t);
   const float shift = lse[r.bh * in.Tq + r.t];
@@ -151,16 +159,16 @@ __global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, f
   store(grads.dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, true);
 }
 
-template <int kSlots>
+template <int kSlots, typename T>
 __global__ void attention_backward_key_kernel(Backend::AttentionGrads grads, const float* row_dots, const float* dout,
                                               const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tk) return;
-  const Row r(row, in.Tk, in);
+  const Row<T> r(row, in.Tk, in);
   const int d = r.d;
   const size_t s = r.t;
-  const float* k = r.k(in, s);
-  const float* v = r.v(in, s);
+  const T* k = r.k(in, s);
+  const T* v = r.v(in, s);
   const size_t Tq = static_cast<size_t>(in.Tq);
   // The first query that sees key s.
   const size_t first = static_cast<size_t>(max(0, in.k_offset + static_cast<int>(s) - in.q_offset));
@@ -230,7 +238,24 @@ void with_slots(int d, Launch&& launch) {
   }
 }
 
+// Calls run(T{}) for the element type T of the views' q, k and v.
+template <class Run>
+void with_element(const Inputs& in, Run&& run) {
+  if (in.dtype == DType::kBF16) {
+    run(__nv_bfloat16{});
+  } else {
+    run(float{});
+  }
+}
+
 float attention_scale(int C, int NH) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(C / NH))); }
+
+// bf16 views only where the GEMMs take bf16 (backend.h's contract).
+void check_views(const Inputs& in, DType gemm_inputs) {
+  if (in.dtype == DType::kBF16 && gemm_inputs != DType::kBF16) {
+    throw common::Error(common::ErrorCode::kInternal, "bf16 attention inputs on a backend with float32 GEMM inputs");
+  }
+}
 
 void check_head_dim(int C, int NH) {
   if (C / NH > kMaxHeadDim) {
@@ -244,6 +269,7 @@ void check_head_dim(int C, int NH) {
 
 void CudaBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
+  check_views(in, gemm_inputs_);
   if (rows == 0) return;
   if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in)) {
     tensor_core_attention_forward(stream(), out, lse, in);
@@ -251,8 +277,10 @@ void CudaBackend::attention_forward(float* out, float* lse, const AttentionInput
   }
   check_head_dim(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
-    attention_forward_kernel<decltype(slots)::value>
-        <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, in, attention_scale(in.C, in.NH));
+    with_element(in, [&](auto element) {
+      attention_forward_kernel<decltype(slots)::value, decltype(element)>
+          <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, in, attention_scale(in.C, in.NH));
+    });
   });
   check_launch("attention_forward");
 }
@@ -261,6 +289,7 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
                                      const float* lse, const AttentionInputs& in) {
   const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
+  check_views(in, gemm_inputs_);
   if (query_rows == 0 || key_rows == 0) return;
   auto* row_dots = static_cast<float*>(scratch(query_rows * sizeof(float)));
   if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in, dout)) {
@@ -270,13 +299,16 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   check_head_dim(in.C, in.NH);
   const float scale = attention_scale(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
-    constexpr int kSlots = decltype(slots)::value;
-    attention_backward_query_kernel<kSlots>
-        <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, out, lse, in, scale);
-    check_launch("attention_backward (queries)");
-    attention_backward_key_kernel<kSlots>
-        <<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, lse, in, scale);
-    check_launch("attention_backward (keys)");
+    with_element(in, [&](auto element) {
+      constexpr int kSlots = decltype(slots)::value;
+      using T = decltype(element);
+      attention_backward_query_kernel<kSlots, T>
+          <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, out, lse, in, scale);
+      check_launch("attention_backward (queries)");
+      attention_backward_key_kernel<kSlots, T>
+          <<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, lse, in, scale);
+      check_launch("attention_backward (keys)");
+    });
   });
 }
 

@@ -4,9 +4,10 @@
 // in the FlashAttention-2 arrangement, on mma.sync m16n8k16 (bf16 inputs,
 // float32 accumulators, which Hopper runs at full tensor-core rate):
 // * a block of 4 warps takes a tile of 64 rows, each warp 16 of them, and
-//   walks the other side's tiles of 64; tiles are read from the float32
-//   views, rounded to bf16 into shared memory (rows 16 bytes longer than
-//   the head, so ldmatrix's eight rows fall on different banks);
+//   walks the other side's tiles of 64; tiles are read from the views into
+//   shared memory as bf16 (float32 views rounded, bf16 ones copied; rows
+//   16 bytes longer than the head, so ldmatrix's eight rows fall on
+//   different banks);
 // * forward, per query tile: S = Q K^T, an online softmax in base 2 kept
 //   per row (the 4 lanes of a quad hold a row's columns), P rounded to
 //   bf16 straight from S's accumulators into the A operand of O += P V;
@@ -58,13 +59,21 @@ void launch_tiles(const char* name, Kernel kernel, int tiles, const Inputs& in, 
 
 float attention_scale(int d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
 
-// Calls run(std::integral_constant<int, D>) for the view's head dimension.
+// Calls run(std::integral_constant<int, D>, T{}) for the views' head
+// dimension and element type.
 template <class Run>
 void with_head_dim(const Inputs& in, Run&& run) {
+  auto with_element = [&](auto dim) {
+    if (in.dtype == DType::kBF16) {
+      run(dim, __nv_bfloat16{});
+    } else {
+      run(dim, float{});
+    }
+  };
   if (in.C / in.NH == 64) {
-    run(std::integral_constant<int, 64>{});
+    with_element(std::integral_constant<int, 64>{});
   } else {
-    run(std::integral_constant<int, 128>{});
+    with_element(std::integral_constant<int, 128>{});
   }
 }
 
@@ -74,17 +83,20 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 bool tensor_core_attention_fits(const Inputs& in, const float* dout) {
   const int d = in.NH > 0 && in.C % in.NH == 0 ? in.C / in.NH : 0;
-  return (d == 64 || d == 128) && in.ld_q % 4 == 0 && in.ld_kv % 4 == 0 && aligned16(in.q) && aligned16(in.k) &&
-         aligned16(in.v) && (dout == nullptr || aligned16(dout)) && in.Tq > 0 && in.Tk > 0 &&
+  // Rows of whole 16-byte vectors: 4 floats or 8 bf16.
+  const int vector = static_cast<int>(16 / dtype_bytes(in.dtype));
+  return (d == 64 || d == 128) && in.ld_q % vector == 0 && in.ld_kv % vector == 0 && aligned16(in.q) &&
+         aligned16(in.k) && aligned16(in.v) && (dout == nullptr || aligned16(dout)) && in.Tq > 0 && in.Tk > 0 &&
          static_cast<long>(in.B) * in.NH <= 65535;
 }
 
 void tensor_core_attention_forward(cudaStream_t stream, float* out, float* lse, const Inputs& in) {
-  with_head_dim(in, [&](auto dim) {
+  with_head_dim(in, [&](auto dim, auto element) {
     constexpr int D = decltype(dim)::value;
-    static const bool allowed = allow_shared_memory(attention_forward_tc_kernel<D>, kForwardSharedBytes<D>);
+    using T = decltype(element);
+    static const bool allowed = allow_shared_memory(attention_forward_tc_kernel<D, T>, kForwardSharedBytes<D>);
     (void)allowed;
-    launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D>, tiles_of(in.Tq), in,
+    launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D, T>, tiles_of(in.Tq), in,
                  kForwardSharedBytes<D>, stream, out, lse, in, attention_scale(D) * kLog2e);
   });
 }
@@ -94,16 +106,17 @@ void tensor_core_attention_backward(cudaStream_t stream, const Backend::Attentio
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   attention_row_dots_kernel<<<grid_for_warps(rows), kThreads, 0, stream>>>(row_dots, dout, out, in);
   check_launch("attention_backward (row dots)");
-  with_head_dim(in, [&](auto dim) {
+  with_head_dim(in, [&](auto dim, auto element) {
     constexpr int D = decltype(dim)::value;
+    using T = decltype(element);
     const size_t shared_bytes = kBackwardSharedBytes<D>;
-    static const bool allowed = allow_shared_memory(attention_backward_keys_tc_kernel<D>, shared_bytes) &&
-                                allow_shared_memory(attention_backward_queries_tc_kernel<D>, shared_bytes);
+    static const bool allowed = allow_shared_memory(attention_backward_keys_tc_kernel<D, T>, shared_bytes) &&
+                                allow_shared_memory(attention_backward_queries_tc_kernel<D, T>, shared_bytes);
     (void)allowed;
-    launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D>, tiles_of(in.Tk),
-                 in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
+    launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D, T>,
+                 tiles_of(in.Tk), in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
                  attention_scale(D));
-    launch_tiles("attention_backward (queries, tensor cores)", attention_backward_queries_tc_kernel<D>,
+    launch_tiles("attention_backward (queries, tensor cores)", attention_backward_queries_tc_kernel<D, T>,
                  tiles_of(in.Tq), in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
                  attention_scale(D));
   });

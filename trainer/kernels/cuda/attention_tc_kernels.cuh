@@ -117,8 +117,9 @@ KEEL_UNROLL
   for (int kk = 0; kk < D / 16; ++kk) load_a<D>(a[kk], tile, warp, kk);
 }
 
-// Rows [0, 64) of a float32 view (row r at src + r * ld), rounded to bf16
-// into `tile`; rows at or past `valid` are zeros.
+// Rows [0, 64) of a view (row r at src + r * ld) into `tile` as bf16: a
+// float32 view rounded, a bf16 one copied 16 bytes at a time; rows at or
+// past `valid` are zeros.
 template <int D>
 __device__ inline void load_tile(__nv_bfloat16* tile, const float* src, int ld, int valid) {
   constexpr int kVectors = D / 4;
@@ -131,18 +132,29 @@ __device__ inline void load_tile(__nv_bfloat16* tile, const float* src, int ld, 
     dst[1] = __floats2bfloat162_rn(v.z, v.w);
   }
 }
+template <int D>
+__device__ inline void load_tile(__nv_bfloat16* tile, const __nv_bfloat16* src, int ld, int valid) {
+  constexpr int kVectors = D / 8;
+  for (int i = static_cast<int>(threadIdx.x); i < kTile * kVectors; i += kTileThreads) {
+    const int r = i / kVectors, c = i % kVectors * 8;
+    uint4 v{0u, 0u, 0u, 0u};
+    if (r < valid) v = load_16_bytes(src + static_cast<size_t>(r) * ld + c);
+    *reinterpret_cast<uint4*>(tile + r * kRowStride<D> + c) = v;
+  }
+}
 
-// Where head h of batch b starts in a view.
+// Where head h of batch b starts in a view: in q, k and v (of element
+// type T, the views' dtype) and in the dense and statistics arrays.
 struct Head {
   int b, h;
-  __device__ const float* q(const Inputs& in, int t) const {
-    return in.q + (static_cast<size_t>(b) * in.Tq + t) * in.ld_q + h * (in.C / in.NH);
+  template <typename T> __device__ const T* q(const Inputs& in, int t) const {
+    return static_cast<const T*>(in.q) + (static_cast<size_t>(b) * in.Tq + t) * in.ld_q + h * (in.C / in.NH);
   }
-  __device__ const float* k(const Inputs& in, int s) const {
-    return in.k + (static_cast<size_t>(b) * in.Tk + s) * in.ld_kv + h * (in.C / in.NH);
+  template <typename T> __device__ const T* k(const Inputs& in, int s) const {
+    return static_cast<const T*>(in.k) + (static_cast<size_t>(b) * in.Tk + s) * in.ld_kv + h * (in.C / in.NH);
   }
-  __device__ const float* v(const Inputs& in, int s) const {
-    return in.v + (static_cast<size_t>(b) * in.Tk + s) * in.ld_kv + h * (in.C / in.NH);
+  template <typename T> __device__ const T* v(const Inputs& in, int s) const {
+    return static_cast<const T*>(in.v) + (static_cast<size_t>(b) * in.Tk + s) * in.ld_kv + h * (in.C / in.NH);
   }
   // Query row t of a dense [B, Tq, C] tensor (out, dout).
   __device__ size_t dense(const Inputs& in, int t) const {
@@ -193,7 +205,7 @@ __device__ inline int keys_seen_by_tile(const Inputs& in, int t0) {
   return max(0, min(in.q_offset + last - in.k_offset + 1, in.Tk));
 }
 
-template <int D>
+template <int D, typename T>
 __global__ void __launch_bounds__(kTileThreads)
     attention_forward_tc_kernel(float* out, float* lse, Inputs in, float scale_log2) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
@@ -207,7 +219,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int warp = at.warp, quad = at.quad;
   const int row[2] = {t0 + warp * 16 + at.g, t0 + warp * 16 + at.g + 8};
 
-  load_tile<D>(q_tile, head.q(in, t0), in.ld_q, in.Tq - t0);
+  load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
   __syncthreads();
   uint32_t q_frag[D / 16][4];
   load_rows_as_a<D>(q_frag, q_tile, warp);
@@ -219,8 +231,8 @@ __global__ void __launch_bounds__(kTileThreads)
   const int keys = keys_seen_by_tile(in, t0);
   for (int s0 = 0; s0 < keys; s0 += kTile) {
     __syncthreads();  // every warp is done with the previous K and V
-    load_tile<D>(k_tile, head.k(in, s0), in.ld_kv, in.Tk - s0);
-    load_tile<D>(v_tile, head.v(in, s0), in.ld_kv, in.Tk - s0);
+    load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
+    load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
     __syncthreads();
 
     float s[kTile / 8][4] = {};
@@ -306,7 +318,7 @@ __device__ inline void load_row_stats(float* lse2, float* dots, const float* lse
 }
 
 // dK and dV of one key tile over every query tile that sees it.
-template <int D>
+template <int D, typename T>
 __global__ void __launch_bounds__(kTileThreads)
     attention_backward_keys_tc_kernel(Backend::AttentionGrads grads, const float* dout, const float* lse,
                                       const float* row_dots, Inputs in, float scale) {
@@ -322,14 +334,14 @@ __global__ void __launch_bounds__(kTileThreads)
   const int key[2] = {s0 + warp * 16 + at.g, s0 + warp * 16 + at.g + 8};
   const float scale_log2 = scale * kLog2e;
 
-  load_tile<D>(k_tile, head.k(in, s0), in.ld_kv, in.Tk - s0);
-  load_tile<D>(v_tile, head.v(in, s0), in.ld_kv, in.Tk - s0);
+  load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
+  load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // The first query that sees the tile's first key.
   const int first = max(0, in.k_offset + s0 - in.q_offset);
   for (int t0 = first; t0 < in.Tq; t0 += kTile) {
     __syncthreads();  // K and V are in place; every warp is done with the last Q and dO
-    load_tile<D>(q_tile, head.q(in, t0), in.ld_q, in.Tq - t0);
+    load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
     load_tile<D>(do_tile, dout + head.dense(in, t0), in.C, in.Tq - t0);
     load_row_stats(lse2, dots, lse, row_dots, in, head, t0);
     __syncthreads();
@@ -374,7 +386,7 @@ KEEL_UNROLL
 }
 
 // dQ of one query tile over every key tile it sees.
-template <int D>
+template <int D, typename T>
 __global__ void __launch_bounds__(kTileThreads)
     attention_backward_queries_tc_kernel(Backend::AttentionGrads grads, const float* dout, const float* lse,
                                          const float* row_dots, Inputs in, float scale) {
@@ -389,7 +401,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int row[2] = {t0 + warp * 16 + at.g, t0 + warp * 16 + at.g + 8};
   const float scale_log2 = scale * kLog2e;
 
-  load_tile<D>(q_tile, head.q(in, t0), in.ld_q, in.Tq - t0);
+  load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
   load_tile<D>(do_tile, dout + head.dense(in, t0), in.C, in.Tq - t0);
   load_row_stats(lse2, dots, lse, row_dots, in, head, t0);
   __syncthreads();
@@ -402,8 +414,8 @@ __global__ void __launch_bounds__(kTileThreads)
   const int keys = keys_seen_by_tile(in, t0);
   for (int s0 = 0; s0 < keys; s0 += kTile) {
     __syncthreads();
-    load_tile<D>(k_tile, head.k(in, s0), in.ld_kv, in.Tk - s0);
-    load_tile<D>(v_tile, head.v(in, s0), in.ld_kv, in.Tk - s0);
+    load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
+    load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
     __syncthreads();
     // S = Q K^T and dP = dO V^T: 16 queries x 64 keys a warp.
     float s[kTile / 8][4] = {}, dp[kTile / 8][4] = {};

@@ -60,5 +60,7 @@ __device__ inline uint32_t bf16_pair(float lo, float hi) {
 
 // Four floats from a 16-byte aligned address.
 __device__ inline float4 load_float4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// Sixteen bytes (eight bf16) from a 16-byte aligned address.
+__device__ inline uint4 load_16_bytes(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
 }  // namespace keel::trainer::cuda
