@@ -100,9 +100,11 @@ TEST_SUITE("unit") {
       storage.zero_gradients();
       gpt.forward(tokens.data(), tokens.data(), 2);
       gpt.backward(1.0f);
+      std::vector<keel::trainer::AdamW::Part> parts;
       for (size_t i = 0; i < table.specs().size(); ++i) {
-        optimizer.update(i, storage.owned_parameters(i), storage.owned_gradients(i), 1e-3f, 1.0f, step);
+        parts.push_back({i, storage.owned_parameters(i), storage.owned_gradients(i)});
       }
+      optimizer.update(parts, 1e-3f, 1.0f, step);
     }
     CHECK(backend.allocations == 1);
   }

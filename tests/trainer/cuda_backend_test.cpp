@@ -202,8 +202,8 @@ std::vector<KernelCase> kernel_cases() {
                      {}, {"p", "m", "v"},
                      [n](Backend& k, Tensors& t) {
                        for (int64_t step = 1; step <= 3; ++step) {
-                         k.adamw_update(t.f("p"), t.f("g"), t.f("m"), t.f("v"), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f,
-                                        0.7f, step);
+                         k.adamw_update({{t.f("p"), t.f("g"), t.f("m"), t.f("v"), n, 0.1f}}, 1e-2f, 0.9f, 0.95f,
+                                        1e-8f, 0.7f, step);
                        }
                      },
                      1e-4, 1e-3});
@@ -448,10 +448,11 @@ struct Trainee {
     for (const auto& spec : table.specs())
       squares += gpt.backend().sum_squares(storage.grads() + spec.offset, spec.numel);
     const float scale = optimizer->clip_scale(std::sqrt(squares));
+    std::vector<keel::trainer::AdamW::Part> parts;
     for (size_t i = 0; i < table.specs().size(); ++i) {
-      optimizer->update(i, storage.params() + table.specs()[i].offset, storage.grads() + table.specs()[i].offset,
-                        static_cast<float>(keel::trainer::learning_rate(train, index)), scale, index);
+      parts.push_back({i, storage.params() + table.specs()[i].offset, storage.grads() + table.specs()[i].offset});
     }
+    optimizer->update(parts, static_cast<float>(keel::trainer::learning_rate(train, index)), scale, index);
     return loss;
   }
 
@@ -501,6 +502,39 @@ TEST_SUITE("gpu") {
       CHECK(gpu.take_queued_sums().empty());
       gpu.queue_sums_of_squares(spans);
       CHECK(gpu.take_queued_sums() == each);
+    }
+  }
+
+  TEST_CASE("AdamW over many tensors in one call on the GPU updates each as a call of its own does, bit for bit") {
+    if (!device_or_skip()) return;
+    CudaBackend gpu;
+    // 60 tensors (three launches of at most 24), empty ones among them,
+    // lengths across a block's chunk of 16384, two weight decays.
+    const std::vector<size_t> lengths = {0, 1, 768, 16383, 16384, 16385, 2304, 0, 40001, 3};
+    size_t total = 0;
+    for (size_t i = 0; i < 60; ++i) total += lengths[i % lengths.size()];
+    const std::map<std::string, Vec> floats = {{"p", random_vec(total, 121)},
+                                               {"g", random_vec(total, 122, -2.0f, 2.0f)},
+                                               {"m", random_vec(total, 123, -0.1f, 0.1f)},
+                                               {"v", random_vec(total, 124, 0.0f, 0.1f)}};
+    Tensors together(gpu, floats, {}), alone(gpu, floats, {});
+    auto tensors_of = [&](Tensors& t) {
+      std::vector<keel::trainer::AdamwTensor> out;
+      size_t at = 0;
+      for (size_t i = 0; i < 60; ++i) {
+        const size_t n = lengths[i % lengths.size()];
+        out.push_back({t.f("p") + at, t.f("g") + at, t.f("m") + at, t.f("v") + at, n, i % 2 == 0 ? 0.1f : 0.0f});
+        at += n;
+      }
+      return out;
+    };
+    for (int64_t step = 1; step <= 2; ++step) {
+      gpu.adamw_update(tensors_of(together), 1e-2f, 0.9f, 0.95f, 1e-8f, 0.7f, step);
+      for (const auto& x : tensors_of(alone)) gpu.adamw_update({x}, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.7f, step);
+    }
+    for (const char* name : {"p", "m", "v"}) {
+      CAPTURE(name);
+      CHECK(together.read(name) == alone.read(name));
     }
   }
 

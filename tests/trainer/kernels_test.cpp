@@ -1194,7 +1194,7 @@ TEST_SUITE("unit") {
     Ref p_ref(params.begin(), params.end()), m_ref(n, 0.0), v_ref(n, 0.0);
     for (int64_t t = 1; t <= 3; ++t) {
       const Vec grads = random_vec(n, 65 + t, -2.0f, 2.0f);
-      cpu.adamw_update(params.data(), grads.data(), m.data(), v.data(), n, lr, beta1, beta2, eps, wd, grad_scale, t);
+      cpu.adamw_update({{params.data(), grads.data(), m.data(), v.data(), n, wd}}, lr, beta1, beta2, eps, grad_scale, t);
       const double b1 = beta1, b2 = beta2;
       for (size_t i = 0; i < n; ++i) {
         const double g = static_cast<double>(grads[i]) * grad_scale;

@@ -290,10 +290,11 @@ TEST_SUITE("unit") {
       for (const auto& spec : specs) squares += backend.sum_squares(test_model.storage.grads() + spec.offset, spec.numel);
       CHECK(std::isfinite(squares));
       const float scale = optimizer.clip_scale(std::sqrt(squares));
+      std::vector<keel::trainer::AdamW::Part> parts;
       for (size_t i = 0; i < specs.size(); ++i) {
-        optimizer.update(i, test_model.storage.params() + specs[i].offset, test_model.storage.grads() + specs[i].offset,
-                         static_cast<float>(keel::trainer::learning_rate(t, step)), scale, step);
+        parts.push_back({i, test_model.storage.params() + specs[i].offset, test_model.storage.grads() + specs[i].offset});
       }
+      optimizer.update(parts, static_cast<float>(keel::trainer::learning_rate(t, step)), scale, step);
     }
     CHECK(last < 0.5f * first);
   }

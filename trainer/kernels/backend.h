@@ -32,6 +32,17 @@ struct FloatSpan {
   size_t numel = 0;
 };
 
+// One tensor of an AdamW step (Backend::adamw_update): n elements of its
+// parameters, their gradients and both moments, and its weight decay.
+struct AdamwTensor {
+  float* params = nullptr;
+  const float* grads = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  size_t n = 0;
+  float weight_decay = 0.0f;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;

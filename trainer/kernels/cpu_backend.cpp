@@ -935,12 +935,13 @@ void CpuBackend::gathered_row_dot(float* out, const float* a, const int32_t* row
 
 // ---- optimizer ----
 
-void CpuBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
-                              float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                              int64_t t) {
-  const AdamwStep step = AdamwStep::at(lr, beta1, beta2, eps, weight_decay, grad_scale, t);
-#pragma omp parallel for simd schedule(static) if (parallel : n > kParallelMin)
-  for (size_t i = 0; i < n; ++i) step.apply(params, grads, m, v, i);
+void CpuBackend::adamw_update(const std::vector<AdamwTensor>& tensors, float lr, float beta1, float beta2, float eps,
+                              float grad_scale, int64_t t) {
+  for (const AdamwTensor& x : tensors) {
+    const AdamwStep step = AdamwStep::at(lr, beta1, beta2, eps, x.weight_decay, grad_scale, t);
+#pragma omp parallel for simd schedule(static) if (parallel : x.n > kParallelMin)
+    for (size_t i = 0; i < x.n; ++i) step.apply(x.params, x.grads, x.m, x.v, i);
+  }
 }
 
 double CpuBackend::sum_squares(const float* x, size_t n) {

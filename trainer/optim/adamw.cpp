@@ -49,13 +49,17 @@ float AdamW::clip_scale(double norm) const {
   return static_cast<float>(std::min(1.0, train_.grad_clip / (norm + 1e-6)));
 }
 
-void AdamW::update(size_t t, float* params, const float* grads, float lr, float grad_scale, int64_t step) {
-  const size_t n = owned_numel_[t];
-  if (n == 0) return;
-  const float decay = table_.specs()[t].weight_decay() ? static_cast<float>(train_.weight_decay) : 0.0f;
-  backend_.adamw_update(params, grads, m_.data() + state_offset_[t], v_.data() + state_offset_[t], n, lr,
-                        static_cast<float>(train_.beta1), static_cast<float>(train_.beta2),
-                        static_cast<float>(train_.eps), decay, grad_scale, step + 1);
+void AdamW::update(const std::vector<Part>& parts, float lr, float grad_scale, int64_t step) {
+  std::vector<AdamwTensor> tensors;
+  for (const Part& part : parts) {
+    const size_t n = owned_numel_[part.t];
+    if (n == 0) continue;
+    const float decay = table_.specs()[part.t].weight_decay() ? static_cast<float>(train_.weight_decay) : 0.0f;
+    tensors.push_back(
+        {part.params, part.grads, m_.data() + state_offset_[part.t], v_.data() + state_offset_[part.t], n, decay});
+  }
+  backend_.adamw_update(tensors, lr, static_cast<float>(train_.beta1), static_cast<float>(train_.beta2),
+                        static_cast<float>(train_.eps), grad_scale, step + 1);
 }
 
 }  // namespace keel::trainer

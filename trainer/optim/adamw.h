@@ -29,10 +29,15 @@ class AdamW {
   // train.grad_clip, as torch.nn.utils.clip_grad_norm_ computes it.
   float clip_scale(double norm) const;
 
-  // One AdamW update at `lr` as optimizer step `step` (0-based) of the
-  // owned part of tensor t: params and grads point at its first element,
-  // grads are multiplied by grad_scale first.
-  void update(size_t t, float* params, const float* grads, float lr, float grad_scale, int64_t step);
+  // The owned part of tensor t: params and grads point at its first element.
+  struct Part {
+    size_t t;
+    float* params;
+    const float* grads;
+  };
+  // One AdamW update at `lr` as optimizer step `step` (0-based) of each
+  // part, in one backend call; grads are multiplied by grad_scale first.
+  void update(const std::vector<Part>& parts, float lr, float grad_scale, int64_t step);
 
   // The moments of the owned part of tensor t (owned_numel[t] floats each).
   float* exp_avg(size_t t) { return m_.data() + state_offset_[t]; }

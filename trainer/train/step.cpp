@@ -331,9 +331,11 @@ Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
 
 void Step::apply_update(float lr, double norm, int64_t step) {
   const float scale = p_.optimizer.clip_scale(norm);
+  std::vector<AdamW::Part> parts;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
-    p_.optimizer.update(t, p_.storage.owned_parameters(t), p_.storage.owned_gradients(t), lr, scale, step);
+    parts.push_back({t, p_.storage.owned_parameters(t), p_.storage.owned_gradients(t)});
   }
+  p_.optimizer.update(parts, lr, scale, step);
   p_.storage.publish_parameters();
 }
 

@@ -42,8 +42,8 @@ template <typename T> __global__ void chunk_sums_kernel(double* partials, const 
 }
 
 // Up to kMax spans for one launch of span_squares_kernel, passed by value
-// (kernel parameters, about 1.3 KB): block b sums a chunk of the span
-// whose blocks start at the last first_block[s] <= b.
+// (kernel parameters, about 1.3 KB): a block sums a chunk of its span
+// (span_of_block).
 struct SpanBatch {
   static constexpr int kMax = 64;
   const float* data[kMax];
@@ -55,12 +55,8 @@ struct SpanBatch {
 // Each chunk of each span as chunk_sums_kernel sums it, so a span's
 // partials are bit for bit those of queue_sum_squares.
 __global__ void span_squares_kernel(double* partials, SpanBatch batch) {
-  int lo = 0, hi = batch.count;  // the span: the last s in [0, count) with first_block[s] <= blockIdx.x
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    (batch.first_block[mid] <= blockIdx.x ? lo : hi) = mid;
-  }
-  const double acc = chunk_sum(batch.data[lo], batch.numel[lo], blockIdx.x - batch.first_block[lo], true);
+  const int s = span_of_block(batch.first_block, batch.count);
+  const double acc = chunk_sum(batch.data[s], batch.numel[s], blockIdx.x - batch.first_block[s], true);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 

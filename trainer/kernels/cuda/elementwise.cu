@@ -11,6 +11,8 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 namespace keel::trainer::cuda {
 namespace {
 
@@ -63,9 +65,24 @@ __global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* s
   }
 }
 
-__global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m,
-                             float* __restrict__ v, AdamwStep step, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) step.apply(params, grads, m, v, i);
+// AdamW over up to kMax tensors a launch, passed by value (kernel
+// parameters, about 1.8 KB): tensor s takes blocks [first_block[s],
+// first_block[s + 1]), one chunk of kChunk elements each (span_of_block).
+struct AdamwBatch {
+  static constexpr int kMax = 24;
+  static constexpr size_t kChunk = size_t{1} << 14;
+  AdamwTensor tensors[kMax];
+  AdamwStep steps[kMax];
+  unsigned first_block[kMax + 1];
+  int count;
+};
+
+__global__ void adamw_kernel(AdamwBatch batch) {
+  const int s = span_of_block(batch.first_block, batch.count);
+  const AdamwTensor& x = batch.tensors[s];
+  const size_t begin = (blockIdx.x - batch.first_block[s]) * AdamwBatch::kChunk;
+  const size_t end = min(x.n, begin + AdamwBatch::kChunk);
+  for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) batch.steps[s].apply(x.params, x.grads, x.m, x.v, i);
 }
 
 }  // namespace
@@ -103,10 +120,24 @@ void CudaBackend::accumulate_columns(float* dst, int dst_ld, const float* src, i
          stream(), dst, dst_ld, src, src_ld, cols);
 }
 
-void CudaBackend::adamw_update(float* params, const float* grads, float* m, float* v, size_t n, float lr,
-                               float beta1, float beta2, float eps, float weight_decay, float grad_scale, int64_t t) {
-  launch("adamw_update", adamw_kernel, n, stream(), params, grads, m, v,
-         AdamwStep::at(lr, beta1, beta2, eps, weight_decay, grad_scale, t));
+void CudaBackend::adamw_update(const std::vector<AdamwTensor>& tensors, float lr, float beta1, float beta2, float eps,
+                               float grad_scale, int64_t t) {
+  for (size_t first = 0; first < tensors.size(); first += AdamwBatch::kMax) {
+    AdamwBatch batch{};
+    batch.count = static_cast<int>(std::min<size_t>(AdamwBatch::kMax, tensors.size() - first));
+    unsigned blocks = 0;
+    for (int s = 0; s < batch.count; ++s) {
+      const AdamwTensor& x = tensors[first + s];
+      batch.tensors[s] = x;
+      batch.steps[s] = AdamwStep::at(lr, beta1, beta2, eps, x.weight_decay, grad_scale, t);
+      batch.first_block[s] = blocks;
+      blocks += static_cast<unsigned>((x.n + AdamwBatch::kChunk - 1) / AdamwBatch::kChunk);
+    }
+    batch.first_block[batch.count] = blocks;
+    if (blocks == 0) continue;
+    adamw_kernel<<<blocks, kThreads, 0, stream()>>>(batch);
+    check_launch("adamw_update");
+  }
 }
 
 }  // namespace keel::trainer::cuda

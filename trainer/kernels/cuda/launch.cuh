@@ -123,6 +123,18 @@ __device__ inline double add_in_order(double acc, const T* x, size_t count, size
   return acc;
 }
 
+// For a launch whose blocks are split among spans, span s taking blocks
+// [first_block[s], first_block[s + 1]): the span of this block, the last s
+// in [0, count) with first_block[s] <= blockIdx.x (an empty span owns none).
+__device__ inline int span_of_block(const unsigned* first_block, int count) {
+  int lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (first_block[mid] <= blockIdx.x ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 __device__ inline float block_max(float x) {
   __shared__ float warps[kThreads / kWarp];
   x = warp_max(x);
