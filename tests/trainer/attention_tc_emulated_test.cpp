@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -41,7 +42,7 @@ void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& g
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const unsigned heads = static_cast<unsigned>(in.B * in.NH);
   keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kForwardSharedBytes<D>,
-                         [&] { tc::attention_forward_tc_kernel<D, T>(out, lse, in, scale * tc::kLog2e); });
+                         [&] { tc::attention_forward_tc_kernel<D, T, float>(out, lse, in, scale * tc::kLog2e); });
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   Vec row_dots(rows, NAN);
   const unsigned warps_per_block = keel::trainer::cuda::kThreads / keel::trainer::cuda::kWarp;
@@ -112,6 +113,23 @@ void check_against_cpu(const Shape& s) {
   const Result want = run(on_cpu), want16 = run(on_cpu, keel::trainer::DType::kBF16);
   const Result got = run(emulated_attention<D, float>);
   const Result got16 = run(emulated_attention<D, __nv_bfloat16>, keel::trainer::DType::kBF16);
+  {
+    // The output kept as bf16 (the projection's GEMM input): each float32
+    // output rounded, and the same log-sum-exps.
+    auto out16 = std::make_unique<__nv_bfloat16[]>(got.out.size());
+    Vec lse(got.lse.size(), NAN);
+    run([&](float*, float*, const Backend::AttentionGrads&, const float*, const Backend::AttentionInputs& in) {
+      keel::emulator::launch(tc::tiles_of(in.Tq), static_cast<unsigned>(in.B * in.NH), tc::kTileThreads,
+                             tc::kForwardSharedBytes<D>, [&] {
+                               tc::attention_forward_tc_kernel<D, float, __nv_bfloat16>(
+                                   out16.get(), lse.data(), in, 1.0f / std::sqrt(static_cast<float>(D)) * tc::kLog2e);
+                             });
+    });
+    size_t mismatches = 0;
+    for (size_t i = 0; i < got.out.size(); ++i) mismatches += out16[i].bits != keel::emulator::to_bf16(got.out[i]);
+    CHECK(mismatches == 0);
+    CHECK(std::memcmp(lse.data(), got.lse.data(), lse.size() * sizeof(float)) == 0);
+  }
   auto same_bits = [](const Vec& a, const Vec& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
   };

@@ -938,6 +938,22 @@ TEST_SUITE("gpu") {
         CAPTURE(name);
         CHECK(on_bf16.read(name) == on_f32.read(name));
       }
+      // The output kept as bf16: the float32 one rounded, bit for bit, and
+      // the backward from it that of its widening.
+      Tensors kept(gpu, floats, {});
+      kept.add_bf16("out16", q_n);
+      const auto in = Backend::self_attention(on_f32.f("qkv"), B, T, C, NH);
+      gpu.attention_forward(kept.h("out16"), kept.f("lse"), in);
+      Vec rounded = on_f32.read("out");
+      for (float& x : rounded) x = keel::trainer::bf16_rounded(x);
+      CHECK(kept.read_bf16("out16") == rounded);
+      CHECK(kept.read("lse") == on_f32.read("lse"));
+      Tensors widened(gpu, {{"out", rounded}, {"dqkv", floats.at("dqkv")}}, {});
+      gpu.attention_backward(Backend::self_attention_grads(kept.f("dqkv"), C), kept.f("dout"), kept.h("out16"),
+                             kept.f("lse"), in);
+      gpu.attention_backward(Backend::self_attention_grads(widened.f("dqkv"), C), kept.f("dout"), widened.f("out"),
+                             kept.f("lse"), in);
+      CHECK(kept.read("dqkv") == widened.read("dqkv"));
     }
   }
 

@@ -691,6 +691,32 @@ TEST_SUITE("unit") {
     }
   }
 
+  TEST_CASE("attention's output kept as bf16 is the float32 one rounded, and the backward reads it widened") {
+    using keel::trainer::bf16;
+    const AttentionShape s{2, 150, 32, 2};
+    CpuBackend cpu(0, keel::trainer::DType::kBF16);
+    const Vec qkv = random_vec(s.qkv(), 87, -2.0f, 2.0f), dout = random_vec(s.out(), 88);
+    const auto in = CpuBackend::self_attention(qkv.data(), s.B, s.T, s.C, s.NH);
+    Vec out = nan_vec(s.out()), lse = nan_vec(s.lse()), lse16 = nan_vec(s.lse());
+    std::vector<bf16> out16(s.out(), bf16{0xffff});
+    cpu.attention_forward(out.data(), lse.data(), in);
+    cpu.attention_forward(out16.data(), lse16.data(), in);
+    size_t mismatches = 0;
+    Vec widened(out16.size());
+    for (size_t i = 0; i < out16.size(); ++i) {
+      mismatches += out16[i].bits != keel::trainer::to_bf16(out[i]).bits;
+      widened[i] = keel::trainer::to_float(out16[i]);
+    }
+    CHECK(mismatches == 0);
+    CHECK(lse16 == lse);
+    Vec dqkv(s.qkv(), 0.5f), dqkv16(s.qkv(), 0.5f);
+    cpu.attention_backward(CpuBackend::self_attention_grads(dqkv.data(), s.C), dout.data(), widened.data(), lse.data(),
+                           in);
+    cpu.attention_backward(CpuBackend::self_attention_grads(dqkv16.data(), s.C), dout.data(), out16.data(), lse.data(),
+                           in);
+    CHECK(dqkv16 == dqkv);
+  }
+
   TEST_CASE("attention backward matches finite differences") {
     check_attention_gradient({2, 5, 8, 2}, 23);
   }

@@ -155,6 +155,11 @@ constexpr int kThreads = 256;
 constexpr int kWarp = 32;
 
 inline int lane() { return emulator::lane(); }
+// launch.cuh's stores and loads of an element as float32.
+inline void store(float* to, float value) { *to = value; }
+inline void store(__nv_bfloat16* to, float value) { to->bits = emulator::to_bf16(value); }
+inline float load(const float* from) { return *from; }
+inline float load(const __nv_bfloat16* from) { return emulator::from_bf16(from->bits); }
 inline size_t global_warp() { return (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) / kWarp; }
 template <typename T> inline T warp_sum(T x) {
   for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);

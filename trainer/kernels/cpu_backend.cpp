@@ -577,11 +577,15 @@ void round_rows_to_bf16(float* rows, int count, int width, int ld) {
 
 }  // namespace
 
-void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs& views) {
+void CpuBackend::attention_forward(Buffer out_buffer, float* lse, const AttentionInputs& views) {
   const bool bf16 = gemm_inputs_ == DType::kBF16;
   const FloatViews floats = float_views(views, bf16);
   const AttentionInputs& in = floats.views;
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
+  // A bf16 out: the float32 output here first, rounded into it at the end.
+  const size_t out_n = static_cast<size_t>(B) * Tq * C;
+  std::vector<float> wide(out_buffer.dtype == DType::kBF16 ? out_n : 0);
+  float* out = out_buffer.dtype == DType::kBF16 ? wide.data() : static_cast<float*>(out_buffer.data);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   // Every (batch, head, query block) is independent, so dynamic scheduling
@@ -621,13 +625,22 @@ void CpuBackend::attention_forward(float* out, float* lse, const AttentionInputs
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r1 - r0, d, keys, 1.0f, a, Tk, v, in.ld_kv, 0.0f, o, C);
     }
   }
+  if (out_buffer.dtype == DType::kBF16) round_into(static_cast<trainer::bf16*>(out_buffer.data), wide.data(), out_n);
 }
 
-void CpuBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
+void CpuBackend::attention_backward(const AttentionGrads& grads, const float* dout, ConstBuffer out_buffer,
                                     const float* lse, const AttentionInputs& views) {
   const bool bf16 = gemm_inputs_ == DType::kBF16;
   const FloatViews floats = float_views(views, bf16);
   const AttentionInputs& in = floats.views;
+  // A bf16 out widened (exactly) for D_t.
+  std::vector<float> wide;
+  if (out_buffer.dtype == DType::kBF16) {
+    const auto* from = static_cast<const trainer::bf16*>(out_buffer.data);
+    wide.resize(static_cast<size_t>(in.B) * in.Tq * in.C);
+    for (size_t i = 0; i < wide.size(); ++i) wide[i] = to_float(from[i]);
+  }
+  const float* out = out_buffer.dtype == DType::kBF16 ? wide.data() : out_buffer.f32();
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
   // dout rounded as a GEMM operand; D_t = dO_t . O_t takes it unrounded.
   std::vector<float> dout_rounded;

@@ -136,11 +136,14 @@ void Gpt::lay_out(Arena& arena) {
       blk.ln1_mean = take(Ns);
       blk.ln1_rstd = take(Ns);
       blk.ln1_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
-      // Read by attention only, in the GEMMs' input type where no ring
-      // passes its keys around (the ring carries float32).
-      blk.qkv = arena.take_buffer(cp_ == nullptr ? gemm_in : DType::kF32, N * 3 * Cl);
+      // qkv (read by attention only) and attention's output (read by the
+      // projection's GEMMs and attention's backward) in the GEMMs' input
+      // type where no ring passes keys around and merges outputs (the ring
+      // carries and merges float32).
+      const DType attention_type = cp_ == nullptr ? gemm_in : DType::kF32;
+      blk.qkv = arena.take_buffer(attention_type, N * 3 * Cl);
       blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
-      blk.atty = take(N * Cl);
+      blk.atty = arena.take_buffer(attention_type, N * Cl);
       blk.residual2 = take(Ns * C);
       // An MoE block's dispatch copies rows of ln2 (float32 only).
       const DType ln2_type = moe_at[i] ? DType::kF32 : ln_type;
@@ -336,8 +339,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
                         p + o.ln1_b, Ns, C);
     gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
     k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
-    attend(blk.qkv.buffer(), blk.atty.data(), blk.attn_lse.data(), B);
-    k.matmul_forward(partial_or(blk.residual2), blk.atty.data(), p + o.attproj_w,
+    attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
+    k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p + o.attproj_w,
                      first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
     sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
     // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
@@ -461,10 +464,10 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
     x.datty.zero();
-    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.data(), nullptr, nullptr, N, Cl, C},
+    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C},
          x.datty.data(), p + o.attproj_w, blk.dattproj.data());
     x.dqkv.zero();
-    attend_backward(blk.qkv.buffer(), blk.atty.data(), blk.attn_lse.data(), B);
+    attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
     k.zero(din_all, din_numel * sizeof(float));
     term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
          din_all, p + o.qkv_w, blk.dqkv.data());

@@ -130,11 +130,11 @@ class Gpt {
   // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
   // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v
   // around the group and merge what each chunk of keys gives.
-  // qkv is in the GEMMs' input type without CP, float32 with it (the ring
-  // carries float32 keys).
-  void attend(ConstBuffer qkv, float* out, float* lse, int B);
+  // qkv and out are in the GEMMs' input type without CP, float32 with it
+  // (the ring carries float32 keys and merges float32 outputs).
+  void attend(ConstBuffer qkv, Buffer out, float* lse, int B);
   // Its gradient from the scratch datty into the scratch dqkv.
-  void attend_backward(ConstBuffer qkv, const float* out, const float* lse, int B);
+  void attend_backward(ConstBuffer qkv, ConstBuffer out, const float* lse, int B);
   // This rank's k and v of qkv [N, 3Cl], packed as [N, 2Cl] into the
   // ring's first buffer: what travels around the ring.
   const float* packed_keys(const float* qkv, int B);

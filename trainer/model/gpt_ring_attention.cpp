@@ -37,24 +37,26 @@ const float* Gpt::packed_keys(const float* qkv, int B) {
 
 namespace {
 
-// The ring's float32 qkv (Gpt::lay_out keeps it so under CP).
-const float* ring_qkv(ConstBuffer qkv) {
-  if (qkv.dtype != DType::kF32) {
-    throw common::Error(common::ErrorCode::kInternal, "a bf16 qkv for ring attention, which passes float32 keys");
+// The ring passes float32 keys and merges float32 outputs: Gpt::lay_out
+// keeps qkv and attention's output so under CP.
+void require_float32(DType qkv, DType out) {
+  if (qkv != DType::kF32 || out != DType::kF32) {
+    throw common::Error(common::ErrorCode::kInternal, "a bf16 qkv or attention output for ring attention");
   }
-  return qkv.f32();
 }
 
 }  // namespace
 
-void Gpt::attend(ConstBuffer qkv_buffer, float* out, float* lse, int B) {
+void Gpt::attend(ConstBuffer qkv_buffer, Buffer out_buffer, float* lse, int B) {
   const int Cl = sizes().Cl, NHl = sizes().NHl;
   Backend& k = backend_;
   if (cp_ == nullptr) {
-    k.attention_forward(out, lse, Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
+    k.attention_forward(out_buffer, lse, Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
     return;
   }
-  const float* qkv = ring_qkv(qkv_buffer);
+  require_float32(qkv_buffer.dtype, out_buffer.dtype);
+  const float* qkv = qkv_buffer.f32();
+  auto* out = static_cast<float*>(out_buffer.data);
   // Ring attention: step t holds the k and v of CP rank r - t and passes
   // them on to r + 1. Each local query chunk computes its first chunk of
   // keys in place (its own diagonal, at step 0, from its qkv rows) and
@@ -88,16 +90,18 @@ void Gpt::attend(ConstBuffer qkv_buffer, float* out, float* lse, int B) {
   }
 }
 
-void Gpt::attend_backward(ConstBuffer qkv_buffer, const float* out, const float* lse, int B) {
+void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const float* lse, int B) {
   const int Cl = sizes().Cl, NHl = sizes().NHl;
   Backend& k = backend_;
   Scratch& x = *scratch_;
   if (cp_ == nullptr) {
-    k.attention_backward(Backend::self_attention_grads(x.dqkv.data(), Cl), x.datty.data(), out, lse,
+    k.attention_backward(Backend::self_attention_grads(x.dqkv.data(), Cl), x.datty.data(), out_buffer, lse,
                          Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
     return;
   }
-  const float* qkv = ring_qkv(qkv_buffer);
+  require_float32(qkv_buffer.dtype, out_buffer.dtype);
+  const float* qkv = qkv_buffer.f32();
+  const float* out = out_buffer.f32();
   // The ring again. At step 0 this rank's own keys' gradients go straight
   // into dqkv; from step 1 each rank's packed k and v travel with an
   // accumulator of their gradients, which starts at zero where they first

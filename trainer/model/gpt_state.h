@@ -140,8 +140,8 @@ struct Gpt::Slot {
     // type (ln2 float32 where an MoE block may run, whose dispatch copies
     // its rows; all float32 where the TP communicator carries only float32).
     ArenaBuffer ln1, ln1_whole, ln2, ln2_whole;
-    ArenaArray<float> ln1_mean, ln1_rstd, attn_lse, atty, residual2;
-    ArenaBuffer qkv;  // in the GEMMs' input type without CP (Gpt::attend)
+    ArenaArray<float> ln1_mean, ln1_rstd, attn_lse, residual2;
+    ArenaBuffer qkv, atty;  // in the GEMMs' input type without CP (Gpt::attend)
     ArenaArray<float> ln2_mean, ln2_rstd, residual3;
     // The MLP's pre-activation (dense blocks), kept for GELU's backward, in
     // the GEMMs' input type as torch's autocast keeps it: bf16 halves the

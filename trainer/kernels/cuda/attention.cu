@@ -67,7 +67,7 @@ template <typename X, typename Y> __device__ inline float dot(const X* x, const 
   return acc;
 }
 
-// acc[i] += weight * row[lane + i * 32] for the lane's channels; `store`
+// acc[i] += weight * row[lane + i * 32] for the lane's channels; `write_lanes`
 // adds (or writes) them to dst.
 template <int kSlots, typename R>
 __device__ inline void add_scaled(float (&acc)[kSlots], float weight, const R* row, int d) {
@@ -78,17 +78,17 @@ __device__ inline void add_scaled(float (&acc)[kSlots], float weight, const R* r
   }
 }
 
-template <int kSlots>
-__device__ inline void store(float* dst, const float (&acc)[kSlots], float scale, int d, bool accumulate) {
+template <int kSlots, typename O>
+__device__ inline void write_lanes(O* dst, const float (&acc)[kSlots], float scale, int d, bool accumulate) {
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     const int j = lane() + i * kWarp;
-    if (j < d) dst[j] = (accumulate ? dst[j] : 0.0f) + acc[i] * scale;
+    if (j < d) store(dst + j, (accumulate ? load(dst + j) : 0.0f) + acc[i] * scale);
   }
 }
 
-template <int kSlots, typename T>
-__global__ void attention_forward_kernel(float* out, float* lse, Inputs in, float scale) {
+template <int kSlots, typename T, typename O>
+__global__ void attention_forward_kernel(O* out, float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
   const Row<T> r(row, in.Tq, in);
@@ -112,7 +112,7 @@ __global__ void attention_forward_kernel(float* out, float* lse, Inputs in, floa
     max = new_max;
   }
   // A query before every key of the chunk sees nothing: out 0, lse -inf.
-  store(out + r.dense(in, r.t), acc, len > 0 ? 1.0f / sum : 0.0f, d, false);
+  write_lanes(out + r.dense(in, r.t), acc, len > 0 ? 1.0f / sum : 0.0f, d, false);
   if (lane() == 0) lse[r.bh * in.Tq + r.t] = len > 0 ? max + logf(sum) : -INFINITY;
 }
 
@@ -127,21 +127,21 @@ __device__ inline Probability probability(const T* q, const float* dy, const T* 
   return {expf(dot(q, k, d) * scale - lse), dot(dy, v, d)};
 }
 
-template <int kSlots, typename T>
+template <int kSlots, typename T, typename O>
 __global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, float* row_dots, const float* dout,
-                                                const float* out, const float* lse, Inputs in, float scale) {
+                                                const O* out, const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
   const Row<T> r(row, in.Tq, in);
   const int d = r.d;
   const T* q = r.q(in, r.t);
   const float* dy = dout + r.dense(in, r.t);
-  const float* o = out + r.dense(in, r.t);
+  const O* o = out + r.dense(in, r.t);
   const float shift = lse[r.bh * in.Tq + r.t];
   const int len = visible_keys(in, static_cast<int>(r.t));
 
   float partial = 0.0f;
-  for (int j = lane(); j < d; j += kWarp) partial += dy[j] * o[j];
+  for (int j = lane(); j < d; j += kWarp) partial += dy[j] * load(o + j);
   const float row_d = warp_sum(partial);
   if (lane() == 0) row_dots[r.bh * in.Tq + r.t] = row_d;
 
@@ -156,7 +156,7 @@ __global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, f
     const int count = min(kWarp, len - base);
     for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, ds, k), r.k(in, base + k), d);
   }
-  store(grads.dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, true);
+  write_lanes(grads.dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, true);
 }
 
 template <int kSlots, typename T>
@@ -189,8 +189,8 @@ __global__ void attention_backward_key_kernel(Backend::AttentionGrads grads, con
     }
   }
   const size_t at = (r.b * in.Tk + s) * in.ld_kv + r.h * d;
-  store(grads.dk + at, acc_k, 1.0f, d, true);
-  store(grads.dv + at, acc_v, 1.0f, d, true);
+  write_lanes(grads.dk + at, acc_k, 1.0f, d, true);
+  write_lanes(grads.dv + at, acc_v, 1.0f, d, true);
 }
 
 // The weights of (out, lse) and of (part_out, part_lse) in their merge, and
@@ -267,7 +267,7 @@ void check_head_dim(int C, int NH) {
 
 }  // namespace
 
-void CudaBackend::attention_forward(float* out, float* lse, const AttentionInputs& in) {
+void CudaBackend::attention_forward(Buffer out, float* lse, const AttentionInputs& in) {
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   check_views(in, gemm_inputs_);
   if (rows == 0) return;
@@ -278,14 +278,17 @@ void CudaBackend::attention_forward(float* out, float* lse, const AttentionInput
   check_head_dim(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
     with_element(in, [&](auto element) {
-      attention_forward_kernel<decltype(slots)::value, decltype(element)>
-          <<<grid_for_warps(rows), kThreads, 0, stream()>>>(out, lse, in, attention_scale(in.C, in.NH));
+      with_type<__nv_bfloat16>(out, [&](auto* to) {
+        using O = std::remove_pointer_t<decltype(to)>;
+        attention_forward_kernel<decltype(slots)::value, decltype(element), O>
+            <<<grid_for_warps(rows), kThreads, 0, stream()>>>(to, lse, in, attention_scale(in.C, in.NH));
+      });
     });
   });
   check_launch("attention_forward");
 }
 
-void CudaBackend::attention_backward(const AttentionGrads& grads, const float* dout, const float* out,
+void CudaBackend::attention_backward(const AttentionGrads& grads, const float* dout, ConstBuffer out,
                                      const float* lse, const AttentionInputs& in) {
   const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
@@ -302,8 +305,11 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
     with_element(in, [&](auto element) {
       constexpr int kSlots = decltype(slots)::value;
       using T = decltype(element);
-      attention_backward_query_kernel<kSlots, T>
-          <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, out, lse, in, scale);
+      with_type<__nv_bfloat16>(out, [&](const auto* o) {
+        using O = std::remove_const_t<std::remove_pointer_t<decltype(o)>>;
+        attention_backward_query_kernel<kSlots, T, O>
+            <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, o, lse, in, scale);
+      });
       check_launch("attention_backward (queries)");
       attention_backward_key_kernel<kSlots, T>
           <<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, lse, in, scale);

@@ -90,21 +90,27 @@ bool tensor_core_attention_fits(const Inputs& in, const float* dout) {
          static_cast<long>(in.B) * in.NH <= 65535;
 }
 
-void tensor_core_attention_forward(cudaStream_t stream, float* out, float* lse, const Inputs& in) {
+void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, const Inputs& in) {
   with_head_dim(in, [&](auto dim, auto element) {
-    constexpr int D = decltype(dim)::value;
-    using T = decltype(element);
-    static const bool allowed = allow_shared_memory(attention_forward_tc_kernel<D, T>, kForwardSharedBytes<D>);
-    (void)allowed;
-    launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D, T>, tiles_of(in.Tq), in,
-                 kForwardSharedBytes<D>, stream, out, lse, in, attention_scale(D) * kLog2e);
+    with_type<__nv_bfloat16>(out, [&](auto* to) {
+      constexpr int D = decltype(dim)::value;
+      using T = decltype(element);
+      using O = std::remove_pointer_t<decltype(to)>;
+      static const bool allowed =
+          allow_shared_memory(attention_forward_tc_kernel<D, T, O>, kForwardSharedBytes<D>);
+      (void)allowed;
+      launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D, T, O>, tiles_of(in.Tq), in,
+                   kForwardSharedBytes<D>, stream, to, lse, in, attention_scale(D) * kLog2e);
+    });
   });
 }
 
 void tensor_core_attention_backward(cudaStream_t stream, const Backend::AttentionGrads& grads, const float* dout,
-                                    const float* out, const float* lse, const Inputs& in, float* row_dots) {
+                                    ConstBuffer out, const float* lse, const Inputs& in, float* row_dots) {
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
-  attention_row_dots_kernel<<<grid_for_warps(rows), kThreads, 0, stream>>>(row_dots, dout, out, in);
+  with_type<__nv_bfloat16>(out, [&](const auto* o) {
+    attention_row_dots_kernel<<<grid_for_warps(rows), kThreads, 0, stream>>>(row_dots, dout, o, in);
+  });
   check_launch("attention_backward (row dots)");
   with_head_dim(in, [&](auto dim, auto element) {
     constexpr int D = decltype(dim)::value;

@@ -15,11 +15,11 @@ namespace keel::trainer::cuda {
 // kernels of attention.cu serve.
 bool tensor_core_attention_fits(const Backend::AttentionInputs& in, const float* dout = nullptr);
 
-void tensor_core_attention_forward(cudaStream_t stream, float* out, float* lse, const Backend::AttentionInputs& in);
+void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, const Backend::AttentionInputs& in);
 
 // row_dots: device scratch of B * NH * Tq floats (D_t = dO_t . O_t).
 void tensor_core_attention_backward(cudaStream_t stream, const Backend::AttentionGrads& grads, const float* dout,
-                                    const float* out, const float* lse, const Backend::AttentionInputs& in,
+                                    ConstBuffer out, const float* lse, const Backend::AttentionInputs& in,
                                     float* row_dots);
 
 }  // namespace keel::trainer::cuda

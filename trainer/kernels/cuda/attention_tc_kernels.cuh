@@ -205,9 +205,9 @@ __device__ inline int keys_seen_by_tile(const Inputs& in, int t0) {
   return max(0, min(in.q_offset + last - in.k_offset + 1, in.Tk));
 }
 
-template <int D, typename T>
+template <int D, typename T, typename O>
 __global__ void __launch_bounds__(kTileThreads)
-    attention_forward_tc_kernel(float* out, float* lse, Inputs in, float scale_log2) {
+    attention_forward_tc_kernel(O* out, float* lse, Inputs in, float scale_log2) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
   auto* q_tile = reinterpret_cast<__nv_bfloat16*>(shared);
   auto* k_tile = q_tile + kTile * kRowStride<D>;
@@ -281,11 +281,11 @@ KEEL_UNROLL
     if (row[r] >= in.Tq) continue;
     // A query that sees no key: out 0, lse -inf (the interface's rule).
     const float inverse = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-    float* dst = out + head.dense(in, row[r]);
+    O* dst = out + head.dense(in, row[r]);
 KEEL_UNROLL
     for (int n = 0; n < D / 8; ++n) {
-      dst[n * 8 + quad * 2] = o[n][2 * r] * inverse;
-      dst[n * 8 + quad * 2 + 1] = o[n][2 * r + 1] * inverse;
+      store(dst + n * 8 + quad * 2, o[n][2 * r] * inverse);
+      store(dst + n * 8 + quad * 2 + 1, o[n][2 * r + 1] * inverse);
     }
     if (quad == 0) {
       lse[head.stat(in, row[r])] = row_sum[r] > 0.0f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : -INFINITY;
@@ -294,14 +294,15 @@ KEEL_UNROLL
 }
 
 // D_t = dO_t . O_t, a warp per query row (the backward's row sums of P dP).
-__global__ void attention_row_dots_kernel(float* row_dots, const float* dout, const float* out, Inputs in) {
+template <typename O>
+__global__ void attention_row_dots_kernel(float* row_dots, const float* dout, const O* out, Inputs in) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
   const int t = static_cast<int>(row % in.Tq);
   const Head head{static_cast<int>(row / in.Tq / in.NH), static_cast<int>(row / in.Tq % in.NH)};
   const size_t at = head.dense(in, t);
   float partial = 0.0f;
-  for (int j = lane(); j < in.C / in.NH; j += kWarp) partial += dout[at + j] * out[at + j];
+  for (int j = lane(); j < in.C / in.NH; j += kWarp) partial += dout[at + j] * load(out + at + j);
   const float total = warp_sum(partial);
   if (lane() == 0) row_dots[row] = total;
 }
