@@ -93,15 +93,17 @@ TEST_SUITE("integration") {
 
     const auto hangs = wait_for_hang(job);
     bool named = false;
+    std::string events;  // for the message below: which ranks each event named
     for (const auto& hang : hangs) {
       INFO(hang.dump());
+      events += hang.dump() + "\n";
       CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
       // Only the frozen rank is frozen; others may wait for it.
       for (const auto& frozen : hang.at("frozen_ranks")) CHECK(frozen == victim);
       named = named || (contains(hang.at("culprit_ranks"), victim) && contains(hang.at("frozen_ranks"), victim));
       CHECK(hang.at("flight") == "flight/0");
     }
-    CHECK_MESSAGE(named, "no hang_detected named the frozen rank");
+    CHECK_MESSAGE(named, "no hang_detected named the frozen rank:\n" << events);
     for (int r = 0; r < 4; ++r) CHECK(std::filesystem::exists(job.run_dir() / "flight/0" / fmt::format("rank-{:05d}.json", r)));
     std::ifstream verdict_file(job.run_dir() / "flight/0/verdict.json");
     const auto verdict = nlohmann::json::parse(verdict_file);

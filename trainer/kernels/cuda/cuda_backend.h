@@ -3,9 +3,10 @@
 // backend is the reference it is tested against (tests/trainer/
 // cuda_backend_test.cpp).
 //
-// * Precision: float32 storage and arithmetic everywhere but the GEMMs'
-//   inputs, which are float32 (no TF32: the CPU and GPU agree to float32
-//   rounding) or, for speed, bfloat16 on tensor cores (matmul.cu). Either
+// * Precision: float32 arithmetic everywhere; the GEMMs' inputs are
+//   float32 (no TF32: the CPU and GPU agree to float32 rounding) or, for
+//   speed, bfloat16 on tensor cores (matmul.cu), and so are the arrays
+//   the model keeps in their type (docs/architecture.md "Dtypes"). Either
 //   way cuBLASLt accumulates in float32 (CUBLAS_COMPUTE_32F).
 // * Determinism: always on. No kernel uses atomics; every reduction sums
 //   in an order fixed by the shape; cuBLASLt runs one algorithm per shape

@@ -7,7 +7,8 @@
 // GEMM, and a bf16 operand (an activation its producer wrote so) is taken
 // as it is: the float32 weights stay the only copy, so the optimizer, the
 // checkpoint and the gradient reduction never see bf16, and the product
-// accumulates in float32 into a float32 output.
+// accumulates in float32: into a float32 output, or one the caller keeps
+// as bf16 (the logits, the pre-activation and its gradient, qkv), rounded.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/column_sums.h"
