@@ -432,10 +432,15 @@ size_t CpuBackend::scratch_bytes() const {
 
 namespace {
 
-// A float32 result kept as bf16 (linear_out_ rounded into its buffer).
+// A float32 result kept as bf16 (linear_out_ rounded into its buffer),
+// and a bf16 array widened (exactly) where float32 code reads it.
 void round_into(bf16* to, const float* from, size_t n) {
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (size_t i = 0; i < n; ++i) to[i] = to_bf16(from[i]);
+}
+void widen_into(float* to, const bf16* from, size_t n) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (size_t i = 0; i < n; ++i) to[i] = to_float(from[i]);
 }
 
 }  // namespace
@@ -457,9 +462,7 @@ std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::p
       continue;
     }
     if (buffer.dtype == DType::kBF16) {
-      const auto* from = static_cast<const bf16*>(buffer.data);
-#pragma omp parallel for schedule(static) if (count > kParallelMin)
-      for (size_t i = 0; i < count; ++i) slot[i] = to_float(from[i]);
+      widen_into(slot, static_cast<const bf16*>(buffer.data), count);
     } else {
       const float* from = buffer.f32();
 #pragma omp parallel for schedule(static) if (count > kParallelMin)
@@ -636,9 +639,8 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
   // A bf16 out widened (exactly) for D_t.
   std::vector<float> wide;
   if (out_buffer.dtype == DType::kBF16) {
-    const auto* from = static_cast<const trainer::bf16*>(out_buffer.data);
     wide.resize(static_cast<size_t>(in.B) * in.Tq * in.C);
-    for (size_t i = 0; i < wide.size(); ++i) wide[i] = to_float(from[i]);
+    widen_into(wide.data(), static_cast<const trainer::bf16*>(out_buffer.data), wide.size());
   }
   const float* out = out_buffer.dtype == DType::kBF16 ? wide.data() : out_buffer.f32();
   const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;

@@ -42,21 +42,19 @@ template <typename T> __global__ void chunk_sums_kernel(double* partials, const 
 }
 
 // Up to kMax spans for one launch of span_squares_kernel, passed by value
-// (kernel parameters, about 1.3 KB): a block sums a chunk of its span
-// (span_of_block).
+// (kernel parameters, about 1.3 KB): a block sums a chunk of its span.
 struct SpanBatch {
   static constexpr int kMax = 64;
   const float* data[kMax];
   size_t numel[kMax];
-  unsigned first_block[kMax + 1];  // [count]: all the batch's blocks
-  int count;
+  BlockSplit<kMax> split;
 };
 
 // Each chunk of each span as chunk_sums_kernel sums it, so a span's
 // partials are bit for bit those of queue_sum_squares.
 __global__ void span_squares_kernel(double* partials, SpanBatch batch) {
-  const int s = span_of_block(batch.first_block, batch.count);
-  const double acc = chunk_sum(batch.data[s], batch.numel[s], blockIdx.x - batch.first_block[s], true);
+  const int s = batch.split.span();
+  const double acc = chunk_sum(batch.data[s], batch.numel[s], batch.split.chunk(s), true);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
@@ -236,23 +234,20 @@ void CudaBackend::queue_sum_squares(ConstBuffer x, size_t n) {
 }
 
 void CudaBackend::queue_sums_of_squares(const std::vector<FloatSpan>& spans) {
-  for (size_t first = 0; first < spans.size(); first += SpanBatch::kMax) {
+  for (size_t next = 0; next < spans.size();) {
     SpanBatch batch{};
-    batch.count = static_cast<int>(std::min<size_t>(SpanBatch::kMax, spans.size() - first));
-    unsigned blocks = 0;
-    for (int s = 0; s < batch.count; ++s) {
-      batch.data[s] = spans[first + s].data;
-      batch.numel[s] = spans[first + s].numel;
-      batch.first_block[s] = blocks;
-      blocks += static_cast<unsigned>(chunks_of(batch.numel[s]));
+    for (; next < spans.size() && !batch.split.full(); ++next) {
+      const int s = batch.split.count;
+      batch.data[s] = spans[next].data;
+      batch.numel[s] = spans[next].numel;
+      batch.split.add(chunks_of(spans[next].numel));
     }
-    batch.first_block[batch.count] = blocks;
-    double* partials = queued_room(blocks);
-    if (blocks > 0) {
-      span_squares_kernel<<<blocks, kThreads, 0, stream()>>>(partials, batch);
+    double* partials = queued_room(batch.split.blocks());
+    if (batch.split.blocks() > 0) {
+      span_squares_kernel<<<batch.split.blocks(), kThreads, 0, stream()>>>(partials, batch);
       check_launch("queue_sums_of_squares");
     }
-    for (int s = 0; s < batch.count; ++s) queued_starts_.push_back(queued_starts_.back() + chunks_of(batch.numel[s]));
+    for (int s = 0; s < batch.split.count; ++s) queued_starts_.push_back(queued_starts_.back() + chunks_of(batch.numel[s]));
   }
 }
 

@@ -11,8 +11,6 @@
 
 #include <cuda_bf16.h>
 
-#include <algorithm>
-
 namespace keel::trainer::cuda {
 namespace {
 
@@ -66,21 +64,20 @@ __global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* s
 }
 
 // AdamW over up to kMax tensors a launch, passed by value (kernel
-// parameters, about 1.8 KB): tensor s takes blocks [first_block[s],
-// first_block[s + 1]), one chunk of kChunk elements each (span_of_block).
+// parameters, about 1.8 KB): a block updates one chunk of kChunk elements
+// of its tensor.
 struct AdamwBatch {
   static constexpr int kMax = 24;
   static constexpr size_t kChunk = size_t{1} << 14;
   AdamwTensor tensors[kMax];
   AdamwStep steps[kMax];
-  unsigned first_block[kMax + 1];
-  int count;
+  BlockSplit<kMax> split;
 };
 
 __global__ void adamw_kernel(AdamwBatch batch) {
-  const int s = span_of_block(batch.first_block, batch.count);
+  const int s = batch.split.span();
   const AdamwTensor& x = batch.tensors[s];
-  const size_t begin = (blockIdx.x - batch.first_block[s]) * AdamwBatch::kChunk;
+  const size_t begin = batch.split.chunk(s) * AdamwBatch::kChunk;
   const size_t end = min(x.n, begin + AdamwBatch::kChunk);
   for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) batch.steps[s].apply(x.params, x.grads, x.m, x.v, i);
 }
@@ -122,20 +119,17 @@ void CudaBackend::accumulate_columns(float* dst, int dst_ld, const float* src, i
 
 void CudaBackend::adamw_update(const std::vector<AdamwTensor>& tensors, float lr, float beta1, float beta2, float eps,
                                float grad_scale, int64_t t) {
-  for (size_t first = 0; first < tensors.size(); first += AdamwBatch::kMax) {
+  for (size_t next = 0; next < tensors.size();) {
     AdamwBatch batch{};
-    batch.count = static_cast<int>(std::min<size_t>(AdamwBatch::kMax, tensors.size() - first));
-    unsigned blocks = 0;
-    for (int s = 0; s < batch.count; ++s) {
-      const AdamwTensor& x = tensors[first + s];
+    for (; next < tensors.size() && !batch.split.full(); ++next) {
+      const AdamwTensor& x = tensors[next];
+      const int s = batch.split.count;
       batch.tensors[s] = x;
       batch.steps[s] = AdamwStep::at(lr, beta1, beta2, eps, x.weight_decay, grad_scale, t);
-      batch.first_block[s] = blocks;
-      blocks += static_cast<unsigned>((x.n + AdamwBatch::kChunk - 1) / AdamwBatch::kChunk);
+      batch.split.add((x.n + AdamwBatch::kChunk - 1) / AdamwBatch::kChunk);
     }
-    batch.first_block[batch.count] = blocks;
-    if (blocks == 0) continue;
-    adamw_kernel<<<blocks, kThreads, 0, stream()>>>(batch);
+    if (batch.split.blocks() == 0) continue;
+    adamw_kernel<<<batch.split.blocks(), kThreads, 0, stream()>>>(batch);
     check_launch("adamw_update");
   }
 }

@@ -123,17 +123,34 @@ __device__ inline double add_in_order(double acc, const T* x, size_t count, size
   return acc;
 }
 
-// For a launch whose blocks are split among spans, span s taking blocks
-// [first_block[s], first_block[s + 1]): the span of this block, the last s
-// in [0, count) with first_block[s] <= blockIdx.x (an empty span owns none).
-__device__ inline int span_of_block(const unsigned* first_block, int count) {
-  int lo = 0, hi = count;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    (first_block[mid] <= blockIdx.x ? lo : hi) = mid;
+// The blocks of one launch split among up to kMax spans, span s taking
+// blocks [first_block[s], first_block[s + 1]), one chunk of it each: part
+// of a kernel's parameters (the batched sums of squares, AdamW). The host
+// adds spans in order; a block finds its own.
+template <int kMax>
+struct BlockSplit {
+  unsigned first_block[kMax + 1] = {};
+  int count = 0;
+
+  bool full() const { return count == kMax; }
+  // Appends a span of `blocks` blocks (0 for an empty one).
+  void add(size_t blocks) {
+    first_block[count + 1] = first_block[count] + static_cast<unsigned>(blocks);
+    ++count;
   }
-  return lo;
-}
+  unsigned blocks() const { return first_block[count]; }
+  // This block's span, the last s in [0, count) with first_block[s] <=
+  // blockIdx.x (an empty span owns none), and its chunk within it.
+  __device__ int span() const {
+    int lo = 0, hi = count;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      (first_block[mid] <= blockIdx.x ? lo : hi) = mid;
+    }
+    return lo;
+  }
+  __device__ size_t chunk(int s) const { return blockIdx.x - first_block[s]; }
+};
 
 __device__ inline float block_max(float x) {
   __shared__ float warps[kThreads / kWarp];
