@@ -22,7 +22,7 @@ using keel::common::seconds_since;
 
 }  // namespace
 
-Checkpointer::Checkpointer(CheckpointerOptions options, common::Store* store)
+Checkpointer::Checkpointer(CheckpointerOptions options, store::Store* store)
     : options_(std::move(options)), store_(store), writer_(options_.o_direct, *options_.fs, options_.staging_pinning) {
   if (options_.world_size > 1 && store_ == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "a multi-rank checkpointer needs a store");
@@ -192,7 +192,7 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
         failure = fmt::format("rank {} did not report its file within checkpoint.timeout_s = {} s", r,
                               options_.timeout_s);
       } else {
-        value = common::poll(*store_, report_key(job.step, r),
+        value = store::poll(*store_, report_key(job.step, r),
                              std::min(deadline, Clock::now() + std::chrono::milliseconds(200)));
       }
     }

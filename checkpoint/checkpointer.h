@@ -23,7 +23,7 @@
 #include "checkpoint/file_system.h"
 #include "checkpoint/piece.h"
 #include "checkpoint/shard_writer.h"
-#include "common/store.h"
+#include "store/store.h"
 
 #include <nlohmann/json.hpp>
 
@@ -72,7 +72,7 @@ class Checkpointer {
   // (a save that crashed between its manifest and its rename, or the old
   // side of an exchange) is checked in full and committed when no
   // step_%08d of its step exists, removed otherwise.
-  Checkpointer(CheckpointerOptions options, common::Store* store);
+  Checkpointer(CheckpointerOptions options, store::Store* store);
   // Finishes the save in flight.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
@@ -113,7 +113,7 @@ class Checkpointer {
   void apply_retention();
 
   CheckpointerOptions options_;
-  common::Store* store_;
+  store::Store* store_;
   ShardWriter writer_;
   std::mutex mutex_;
   std::condition_variable wakeup_;

@@ -56,7 +56,7 @@ void Job::apply(const JobActions& actions) {
       case JobAction::Kind::kTellRanks:
         if (options_.store == nullptr) break;
         try {
-          options_.store->set(common::rank_failed_key(a.generation), a.text);
+          options_.store->set(store::rank_failed_key(a.generation), a.text);
         } catch (const std::exception& e) {
           log->warn("could not tell the ranks through the store that {}: {}", a.text, e.what());
         }

@@ -21,7 +21,7 @@
 
 #include "common/clock.h"
 #include "common/config.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "daemon/fault_request.h"
 #include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
@@ -49,8 +49,8 @@ struct JobOptions {
   std::string store_address;               // KEEL_STORE for the ranks
   std::string store_secret;                // KEEL_STORE_SECRET for the ranks
   // keeld's own client of that Store (nullptr: none): a rank's failure is
-  // written there so the survivors stop waiting for it (common::rank_failed_key).
-  common::Store* store = nullptr;
+  // written there so the survivors stop waiting for it (store::rank_failed_key).
+  store::Store* store = nullptr;
   // Each rank's GPU (gpu_assignment.h) when train.device = "cuda".
   std::vector<std::string> gpus;
 };

@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/layout_check.h"
 #include "common/log.h"
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 #include "daemon/control_server.h"
 #include "daemon/gpu_assignment.h"
 #include "daemon/job.h"
@@ -121,15 +121,15 @@ int main(int argc, char** argv) {
 
     asio::io_context io;
     // A new store secret at every start, why in docs/architecture.md "Run directory".
-    options.store_secret = keel::common::new_store_secret();
+    options.store_secret = keel::store::new_store_secret();
     std::error_code ignored;  // a run directory that cannot be made fails the write below, which says so
     std::filesystem::create_directories(config.job.run_dir, ignored);
     keel::common::write_file_atomically(std::filesystem::path(config.job.run_dir) / "store.secret",
                                         options.store_secret + "\n", 0600, ErrorCode::kBadConfig);
-    keel::common::StoreServer store(options.store_secret);
+    keel::store::StoreServer store(options.store_secret);
     options.store_address = store.address();
     const auto store_client =
-        keel::common::connect_store(store.address(), options.store_secret, std::chrono::seconds(10));
+        keel::store::connect_store(store.address(), options.store_secret, std::chrono::seconds(10));
     options.store = store_client.get();
     options.config = config;
 

@@ -1,10 +1,10 @@
-// The Store contract of common/store.h in memory, for tests whose ranks are
+// The Store contract of store/store.h in memory, for tests whose ranks are
 // threads of one process. Thread-safe; header-only so a test executable needs
 // no more than the include.
 #pragma once
 
 #include "common/error.h"
-#include "common/store.h"
+#include "store/store.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -17,7 +17,7 @@
 
 namespace keel::test {
 
-class MemoryStore final : public common::Store {
+class MemoryStore final : public store::Store {
  public:
   void set(const std::string& key, const std::string& value) override {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -21,8 +21,8 @@ RankLauncher::RankLauncher(int world_size, const std::function<std::vector<std::
   }
 }
 
-std::unique_ptr<common::Store> RankLauncher::connect_store() const {
-  return common::connect_store(store_.address(), store_secret_, std::chrono::seconds(30));
+std::unique_ptr<store::Store> RankLauncher::connect_store() const {
+  return store::connect_store(store_.address(), store_secret_, std::chrono::seconds(30));
 }
 
 std::vector<ProcessResult> RankLauncher::wait_all(double timeout_s) {

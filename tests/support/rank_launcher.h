@@ -1,6 +1,6 @@
 #pragma once
 
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 #include "tests/support/process.h"
 
 #include <functional>
@@ -27,13 +27,13 @@ class RankLauncher {
   int world_size() const { return static_cast<int>(ranks_.size()); }
   ChildProcess& rank(int r) { return *ranks_.at(static_cast<size_t>(r)); }
   // A client of the ranks' Store, as keeld would use it.
-  std::unique_ptr<common::Store> connect_store() const;
+  std::unique_ptr<store::Store> connect_store() const;
   // Waits for every rank, in rank order.
   std::vector<ProcessResult> wait_all(double timeout_s = 300);
 
  private:
-  std::string store_secret_ = common::new_store_secret();
-  common::StoreServer store_{store_secret_};
+  std::string store_secret_ = store::new_store_secret();
+  store::StoreServer store_{store_secret_};
   std::vector<std::unique_ptr<ChildProcess>> ranks_;
 };
 

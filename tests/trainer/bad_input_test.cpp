@@ -1,7 +1,7 @@
 // Bad input end to end: each row is a real keel-trainer process given a
 // malformed config or data file; it must exit with the documented code
 // (docs/architecture.md "Worker contract": 2 config, 3 data) and say what is wrong, never crash or hang.
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "trainer/data/token_shard.h"
@@ -144,8 +144,8 @@ train = "train.bin")", {}, good_shard, 2, "n_layer must be an integer"},
     write_bytes(dir / "train.bin", shard_bytes(20240520, 1, 4000, tokens(4000)));
     const std::string trainer = keel::test::keel_binary("keel-trainer").string();
     // A live store whose secret the ranks below do not have.
-    keel::common::StoreServer store(keel::common::new_store_secret());
-    const std::string secret = keel::common::new_store_secret();
+    keel::store::StoreServer store(keel::store::new_store_secret());
+    const std::string secret = keel::store::new_store_secret();
     struct Row {
       std::map<std::string, std::string> env;
       std::vector<std::string> args;

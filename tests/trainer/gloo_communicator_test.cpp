@@ -2,7 +2,7 @@
 // process act as ranks, each with its own communicator over loopback TCP,
 // rendezvousing through an in-memory Store.
 #include "common/error.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "trainer/comm/flight_recorder.h"
 #include "trainer/comm/gloo_communicator.h"
 

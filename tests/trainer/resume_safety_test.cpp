@@ -6,7 +6,7 @@
 // on the final commit, and a peer failure that never leaves rank 0 waiting.
 #include "checkpoint/catalog.h"
 #include "checkpoint/paths.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "tests/support/checkpoint_fixture.h"
 #include "tests/support/process.h"
 #include "tests/trainer/trainer_runs.h"
@@ -212,7 +212,7 @@ TEST_SUITE("integration") {
     // keeld's part: it reaps the dead rank and tells the Store.
     const auto victim = ranks.rank(1).wait(600);
     CHECK(victim.output.find("saving the checkpoint of step 4") != std::string::npos);
-    ranks.connect_store()->set(keel::common::rank_failed_key(0), "rank 1 killed by SIGKILL");
+    ranks.connect_store()->set(keel::store::rank_failed_key(0), "rank 1 killed by SIGKILL");
     const auto survivor = ranks.rank(0).wait(600);
     CAPTURE(survivor.output);
     CHECK(survivor.exit_code == 12);

@@ -58,7 +58,7 @@ void ignore_sigpipe_once() {
 // Gloo's rendezvous Store on top of keel's, under a per-group key prefix.
 class StoreAdapter final : public gloo::rendezvous::Store {
  public:
-  StoreAdapter(common::Store& store, std::string prefix, std::chrono::milliseconds timeout)
+  StoreAdapter(store::Store& store, std::string prefix, std::chrono::milliseconds timeout)
       : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -84,7 +84,7 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   }
 
  private:
-  common::Store& store_;
+  store::Store& store_;
   std::string prefix_;
   std::chrono::milliseconds timeout_;
 };
@@ -111,7 +111,7 @@ void sum_floats(void* out, const void* a, const void* b, size_t n) { gloo::sum<f
 
 }  // namespace
 
-GlooCommunicator::GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
+GlooCommunicator::GlooCommunicator(store::Store& store, std::string group_name, int rank, int size,
                                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
                                    std::string rank_failed_key)
     : Communicator(std::move(group_name), rank, size, std::move(recorder)),

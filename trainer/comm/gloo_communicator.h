@@ -40,7 +40,7 @@
 #pragma once
 
 #include "common/error.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "trainer/comm/communicator.h"
 
 #include <atomic>
@@ -65,9 +65,9 @@ class GlooCommunicator final : public Communicator {
   // does not arrive within `timeout` makes it raise kPeerFailure. `store`
   // must outlive the communicator: failures are reported through it.
   // `rank_failed_key` (empty: none) is the key keeld sets when a rank of
-  // the job dies (common::rank_failed_key): the watcher aborts on it too,
+  // the job dies (store::rank_failed_key): the watcher aborts on it too,
   // since a rank killed outright records nothing itself.
-  GlooCommunicator(common::Store& store, std::string group_name, int rank, int size,
+  GlooCommunicator(store::Store& store, std::string group_name, int rank, int size,
                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
                    std::string rank_failed_key = "");
   ~GlooCommunicator() override;
@@ -122,7 +122,7 @@ class GlooCommunicator final : public Communicator {
   // even when point-to-point calls (which only some ranks make) interleave.
   uint32_t next_collective_tag() { return static_cast<uint32_t>(collectives_++); }
 
-  common::Store& store_;
+  store::Store& store_;
   std::string rank_failed_key_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::Context> context_;

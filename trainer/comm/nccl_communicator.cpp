@@ -93,7 +93,7 @@ class DeviceScope {
   cudaError_t status_ = cudaSuccess;
 };
 
-ncclUniqueId exchange_unique_id(common::Store& store, const std::string& where, const std::string& key, int rank,
+ncclUniqueId exchange_unique_id(store::Store& store, const std::string& where, const std::string& key, int rank,
                                 std::chrono::milliseconds timeout) {
   ncclUniqueId id{};
   try {
@@ -126,7 +126,7 @@ std::string nccl_version_string() {
   return fmt::format("{}.{}.{}", code / 10000, code / 100 % 100, code % 100);
 }
 
-NcclCommunicator::NcclCommunicator(common::Store& store, std::string group_name, int rank, int size, int device,
+NcclCommunicator::NcclCommunicator(store::Store& store, std::string group_name, int rank, int size, int device,
                                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder)
     : Communicator(std::move(group_name), rank, size, std::move(recorder)), timeout_(timeout), device_(device) {
   const auto where = fmt::format("group '{}' rank {} of {}", name(), rank, size);

@@ -50,7 +50,7 @@
 #pragma once
 
 #include "common/error.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/kernels/cuda/cuda_stream.h"
 
@@ -77,7 +77,7 @@ class NcclCommunicator final : public Communicator {
   // Blocks until all `size` ranks have joined. Waiting for rank 0's id and
   // NCCL's own initialisation are each bounded by `timeout`; a rank that
   // does not arrive makes it raise kPeerFailure.
-  NcclCommunicator(common::Store& store, std::string group_name, int rank, int size, int device,
+  NcclCommunicator(store::Store& store, std::string group_name, int rank, int size, int device,
                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder);
   // Finalises and destroys the NCCL communicator (or aborts it when it does
   // not quiesce within the timeout); never throws.

@@ -142,7 +142,7 @@ void TrainLoop::resume() {
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::chrono::duration<double>(c.timeout_s));
-    const auto value = common::poll(*rank_.store, key, deadline);
+    const auto value = store::poll(*rank_.store, key, deadline);
     if (!value) {
       throw common::Error(common::ErrorCode::kPeerFailure,
                           fmt::format("rank 0 did not name the checkpoint to resume from within {} s", c.timeout_s));

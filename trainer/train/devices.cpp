@@ -42,7 +42,7 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
 #endif
 }
 
-std::unique_ptr<Communicator> join_group(Backend& backend, common::Store& store, const std::string& name, int rank,
+std::unique_ptr<Communicator> join_group(Backend& backend, store::Store& store, const std::string& name, int rank,
                                          int size, std::chrono::milliseconds timeout,
                                          std::shared_ptr<FlightRecorder> recorder,
                                          const std::string& rank_failed_key) {

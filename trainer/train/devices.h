@@ -4,7 +4,7 @@
 #pragma once
 
 #include "common/config.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/comm/flight_recorder.h"
 #include "trainer/kernels/backend.h"
@@ -25,7 +25,7 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train);
 // Joins one process group of `size` ranks as `rank`: Gloo for a backend
 // in host memory, NCCL for device memory. `rank_failed_key` is where the
 // Store says a peer failed (Gloo watches it; NCCL sees failures itself).
-std::unique_ptr<Communicator> join_group(Backend& backend, common::Store& store, const std::string& name, int rank,
+std::unique_ptr<Communicator> join_group(Backend& backend, store::Store& store, const std::string& name, int rank,
                                          int size, std::chrono::milliseconds timeout,
                                          std::shared_ptr<FlightRecorder> recorder, const std::string& rank_failed_key);
 

@@ -5,7 +5,7 @@
 #include "common/error.h"
 #include "common/layout_check.h"
 #include "common/log.h"
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 #include "health/fault_injector.h"
 #include "trainer/parallel/mesh.h"
 #include "trainer/parallel/process_groups.h"
@@ -82,7 +82,7 @@ void print_summary(const keel::trainer::RunSummary& s, const std::optional<keel:
 std::unique_ptr<keel::trainer::ProcessGroups> join_groups(const keel::trainer::WorkerEnv& worker,
                                                           const keel::common::ParallelConfig& parallel,
                                                           std::chrono::milliseconds timeout,
-                                                          keel::trainer::Backend& backend, keel::common::Store& store,
+                                                          keel::trainer::Backend& backend, keel::store::Store& store,
                                                           keel::health::BoardPublisher* board,
                                                           const std::shared_ptr<keel::trainer::FlightRecorder>& recorder) {
   auto log = keel::common::logger("trainer");
@@ -91,7 +91,7 @@ std::unique_ptr<keel::trainer::ProcessGroups> join_groups(const keel::trainer::W
     log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
     return keel::trainer::join_group(backend, store, fmt::format("g{}.{}", worker.generation, group.name),
                                      group.index_in_group, static_cast<int>(group.ranks.size()), timeout, recorder,
-                                     keel::common::rank_failed_key(worker.generation));
+                                     keel::store::rank_failed_key(worker.generation));
   });
   for (const auto& group : groups->communicators()) {
     if (board != nullptr) group.comm->set_progress_board(board);
@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
   std::filesystem::path flight_path;
   // Declared out here so that a failing rank can tell every group it
   // belongs to before it exits; the Store outlives the communicators.
-  std::unique_ptr<keel::common::Store> store;
+  std::unique_ptr<keel::store::Store> store;
   // keeld reads this rank's progress from its board (a rank run by hand has
   // none); the communicators report to it, so it outlives them.
   std::optional<keel::health::BoardPublisher> board;
@@ -211,7 +211,7 @@ int main(int argc, char** argv) {
     }
     if (worker.world_size > 1) {
       const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(parallel.timeout_s * 1000));
-      store = keel::common::connect_store(worker.store, worker.store_secret, timeout);
+      store = keel::store::connect_store(worker.store, worker.store_secret, timeout);
       groups = join_groups(worker, parallel, timeout, *backend, *store, board ? &*board : nullptr, recorder);
     }
     keel::trainer::TrainLoop loop(config, *backend, *groups,

@@ -123,7 +123,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
               board_.checkpoint_written(step, bytes, write_s);
             },
             c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
-            &checkpoint_faults_, rank_.store != nullptr ? common::rank_failed_key(rank_.generation) : std::string(),
+            &checkpoint_faults_, rank_.store != nullptr ? store::rank_failed_key(rank_.generation) : std::string(),
             checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
                                        [this](void* data) { backend_.unpin_host(data); }}},
         rank_.store);

@@ -7,7 +7,7 @@
 #include "checkpoint/piece.h"
 #include "checkpoint/reader.h"
 #include "common/config.h"
-#include "common/store.h"
+#include "store/store.h"
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
 #include "trainer/comm/communicator.h"
@@ -70,7 +70,7 @@ struct RunSummary {
 // Store the ranks report through (nullptr with one rank); and the progress
 // board keeld reads (nullptr: none, a rank run by hand).
 struct RankContext {
-  common::Store* store = nullptr;
+  store::Store* store = nullptr;
   int rank = 0;
   int world_size = 1;
   int64_t generation = 0;

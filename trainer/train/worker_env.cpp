@@ -1,7 +1,7 @@
 #include "trainer/train/worker_env.h"
 
 #include "common/error.h"
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 
 #include <fmt/format.h>
 
@@ -61,7 +61,7 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
                      env.world_size));
   }
   if (!env.store_secret.empty()) {
-    if (std::string problem = common::store_secret_problem(env.store_secret); !problem.empty()) {
+    if (std::string problem = store::store_secret_problem(env.store_secret); !problem.empty()) {
       fail("KEEL_STORE_SECRET is not a store secret: " + problem);
     }
   }

@@ -1,6 +1,6 @@
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 
 #include <doctest/doctest.h>
 #include <netinet/in.h>
@@ -22,14 +22,14 @@
 #include <thread>
 #include <vector>
 
-using keel::common::connect_store;
+using keel::store::connect_store;
 using keel::common::Error;
 using keel::common::ErrorCode;
-using keel::common::kMaxStoreMessageBytes;
-using keel::common::new_store_secret;
-using keel::common::Store;
-using keel::common::StoreServer;
-using keel::common::TcpStore;
+using keel::store::kMaxStoreMessageBytes;
+using keel::store::new_store_secret;
+using keel::store::Store;
+using keel::store::StoreServer;
+using keel::store::TcpStore;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
@@ -709,7 +709,7 @@ TEST_SUITE("unit") {
     std::vector<std::string> secrets;
     for (int i = 0; i < 100; ++i) {
       secrets.push_back(new_store_secret());
-      CHECK(keel::common::store_secret_problem(secrets.back()).empty());
+      CHECK(keel::store::store_secret_problem(secrets.back()).empty());
     }
     std::sort(secrets.begin(), secrets.end());
     CHECK(std::unique(secrets.begin(), secrets.end()) == secrets.end());

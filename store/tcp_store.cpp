@@ -1,4 +1,4 @@
-#include "common/tcp_store.h"
+#include "store/tcp_store.h"
 
 #include "common/error.h"
 #include "common/log.h"
@@ -21,7 +21,11 @@
 #include <unordered_map>
 #include <utility>
 
-namespace keel::common {
+namespace keel::store {
+
+using common::Error;
+using common::ErrorCode;
+
 namespace {
 
 namespace asio = boost::asio;
@@ -31,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 spdlog::logger& store_log() {
-  static const std::shared_ptr<spdlog::logger> instance = logger("store");
+  static const std::shared_ptr<spdlog::logger> instance = common::logger("store");
   return *instance;
 }
 
@@ -895,27 +899,4 @@ bool TcpStore::remove(const std::string& key) {
                      [](Decoder& reply) { return reply.u8() != 0; });
 }
 
-std::unique_ptr<Store> connect_store(const std::string& address, const std::string& secret, milliseconds timeout) {
-  auto malformed = [&address](const std::string& why) {
-    return Error(ErrorCode::kBadConfig, fmt::format("bad store address '{}': {}; expected tcp://HOST:PORT, e.g. "
-                                                    "tcp://127.0.0.1:29500 (check KEEL_STORE)",
-                                                    address, why));
-  };
-  constexpr std::string_view kScheme = "tcp://";
-  if (!address.starts_with(kScheme)) throw malformed("it does not start with tcp://");
-  std::string_view rest = std::string_view(address).substr(kScheme.size());
-  size_t colon = rest.rfind(':');
-  if (colon == std::string_view::npos) throw malformed("it has no port");
-  std::string_view host = rest.substr(0, colon);
-  std::string_view port_text = rest.substr(colon + 1);
-  if (host.empty()) throw malformed("it has no host");
-  unsigned port = 0;
-  auto [parsed_to, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-  if (port_text.empty() || ec != std::errc() || parsed_to != port_text.data() + port_text.size() || port == 0 ||
-      port > 65535) {
-    throw malformed("the port must be a number from 1 to 65535");
-  }
-  return std::make_unique<TcpStore>(std::string(host), static_cast<uint16_t>(port), secret, timeout);
-}
-
-}  // namespace keel::common
+}  // namespace keel::store

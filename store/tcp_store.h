@@ -1,4 +1,4 @@
-// The embedded Store (docs/architecture.md "Parallel layout and communication"): one node's ranks and keeld rendezvous
+// The embedded Store (docs/architecture.md "Store (store/)"): one node's ranks and keeld rendezvous
 // through a small TCP key-value server, as PyTorch's TCPStore does.
 // StoreServer lives inside keeld (or a test launcher) and serves on its own
 // thread; every rank reaches it through a TcpStore named by KEEL_STORE
@@ -15,7 +15,7 @@
 // with a server-side timer) instead of being polled by the client.
 #pragma once
 
-#include "common/store.h"
+#include "store/store.h"
 
 #include <chrono>
 #include <cstddef>
@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-namespace keel::common {
+namespace keel::store {
 
 // The largest message either side accepts: bounds what one connection can
 // make the server allocate, and still carries any rendezvous value with room
@@ -96,11 +96,4 @@ class TcpStore final : public Store {
   std::unique_ptr<Impl> impl_;
 };
 
-// Connects to a store address as KEEL_STORE gives it: "tcp://HOST:PORT",
-// with the secret KEEL_STORE_SECRET gives. Error(kBadConfig) for a malformed
-// address or a secret the store refuses, Error(kPeerFailure) when no store
-// answers there within `timeout`.
-std::unique_ptr<Store> connect_store(const std::string& address, const std::string& secret,
-                                     std::chrono::milliseconds timeout);
-
-}  // namespace keel::common
+}  // namespace keel::store
