@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "common/error.h"
+#include "store/etcd_store.h"
 #include "store/tcp_store.h"
 
 namespace keel::store {
@@ -41,11 +42,17 @@ std::unique_ptr<Store> connect_tcp(const std::string& address, std::string_view 
 std::unique_ptr<Store> connect_store(const std::string& address, const std::string& credential,
                                      std::chrono::milliseconds timeout) {
   constexpr std::string_view kTcp = "tcp://";
+  constexpr std::string_view kEtcd = "etcd://";
   if (address.starts_with(kTcp))
     return connect_tcp(address, std::string_view(address).substr(kTcp.size()), credential, timeout);
+  if (address.starts_with(kEtcd)) {
+    return std::make_unique<EtcdStore>(
+        parse_etcd_address(std::string_view(address).substr(kEtcd.size()), credential, timeout));
+  }
   throw Error(ErrorCode::kBadConfig,
-              fmt::format("bad store address '{}': it does not start with tcp://; expected tcp://HOST:PORT, e.g. "
-                          "tcp://127.0.0.1:29500 (check KEEL_STORE)",
+              fmt::format("bad store address '{}': it starts with neither tcp:// nor etcd://; expected tcp://HOST:PORT "
+                          "(the store keeld embeds, one node) or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (an etcd "
+                          "cluster, many nodes); check KEEL_STORE",
                           address));
 }
 

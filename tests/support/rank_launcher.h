@@ -15,7 +15,7 @@ namespace keel::test {
 // starts `world_size` ranks of a program as real processes, each with the
 // worker environment of docs/architecture.md "Worker contract" (KEEL_RANK, KEEL_WORLD_SIZE,
 // KEEL_LOCAL_RANK, KEEL_LOCAL_WORLD_SIZE, KEEL_GENERATION, KEEL_STORE,
-// KEEL_STORE_SECRET).
+// KEEL_STORE_SECRET; `extra_env` may name another store, such as etcd).
 class RankLauncher {
  public:
   RankLauncher(int world_size, const std::vector<std::string>& argv,

@@ -114,9 +114,10 @@ class TrainerRuns {
 
   // Runs `layout` to completion in run directory `name` (a single rank
   // without the worker environment, which is how the oracle runs); every
-  // rank must exit with `exit_code`.
+  // rank must exit with `exit_code`. `env` adds to the ranks' environment.
   Run run(const Layout& layout, const std::string& name, std::vector<std::string> extra = {},
-          const std::vector<std::string>& args = {}, int exit_code = 0) const {
+          const std::vector<std::string>& args = {}, int exit_code = 0,
+          std::map<std::string, std::string> env = {}) const {
     auto sets = layout.sets();
     sets.insert(sets.end(), extra.begin(), extra.end());
     Run run;
@@ -125,7 +126,8 @@ class TrainerRuns {
       REQUIRE_MESSAGE(result.exit_code == exit_code, result.output);
       run.outputs.push_back(result.output);
     } else {
-      RankLauncher ranks(layout.world(), argv(name, sets, args), {{"SPDLOG_LEVEL", "warn"}});
+      env.try_emplace("SPDLOG_LEVEL", "warn");
+      RankLauncher ranks(layout.world(), argv(name, sets, args), env);
       for (const auto& result : ranks.wait_all(300)) {
         CAPTURE(run.outputs.size());
         REQUIRE_MESSAGE(result.exit_code == exit_code, result.output);

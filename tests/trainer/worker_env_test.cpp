@@ -52,6 +52,14 @@ TEST_SUITE("unit") {
     CHECK(env.run_dir == "/runs/a");
   }
 
+  TEST_CASE("ranks on an etcd store need no TCP store secret and take etcd's credential as it is") {
+    WorkerEnv env = read_env({{"KEEL_RANK", "1"}, {"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "etcd://10.0.0.1:2379/keel/a"}});
+    CHECK(env.store == "etcd://10.0.0.1:2379/keel/a");
+    CHECK(env.store_secret.empty());
+    env = read_env({{"KEEL_WORLD_SIZE", "2"}, {"KEEL_STORE", "etcd://h:1"}, {"KEEL_STORE_SECRET", "keel:hunter2"}});
+    CHECK(env.store_secret == "keel:hunter2");
+  }
+
   TEST_CASE("a malformed worker environment is a config error naming the variable") {
     struct Row {
       std::map<std::string, std::string> vars;

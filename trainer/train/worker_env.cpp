@@ -56,11 +56,14 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
   if (env.world_size > 1 && env.store.empty()) {
     fail(fmt::format("KEEL_WORLD_SIZE={} needs KEEL_STORE, the address of the rendezvous store", env.world_size));
   }
-  if (env.world_size > 1 && env.store_secret.empty()) {
+  // etcd brings its own authentication: its credential, where it has one,
+  // is USER:PASSWORD, which connecting checks (docs/architecture.md "Store (store/)").
+  const bool tcp_store = !env.store.starts_with("etcd://");
+  if (tcp_store && env.world_size > 1 && env.store_secret.empty()) {
     fail(fmt::format("KEEL_WORLD_SIZE={} needs KEEL_STORE_SECRET, the secret of the rendezvous store",
                      env.world_size));
   }
-  if (!env.store_secret.empty()) {
+  if (tcp_store && !env.store_secret.empty()) {
     if (std::string problem = store::store_secret_problem(env.store_secret); !problem.empty()) {
       fail("KEEL_STORE_SECRET is not a store secret: " + problem);
     }

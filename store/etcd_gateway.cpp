@@ -1,0 +1,506 @@
+#include "store/etcd_gateway.h"
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+// Beast's base64 is the codec its websocket handshake uses; etcd's JSON
+// needs no other.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <boost/beast/core/detail/base64.hpp>
+#include <boost/beast/http.hpp>
+#include <charconv>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+namespace keel::store {
+
+using common::Error;
+using common::ErrorCode;
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using boost::system::error_code;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+spdlog::logger& etcd_log() {
+  static const std::shared_ptr<spdlog::logger> instance = common::logger("etcd");
+  return *instance;
+}
+
+// One attempt on one member gets at most this long, so that a member cut
+// off from its quorum (it accepts the connection, then waits for a leader it
+// cannot reach) costs one attempt and not the call's whole timeout.
+constexpr milliseconds kAttemptBound{3000};
+// Between rounds over every member: an election takes about a second.
+constexpr milliseconds kRoundPause{100};
+// The largest answer read: a listing of a job's keys is far smaller.
+constexpr uint64_t kMaxAnswerBytes = uint64_t{64} << 20;
+
+// gRPC status codes etcd's errors carry (grpc/codes).
+constexpr int kCodeDeadlineExceeded = 4;
+constexpr int kCodePermissionDenied = 7;
+constexpr int kCodeUnavailable = 14;
+constexpr int kCodeUnauthenticated = 16;
+
+// A connection to one member with its own event loop: each call runs its
+// asynchronous operations to completion under a deadline (tcp_stream's
+// timeout closes the socket when it passes), so nothing blocks past it.
+struct Connection {
+  asio::io_context io;
+  beast::tcp_stream stream{io};
+  beast::flat_buffer buffer;
+  size_t endpoint = 0;
+
+  // Runs one asynchronous operation started by `start` until it completes
+  // or `deadline` passes (beast::error::timeout).
+  template <class Start>
+  error_code run(Clock::time_point deadline, Start start) {
+    error_code result = asio::error::would_block;
+    stream.expires_at(deadline);
+    start([&result](error_code ec, auto&&...) { result = ec; });
+    io.restart();
+    io.run();
+    return result;
+  }
+};
+
+std::string describe(const error_code& ec) {
+  if (ec == beast::error::timeout) return "no answer in time";
+  return ec.message();
+}
+
+// What one attempt came to.
+struct Attempt {
+  enum Kind { kAnswered, kNotSent, kMaybeApplied } kind = kNotSent;
+  unsigned status = 0;
+  std::string body;
+  std::string failure;  // why, when not answered
+};
+
+// etcd's error answer: {"error": ..., "message": ..., "code": N}.
+struct EtcdStatus {
+  int code = -1;
+  std::string message;
+};
+
+EtcdStatus parse_status(const std::string& body) {
+  EtcdStatus status;
+  auto answer = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (answer.is_object()) {
+    if (auto code = answer.find("code"); code != answer.end() && code->is_number_integer()) {
+      status.code = code->get<int>();
+    }
+    for (const char* field : {"message", "error"}) {
+      if (auto text = answer.find(field); text != answer.end() && text->is_string()) {
+        status.message = text->get<std::string>();
+        break;
+      }
+    }
+  }
+  if (status.message.empty()) status.message = body.substr(0, 200);
+  return status;
+}
+
+// A request etcd turned away before proposing it: safe to send elsewhere.
+bool refused_before_proposing(const EtcdStatus& status) {
+  return status.message.find("no leader") != std::string::npos ||
+         status.message.find("too many requests") != std::string::npos;
+}
+
+}  // namespace
+
+class EtcdGateway::Impl {
+ public:
+  explicit Impl(EtcdOptions options) : options_(std::move(options)) {}
+
+  const EtcdOptions& options() const { return options_; }
+
+  std::string endpoint_names() const {
+    std::string names;
+    for (const auto& endpoint : options_.endpoints) names += (names.empty() ? "" : ", ") + endpoint.name();
+    return names;
+  }
+
+  void authenticate() {
+    nlohmann::json body = {{"name", options_.user}, {"password", options_.password}};
+    auto answer = call("/v3/auth/authenticate", body.dump(), Retry::kIdempotent, /*with_token=*/false);
+    auto token = answer.find("token");
+    if (token == answer.end() || !token->is_string()) {
+      throw Error(ErrorCode::kPeerFailure,
+                  fmt::format("etcd at {} answered authentication without a token", endpoint_names()));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    token_ = token->get<std::string>();
+  }
+
+  nlohmann::json call(std::string_view path, const std::string& body, Retry retry, bool with_token = true) {
+    const auto deadline = Clock::now() + options_.timeout;
+    std::vector<std::string> failures(options_.endpoints.size());
+    bool authenticated_again = false;
+    const size_t n = options_.endpoints.size();
+    for (;;) {
+      const size_t first = preferred();
+      for (size_t k = 0; k < n; ++k) {
+        const size_t index = (first + k) % n;
+        const auto now = Clock::now();
+        if (now >= deadline) break;
+        Attempt attempt =
+            send(index, path, body, with_token ? token() : std::string(), std::min(deadline, now + kAttemptBound));
+        const std::string& name = options_.endpoints[index].name();
+        if (attempt.kind == Attempt::kNotSent) {
+          failures[index] = name + ": " + attempt.failure;
+          continue;
+        }
+        if (attempt.kind == Attempt::kMaybeApplied) {
+          if (retry == Retry::kOnce) throw maybe_applied(path, name, attempt.failure);
+          failures[index] = name + ": " + attempt.failure;
+          continue;
+        }
+        if (attempt.status == 200) {
+          prefer(index);
+          return parse_answer(attempt.body, path, name);
+        }
+        EtcdStatus status = parse_status(attempt.body);
+        if (status.code == kCodeUnauthenticated && with_token && !options_.user.empty() && !authenticated_again) {
+          // Tokens expire (etcd's simple tokens after 5 minutes unused).
+          authenticated_again = true;
+          authenticate();
+          --k;
+          continue;
+        }
+        if (status.code == kCodeUnavailable || status.code == kCodeDeadlineExceeded) {
+          if (retry == Retry::kOnce && !refused_before_proposing(status)) {
+            throw maybe_applied(path, name, status.message);
+          }
+          failures[index] = name + ": " + status.message;
+          continue;
+        }
+        throw refused(path, name, status);
+      }
+      if (Clock::now() + kRoundPause >= deadline) break;
+      std::this_thread::sleep_for(kRoundPause);
+    }
+    std::string why;
+    for (const auto& failure : failures) {
+      if (!failure.empty()) why += (why.empty() ? "" : "; ") + failure;
+    }
+    throw Error(ErrorCode::kPeerFailure,
+                fmt::format("etcd cannot be reached at {} within {} ms ({}): check that etcd runs there and that the "
+                            "store address (KEEL_STORE, or [cluster] etcd in keeld's config) lists its client URLs",
+                            endpoint_names(), options_.timeout.count(), why.empty() ? "no attempt" : why));
+  }
+
+  bool stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry, Clock::time_point deadline,
+              const std::function<bool(const nlohmann::json&)>& on_message) {
+    const size_t n = options_.endpoints.size();
+    size_t index = preferred();
+    std::string last_failure;
+    while (Clock::now() < deadline) {
+      Connection connection;
+      connection.endpoint = index;
+      const std::string& name = options_.endpoints[index].name();
+      index = (index + 1) % n;  // the next attempt goes elsewhere
+      const auto attempt_deadline = std::min(deadline, Clock::now() + kAttemptBound);
+      if (std::string failure = connect(connection, attempt_deadline); !failure.empty()) {
+        last_failure = name + ": " + failure;
+        pause_after_round(index, deadline);
+        continue;
+      }
+      auto request = make_request(path, body_for_retry().dump(), token(), name);
+      if (auto ec = connection.run(attempt_deadline, [&](auto handler) {
+            http::async_write(connection.stream, request, std::move(handler));
+          })) {
+        last_failure = name + ": " + describe(ec);
+        continue;
+      }
+      http::response_parser<http::buffer_body> parser;
+      parser.body_limit(boost::none);  // a watch streams for as long as it is read
+      if (auto ec = connection.run(deadline, [&](auto handler) {
+            http::async_read_header(connection.stream, connection.buffer, parser, std::move(handler));
+          })) {
+        if (ec == beast::error::timeout) return false;
+        last_failure = name + ": " + describe(ec);
+        continue;
+      }
+      const unsigned status = parser.get().result_int();
+      std::string pending;
+      bool refused_status = status != 200;
+      for (;;) {
+        char chunk[8192];
+        parser.get().body().data = chunk;
+        parser.get().body().size = sizeof(chunk);
+        auto ec = connection.run(deadline, [&](auto handler) {
+          http::async_read_some(connection.stream, connection.buffer, parser, std::move(handler));
+        });
+        if (ec == beast::error::timeout) return false;
+        if (ec && ec != http::error::need_buffer) {
+          last_failure = name + ": " + describe(ec);
+          break;
+        }
+        pending.append(chunk, sizeof(chunk) - parser.get().body().size);
+        if (!refused_status) {
+          for (size_t eol; (eol = pending.find('\n')) != std::string::npos;) {
+            std::string line = pending.substr(0, eol);
+            pending.erase(0, eol + 1);
+            if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
+            if (!on_message(parse_answer(line, path, name))) return true;
+          }
+          if (pending.size() > kMaxAnswerBytes) {
+            throw Error(ErrorCode::kPeerFailure,
+                        fmt::format("etcd at {} sent a {} message over {} bytes", name, path, kMaxAnswerBytes));
+          }
+        }
+        if (parser.is_done()) break;
+      }
+      if (refused_status) throw refused(path, name, parse_status(pending));
+      if (parser.is_done()) last_failure = name + ": the stream ended";
+    }
+    etcd_log().debug("{} stream ended at its deadline; last failure: {}", path, last_failure);
+    return false;
+  }
+
+ private:
+  size_t preferred() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return preferred_;
+  }
+  void prefer(size_t index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    preferred_ = index;
+  }
+  std::string token() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return token_;
+  }
+
+  void pause_after_round(size_t next_index, Clock::time_point deadline) {
+    if (next_index == preferred() && Clock::now() + kRoundPause < deadline) std::this_thread::sleep_for(kRoundPause);
+  }
+
+  // Empty, or why no connection was made.
+  std::string connect(Connection& connection, Clock::time_point deadline) {
+    const EtcdEndpoint& endpoint = options_.endpoints[connection.endpoint];
+    error_code ec;
+    // A numeric address resolves at once; a host name waits on the system
+    // resolver, which has no deadline of its own.
+    auto addresses = tcp::resolver(connection.io).resolve(endpoint.host, std::to_string(endpoint.port), ec);
+    if (ec) return "cannot resolve " + endpoint.host + ": " + ec.message();
+    ec =
+        connection.run(deadline, [&](auto handler) { connection.stream.async_connect(addresses, std::move(handler)); });
+    return ec ? describe(ec) : std::string();
+  }
+
+  static http::request<http::string_body> make_request(std::string_view path, const std::string& body,
+                                                       const std::string& token, const std::string& host) {
+    http::request<http::string_body> request{http::verb::post, std::string(path), 11};
+    request.set(http::field::host, host);
+    request.set(http::field::content_type, "application/json");
+    if (!token.empty()) request.set(http::field::authorization, token);
+    request.keep_alive(true);
+    request.body() = body;
+    request.prepare_payload();
+    return request;
+  }
+
+  // One request on a pooled connection to member `index`.
+  Attempt send(size_t index, std::string_view path, const std::string& body, const std::string& token,
+               Clock::time_point deadline) {
+    const std::string& name = options_.endpoints[index].name();
+    std::unique_ptr<Connection> connection = take_idle(index);
+    const bool reused = connection != nullptr;
+    if (!connection) {
+      connection = std::make_unique<Connection>();
+      connection->endpoint = index;
+      if (std::string failure = connect(*connection, deadline); !failure.empty())
+        return {Attempt::kNotSent, 0, {}, failure};
+    }
+    auto request = make_request(path, body, token, name);
+    if (auto ec = connection->run(
+            deadline, [&](auto handler) { http::async_write(connection->stream, request, std::move(handler)); })) {
+      // A pooled connection the member closed while idle fails here before
+      // anything was read: try a fresh one at once.
+      if (reused) return send(index, path, body, token, deadline);
+      return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
+    }
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(kMaxAnswerBytes);
+    if (auto ec = connection->run(deadline, [&](auto handler) {
+          http::async_read(connection->stream, connection->buffer, parser, std::move(handler));
+        })) {
+      if (reused && ec == http::error::end_of_stream) return send(index, path, body, token, deadline);
+      return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
+    }
+    auto response = parser.release();
+    Attempt attempt{Attempt::kAnswered, response.result_int(), std::move(response.body()), {}};
+    if (response.keep_alive()) give_back(std::move(connection));
+    return attempt;
+  }
+
+  std::unique_ptr<Connection> take_idle(size_t index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if ((*it)->endpoint == index) {
+        auto connection = std::move(*it);
+        idle_.erase(it);
+        return connection;
+      }
+    }
+    return nullptr;
+  }
+
+  void give_back(std::unique_ptr<Connection> connection) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // A few per member: as many as threads call at once, seldom more than 4.
+    if (idle_.size() < 4 * options_.endpoints.size()) idle_.push_back(std::move(connection));
+  }
+
+  static nlohmann::json parse_answer(const std::string& text, std::string_view path, const std::string& name) {
+    auto answer = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (answer.is_discarded() || !answer.is_object()) {
+      throw Error(ErrorCode::kPeerFailure, fmt::format("etcd at {} answered {} with something that is not a JSON "
+                                                       "object: '{}'",
+                                                       name, path, text.substr(0, 120)));
+    }
+    return answer;
+  }
+
+  Error maybe_applied(std::string_view path, const std::string& name, const std::string& why) const {
+    return Error(ErrorCode::kPeerFailure,
+                 fmt::format("the call {} to etcd at {} broke off ({}) and may or may not have been applied; it is "
+                             "not repeated, so that it cannot apply twice",
+                             path, name, why));
+  }
+
+  Error refused(std::string_view path, const std::string& name, const EtcdStatus& status) const {
+    if (status.code == kCodePermissionDenied || status.message.find("authentication failed") != std::string::npos ||
+        status.message.find("user name is empty") != std::string::npos) {
+      return Error(ErrorCode::kBadConfig,
+                   fmt::format("etcd at {} refused {} ({}): check the etcd user and password keel was given (the "
+                               "store credential, KEEL_STORE_SECRET) and that the user may read and write under '{}'",
+                               name, path, status.message, options_.prefix));
+    }
+    return Error(ErrorCode::kPeerFailure,
+                 fmt::format("etcd at {} refused {}: {} (code {})", name, path, status.message, status.code));
+  }
+
+  const EtcdOptions options_;
+  std::mutex mutex_;
+  size_t preferred_ = 0;
+  std::string token_;
+  std::vector<std::unique_ptr<Connection>> idle_;
+};
+
+EtcdGateway::EtcdGateway(EtcdOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  if (!impl_->options().user.empty()) impl_->authenticate();
+}
+
+EtcdGateway::~EtcdGateway() = default;
+
+nlohmann::json EtcdGateway::call(std::string_view path, const nlohmann::json& body, Retry retry) {
+  return impl_->call(path, body.dump(), retry);
+}
+
+bool EtcdGateway::stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry,
+                         std::chrono::steady_clock::time_point deadline,
+                         const std::function<bool(const nlohmann::json&)>& on_message) {
+  return impl_->stream(path, body_for_retry, deadline, on_message);
+}
+
+const EtcdOptions& EtcdGateway::options() const { return impl_->options(); }
+
+std::string EtcdGateway::endpoint_names() const { return impl_->endpoint_names(); }
+
+EtcdOptions parse_etcd_address(std::string_view address, std::string_view credential, milliseconds timeout) {
+  auto malformed = [&address](const std::string& why) {
+    return Error(ErrorCode::kBadConfig,
+                 fmt::format("bad etcd address 'etcd://{}': {}; expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX], "
+                             "e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/keel/job-a",
+                             address, why));
+  };
+  EtcdOptions options;
+  options.timeout = timeout;
+  std::string_view hosts = address;
+  if (size_t slash = address.find('/'); slash != std::string_view::npos) {
+    hosts = address.substr(0, slash);
+    std::string_view prefix = address.substr(slash + 1);
+    while (!prefix.empty() && prefix.back() == '/') prefix.remove_suffix(1);
+    if (!prefix.empty()) options.prefix = std::string(prefix) + "/";
+  }
+  if (hosts.empty()) throw malformed("it names no member");
+  while (!hosts.empty()) {
+    size_t comma = hosts.find(',');
+    std::string_view item = hosts.substr(0, comma);
+    hosts = comma == std::string_view::npos ? std::string_view() : hosts.substr(comma + 1);
+    if (comma != std::string_view::npos && hosts.empty()) throw malformed("it ends with a comma");
+    size_t colon = item.rfind(':');
+    if (item.empty() || colon == std::string_view::npos || colon == 0) {
+      throw malformed(fmt::format("'{}' is not HOST:PORT", item));
+    }
+    std::string_view port_text = item.substr(colon + 1);
+    unsigned port = 0;
+    auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (port_text.empty() || ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 ||
+        port > 65535) {
+      throw malformed(fmt::format("the port of '{}' must be a number from 1 to 65535", item));
+    }
+    options.endpoints.push_back({std::string(item.substr(0, colon)), static_cast<uint16_t>(port)});
+  }
+  if (!credential.empty()) {
+    size_t colon = credential.find(':');
+    if (colon == std::string_view::npos || colon == 0) {
+      throw Error(ErrorCode::kBadConfig,
+                  "the etcd credential must be USER:PASSWORD (KEEL_STORE_SECRET with an etcd "
+                  "store address); it has no user name before a ':'");
+    }
+    options.user = std::string(credential.substr(0, colon));
+    options.password = std::string(credential.substr(colon + 1));
+  }
+  return options;
+}
+
+std::string etcd_base64(std::string_view bytes) {
+  namespace base64 = boost::beast::detail::base64;
+  std::string text(base64::encoded_size(bytes.size()), '\0');
+  text.resize(base64::encode(text.data(), bytes.data(), bytes.size()));
+  return text;
+}
+
+std::string etcd_unbase64(std::string_view text) {
+  namespace base64 = boost::beast::detail::base64;
+  size_t padding = 0;
+  while (padding < 2 && padding < text.size() && text[text.size() - 1 - padding] == '=') ++padding;
+  std::string bytes(base64::decoded_size(text.size()), '\0');
+  auto [written, read] = base64::decode(bytes.data(), text.data(), text.size());
+  if (text.size() % 4 != 0 || read != text.size() - padding) {
+    throw std::invalid_argument("not base64: '" + std::string(text.substr(0, 40)) + "'");
+  }
+  bytes.resize(written);
+  return bytes;
+}
+
+int64_t etcd_int(const nlohmann::json& object, const char* field) {
+  auto it = object.find(field);
+  if (it == object.end()) return 0;
+  if (it->is_number_integer()) return it->get<int64_t>();
+  if (!it->is_string()) throw std::invalid_argument(std::string(field) + " is neither a number nor a string");
+  const std::string& text = it->get_ref<const std::string&>();
+  int64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(std::string(field) + " is not an integer: '" + text.substr(0, 40) + "'");
+  }
+  return value;
+}
+
+}  // namespace keel::store

@@ -1,0 +1,94 @@
+// HTTP to etcd's v3 JSON gateway (docs/architecture.md "Store (store/)"):
+// every etcd v3 call is a POST of JSON to /v3/<service>/<method> on any
+// member, which forwards it to the leader. keel speaks the gateway rather
+// than gRPC because Boost.Beast is a dependency already and gRPC is not;
+// the v2 API, which etcd 3.6 removed, is never used.
+//
+// The gateway fails over: a call goes to the member that answered last, and
+// to the next one when that member cannot be reached, has no leader or does
+// not answer within the attempt bound, until the call's timeout. A call that
+// may have been applied before its connection broke is retried only when it
+// says it is idempotent; otherwise it fails with kPeerFailure rather than
+// applying twice.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace keel::store {
+
+struct EtcdEndpoint {
+  std::string host;
+  uint16_t port = 0;
+  std::string name() const { return host + ":" + std::to_string(port); }
+};
+
+struct EtcdOptions {
+  std::vector<EtcdEndpoint> endpoints;
+  // What every key is stored under ("keel/job-a/"), so that jobs can share
+  // one etcd cluster.
+  std::string prefix;
+  // etcd's own authentication; empty user: auth is off.
+  std::string user;
+  std::string password;
+  // Bounds reaching a member and every call (a watch has its own).
+  std::chrono::milliseconds timeout{10000};
+};
+
+// Parses the part of a store address after "etcd://":
+// HOST:PORT[,HOST:PORT...][/PREFIX]. `credential` is USER:PASSWORD or empty.
+// Error(kBadConfig) naming what is wrong and the expected form.
+EtcdOptions parse_etcd_address(std::string_view address, std::string_view credential,
+                               std::chrono::milliseconds timeout);
+
+class EtcdGateway {
+ public:
+  enum class Retry {
+    kIdempotent,  // may run again after an attempt that might have applied
+    kOnce,        // fails with kPeerFailure when an attempt might have applied
+  };
+
+  // Authenticates when `options` has a user: Error(kBadConfig) when etcd
+  // refuses the name or password, Error(kPeerFailure) when no member answers.
+  explicit EtcdGateway(EtcdOptions options);
+  ~EtcdGateway();
+  EtcdGateway(const EtcdGateway&) = delete;
+  EtcdGateway& operator=(const EtcdGateway&) = delete;
+
+  // POSTs `body` to `path` ("/v3/kv/range") and returns the answer. Errors
+  // etcd states (an HTTP status other than 200) are Error(kPeerFailure)
+  // with etcd's message, except a refused permission (kBadConfig); an
+  // answer that is not JSON is Error(kPeerFailure) naming the member.
+  nlohmann::json call(std::string_view path, const nlohmann::json& body, Retry retry);
+
+  // POSTs `body` to a streaming path (/v3/watch) and hands each message of
+  // the answer to `on_message` until it returns false (then true) or
+  // `deadline` passes (then false). Reconnects to another member when the
+  // stream breaks; `body_for_retry` gives the body for that attempt (a watch
+  // resumes after the last revision it saw).
+  bool stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry,
+              std::chrono::steady_clock::time_point deadline,
+              const std::function<bool(const nlohmann::json&)>& on_message);
+
+  const EtcdOptions& options() const;
+  // "127.0.0.1:2379, 127.0.0.1:2479", for messages.
+  std::string endpoint_names() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// etcd's JSON carries keys and values as base64, and 64-bit integers as
+// decimal strings.
+std::string etcd_base64(std::string_view bytes);
+std::string etcd_unbase64(std::string_view text);                   // throws std::invalid_argument
+int64_t etcd_int(const nlohmann::json& object, const char* field);  // absent: 0 (the gateway omits zero values)
+
+}  // namespace keel::store

@@ -1,0 +1,173 @@
+#include "tests/support/etcd_cluster.h"
+
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "store/etcd_gateway.h"
+#include "tests/support/wait.h"
+
+namespace keel::test {
+namespace {
+
+constexpr const char* kEtcd = "etcd";
+
+// Ports the kernel has free now: each bound to port 0 at once and closed
+// together, so the set holds no duplicate. Another process may take one
+// before etcd binds it; the cluster then fails to form and is started again.
+std::vector<int> free_ports(size_t count) {
+  std::vector<int> fds;
+  std::vector<int> ports;
+  for (size_t i = 0; i < count; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+      throw std::runtime_error("cannot find a free loopback port");
+    }
+    fds.push_back(fd);
+    ports.push_back(ntohs(address.sin_port));
+  }
+  for (int fd : fds) close(fd);
+  return ports;
+}
+
+// Whether a child has exited (a zombie not yet reaped, or gone).
+bool exited(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string pid_field, name, state;
+  if (!(stat >> pid_field >> name >> state)) return true;
+  return state == "Z";
+}
+
+std::string url(int port) { return "http://127.0.0.1:" + std::to_string(port); }
+
+}  // namespace
+
+std::string EtcdCluster::unavailable_reason() {
+  ProcessResult version = run_process({kEtcd, "--version"}, {}, 30);
+  if (version.exit_code != 0) {
+    return "etcd is not installed (scripts/setup installs Debian's etcd-server): " + version.output.substr(0, 200);
+  }
+  return "";
+}
+
+EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members) : dir_(dir) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    members_.clear();
+    members_.resize(members);
+    std::vector<int> ports = free_ports(2 * members);
+    token_ = "keel-test-" + std::to_string(getpid()) + "-" + std::to_string(ports[0]);
+    for (int i = 0; i < members; ++i) {
+      members_[i].name = fmt::format("m{}", i);
+      members_[i].client_port = ports[2 * i];
+      members_[i].peer_port = ports[2 * i + 1];
+      std::filesystem::remove_all(dir_ / members_[i].name);
+    }
+    if (start_all()) return;
+  }
+  std::string logs;
+  for (int i = 0; i < members; ++i) logs += "\n--- " + members_[i].name + "\n" + log_tail(i);
+  for (int i = 0; i < members; ++i) kill(i);
+  throw std::runtime_error("the etcd test cluster did not form:" + logs);
+}
+
+bool EtcdCluster::start_all() {
+  for (int i = 0; i < size(); ++i) launch(i);
+  bool formed = wait_until(
+      [&] {
+        for (int i = 0; i < size(); ++i) {
+          // A member that exited at once lost its port to another process.
+          if (exited(members_[i].process->pid())) return true;
+        }
+        return leader() >= 0;
+      },
+      60);
+  if (formed && leader() >= 0) return true;
+  for (int i = 0; i < size(); ++i) kill(i);
+  return false;
+}
+
+void EtcdCluster::launch(int member) {
+  std::string cluster;
+  for (const auto& m : members_) cluster += (cluster.empty() ? "" : ",") + m.name + "=" + url(m.peer_port);
+  Member& m = members_[member];
+  std::vector<std::string> argv = {
+      kEtcd, "--name=" + m.name, "--data-dir=" + (dir_ / m.name).string(), "--listen-client-urls=" + url(m.client_port),
+      "--advertise-client-urls=" + url(m.client_port), "--listen-peer-urls=" + url(m.peer_port),
+      "--initial-advertise-peer-urls=" + url(m.peer_port), "--initial-cluster=" + cluster,
+      "--initial-cluster-token=" + token_,
+      // A member started again finds its cluster in its data.
+      "--initial-cluster-state=new", "--logger=zap", "--log-outputs=" + (dir_ / (m.name + ".log")).string()};
+  m.process = std::make_unique<ChildProcess>(argv);
+}
+
+EtcdCluster::~EtcdCluster() {
+  for (int i = 0; i < size(); ++i) kill(i);
+}
+
+std::string EtcdCluster::address(const std::string& prefix) const {
+  std::string address = "etcd://";
+  for (int i = 0; i < size(); ++i) address += fmt::format("{}{}", i ? "," : "", endpoint(i));
+  if (!prefix.empty()) address += fmt::format("/{}", prefix);
+  return address;
+}
+
+std::string EtcdCluster::endpoint(int member) const {
+  return "127.0.0.1:" + std::to_string(members_[member].client_port);
+}
+
+int EtcdCluster::leader() const {
+  std::map<std::string, int> by_id;
+  std::string leader_id;
+  for (int i = 0; i < size(); ++i) {
+    if (!running(i)) continue;
+    try {
+      store::EtcdOptions options;
+      options.endpoints = {{"127.0.0.1", static_cast<uint16_t>(members_[i].client_port)}};
+      options.timeout = std::chrono::milliseconds(1000);
+      store::EtcdGateway gateway(options);
+      auto status =
+          gateway.call("/v3/maintenance/status", nlohmann::json::object(), store::EtcdGateway::Retry::kIdempotent);
+      by_id[status.at("header").value("member_id", "")] = i;
+      std::string id = status.value("leader", "");
+      if (!id.empty() && id != "0") leader_id = id;
+    } catch (const std::exception&) {
+      // Starting, or cut off: it says nothing about the leader.
+    }
+  }
+  auto it = by_id.find(leader_id);
+  return it == by_id.end() ? -1 : it->second;
+}
+
+void EtcdCluster::kill(int member) {
+  Member& m = members_[member];
+  if (!m.process) return;
+  m.process->signal(SIGKILL);
+  m.process->wait(30);
+  m.process.reset();
+}
+
+void EtcdCluster::start(int member) {
+  if (!running(member)) launch(member);
+}
+
+std::string EtcdCluster::log_tail(int member) const {
+  std::ifstream in(dir_ / (members_[member].name + ".log"));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string all = text.str();
+  return all.size() > 2000 ? all.substr(all.size() - 2000) : all;
+}
+
+}  // namespace keel::test

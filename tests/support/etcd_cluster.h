@@ -1,0 +1,62 @@
+// A real etcd cluster for tests: `members` etcd processes (Debian's
+// etcd-server, which scripts/setup installs) on free loopback ports, with
+// their data under a directory of the test's. Members can be killed and
+// started again, and the leader found, so that a test can take away exactly
+// the member it means to.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/support/process.h"
+
+namespace keel::test {
+
+class EtcdCluster {
+ public:
+  // Why no cluster can be started here, or empty when one can.
+  static std::string unavailable_reason();
+
+  // Starts the members and returns once one of them leads; throws
+  // std::runtime_error with the members' logs when they do not form a
+  // cluster within a minute.
+  explicit EtcdCluster(const std::filesystem::path& dir, int members = 3);
+  ~EtcdCluster();
+  EtcdCluster(const EtcdCluster&) = delete;
+  EtcdCluster& operator=(const EtcdCluster&) = delete;
+
+  int size() const { return static_cast<int>(members_.size()); }
+  // "etcd://127.0.0.1:P0,127.0.0.1:P1,...[/prefix]": every member, as a
+  // store address.
+  std::string address(const std::string& prefix = "") const;
+  // "127.0.0.1:P", one member's client endpoint.
+  std::string endpoint(int member) const;
+  // The member that leads now, as the running members see it; -1 when none
+  // answers with a leader.
+  int leader() const;
+  bool running(int member) const { return members_[member].process != nullptr; }
+  // SIGKILL, and reaped.
+  void kill(int member);
+  // Starts a killed member again on its ports and data.
+  void start(int member);
+  // The end of a member's log, for a failure's message.
+  std::string log_tail(int member) const;
+
+ private:
+  struct Member {
+    std::string name;
+    int client_port = 0;
+    int peer_port = 0;
+    std::unique_ptr<ChildProcess> process;
+  };
+  bool start_all();
+  void launch(int member);
+
+  std::filesystem::path dir_;
+  std::string token_;
+  std::vector<Member> members_;
+};
+
+}  // namespace keel::test

@@ -1,0 +1,49 @@
+// Ranks whose Store is a real three-member etcd cluster (docs/architecture.md
+// "Multi-node on etcd: the design being built": the ranks' Store is etcd):
+// Gloo's rendezvous, the checkpoint reports and the commit all go through
+// the quorum, and the run is the one the embedded store gives, bit for bit.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include "store/store.h"
+#include "tests/support/etcd_cluster.h"
+#include "tests/support/temp_dir.h"
+#include "tests/trainer/trainer_runs.h"
+
+TEST_SUITE("integration") {
+  TEST_CASE(
+      "DP2 x TP2 ranks that rendezvous and commit checkpoints through etcd train bit for bit as on the embedded "
+      "store") {
+    if (std::string why = keel::test::EtcdCluster::unavailable_reason(); !why.empty()) {
+      MESSAGE("skipped: " << why);
+      return;
+    }
+    keel::test::TempDir etcd_dir;
+    keel::test::EtcdCluster cluster(etcd_dir.path());
+    keel::test::TrainerRuns f;
+    const keel::test::Layout layout{.dp = 2, .tp = 2, .zero = 1};
+    const std::vector<std::string> sets = {"checkpoint.every_steps=5"};
+    const auto embedded = f.run(layout, "embedded", sets);
+    const auto on_etcd =
+        f.run(layout, "etcd", sets, {}, 0, {{"KEEL_STORE", cluster.address("keel/job-x")}, {"KEEL_STORE_SECRET", ""}});
+    REQUIRE(on_etcd.exact.size() == 20);
+    CHECK(on_etcd.exact == embedded.exact);
+    // The ranks did use etcd: their rendezvous and the resume choice are
+    // there, under the job's prefix (reports go once committed).
+    auto store = keel::store::connect_store(cluster.address("keel/job-x"), "", std::chrono::seconds(10));
+    auto& etcd = dynamic_cast<keel::store::ClusterStore&>(*store);
+    int gloo = 0;
+    for (const auto& entry : etcd.list("").entries) gloo += entry.key.find("tp.") != std::string::npos;
+    CHECK(gloo > 0);
+    CHECK(etcd.get("ckpt/g0/resume").has_value());
+    // checkpoint.keep = 3 newest.
+    for (int step : {10, 15, 20}) {
+      CAPTURE(step);
+      char name[32];
+      std::snprintf(name, sizeof(name), "step_%08d", step);
+      CHECK(std::filesystem::exists(f.dir() / "etcd" / "checkpoints" / name / "index.h5"));
+    }
+  }
+}
