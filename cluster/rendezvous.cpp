@@ -1,0 +1,332 @@
+#include "cluster/rendezvous.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace keel::cluster {
+
+using common::Error;
+using common::ErrorCode;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+spdlog::logger& cluster_log() {
+  static const std::shared_ptr<spdlog::logger> instance = common::logger("cluster");
+  return *instance;
+}
+
+constexpr const char* kGenerationKey = "rdzv/generation";
+constexpr std::string_view kNodesPrefix = "rdzv/nodes/";
+constexpr std::string_view kWaitingPrefix = "rdzv/waiting/";
+
+std::string generation_prefix(int64_t g) { return fmt::format("rdzv/g{}/", g); }
+std::string join_prefix(int64_t g) { return generation_prefix(g) + "join/"; }
+std::string members_key(int64_t g) { return generation_prefix(g) + "members"; }
+std::string failed_key(int64_t g) { return generation_prefix(g) + "failed"; }
+
+// An integer the store holds, or Error(kPeerFailure): what another keeld
+// wrote there is not keel's.
+int64_t parse_generation(const std::string& text) {
+  int64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || value < 0) {
+    throw Error(ErrorCode::kPeerFailure,
+                fmt::format("the job's {} in etcd holds '{}', not a generation number: something other than keel "
+                            "wrote under the job's prefix",
+                            kGenerationKey, text.substr(0, 40)));
+  }
+  return value;
+}
+
+std::vector<std::string> parse_members(int64_t g, const std::string& text) {
+  auto members = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  std::vector<std::string> nodes;
+  if (members.is_array()) {
+    for (const auto& node : members) {
+      if (!node.is_string()) {
+        nodes.clear();
+        break;
+      }
+      nodes.push_back(node.get<std::string>());
+    }
+  }
+  if (nodes.empty()) {
+    throw Error(ErrorCode::kPeerFailure, fmt::format("the membership of generation {} in etcd is not a list of node "
+                                                     "names: '{}'",
+                                                     g, text.substr(0, 80)));
+  }
+  return nodes;
+}
+
+bool contains(const std::vector<std::string>& nodes, const std::string& name) {
+  return std::find(nodes.begin(), nodes.end(), name) != nodes.end();
+}
+
+// A nonce, so that a keeld can tell its own node record from the record of
+// an earlier keeld of the same name.
+std::string nonce() {
+  uint64_t value = 0;
+  if (getrandom(&value, sizeof(value), 0) != sizeof(value)) value = static_cast<uint64_t>(getpid());
+  return fmt::format("{:016x}", value);
+}
+
+}  // namespace
+
+Rendezvous::Rendezvous(store::ClusterStore& store, RendezvousOptions options)
+    : store_(store), options_(std::move(options)) {
+  if (options_.node_name.empty() || options_.node_name.find('/') != std::string::npos) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("bad [cluster] node_name '{}': it must be non-empty and hold no '/'", options_.node_name));
+  }
+  if (options_.min_nodes < 1 || options_.max_nodes < options_.min_nodes) {
+    throw Error(ErrorCode::kBadConfig, fmt::format("[cluster] min_nodes = {} and max_nodes = {}: they need 1 <= "
+                                                   "min_nodes <= max_nodes",
+                                                   options_.min_nodes, options_.max_nodes));
+  }
+  lease_ = store_.grant_lease(options_.lease_ttl);
+  record_ = nlohmann::json{
+      {"name", options_.node_name},
+      {"address", options_.address},
+      {"ranks", options_.ranks_per_node},
+      {"pid", static_cast<int64_t>(getpid())},
+      {"nonce",
+       nonce()}}.dump();
+  const std::string key = std::string(kNodesPrefix) + options_.node_name;
+  // A keeld restarted by systemd finds its predecessor's record until that
+  // lease ends; a second live keeld of the same name keeps renewing it.
+  const auto deadline = Clock::now() + 2 * options_.lease_ttl + std::chrono::seconds(2);
+  for (;;) {
+    auto listing = store_.list(key);
+    auto held = store_.compare_set_with_lease(key, std::nullopt, record_, lease_);
+    if (held == record_) break;
+    if (Clock::now() >= deadline) {
+      store_.revoke(lease_);
+      throw Error(ErrorCode::kBadConfig,
+                  fmt::format("another live keeld holds node name '{}' in this job (its record: {}): give each node "
+                              "its own [cluster] node_name",
+                              options_.node_name, held.value_or("")));
+    }
+    cluster_log().info("node name '{}' is still held by an earlier keeld; waiting for its lease to end",
+                       options_.node_name);
+    store_.watch(key, listing.revision, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+  }
+  renewer_ = std::thread([this] { renew_until_stopped(); });
+}
+
+Rendezvous::~Rendezvous() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  stop_signal_.notify_all();
+  if (renewer_.joinable()) renewer_.join();
+  try {
+    store_.revoke(lease_);
+  } catch (const std::exception& e) {
+    // etcd unreachable: the lease ends by itself after its TTL.
+    cluster_log().warn("cannot revoke node '{}''s lease ({}); it ends within {} s", options_.node_name, e.what(),
+                       options_.lease_ttl.count());
+  }
+}
+
+void Rendezvous::renew_until_stopped() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    stop_signal_.wait_for(lock, options_.lease_ttl / 3, [this] { return stop_.load(); });
+    if (stop_) return;
+    lock.unlock();
+    bool renewed = false;
+    std::string failure;
+    try {
+      renewed = store_.keep_alive(lease_);
+      if (!renewed) failure = "etcd says it expired";
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    lock.lock();
+    if (renewed) {
+      if (unreachable_since_) cluster_log().info("node '{}' reaches etcd again", options_.node_name);
+      unreachable_since_.reset();
+    } else if (failure == "etcd says it expired") {
+      lease_lost_ = true;
+      cluster_log().error("node '{}''s lease expired: the job has gone on without this node", options_.node_name);
+      return;
+    } else if (!unreachable_since_) {
+      unreachable_since_ = Clock::now();
+      cluster_log().warn("node '{}' cannot renew its lease: {}", options_.node_name, failure);
+    }
+  }
+}
+
+std::optional<Clock::time_point> Rendezvous::unreachable_since() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return unreachable_since_;
+}
+
+int64_t Rendezvous::current_generation() {
+  // The first keeld of a job creates the counter; the others read it.
+  return parse_generation(store_.compare_set(kGenerationKey, std::nullopt, "0").value_or("0"));
+}
+
+std::optional<std::vector<std::string>> Rendezvous::sealed_members(int64_t generation) {
+  auto members = store_.get(members_key(generation));
+  if (!members) return std::nullopt;
+  return parse_members(generation, *members);
+}
+
+std::optional<std::vector<std::string>> Rendezvous::try_seal(int64_t generation,
+                                                             const store::ClusterStore::Listing& joined,
+                                                             bool timed_out) {
+  std::vector<std::string> names;
+  const std::string prefix = join_prefix(generation);
+  for (const auto& entry : joined.entries) {
+    if (entry.key.starts_with(prefix)) names.push_back(entry.key.substr(prefix.size()));
+  }
+  std::sort(names.begin(), names.end());
+  const int count = static_cast<int>(names.size());
+  if (count < options_.max_nodes && !(timed_out && count >= options_.min_nodes)) return std::nullopt;
+  int take = std::min(count, options_.max_nodes);
+  while (take >= options_.min_nodes && !options_.runs_on(take)) --take;
+  if (take < options_.min_nodes) return std::nullopt;
+  names.resize(static_cast<size_t>(take));
+  // Whoever seals first decides; everyone reads the same answer.
+  auto sealed = store_.compare_set(members_key(generation), std::nullopt, nlohmann::json(names).dump());
+  return parse_members(generation, sealed.value_or("[]"));
+}
+
+Membership Rendezvous::sealed_with_this_node(int64_t generation, std::vector<std::string> nodes, int64_t revision) {
+  store_.remove(std::string(kWaitingPrefix) + options_.node_name);
+  Membership m;
+  m.generation = generation;
+  m.node_rank = static_cast<int>(std::find(nodes.begin(), nodes.end(), options_.node_name) - nodes.begin());
+  m.nodes = std::move(nodes);
+  m.ranks_per_node = options_.ranks_per_node;
+  m.revision = revision;
+  cluster_log().info("generation {}: nodes {}; this node '{}' is node {}", generation, fmt::join(m.nodes, ", "),
+                     options_.node_name, m.node_rank);
+  return m;
+}
+
+void Rendezvous::wait_for_generation_after(int64_t generation, Clock::time_point deadline) {
+  for (;;) {
+    auto listing = store_.list(kGenerationKey);
+    for (const auto& entry : listing.entries) {
+      if (entry.key == kGenerationKey && parse_generation(entry.value) > generation) return;
+    }
+    auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return;
+    store_.watch(kGenerationKey, listing.revision, left);
+  }
+}
+
+Membership Rendezvous::join(milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  // The generation this call joined, and the store's revision before its seal.
+  int64_t joined = -1;
+  int64_t revision = 0;
+  for (;;) {
+    if (Clock::now() >= deadline) break;
+    const int64_t g = current_generation();
+    if (auto sealed = sealed_members(g)) {
+      if (joined == g && contains(*sealed, options_.node_name))
+        return sealed_with_this_node(g, std::move(*sealed), revision);
+      if (contains(*sealed, options_.node_name)) {
+        fail(g, fmt::format("node '{}' came back while generation {} ran (its keeld restarted): its ranks are gone",
+                            options_.node_name, g));
+      } else {
+        store_.set_with_lease(std::string(kWaitingPrefix) + options_.node_name, record_, lease_);
+        cluster_log().info("generation {} is sealed without node '{}' ({}); it waits for the next", g,
+                           options_.node_name, fmt::join(*sealed, ", "));
+        wait_for_generation_after(g, deadline);
+      }
+      continue;
+    }
+    store_.set_with_lease(join_prefix(g) + options_.node_name, record_, lease_);
+    joined = g;
+    // Joins of earlier generations live as long as the lease: drop the last.
+    if (g > 0) store_.remove(join_prefix(g - 1) + options_.node_name);
+    const auto join_deadline = Clock::now() + options_.join_timeout;
+    for (;;) {
+      auto listing = store_.list(generation_prefix(g));
+      revision = listing.revision;
+      bool moved_on = false;
+      for (const auto& entry : listing.entries) moved_on |= entry.key == members_key(g) || entry.key == failed_key(g);
+      if (moved_on) break;  // sealed by another keeld, or failed: look again
+      const bool timed_out = Clock::now() >= join_deadline;
+      if (auto sealed = try_seal(g, listing, timed_out)) {
+        if (!contains(*sealed, options_.node_name)) break;
+        return sealed_with_this_node(g, std::move(*sealed), revision);
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) break;
+      const auto until = timed_out ? deadline : std::min(deadline, join_deadline);
+      store_.watch(generation_prefix(g), listing.revision,
+                   std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(until - now)));
+    }
+  }
+  const int64_t g = current_generation();
+  std::vector<std::string> arrived;
+  for (const auto& entry : store_.list(join_prefix(g)).entries) {
+    arrived.push_back(entry.key.substr(join_prefix(g).size()));
+  }
+  throw Error(ErrorCode::kPeerFailure,
+              fmt::format("the rendezvous of generation {} did not complete within {} ms: {} node(s) joined ({}), and "
+                          "the job needs at least {} (min_nodes) on which its layout runs: start the missing nodes' "
+                          "keelds, or lower [cluster] min_nodes",
+                          g, timeout.count(), arrived.size(), fmt::join(arrived, ", "), options_.min_nodes));
+}
+
+std::string Rendezvous::fail(int64_t generation, const std::string& cause) {
+  std::string recorded = store_.compare_set(failed_key(generation), std::nullopt, cause).value_or(cause);
+  store_.compare_set(kGenerationKey, std::to_string(generation), std::to_string(generation + 1));
+  if (recorded == cause) cluster_log().warn("generation {} ends: {}", generation, cause);
+  return recorded;
+}
+
+std::optional<GenerationEvent> Rendezvous::next_event(const Membership& m, milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  auto ended = [&] {
+    return GenerationEvent{GenerationEvent::kEnded,
+                           store_.get(failed_key(m.generation)).value_or("the generation moved on")};
+  };
+  if (current_generation() != m.generation) return ended();
+  int64_t after = m.revision;
+  for (;;) {
+    auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    auto changes = store_.watch("rdzv/", after, left);
+    if (changes.empty()) return std::nullopt;
+    for (const auto& change : changes) {
+      after = std::max(after, change.revision);
+      if (change.key == kGenerationKey && change.value && parse_generation(*change.value) != m.generation) {
+        return ended();
+      }
+      if (change.key.starts_with(kNodesPrefix) && !change.value) {
+        const std::string node = change.key.substr(kNodesPrefix.size());
+        if (!contains(m.nodes, node)) continue;
+        return GenerationEvent{
+            GenerationEvent::kEnded,
+            fail(m.generation, fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "
+                                           "from etcd for over {} s",
+                                           node, options_.lease_ttl.count()))};
+      }
+      if (change.key.starts_with(kWaitingPrefix) && change.value) {
+        return GenerationEvent{GenerationEvent::kNodeWaiting,
+                               fmt::format("node '{}' waits to join", change.key.substr(kWaitingPrefix.size()))};
+      }
+    }
+  }
+}
+
+}  // namespace keel::cluster

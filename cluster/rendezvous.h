@@ -1,0 +1,128 @@
+// How the keelds of many nodes become one job (docs/architecture.md
+// "Multi-node on etcd: the design being built"): they join a generation in
+// etcd, one of them seals its membership by compare-and-set, and every one
+// of them reads the same sorted node list, so that node ranks agree without
+// a leader. A node's lease is its liveness; a generation ends when its
+// counter is bumped (by compare-and-set, so once however many keelds see the
+// same failure).
+//
+// Keys, under the job's store prefix:
+//   rdzv/generation          the current generation, decimal
+//   rdzv/nodes/<name>        a node's record, under its lease
+//   rdzv/g<g>/join/<name>    who joined generation g, under their leases
+//   rdzv/g<g>/members        g's sealed membership: a JSON list of names
+//   rdzv/g<g>/failed         why g ended (the first cause recorded)
+//   rdzv/waiting/<name>      a node that came after the seal, under its lease
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "store/store.h"
+
+namespace keel::cluster {
+
+struct RendezvousOptions {
+  std::string node_name;  // unique in the job: the host name by default
+  std::string address;    // what this node's ranks bind for Gloo and NCCL
+  int ranks_per_node = 1;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  // How long a join waits for max_nodes before it seals with fewer.
+  std::chrono::milliseconds join_timeout{30000};
+  std::chrono::seconds lease_ttl{5};
+  // Whether the job can run on this many nodes (the layout's DP must divide
+  // the world, and the global batch); the seal takes the most nodes it can.
+  std::function<bool(int nodes)> runs_on = [](int) { return true; };
+};
+
+// A generation's sealed membership, as every member reads it.
+struct Membership {
+  int64_t generation = 0;
+  std::vector<std::string> nodes;  // sorted; a node's rank is its index
+  int node_rank = 0;               // this node's
+  int ranks_per_node = 1;
+  int64_t revision = 0;  // the store revision it was read at: watches start after it
+
+  int world_size() const { return static_cast<int>(nodes.size()) * ranks_per_node; }
+  int rank_offset() const { return node_rank * ranks_per_node; }
+};
+
+// What ends a generation, or asks for the next one.
+struct GenerationEvent {
+  enum Kind {
+    kEnded,        // the generation was failed: stop the ranks and join the next
+    kNodeWaiting,  // a node came after the seal: grow at the next checkpoint
+  } kind = kEnded;
+  std::string cause;
+};
+
+class Rendezvous {
+ public:
+  // Takes a lease of `options.lease_ttl` and puts rdzv/nodes/<name> under
+  // it; a thread renews it every third of the TTL until destruction, which
+  // revokes it. Error(kBadConfig) when another live keeld holds the name.
+  Rendezvous(store::ClusterStore& store, RendezvousOptions options);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  // Joins the current generation and returns its sealed membership with
+  // this node in it. A node that finds the generation sealed without it
+  // waits (rdzv/waiting/<name>) for the next; one that finds itself in a
+  // sealed generation it did not join here (its keeld restarted) fails that
+  // generation, whose ranks died with it, and joins the next.
+  // Error(kPeerFailure) after `timeout` naming who joined.
+  Membership join(std::chrono::milliseconds timeout);
+
+  // Records `cause` for generation g (the first cause wins) and moves the
+  // generation from g to g + 1 (only if it is still g). Returns the cause
+  // recorded, which is another keeld's when it was first.
+  std::string fail(int64_t generation, const std::string& cause);
+
+  // Waits up to `timeout` for what ends `membership`'s generation: the
+  // generation moved on, or a member's lease ended (then this keeld fails
+  // the generation itself), or a node waits to join. nullopt on timeout.
+  std::optional<GenerationEvent> next_event(const Membership& membership, std::chrono::milliseconds timeout);
+
+  // False once this node's lease has expired: etcd forgot the node (it was
+  // cut off longer than the TTL), and the others have gone on without it.
+  bool alive() const { return !lease_lost_; }
+  // Since when the renewals have failed to reach etcd (nullopt: they reach
+  // it), for a degraded status.
+  std::optional<std::chrono::steady_clock::time_point> unreachable_since() const;
+
+ private:
+  int64_t current_generation();
+  std::optional<std::vector<std::string>> sealed_members(int64_t generation);
+  std::optional<std::vector<std::string>> try_seal(int64_t generation, const store::ClusterStore::Listing& joined,
+                                                   bool timed_out);
+  // The membership of a sealed generation this node joined; `revision`
+  // comes before the seal, so watches from it miss nothing after.
+  Membership sealed_with_this_node(int64_t generation, std::vector<std::string> nodes, int64_t revision);
+  // Blocks until rdzv/generation moves past `generation` or `deadline`.
+  void wait_for_generation_after(int64_t generation, std::chrono::steady_clock::time_point deadline);
+  void renew_until_stopped();
+
+  store::ClusterStore& store_;
+  const RendezvousOptions options_;
+  store::ClusterStore::LeaseId lease_ = 0;
+  std::string record_;  // rdzv/nodes/<name>'s value: JSON with a nonce of this keeld's
+
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> lease_lost_{false};
+  mutable std::mutex mutex_;
+  std::condition_variable stop_signal_;
+  std::optional<std::chrono::steady_clock::time_point> unreachable_since_;
+  std::thread renewer_;
+};
+
+}  // namespace keel::cluster
