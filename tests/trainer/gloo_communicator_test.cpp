@@ -110,6 +110,18 @@ using keel::test::failure_of;
 }  // namespace
 
 TEST_SUITE("unit") {
+  TEST_CASE("a group bound to an address that is not this node's is a config error naming KEEL_BIND_ADDRESS") {
+    MemoryStore store;
+    try {
+      // 192.0.2.0/24 is TEST-NET-1: never an address of this machine.
+      GlooCommunicator comm(store, "unbindable", 0, 1, kTimeout, nullptr, "", "192.0.2.1");
+      FAIL("a group bound an address of another machine");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::kBadConfig);
+      CHECK(std::string(e.what()).find("'192.0.2.1' (KEEL_BIND_ADDRESS)") != std::string::npos);
+    }
+  }
+
   TEST_CASE("all_reduce sums every rank's buffer for world sizes one to four") {
     for (int size = 1; size <= 4; ++size) {
       CAPTURE(size);

@@ -28,6 +28,7 @@ TEST_SUITE("unit") {
     CHECK(env.world_size == 1);
     CHECK(env.local_world_size == 1);
     CHECK(env.generation == 0);
+    CHECK(env.bind_address == "127.0.0.1");
     CHECK_FALSE(env.run_dir.has_value());
   }
 
@@ -40,6 +41,7 @@ TEST_SUITE("unit") {
                               {"KEEL_STORE", "tcp://127.0.0.1:29500"},
                               {"KEEL_STORE_SECRET", kSecret},
                               {"KEEL_BOARD", "/keel-board-5"},
+                              {"KEEL_BIND_ADDRESS", "10.1.2.3"},
                               {"KEEL_RUN_DIR", "/runs/a"}});
     CHECK(env.rank == 5);
     CHECK(env.world_size == 8);
@@ -49,6 +51,7 @@ TEST_SUITE("unit") {
     CHECK(env.store == "tcp://127.0.0.1:29500");
     CHECK(env.store_secret == kSecret);
     CHECK(env.board == "/keel-board-5");
+    CHECK(env.bind_address == "10.1.2.3");
     CHECK(env.run_dir == "/runs/a");
   }
 
@@ -84,6 +87,8 @@ TEST_SUITE("unit") {
          "KEEL_LOCAL_WORLD_SIZE=4 exceeds"},
         {{{"KEEL_LOCAL_RANK", "1"}, {"KEEL_LOCAL_WORLD_SIZE", "1"}}, "KEEL_LOCAL_RANK=1 must be below"},
         {{{"KEEL_GENERATION", "-4"}}, "KEEL_GENERATION=-4 is outside"},
+        {{{"KEEL_BIND_ADDRESS", ""}}, "KEEL_BIND_ADDRESS='' is not an address"},
+        {{{"KEEL_BIND_ADDRESS", "10.0.0.1 10.0.0.2"}}, "KEEL_BIND_ADDRESS='10.0.0.1 10.0.0.2' is not an address"},
     };
     for (const Row& row : rows) {
       CAPTURE(row.expected);

@@ -113,7 +113,7 @@ void sum_floats(void* out, const void* a, const void* b, size_t n) { gloo::sum<f
 
 GlooCommunicator::GlooCommunicator(store::Store& store, std::string group_name, int rank, int size,
                                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
-                                   std::string rank_failed_key)
+                                   std::string rank_failed_key, const std::string& bind_address)
     : Communicator(std::move(group_name), rank, size, std::move(recorder)),
       store_(store),
       rank_failed_key_(std::move(rank_failed_key)),
@@ -126,8 +126,16 @@ GlooCommunicator::GlooCommunicator(store::Store& store, std::string group_name, 
   ignore_sigpipe_once();
   const auto started = std::chrono::steady_clock::now();
   StoreAdapter adapter(store, "gloo/" + name() + "/", timeout_);
+  std::shared_ptr<gloo::transport::Device> device;
   try {
-    auto device = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr("127.0.0.1"));
+    device = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr(bind_address.c_str()));
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("group '{}' rank {}: cannot bind the address '{}' (KEEL_BIND_ADDRESS): {}; give an address "
+                            "of this node",
+                            name(), rank, bind_address, e.what()));
+  }
+  try {
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     // Before connecting: the pairs copy the timeout when they are made.
     context->setTimeout(timeout_);

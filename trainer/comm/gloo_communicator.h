@@ -66,10 +66,12 @@ class GlooCommunicator final : public Communicator {
   // must outlive the communicator: failures are reported through it.
   // `rank_failed_key` (empty: none) is the key keeld sets when a rank of
   // the job dies (store::rank_failed_key): the watcher aborts on it too,
-  // since a rank killed outright records nothing itself.
+  // since a rank killed outright records nothing itself. The transport
+  // binds `bind_address` (the node's address, KEEL_BIND_ADDRESS) and
+  // advertises it to the peers: Error(kBadConfig) when it cannot be bound.
   GlooCommunicator(store::Store& store, std::string group_name, int rank, int size,
                    std::chrono::milliseconds timeout, std::shared_ptr<FlightRecorder> recorder,
-                   std::string rank_failed_key = "");
+                   std::string rank_failed_key = "", const std::string& bind_address = "127.0.0.1");
   ~GlooCommunicator() override;
   GlooCommunicator(const GlooCommunicator&) = delete;
   GlooCommunicator& operator=(const GlooCommunicator&) = delete;

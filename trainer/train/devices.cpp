@@ -45,9 +45,10 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train) {
 std::unique_ptr<Communicator> join_group(Backend& backend, store::Store& store, const std::string& name, int rank,
                                          int size, std::chrono::milliseconds timeout,
                                          std::shared_ptr<FlightRecorder> recorder,
-                                         const std::string& rank_failed_key) {
+                                         const std::string& rank_failed_key, const std::string& bind_address) {
   if (backend.host_memory()) {
-    return std::make_unique<GlooCommunicator>(store, name, rank, size, timeout, std::move(recorder), rank_failed_key);
+    return std::make_unique<GlooCommunicator>(store, name, rank, size, timeout, std::move(recorder), rank_failed_key,
+                                              bind_address);
   }
 #ifdef KEEL_HAVE_CUDA
   if (auto* gpu = dynamic_cast<cuda::CudaBackend*>(&backend)) {

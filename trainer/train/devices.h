@@ -25,8 +25,10 @@ std::unique_ptr<Backend> make_backend(const common::TrainConfig& train);
 // Joins one process group of `size` ranks as `rank`: Gloo for a backend
 // in host memory, NCCL for device memory. `rank_failed_key` is where the
 // Store says a peer failed (Gloo watches it; NCCL sees failures itself).
+// Gloo binds `bind_address`, the node's address (KEEL_BIND_ADDRESS).
 std::unique_ptr<Communicator> join_group(Backend& backend, store::Store& store, const std::string& name, int rank,
                                          int size, std::chrono::milliseconds timeout,
-                                         std::shared_ptr<FlightRecorder> recorder, const std::string& rank_failed_key);
+                                         std::shared_ptr<FlightRecorder> recorder, const std::string& rank_failed_key,
+                                         const std::string& bind_address);
 
 }  // namespace keel::trainer

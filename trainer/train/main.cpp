@@ -91,7 +91,7 @@ std::unique_ptr<keel::trainer::ProcessGroups> join_groups(const keel::trainer::W
     log->info("joining {} as rank {} of {}", group.name, group.index_in_group, group.ranks.size());
     return keel::trainer::join_group(backend, store, fmt::format("g{}.{}", worker.generation, group.name),
                                      group.index_in_group, static_cast<int>(group.ranks.size()), timeout, recorder,
-                                     keel::store::rank_failed_key(worker.generation));
+                                     keel::store::rank_failed_key(worker.generation), worker.bind_address);
   });
   for (const auto& group : groups->communicators()) {
     if (board != nullptr) group.comm->set_progress_board(board);

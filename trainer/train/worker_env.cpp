@@ -41,6 +41,14 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
   if (const char* store = getenv("KEEL_STORE")) env.store = store;
   if (const char* secret = getenv("KEEL_STORE_SECRET")) env.store_secret = secret;
   if (const char* board = getenv("KEEL_BOARD")) env.board = board;
+  if (const char* bind = getenv("KEEL_BIND_ADDRESS")) {
+    env.bind_address = bind;
+    if (env.bind_address.empty() || env.bind_address.find_first_of(" \t\n/") != std::string::npos) {
+      fail(fmt::format("KEEL_BIND_ADDRESS='{}' is not an address: give this node's IP address (or host name) on the "
+                       "job's network",
+                       env.bind_address));
+    }
+  }
   if (const char* run_dir = getenv("KEEL_RUN_DIR"); run_dir != nullptr && *run_dir != '\0') env.run_dir = run_dir;
 
   if (env.rank >= env.world_size) {

@@ -19,6 +19,9 @@ struct WorkerEnv {
   std::string store;             // KEEL_STORE: Store address, e.g. tcp://127.0.0.1:29500
   std::string store_secret;      // KEEL_STORE_SECRET: what the Store asks of every connection
   std::string board;             // KEEL_BOARD: this rank's progress-board segment
+  // KEEL_BIND_ADDRESS: the address this rank's Gloo transport binds and
+  // tells its peers, its node's address on the job's network.
+  std::string bind_address = "127.0.0.1";
   std::optional<std::string> run_dir;  // KEEL_RUN_DIR: overrides job.run_dir
 
   // Reads the contract through `getenv` (std::getenv by default, a map in
