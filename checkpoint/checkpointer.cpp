@@ -3,6 +3,7 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/paths.h"
+#include "checkpoint/rank_report.h"
 #include "checkpoint/reader.h"
 #include "common/clock.h"
 #include "common/error.h"
@@ -140,8 +141,9 @@ bool Checkpointer::run(const Job& job) {
   auto log = common::logger("checkpoint");
   const auto start = Clock::now();
   const auto dir = partial_dir(options_.root, job.step);
-  const std::string file = rank_file_name(options_.rank);
-  nlohmann::json report;
+  RankReport report;
+  report.file = rank_file_name(options_.rank);
+  const std::string& file = report.file;
   try {
     std::filesystem::create_directories(dir);
     if (const auto bad = writer_.first_non_finite()) {
@@ -153,24 +155,29 @@ bool Checkpointer::run(const Job& job) {
     const nlohmann::json state = {
         {"step", job.step}, {"tokens", job.tokens}, {"rank", options_.rank}, {"layout", options_.layout}};
     const auto written = writer_.write(dir / file, state);
-    report = {{"ok", true}, {"file", file}, {"bytes", written.bytes}, {"xxh3", written.xxh3}};
+    report.ok = true;
+    report.bytes = written.bytes;
+    report.xxh3 = written.xxh3;
+    report.pieces = writer_.pieces();
     if (options_.on_written) options_.on_written(job.step, written.bytes, seconds_since(start));
   } catch (const std::exception& e) {
     log->error("rank file {} of step {} failed: {}", file, job.step, e.what());
-    report = {{"ok", false}, {"file", file}, {"error", e.what()}};
+    report.ok = false;
+    report.error = e.what();
   }
   const double write_s = seconds_since(start);
-  if (options_.world_size > 1) store_->set(report_key(job.step, options_.rank), report.dump());
-  if (options_.rank == 0) return commit(job, report, write_s);
-  return report.at("ok").get<bool>();
+  if (options_.world_size > 1) store_->set(report_key(job.step, options_.rank), report.to_json().dump());
+  if (options_.rank == 0) return commit(job, std::move(report), write_s);
+  return report.ok;
 }
 
-bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, double write_s) {
+bool Checkpointer::commit(const Job& job, RankReport own_report, double write_s) {
   auto log = common::logger("checkpoint");
   FileSystem& fs = *options_.fs;
   const auto start = Clock::now();
   const auto dir = partial_dir(options_.root, job.step);
-  std::vector<nlohmann::json> reports = {own_report};
+  std::vector<RankReport> reports;
+  reports.push_back(std::move(own_report));
   std::string failure;
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(options_.timeout_s));
@@ -197,14 +204,16 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
       }
     }
     if (value) {
-      reports.push_back(nlohmann::json::parse(*value));
       store_->remove(report_key(job.step, r));
+      try {
+        reports.push_back(RankReport::parse(*value, r));
+      } catch (const common::Error& e) {
+        failure = e.what();
+      }
     }
   }
   for (const auto& report : reports) {
-    if (failure.empty() && !report.at("ok").get<bool>()) {
-      failure = fmt::format("{}: {}", report.at("file").get<std::string>(), report.at("error").get<std::string>());
-    }
+    if (failure.empty() && !report.ok) failure = fmt::format("{}: {}", report.file, report.error);
   }
   if (options_.world_size > 1) store_->remove(report_key(job.step, 0));
 
@@ -220,10 +229,9 @@ bool Checkpointer::commit(const Job& job, const nlohmann::json& own_report, doub
     manifest.layout = options_.layout;
     std::vector<StoredPiece> pieces;
     for (const auto& report : reports) {
-      const std::string file = report.at("file");
-      manifest.files.push_back(ManifestFile{file, report.at("bytes"), report.at("xxh3")});
-      bytes += report.at("bytes").get<uint64_t>();
-      auto listed = list_pieces(dir, file);
+      manifest.files.push_back(ManifestFile{report.file, report.bytes, report.xxh3});
+      bytes += report.bytes;
+      auto listed = report.stored_pieces();
       pieces.insert(pieces.end(), listed.begin(), listed.end());
     }
     write_index(dir, pieces, job.step);

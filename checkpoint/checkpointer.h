@@ -22,6 +22,7 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/file_system.h"
 #include "checkpoint/piece.h"
+#include "checkpoint/rank_report.h"
 #include "checkpoint/shard_writer.h"
 #include "store/store.h"
 
@@ -104,7 +105,7 @@ class Checkpointer {
   void writer_loop();
   bool run(const Job& job);
   // Rank 0: gathers every rank's report and commits or abandons.
-  bool commit(const Job& job, const nlohmann::json& own_report, double write_s);
+  bool commit(const Job& job, RankReport own_report, double write_s);
   std::string report_key(int64_t step, int rank) const;
   void recover_interrupted_saves();
   // Renames the finished .partial directory into place; returns whether

@@ -19,28 +19,8 @@
 
 namespace fs = std::filesystem;
 using keel::checkpoint::Checkpointer;
-using keel::checkpoint::CheckpointerOptions;
-using keel::checkpoint::Piece;
 
 namespace {
-
-// Rank `rank` of two, checkpointing under `root` with events in run_dir.
-CheckpointerOptions rank_options(int rank, const fs::path& root, const fs::path& run_dir, double timeout_s) {
-  CheckpointerOptions options;
-  options.root = root;
-  options.run_dir = run_dir;
-  options.timeout_s = timeout_s;
-  options.rank = rank;
-  options.world_size = 2;
-  options.layout = {{"world_size", 2}, {"dp", 2}, {"tp", 1}, {"zero", 0}};
-  return options;
-}
-
-// The fixture split between the ranks: each holds one piece of w and one of b.
-std::vector<Piece> pieces_of(int rank) {
-  const auto all = keel::test::fixture_pieces();
-  return {all[static_cast<size_t>(rank)], all[static_cast<size_t>(rank) + 2]};
-}
 
 std::vector<nlohmann::json> events_of(const fs::path& run_dir, const std::string& kind) {
   std::vector<nlohmann::json> out;
@@ -61,9 +41,9 @@ std::vector<int64_t> committed_steps(const fs::path& root) {
 // Both ranks save `step`, rank 1 first and reported before rank 0 starts,
 // so that rank 0's commit never depends on its timeout; rank 0 must commit.
 void save_and_commit(Checkpointer& rank0, Checkpointer& rank1, const fs::path& root, int64_t step) {
-  keel::test::save_fixture_async(rank1, pieces_of(1), step);
+  keel::test::save_fixture_async(rank1, keel::test::fixture_pieces_of_rank(1), step);
   REQUIRE(rank1.wait());
-  keel::test::save_fixture_async(rank0, pieces_of(0), step);
+  keel::test::save_fixture_async(rank0, keel::test::fixture_pieces_of_rank(0), step);
   REQUIRE(rank0.wait());
   const fs::path dir = keel::checkpoint::step_dir(root, step);
   const auto manifest = keel::checkpoint::read_manifest(dir);
@@ -91,21 +71,21 @@ TEST_SUITE("unit") {
     const fs::path root = dir / "ckpt";
     fs::create_directories(root);
     keel::test::MemoryStore store;
-    Checkpointer rank0(rank_options(0, root, dir.path(), 60), &store);
+    Checkpointer rank0(keel::test::two_rank_options(0, root, dir.path(), 60), &store);
     {
       // Rank 1's checkpoint directory cannot be made (its mount is a file,
       // as on a node whose shared filesystem went away): its save fails.
       const fs::path broken = dir.write("not-a-directory", "");
-      Checkpointer rank1(rank_options(1, broken / "ckpt", dir.path(), 60), &store);
-      keel::test::save_fixture_async(rank1, pieces_of(1), 1);
-      keel::test::save_fixture_async(rank0, pieces_of(0), 1);
+      Checkpointer rank1(keel::test::two_rank_options(1, broken / "ckpt", dir.path(), 60), &store);
+      keel::test::save_fixture_async(rank1, keel::test::fixture_pieces_of_rank(1), 1);
+      keel::test::save_fixture_async(rank0, keel::test::fixture_pieces_of_rank(0), 1);
       CHECK_FALSE(rank1.wait());
       CHECK_FALSE(rank0.wait());
     }
     check_abandoned(root, dir.path(), 1, keel::checkpoint::rank_file_name(1));
 
     // The run goes on: the same rank 0 commits the next save.
-    Checkpointer rank1(rank_options(1, root, dir.path(), 60), &store);
+    Checkpointer rank1(keel::test::two_rank_options(1, root, dir.path(), 60), &store);
     save_and_commit(rank0, rank1, root, 2);
     CHECK(committed_steps(root) == std::vector<int64_t>{2});
     CHECK(events_of(dir.path(), "checkpoint_committed").size() == 1);
@@ -117,11 +97,11 @@ TEST_SUITE("unit") {
     fs::create_directories(root);
     keel::test::MemoryStore store;
     const double timeout_s = 0.5;
-    Checkpointer rank0(rank_options(0, root, dir.path(), timeout_s), &store);
-    Checkpointer rank1(rank_options(1, root, dir.path(), timeout_s), &store);
+    Checkpointer rank0(keel::test::two_rank_options(0, root, dir.path(), timeout_s), &store);
+    Checkpointer rank1(keel::test::two_rank_options(1, root, dir.path(), timeout_s), &store);
     // Rank 1 is alive but never saves step 1, as a rank that hangs or died.
     const auto start = std::chrono::steady_clock::now();
-    keel::test::save_fixture_async(rank0, pieces_of(0), 1);
+    keel::test::save_fixture_async(rank0, keel::test::fixture_pieces_of_rank(0), 1);
     CHECK_FALSE(rank0.wait());
     CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= timeout_s);
     check_abandoned(root, dir.path(), 1, "rank 1");

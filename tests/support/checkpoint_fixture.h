@@ -39,6 +39,25 @@ inline void fill_fixture(const std::vector<checkpoint::Piece>& pieces, const std
   }
 }
 
+// Rank `rank` of a DP2 world checkpointing under `root`, events in run_dir.
+inline checkpoint::CheckpointerOptions two_rank_options(int rank, const std::filesystem::path& root,
+                                                        const std::filesystem::path& run_dir, double timeout_s) {
+  checkpoint::CheckpointerOptions options;
+  options.root = root;
+  options.run_dir = run_dir;
+  options.timeout_s = timeout_s;
+  options.rank = rank;
+  options.world_size = 2;
+  options.layout = {{"world_size", 2}, {"dp", 2}, {"tp", 1}, {"zero", 0}};
+  return options;
+}
+
+// The fixture split between two ranks: each holds one piece of w and one of b.
+inline std::vector<checkpoint::Piece> fixture_pieces_of_rank(int rank) {
+  const auto all = fixture_pieces();
+  return {all[static_cast<size_t>(rank)], all[static_cast<size_t>(rank) + 2]};
+}
+
 // Stages `pieces` with their values at `step` and starts the save.
 inline void save_fixture_async(checkpoint::Checkpointer& checkpointer, const std::vector<checkpoint::Piece>& pieces,
                                int64_t step) {
