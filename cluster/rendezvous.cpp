@@ -89,6 +89,10 @@ Rendezvous::Rendezvous(store::ClusterStore& store, RendezvousOptions options)
     throw Error(ErrorCode::kBadConfig,
                 fmt::format("bad [cluster] node_name '{}': it must be non-empty and hold no '/'", options_.node_name));
   }
+  if (options_.lease_ttl < std::chrono::seconds(2)) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("[cluster] lease_ttl_s = {}: etcd grants no lease below 2 s", options_.lease_ttl.count()));
+  }
   if (options_.min_nodes < 1 || options_.max_nodes < options_.min_nodes) {
     throw Error(ErrorCode::kBadConfig, fmt::format("[cluster] min_nodes = {} and max_nodes = {}: they need 1 <= "
                                                    "min_nodes <= max_nodes",
@@ -141,15 +145,18 @@ Rendezvous::~Rendezvous() {
 }
 
 void Rendezvous::renew_until_stopped() {
+  // Three renewals a TTL, each given a third of it: one that takes longer
+  // is too late anyway, and the next may reach another member.
+  const milliseconds third = std::chrono::duration_cast<milliseconds>(options_.lease_ttl) / 3;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
-    stop_signal_.wait_for(lock, options_.lease_ttl / 3, [this] { return stop_.load(); });
+    stop_signal_.wait_for(lock, third, [this] { return stop_.load(); });
     if (stop_) return;
     lock.unlock();
     bool renewed = false;
     std::string failure;
     try {
-      renewed = store_.keep_alive(lease_);
+      renewed = store_.keep_alive(lease_, third);
       if (!renewed) failure = "etcd says it expired";
     } catch (const std::exception& e) {
       failure = e.what();
@@ -261,8 +268,12 @@ Membership Rendezvous::join(milliseconds timeout) {
       auto listing = store_.list(generation_prefix(g));
       revision = listing.revision;
       bool moved_on = false;
-      for (const auto& entry : listing.entries) moved_on |= entry.key == members_key(g) || entry.key == failed_key(g);
-      if (moved_on) break;  // sealed by another keeld, or failed: look again
+      for (const auto& entry : listing.entries) {
+        // Sealed by another keeld: watches start just before its seal.
+        if (entry.key == members_key(g)) revision = entry.revision - 1;
+        moved_on |= entry.key == members_key(g) || entry.key == failed_key(g);
+      }
+      if (moved_on) break;  // sealed, or failed: look again
       const bool timed_out = Clock::now() >= join_deadline;
       if (auto sealed = try_seal(g, listing, timed_out)) {
         if (!contains(*sealed, options_.node_name)) break;
@@ -294,14 +305,14 @@ std::string Rendezvous::fail(int64_t generation, const std::string& cause) {
   return recorded;
 }
 
-std::optional<GenerationEvent> Rendezvous::next_event(const Membership& m, milliseconds timeout) {
+std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   auto ended = [&] {
     return GenerationEvent{GenerationEvent::kEnded,
                            store_.get(failed_key(m.generation)).value_or("the generation moved on")};
   };
   if (current_generation() != m.generation) return ended();
-  int64_t after = m.revision;
+  int64_t& after = m.revision;
   for (;;) {
     auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return std::nullopt;
@@ -321,7 +332,9 @@ std::optional<GenerationEvent> Rendezvous::next_event(const Membership& m, milli
                                            "from etcd for over {} s",
                                            node, options_.lease_ttl.count()))};
       }
-      if (change.key.starts_with(kWaitingPrefix) && change.value) {
+      // A node that could not be taken in (the job is at max_nodes) asks for nothing.
+      if (change.key.starts_with(kWaitingPrefix) && change.value &&
+          static_cast<int>(m.nodes.size()) < options_.max_nodes) {
         return GenerationEvent{GenerationEvent::kNodeWaiting,
                                fmt::format("node '{}' waits to join", change.key.substr(kWaitingPrefix.size()))};
       }

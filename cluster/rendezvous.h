@@ -50,7 +50,7 @@ struct Membership {
   std::vector<std::string> nodes;  // sorted; a node's rank is its index
   int node_rank = 0;               // this node's
   int ranks_per_node = 1;
-  int64_t revision = 0;  // the store revision it was read at: watches start after it
+  int64_t revision = 0;  // where watches of its events start: before its seal, then past each event read
 
   int world_size() const { return static_cast<int>(nodes.size()) * ranks_per_node; }
   int rank_offset() const { return node_rank * ranks_per_node; }
@@ -90,8 +90,10 @@ class Rendezvous {
 
   // Waits up to `timeout` for what ends `membership`'s generation: the
   // generation moved on, or a member's lease ended (then this keeld fails
-  // the generation itself), or a node waits to join. nullopt on timeout.
-  std::optional<GenerationEvent> next_event(const Membership& membership, std::chrono::milliseconds timeout);
+  // the generation itself), or a node waits to join while the job is below
+  // max_nodes. nullopt on timeout. Moves `membership.revision` past what it
+  // read, so the next call reports only what came after.
+  std::optional<GenerationEvent> next_event(Membership& membership, std::chrono::milliseconds timeout);
 
   // False once this node's lease has expired: etcd forgot the node (it was
   // cut off longer than the TTL), and the others have gone on without it.

@@ -14,6 +14,7 @@
 #include <boost/beast/http.hpp>
 #include <charconv>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -50,6 +51,7 @@ constexpr uint64_t kMaxAnswerBytes = uint64_t{64} << 20;
 // gRPC status codes etcd's errors carry (grpc/codes).
 constexpr int kCodeDeadlineExceeded = 4;
 constexpr int kCodePermissionDenied = 7;
+constexpr int kCodeResourceExhausted = 8;  // "too many requests"
 constexpr int kCodeUnavailable = 14;
 constexpr int kCodeUnauthenticated = 16;
 
@@ -94,10 +96,16 @@ struct EtcdStatus {
   std::string message;
 };
 
+// Unary calls answer {"code", "message"}; streaming calls (watch, lease
+// keepalive) {"error": {"grpc_code", "message"}}.
 EtcdStatus parse_status(const std::string& body) {
   EtcdStatus status;
   auto answer = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (answer.is_object()) {
+    if (auto nested = answer.find("error"); nested != answer.end() && nested->is_object()) answer = *nested;
+    if (auto code = answer.find("grpc_code"); code != answer.end() && code->is_number_integer()) {
+      status.code = code->get<int>();
+    }
     if (auto code = answer.find("code"); code != answer.end() && code->is_number_integer()) {
       status.code = code->get<int>();
     }
@@ -114,8 +122,7 @@ EtcdStatus parse_status(const std::string& body) {
 
 // A request etcd turned away before proposing it: safe to send elsewhere.
 bool refused_before_proposing(const EtcdStatus& status) {
-  return status.message.find("no leader") != std::string::npos ||
-         status.message.find("too many requests") != std::string::npos;
+  return status.code == kCodeResourceExhausted || status.message.find("no leader") != std::string::npos;
 }
 
 }  // namespace
@@ -144,8 +151,12 @@ class EtcdGateway::Impl {
     token_ = token->get<std::string>();
   }
 
-  nlohmann::json call(std::string_view path, const std::string& body, Retry retry, bool with_token = true) {
-    const auto deadline = Clock::now() + options_.timeout;
+  nlohmann::json call(std::string_view path, const std::string& body, Retry retry, bool with_token = true,
+                      std::optional<milliseconds> timeout = std::nullopt) {
+    const milliseconds limit = timeout.value_or(options_.timeout);
+    const auto deadline = Clock::now() + limit;
+    // Half the call at most, so that a silent member leaves time for another.
+    const milliseconds attempt_bound = std::clamp(limit / 2, milliseconds(500), kAttemptBound);
     std::vector<std::string> failures(options_.endpoints.size());
     bool authenticated_again = false;
     const size_t n = options_.endpoints.size();
@@ -155,14 +166,16 @@ class EtcdGateway::Impl {
         const size_t index = (first + k) % n;
         const auto now = Clock::now();
         if (now >= deadline) break;
-        Attempt attempt =
-            send(index, path, body, with_token ? token() : std::string(), std::min(deadline, now + kAttemptBound));
+        Attempt attempt = send(index, path, body, with_token ? token() : std::string(),
+                               std::min(deadline, now + attempt_bound), retry);
         const std::string& name = options_.endpoints[index].name();
         if (attempt.kind == Attempt::kNotSent) {
           failures[index] = name + ": " + attempt.failure;
+          demote(index);
           continue;
         }
         if (attempt.kind == Attempt::kMaybeApplied) {
+          demote(index);
           if (retry == Retry::kOnce) throw maybe_applied(path, name, attempt.failure);
           failures[index] = name + ": " + attempt.failure;
           continue;
@@ -179,7 +192,9 @@ class EtcdGateway::Impl {
           --k;
           continue;
         }
-        if (status.code == kCodeUnavailable || status.code == kCodeDeadlineExceeded) {
+        if (status.code == kCodeUnavailable || status.code == kCodeDeadlineExceeded ||
+            status.code == kCodeResourceExhausted) {
+          demote(index);
           if (retry == Retry::kOnce && !refused_before_proposing(status)) {
             throw maybe_applied(path, name, status.message);
           }
@@ -198,7 +213,7 @@ class EtcdGateway::Impl {
     throw Error(ErrorCode::kPeerFailure,
                 fmt::format("etcd cannot be reached at {} within {} ms ({}): check that etcd runs there and that the "
                             "store address (KEEL_STORE, or [cluster] etcd in keeld's config) lists its client URLs",
-                            endpoint_names(), options_.timeout.count(), why.empty() ? "no attempt" : why));
+                            endpoint_names(), limit.count(), why.empty() ? "no attempt" : why));
   }
 
   bool stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry, Clock::time_point deadline,
@@ -206,7 +221,11 @@ class EtcdGateway::Impl {
     const size_t n = options_.endpoints.size();
     size_t index = preferred();
     std::string last_failure;
-    while (Clock::now() < deadline) {
+    bool authenticated_again = false;
+    for (bool first = true; Clock::now() < deadline; first = false) {
+      // A stream that broke is taken up elsewhere after a pause, never in a
+      // tight loop of reconnections.
+      if (!first && Clock::now() + kRoundPause < deadline) std::this_thread::sleep_for(kRoundPause);
       Connection connection;
       connection.endpoint = index;
       const std::string& name = options_.endpoints[index].name();
@@ -214,10 +233,11 @@ class EtcdGateway::Impl {
       const auto attempt_deadline = std::min(deadline, Clock::now() + kAttemptBound);
       if (std::string failure = connect(connection, attempt_deadline); !failure.empty()) {
         last_failure = name + ": " + failure;
-        pause_after_round(index, deadline);
         continue;
       }
-      auto request = make_request(path, body_for_retry().dump(), token(), name);
+      // A member cut off from its quorum would keep a watch open and silent;
+      // asked to require a leader, it ends the watch with "no leader".
+      auto request = make_request(path, body_for_retry().dump(), token(), name, /*require_leader=*/true);
       if (auto ec = connection.run(attempt_deadline, [&](auto handler) {
             http::async_write(connection.stream, request, std::move(handler));
           })) {
@@ -233,9 +253,9 @@ class EtcdGateway::Impl {
         last_failure = name + ": " + describe(ec);
         continue;
       }
-      const unsigned status = parser.get().result_int();
+      const bool ok_status = parser.get().result_int() == 200;
       std::string pending;
-      bool refused_status = status != 200;
+      std::optional<EtcdStatus> ended;  // etcd's error, in the status or a stream line
       for (;;) {
         char chunk[8192];
         parser.get().body().data = chunk;
@@ -249,22 +269,39 @@ class EtcdGateway::Impl {
           break;
         }
         pending.append(chunk, sizeof(chunk) - parser.get().body().size);
-        if (!refused_status) {
-          for (size_t eol; (eol = pending.find('\n')) != std::string::npos;) {
+        if (ok_status) {
+          for (size_t eol; !ended && (eol = pending.find('\n')) != std::string::npos;) {
             std::string line = pending.substr(0, eol);
             pending.erase(0, eol + 1);
             if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
-            if (!on_message(parse_answer(line, path, name))) return true;
+            nlohmann::json message = parse_answer(line, path, name);
+            if (message.contains("error")) {
+              ended = parse_status(line);
+              break;
+            }
+            if (!on_message(message)) return true;
           }
+          if (ended) break;
           if (pending.size() > kMaxAnswerBytes) {
             throw Error(ErrorCode::kPeerFailure,
                         fmt::format("etcd at {} sent a {} message over {} bytes", name, path, kMaxAnswerBytes));
           }
         }
-        if (parser.is_done()) break;
+        if (parser.is_done()) {
+          last_failure = name + ": the stream ended";
+          break;
+        }
       }
-      if (refused_status) throw refused(path, name, parse_status(pending));
-      if (parser.is_done()) last_failure = name + ": the stream ended";
+      if (!ok_status && !ended) ended = parse_status(pending);
+      if (!ended) continue;
+      last_failure = name + ": " + ended->message;
+      if (ended->code == kCodeUnavailable || ended->code == kCodeDeadlineExceeded) continue;
+      if (ended->code == kCodeUnauthenticated && !options_.user.empty() && !authenticated_again) {
+        authenticated_again = true;
+        authenticate();
+        continue;
+      }
+      throw refused(path, name, *ended);
     }
     etcd_log().debug("{} stream ended at its deadline; last failure: {}", path, last_failure);
     return false;
@@ -279,13 +316,14 @@ class EtcdGateway::Impl {
     std::lock_guard<std::mutex> lock(mutex_);
     preferred_ = index;
   }
+  // The next call starts at the next member, not at one that just failed.
+  void demote(size_t index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (preferred_ == index) preferred_ = (index + 1) % options_.endpoints.size();
+  }
   std::string token() {
     std::lock_guard<std::mutex> lock(mutex_);
     return token_;
-  }
-
-  void pause_after_round(size_t next_index, Clock::time_point deadline) {
-    if (next_index == preferred() && Clock::now() + kRoundPause < deadline) std::this_thread::sleep_for(kRoundPause);
   }
 
   // Empty, or why no connection was made.
@@ -302,35 +340,48 @@ class EtcdGateway::Impl {
   }
 
   static http::request<http::string_body> make_request(std::string_view path, const std::string& body,
-                                                       const std::string& token, const std::string& host) {
+                                                       const std::string& token, const std::string& host,
+                                                       bool require_leader = false) {
     http::request<http::string_body> request{http::verb::post, std::string(path), 11};
     request.set(http::field::host, host);
     request.set(http::field::content_type, "application/json");
     if (!token.empty()) request.set(http::field::authorization, token);
+    // The gateway passes it on as gRPC metadata (etcd's WithRequireLeader).
+    if (require_leader) request.set("Grpc-Metadata-hasleader", "true");
     request.keep_alive(true);
     request.body() = body;
     request.prepare_payload();
     return request;
   }
 
-  // One request on a pooled connection to member `index`.
+  // One request to member `index`. An idempotent one may go on a pooled
+  // connection, and again on a fresh one when the pooled one fails (the
+  // member closed it while idle). A once-only one always goes on a fresh
+  // connection: an answer cut off on a pooled one could not tell "closed
+  // while idle" from "read, maybe applied, then the member died".
   Attempt send(size_t index, std::string_view path, const std::string& body, const std::string& token,
-               Clock::time_point deadline) {
-    const std::string& name = options_.endpoints[index].name();
-    std::unique_ptr<Connection> connection = take_idle(index);
-    const bool reused = connection != nullptr;
-    if (!connection) {
-      connection = std::make_unique<Connection>();
-      connection->endpoint = index;
-      if (std::string failure = connect(*connection, deadline); !failure.empty())
-        return {Attempt::kNotSent, 0, {}, failure};
+               Clock::time_point deadline, Retry retry) {
+    if (retry == Retry::kIdempotent) {
+      if (std::unique_ptr<Connection> pooled = take_idle(index)) {
+        Attempt attempt = exchange(pooled, path, body, token, deadline);
+        if (attempt.kind == Attempt::kAnswered) return attempt;
+      }
     }
-    auto request = make_request(path, body, token, name);
+    auto connection = std::make_unique<Connection>();
+    connection->endpoint = index;
+    if (std::string failure = connect(*connection, deadline); !failure.empty()) {
+      return {Attempt::kNotSent, 0, {}, failure};
+    }
+    return exchange(connection, path, body, token, deadline);
+  }
+
+  // Writes the request and reads the answer; a connection the member keeps
+  // open goes back to the pool.
+  Attempt exchange(std::unique_ptr<Connection>& connection, std::string_view path, const std::string& body,
+                   const std::string& token, Clock::time_point deadline) {
+    auto request = make_request(path, body, token, options_.endpoints[connection->endpoint].name());
     if (auto ec = connection->run(
             deadline, [&](auto handler) { http::async_write(connection->stream, request, std::move(handler)); })) {
-      // A pooled connection the member closed while idle fails here before
-      // anything was read: try a fresh one at once.
-      if (reused) return send(index, path, body, token, deadline);
       return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
     }
     http::response_parser<http::string_body> parser;
@@ -338,7 +389,6 @@ class EtcdGateway::Impl {
     if (auto ec = connection->run(deadline, [&](auto handler) {
           http::async_read(connection->stream, connection->buffer, parser, std::move(handler));
         })) {
-      if (reused && ec == http::error::end_of_stream) return send(index, path, body, token, deadline);
       return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
     }
     auto response = parser.release();
@@ -407,8 +457,9 @@ EtcdGateway::EtcdGateway(EtcdOptions options) : impl_(std::make_unique<Impl>(std
 
 EtcdGateway::~EtcdGateway() = default;
 
-nlohmann::json EtcdGateway::call(std::string_view path, const nlohmann::json& body, Retry retry) {
-  return impl_->call(path, body.dump(), retry);
+nlohmann::json EtcdGateway::call(std::string_view path, const nlohmann::json& body, Retry retry,
+                                 std::optional<std::chrono::milliseconds> timeout) {
+  return impl_->call(path, body.dump(), retry, /*with_token=*/true, timeout);
 }
 
 bool EtcdGateway::stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry,

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,7 +66,9 @@ class EtcdGateway {
   // etcd states (an HTTP status other than 200) are Error(kPeerFailure)
   // with etcd's message, except a refused permission (kBadConfig); an
   // answer that is not JSON is Error(kPeerFailure) naming the member.
-  nlohmann::json call(std::string_view path, const nlohmann::json& body, Retry retry);
+  // `timeout` bounds this call instead of the options' timeout.
+  nlohmann::json call(std::string_view path, const nlohmann::json& body, Retry retry,
+                      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
 
   // POSTs `body` to a streaming path (/v3/watch) and hands each message of
   // the answer to `on_message` until it returns false (then true) or

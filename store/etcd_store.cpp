@@ -198,8 +198,8 @@ ClusterStore::LeaseId EtcdStore::grant_lease(std::chrono::seconds ttl) {
   });
 }
 
-bool EtcdStore::keep_alive(LeaseId lease) {
-  json answer = gateway_.call("/v3/lease/keepalive", {{"ID", std::to_string(lease)}}, Retry::kIdempotent);
+bool EtcdStore::keep_alive(LeaseId lease, std::chrono::milliseconds timeout) {
+  json answer = gateway_.call("/v3/lease/keepalive", {{"ID", std::to_string(lease)}}, Retry::kIdempotent, timeout);
   // The gateway answers with one stream message; an expired lease has no TTL.
   return read_answer(gateway_, "a lease renewal", [&] { return etcd_int(field(answer, "result"), "TTL") > 0; });
 }

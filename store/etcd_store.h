@@ -28,7 +28,7 @@ class EtcdStore final : public ClusterStore {
   bool remove(const std::string& key) override;
 
   LeaseId grant_lease(std::chrono::seconds ttl) override;
-  bool keep_alive(LeaseId lease) override;
+  bool keep_alive(LeaseId lease, std::chrono::milliseconds timeout) override;
   void revoke(LeaseId lease) override;
   void set_with_lease(const std::string& key, const std::string& value, LeaseId lease) override;
   std::optional<std::string> compare_set_with_lease(const std::string& key, const std::optional<std::string>& expected,

@@ -9,8 +9,8 @@
 #pragma once
 
 #include <chrono>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -66,8 +66,9 @@ class ClusterStore : public Store {
 
   // A lease that expires `ttl` after its last renewal.
   virtual LeaseId grant_lease(std::chrono::seconds ttl) = 0;
-  // Renews the lease; false when it has expired already (its keys are gone).
-  virtual bool keep_alive(LeaseId lease) = 0;
+  // Renews the lease within `timeout` (a renewal that outlasts the TTL is
+  // too late anyway); false when it has expired already (its keys are gone).
+  virtual bool keep_alive(LeaseId lease, std::chrono::milliseconds timeout) = 0;
   // Ends the lease and deletes its keys now; an expired lease is no error.
   virtual void revoke(LeaseId lease) = 0;
   // set(), but the key is deleted when `lease` ends.
@@ -95,9 +96,7 @@ std::unique_ptr<Store> connect_store(const std::string& address, const std::stri
 // The key keeld sets, to the failure's cause, when a rank of generation
 // `generation` dies: the surviving ranks stop waiting for anything from it
 // (a rank killed between two collectives tells nobody itself).
-inline std::string rank_failed_key(int64_t generation) {
-  return "job/g" + std::to_string(generation) + "/rank_failed";
-}
+inline std::string rank_failed_key(int64_t generation) { return "job/g" + std::to_string(generation) + "/rank_failed"; }
 
 // The value of `key` once it exists, or nullopt after `deadline`: polled
 // with get() every 20 ms rather than waited on, because a long wait on a

@@ -80,7 +80,7 @@ std::vector<Membership> join_all(std::vector<Node>& nodes, std::chrono::millisec
 }
 
 // Waits on a member's events until the generation ends.
-GenerationEvent wait_for_end(Node& node, const Membership& m) {
+GenerationEvent wait_for_end(Node& node, Membership m) {
   for (;;) {
     auto event = node.rendezvous->next_event(m, 60s);
     REQUIRE(event.has_value());
@@ -200,6 +200,8 @@ TEST_SUITE("integration") {
       REQUIRE(event.has_value());
     }
     CHECK(event->cause == "node 'c' waits to join");
+    // Told once: the next wait hears nothing new.
+    CHECK_FALSE(nodes[0].rendezvous->next_event(first[0], 500ms).has_value());
     nodes[0].rendezvous->fail(first[0].generation, "grow: node 'c' waits to join");
     auto second = std::async(std::launch::async, [&] { return nodes[1].rendezvous->join(60s); });
     Membership a = nodes[0].rendezvous->join(60s);
@@ -275,7 +277,7 @@ class Unreachable final : public ClusterStore {
   }
   bool remove(const std::string&) override { reached(); }
   LeaseId grant_lease(std::chrono::seconds) override { reached(); }
-  bool keep_alive(LeaseId) override { reached(); }
+  bool keep_alive(LeaseId, std::chrono::milliseconds) override { reached(); }
   void revoke(LeaseId) override { reached(); }
   void set_with_lease(const std::string&, const std::string&, LeaseId) override { reached(); }
   std::optional<std::string> compare_set_with_lease(const std::string&, const std::optional<std::string>&,
@@ -292,16 +294,19 @@ TEST_SUITE("unit") {
       std::string name;
       int min_nodes;
       int max_nodes;
+      std::chrono::seconds ttl;
       const char* says;
     };
-    for (const Case& c : std::vector<Case>{{"", 1, 1, "node_name ''"},
-                                           {"a/b", 1, 1, "hold no '/'"},
-                                           {"a", 0, 1, "min_nodes = 0"},
-                                           {"a", 3, 2, "max_nodes = 2"}}) {
+    for (const Case& c : std::vector<Case>{{"", 1, 1, 5s, "node_name ''"},
+                                           {"a/b", 1, 1, 5s, "hold no '/'"},
+                                           {"a", 0, 1, 5s, "min_nodes = 0"},
+                                           {"a", 3, 2, 5s, "max_nodes = 2"},
+                                           {"a", 1, 1, 1s, "lease_ttl_s = 1"}}) {
       CAPTURE(c.says);
       Unreachable store;
       RendezvousOptions o = options(c.min_nodes, c.max_nodes);
       o.node_name = c.name;
+      o.lease_ttl = c.ttl;
       try {
         Rendezvous rendezvous(store, o);
         FAIL("accepted");
