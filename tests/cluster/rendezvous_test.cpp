@@ -16,6 +16,7 @@
 #include "common/error.h"
 #include "store/etcd_store.h"
 #include "tests/support/etcd_cluster.h"
+#include "tests/support/etcd_test_cluster.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/wait.h"
 
@@ -31,14 +32,6 @@ using keel::test::TempDir;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::unique_ptr<EtcdCluster> start_cluster(const TempDir& dir) {
-  if (std::string why = EtcdCluster::unavailable_reason(); !why.empty()) {
-    MESSAGE("skipped: " << why);
-    return nullptr;
-  }
-  return std::make_unique<EtcdCluster>(dir.path());
-}
 
 // A keeld's view of the job: its own etcd client (through every member, or
 // only through `only_member`) and its rendezvous.
@@ -93,7 +86,7 @@ GenerationEvent wait_for_end(Node& node, Membership m) {
 TEST_SUITE("integration") {
   TEST_CASE("three keelds that join one generation read one membership with distinct node ranks and rank offsets") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     for (const char* name : {"node-c", "node-a", "node-b"}) nodes.push_back(make_node(*cluster, name, options(3, 3)));
@@ -113,7 +106,7 @@ TEST_SUITE("integration") {
   TEST_CASE(
       "a join short of max_nodes seals after the join timeout with min_nodes and fails naming who came with fewer") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     for (const char* name : {"a", "b"}) nodes.push_back(make_node(*cluster, name, options(2, 4, 1500ms)));
@@ -142,7 +135,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a keeld cut off from etcd loses its lease and the others go on without it in one new generation") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     // a and b talk to members 0 and 1; c only to member 2.
@@ -183,7 +176,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a keeld that comes after the seal waits and the job grows back to it in the next generation") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     for (const char* name : {"a", "b"}) nodes.push_back(make_node(*cluster, name, options(2, 3, 500ms)));
@@ -216,7 +209,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a keeld restarted under the same name waits out its old lease and ends the generation its ranks left") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     nodes.push_back(make_node(*cluster, "a", options(2, 2), 0));
@@ -241,7 +234,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("many keelds failing one generation at once move it once and all read the first cause") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     std::vector<Node> nodes;
     for (const char* name : {"a", "b", "c"}) nodes.push_back(make_node(*cluster, name, options(3, 3)));

@@ -22,6 +22,7 @@
 #include "common/error.h"
 #include "store/etcd_gateway.h"
 #include "tests/support/etcd_cluster.h"
+#include "tests/support/etcd_test_cluster.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/wait.h"
@@ -37,15 +38,6 @@ using keel::test::TempDir;
 using namespace std::chrono_literals;
 
 namespace {
-
-// The cluster, or nullptr after telling doctest why this machine has none.
-std::unique_ptr<EtcdCluster> start_cluster(const TempDir& dir, int members = 3) {
-  if (std::string why = EtcdCluster::unavailable_reason(); !why.empty()) {
-    MESSAGE("skipped: " << why);
-    return nullptr;
-  }
-  return std::make_unique<EtcdCluster>(dir.path(), members);
-}
 
 std::unique_ptr<ClusterStore> connect(const EtcdCluster& cluster, const std::string& prefix,
                                       std::chrono::milliseconds timeout = 10s, const std::string& credential = "") {
@@ -152,7 +144,7 @@ std::string http_answer(int status, const std::string& body) {
 TEST_SUITE("integration") {
   TEST_CASE("the etcd store keeps the store contract across members: set, get, add, compare-and-set and remove") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto store = connect(*cluster, "keel/job-a");
     CHECK_FALSE(store->get("absent").has_value());
@@ -188,7 +180,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a wait on etcd returns when another client sets its keys and names the missing ones after its timeout") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto waiter = connect(*cluster, "job");
     auto setter = connect(*cluster, "job");
@@ -214,7 +206,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("concurrent adds from many etcd clients lose no increment") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     constexpr int kClients = 4;
     constexpr int kAdds = 25;
@@ -238,7 +230,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("a key under an etcd lease lives while the lease is renewed and vanishes once it is not") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto store = connect(*cluster, "job");
     ClusterStore::LeaseId lease = store->grant_lease(2s);
@@ -272,7 +264,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("an etcd watch returns the changes under its prefix after a revision and none outside it") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto store = connect(*cluster, "job");
     store->set("members/0", "zero");
@@ -303,7 +295,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("the etcd store goes on when the etcd leader is killed and fails with a sentence when the quorum is gone") {
     TempDir dir;
-    auto cluster = start_cluster(dir);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto store = connect(*cluster, "job", 20s);
     store->set("before", "1");
@@ -346,7 +338,7 @@ TEST_SUITE("integration") {
 
   TEST_CASE("etcd with authentication takes the right user and password and refuses others with exit code 2") {
     TempDir dir;
-    auto cluster = start_cluster(dir, 1);
+    auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
     if (!cluster) return;
     const std::string endpoints = "--endpoints=" + cluster->endpoint(0);
     for (const std::vector<std::string>& command :

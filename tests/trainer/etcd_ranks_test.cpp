@@ -9,7 +9,7 @@
 #include <filesystem>
 
 #include "store/store.h"
-#include "tests/support/etcd_cluster.h"
+#include "tests/support/etcd_test_cluster.h"
 #include "tests/support/temp_dir.h"
 #include "tests/trainer/trainer_runs.h"
 
@@ -17,12 +17,10 @@ TEST_SUITE("integration") {
   TEST_CASE(
       "DP2 x TP2 ranks that rendezvous and commit checkpoints through etcd train bit for bit as on the embedded "
       "store") {
-    if (std::string why = keel::test::EtcdCluster::unavailable_reason(); !why.empty()) {
-      MESSAGE("skipped: " << why);
-      return;
-    }
     keel::test::TempDir etcd_dir;
-    keel::test::EtcdCluster cluster(etcd_dir.path());
+    auto etcd_cluster = keel::test::start_etcd_or_skip(etcd_dir.path());
+    if (!etcd_cluster) return;
+    keel::test::EtcdCluster& cluster = *etcd_cluster;
     keel::test::TrainerRuns f;
     const keel::test::Layout layout{.dp = 2, .tp = 2, .zero = 1};
     const std::vector<std::string> sets = {"checkpoint.every_steps=5"};
