@@ -239,6 +239,7 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   }
   resolve_path(config.daemon.socket, config.origin("daemon.socket"), base_dir);
   resolve_path(config.daemon.trainer, config.origin("daemon.trainer"), base_dir);
+  resolve_path(config.cluster.credential_file, config.origin("cluster.credential_file"), base_dir);
   config.validate();
   return config;
 }
@@ -255,6 +256,13 @@ std::filesystem::path Config::checkpoint_dir() const {
   return checkpoint.dir.empty() ? std::filesystem::path(job.run_dir) / "checkpoints"
                                 : std::filesystem::path(checkpoint.dir);
 }
+
+int64_t Config::max_nodes() const {
+  if (!multi_node() || daemon.ranks <= 0) return 1;
+  return cluster.max_nodes > 0 ? cluster.max_nodes : parallel.world_size() / daemon.ranks;
+}
+
+int64_t Config::min_nodes() const { return cluster.min_nodes > 0 ? cluster.min_nodes : max_nodes(); }
 
 std::string Config::origin(const std::string& dotted_key) const {
   auto it = origins_.find(dotted_key);
@@ -361,9 +369,37 @@ void Config::validate() const {
   check(daemon.metrics_port >= -1 && daemon.metrics_port <= 65535, "daemon.metrics_port",
         fmt::format("must be a TCP port, 0 for any free port or -1 for none (got {})", daemon.metrics_port));
   at_least(daemon.ranks, 0, "daemon.ranks");
-  check(daemon.ranks == 0 || daemon.ranks == parallel.world_size(), "daemon.ranks",
-        fmt::format("ranks={} but one node runs the whole layout dp x tp x pp x cp = {}; set 0 or that number",
-                    daemon.ranks, parallel.world_size()));
+  if (multi_node()) {
+    check(cluster.etcd.starts_with("etcd://"), "cluster.etcd",
+          fmt::format("must be an etcd address with the job's prefix, etcd://host:2379[,host:2379...]/keel/{} (got "
+                      "\"{}\")",
+                      job.name, cluster.etcd));
+    check(daemon.ranks > 0, "daemon.ranks",
+          "must name the ranks each node runs when cluster.etcd is set, e.g. ranks = 8 for a node of 8 GPUs");
+    check(parallel.world_size() % daemon.ranks == 0, "daemon.ranks",
+          fmt::format("ranks={} does not divide the layout's dp x tp x pp x cp = {} ranks into whole nodes",
+                      daemon.ranks, parallel.world_size()));
+    check(cluster.max_nodes == 0 || cluster.max_nodes * daemon.ranks == parallel.world_size(), "cluster.max_nodes",
+          fmt::format("max_nodes={} nodes of daemon.ranks={} ranks are {} ranks, but the layout dp x tp x pp x cp "
+                      "describes the job on max_nodes nodes: {} ranks; set max_nodes = {} or 0",
+                      cluster.max_nodes, daemon.ranks, cluster.max_nodes * daemon.ranks, parallel.world_size(),
+                      parallel.world_size() / daemon.ranks));
+    at_least(cluster.min_nodes, 0, "cluster.min_nodes");
+    check(cluster.min_nodes <= max_nodes(), "cluster.min_nodes",
+          fmt::format("min_nodes={} exceeds the {} nodes of the full layout", cluster.min_nodes, max_nodes()));
+    check(cluster.join_timeout_s > 0, "cluster.join_timeout_s",
+          fmt::format("must be positive (got {})", cluster.join_timeout_s));
+    // etcd grants no lease shorter than 2 s.
+    check(cluster.lease_ttl_s >= 2, "cluster.lease_ttl_s",
+          fmt::format("must be at least 2 s, etcd's shortest lease (got {})", cluster.lease_ttl_s));
+    check(!cluster.address.empty(), "cluster.address",
+          "must name this node's address on the network its ranks share, e.g. its InfiniBand interface's");
+  } else {
+    check(daemon.ranks == 0 || daemon.ranks == parallel.world_size(), "daemon.ranks",
+          fmt::format("ranks={} but one node runs the whole layout dp x tp x pp x cp = {}; set 0 or that number, or "
+                      "set cluster.etcd to run the job on many nodes",
+                      daemon.ranks, parallel.world_size()));
+  }
   for (auto [value, key] : {std::pair{daemon.grace_s, "daemon.grace_s"}, {daemon.stop_timeout_s, "daemon.stop_timeout_s"},
                             {daemon.stale_after_s, "daemon.stale_after_s"},
                             {daemon.progress_every_s, "daemon.progress_every_s"}}) {

@@ -195,7 +195,7 @@ struct DaemonConfig {
   double client_timeout_s = 10;    // a control connection idle this long is closed
   int64_t metrics_port = 9400;     // Prometheus text on 127.0.0.1:PORT/metrics; 0 = any free port; -1 = off
   std::string trainer = "";        // keel-trainer to run; empty = the one installed beside keeld
-  int64_t ranks = 0;               // ranks on this node; 0 = dp x tp x pp x cp (one node)
+  int64_t ranks = 0;               // ranks on this node; 0 = dp x tp x pp x cp (one node); required with cluster.etcd
   bool pin_cpus = true;            // give each rank its own share of keeld's CPUs and set its thread counts
   double grace_s = 30;             // after SIGTERM, ranks of a failed generation get this long before SIGKILL
   double stop_timeout_s = 900;     // a stop waits this long for the final checkpoint before SIGKILL
@@ -221,6 +221,32 @@ struct DaemonConfig {
     v("crash_loop_generations", crash_loop_generations);
     v("stale_after_s", stale_after_s);
     v("progress_every_s", progress_every_s);
+  }
+};
+
+// Many nodes as one job (docs/architecture.md "Multi-node on etcd"). keeld
+// reads it; with `etcd` empty the job runs on one node, as before. The
+// parallel layout describes the job on max_nodes nodes; on fewer, DP
+// shrinks and the global batch stays (cluster/elastic_layout.h).
+struct ClusterConfig {
+  std::string etcd = "";           // etcd://h:p[,h:p...]/PREFIX, the job's own prefix; empty = one node, embedded store
+  std::string node_name = "";      // this node's name in the job, unique among its nodes; empty = the host name
+  std::string address = "127.0.0.1";  // what this node's ranks bind and advertise for Gloo and NCCL
+  int64_t min_nodes = 0;           // fewest nodes the job trains on; 0 = max_nodes (no shrinking)
+  int64_t max_nodes = 0;           // nodes of the full layout: dp x tp x pp x cp / daemon.ranks; 0 = that
+  double join_timeout_s = 60;      // a rendezvous waits this long for max_nodes before sealing with fewer
+  double lease_ttl_s = 5;          // a node silent this long (dead, or cut off from etcd) is out of the job
+  std::string credential_file = "";  // a file holding USER:PASSWORD for etcd's auth; empty = auth off
+
+  template <class V> void visit(V& v) {
+    v("etcd", etcd);
+    v("node_name", node_name);
+    v("address", address);
+    v("min_nodes", min_nodes);
+    v("max_nodes", max_nodes);
+    v("join_timeout_s", join_timeout_s);
+    v("lease_ttl_s", lease_ttl_s);
+    v("credential_file", credential_file);
   }
 };
 
@@ -353,11 +379,19 @@ class Config {
   TrainConfig train;
   CheckpointConfig checkpoint;
   DaemonConfig daemon;
+  ClusterConfig cluster;
   HealthConfig health;
   FaultsConfig faults;
 
   // checkpoint.dir, or run_dir/checkpoints when it is empty.
   std::filesystem::path checkpoint_dir() const;
+  // Whether keeld runs this job on many nodes (cluster.etcd is set).
+  bool multi_node() const { return !cluster.etcd.empty(); }
+  // The nodes of the full layout: cluster.max_nodes, or the layout's ranks
+  // over daemon.ranks; 1 on one node.
+  int64_t max_nodes() const;
+  // The fewest nodes the job trains on: cluster.min_nodes, or max_nodes().
+  int64_t min_nodes() const;
 
   template <class V> void visit(V& v) {
     v.section("job", job);
@@ -367,6 +401,7 @@ class Config {
     v.section("train", train);
     v.section("checkpoint", checkpoint);
     v.section("daemon", daemon);
+    v.section("cluster", cluster);
     v.section("health", health);
     v.section("faults", faults);
   }

@@ -119,6 +119,20 @@ TEST_SUITE("unit") {
         {"overlap that is not a boolean", m + "[parallel]\noverlap_comm = 1\n", {}, "true or false"},
         {"warmup longer than run", m + "[train]\nsteps = 10\nwarmup_steps = 20\n", {}, "warmup_steps=20 exceeds steps=10"},
         {"no training data", "[job]\nname = \"x\"\n", {}, "data.train): must name the training shards"},
+        {"one node given fewer ranks than its layout", m, {"daemon.ranks=2"}, "set cluster.etcd to run the job on"},
+        {"a cluster store that is not etcd", m, {"cluster.etcd=tcp://h:1", "daemon.ranks=1"},
+         "cluster.etcd): must be an etcd address with the job's prefix"},
+        {"a cluster without ranks per node", m, {"cluster.etcd=etcd://h:1/keel/t"},
+         "must name the ranks each node runs"},
+        {"ranks per node that split no layout", m + "[parallel]\ndp = 3\n[train]\nbatch_size = 6\n",
+         {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=2"}, "does not divide the layout's dp x tp x pp x cp = 3"},
+        {"max nodes that disagree with the layout", m + "[parallel]\ndp = 4\n",
+         {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=2", "cluster.max_nodes=3"}, "set max_nodes = 2 or 0"},
+        {"min nodes above the full layout", m + "[parallel]\ndp = 4\n",
+         {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=2", "cluster.min_nodes=3"},
+         "min_nodes=3 exceeds the 2 nodes of the full layout"},
+        {"a lease etcd would not grant", m, {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=1", "cluster.lease_ttl_s=1"},
+         "at least 2 s, etcd's shortest lease"},
         {"override without =", m, {"train.lr"}, "expected section.key=value"},
         {"override of unknown key", m, {"train.learning_rate=1"}, "unknown key 'learning_rate' in [train]"},
         {"override of wrong type", m, {"train.steps=many"}, "train.steps must be an integer"},
@@ -130,6 +144,20 @@ TEST_SUITE("unit") {
       CAPTURE(message);
       CHECK(message.find(row.expected) != std::string::npos);
     }
+  }
+
+  TEST_CASE("a cluster's node counts default to the full layout over the ranks per node") {
+    Config one = Config::parse(kMinimal, "cfg.toml", "/base");
+    CHECK(!one.multi_node());
+    CHECK(one.max_nodes() == 1);
+    Config c = Config::parse(std::string(kMinimal) + "[parallel]\ndp = 3\ntp = 2\n[train]\nbatch_size = 12\n",
+                             "cfg.toml", "/base",
+                             {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=2", "cluster.credential_file=etcd.pw"});
+    CHECK(c.multi_node());
+    CHECK(c.max_nodes() == 3);
+    CHECK(c.min_nodes() == 3);
+    CHECK(c.cluster.credential_file == (std::filesystem::current_path() / "etcd.pw").string());
+    CHECK(Config::parse(c.to_toml(), "r.toml", "/x", {"cluster.min_nodes=2"}).min_nodes() == 2);
   }
 
   TEST_CASE("a missing config file is a config error naming the path") {
