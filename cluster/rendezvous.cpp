@@ -27,6 +27,7 @@ spdlog::logger& cluster_log() {
 }
 
 constexpr const char* kGenerationKey = "rdzv/generation";
+constexpr const char* kConfigKey = "rdzv/config";
 constexpr std::string_view kNodesPrefix = "rdzv/nodes/";
 constexpr std::string_view kWaitingPrefix = "rdzv/waiting/";
 
@@ -34,6 +35,7 @@ std::string generation_prefix(int64_t g) { return fmt::format("rdzv/g{}/", g); }
 std::string join_prefix(int64_t g) { return generation_prefix(g) + "join/"; }
 std::string members_key(int64_t g) { return generation_prefix(g) + "members"; }
 std::string failed_key(int64_t g) { return generation_prefix(g) + "failed"; }
+std::string done_key(int64_t g, const std::string& node) { return generation_prefix(g) + "done/" + node; }
 
 // An integer the store holds, or Error(kPeerFailure): what another keeld
 // wrote there is not keel's.
@@ -69,6 +71,31 @@ std::vector<std::string> parse_members(int64_t g, const std::string& text) {
   return nodes;
 }
 
+// "train.lr is 0.1 here but 0.3 on the job's nodes; ..." for the keys of
+// two configs (JSON objects of sections) that differ.
+std::string config_differences(const std::string& here, const std::string& job) {
+  const auto mine = nlohmann::json::parse(here, nullptr, false);
+  const auto theirs = nlohmann::json::parse(job, nullptr, false);
+  if (!mine.is_object() || !theirs.is_object()) return fmt::format("the job's nodes recorded '{}'", job.substr(0, 80));
+  const auto flat_mine = mine.flatten(), flat_theirs = theirs.flatten();
+  std::vector<std::string> differences;
+  for (const auto& [key, value] : flat_mine.items()) {
+    const auto other = flat_theirs.find(key);
+    const std::string name = key.substr(1);  // "/train/lr" -> "train/lr"
+    if (other == flat_theirs.end()) {
+      differences.push_back(fmt::format("{} is {} here but unset on the job's nodes", name, value.dump()));
+    } else if (*other != value) {
+      differences.push_back(fmt::format("{} is {} here but {} on the job's nodes", name, value.dump(), other->dump()));
+    }
+  }
+  for (const auto& [key, value] : flat_theirs.items()) {
+    if (!flat_mine.contains(key)) differences.push_back(fmt::format("{} is unset here", key.substr(1)));
+  }
+  if (differences.size() > 3) differences.resize(3);
+  for (auto& d : differences) std::replace(d.begin(), d.begin() + static_cast<ptrdiff_t>(d.find(' ')), '/', '.');
+  return fmt::format("{}", fmt::join(differences, "; "));
+}
+
 bool contains(const std::vector<std::string>& nodes, const std::string& name) {
   return std::find(nodes.begin(), nodes.end(), name) != nodes.end();
 }
@@ -98,6 +125,10 @@ Rendezvous::Rendezvous(store::ClusterStore& store, RendezvousOptions options)
                                                    "min_nodes <= max_nodes",
                                                    options_.min_nodes, options_.max_nodes));
   }
+  take_name();
+}
+
+void Rendezvous::take_name() {
   lease_ = store_.grant_lease(options_.lease_ttl);
   record_ = nlohmann::json{
       {"name", options_.node_name},
@@ -125,6 +156,14 @@ Rendezvous::Rendezvous(store::ClusterStore& store, RendezvousOptions options)
                        options_.node_name);
     store_.watch(key, listing.revision, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
   }
+  try {
+    check_job_config();
+  } catch (const Error&) {
+    store_.revoke(lease_);
+    throw;
+  }
+  if (renewer_.joinable()) renewer_.join();  // it ended when the old lease did
+  lease_lost_ = false;
   renewer_ = std::thread([this] { renew_until_stopped(); });
 }
 
@@ -181,6 +220,25 @@ std::optional<Clock::time_point> Rendezvous::unreachable_since() const {
   return unreachable_since_;
 }
 
+void Rendezvous::check_job_config() {
+  if (options_.job_config.empty()) return;
+  const auto held = store_.compare_set(kConfigKey, std::nullopt, options_.job_config);
+  if (held == options_.job_config) return;
+  const std::string differences = config_differences(options_.job_config, held.value_or(""));
+  const std::string own = std::string(kNodesPrefix) + options_.node_name;
+  bool others_live = false;
+  for (const auto& entry : store_.list(std::string(kNodesPrefix)).entries) others_live |= entry.key != own;
+  if (others_live) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("node '{}''s config differs from the one the job's running nodes use: {}. Every node of a "
+                            "job needs the same config; a second job needs its own prefix in cluster.etcd",
+                            options_.node_name, differences));
+  }
+  // No node runs the old one: the job starts again with a new config.
+  store_.set(kConfigKey, options_.job_config);
+  cluster_log().warn("the job's config changes from the one its nodes ran last: {}", differences);
+}
+
 int64_t Rendezvous::current_generation() {
   // The first keeld of a job creates the counter; the others read it.
   return parse_generation(store_.compare_set(kGenerationKey, std::nullopt, "0").value_or("0"));
@@ -225,15 +283,20 @@ Membership Rendezvous::sealed_with_this_node(int64_t generation, std::vector<std
   return m;
 }
 
+void Rendezvous::watch_a_while(const std::string& prefix, int64_t revision, Clock::time_point until) {
+  if (cancelled_) throw Error(ErrorCode::kPeerFailure, "the rendezvous was cancelled: keeld is stopping");
+  const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+  store_.watch(prefix, revision, std::clamp(left, milliseconds(1), milliseconds(1000)));
+}
+
 void Rendezvous::wait_for_generation_after(int64_t generation, Clock::time_point deadline) {
   for (;;) {
     auto listing = store_.list(kGenerationKey);
     for (const auto& entry : listing.entries) {
       if (entry.key == kGenerationKey && parse_generation(entry.value) > generation) return;
     }
-    auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return;
-    store_.watch(kGenerationKey, listing.revision, left);
+    if (Clock::now() >= deadline) return;
+    watch_a_while(kGenerationKey, listing.revision, deadline);
   }
 }
 
@@ -242,7 +305,14 @@ Membership Rendezvous::join(milliseconds timeout) {
   // The generation this call joined, and the store's revision before its seal.
   int64_t joined = -1;
   int64_t revision = 0;
+  if (lease_lost_) {
+    // Cut off from etcd for longer than the lease: the job went on without
+    // this node, which now comes back as a new one.
+    cluster_log().info("node '{}' takes a new lease to rejoin the job", options_.node_name);
+    take_name();
+  }
   for (;;) {
+    if (cancelled_) throw Error(ErrorCode::kPeerFailure, "the rendezvous was cancelled: keeld is stopping");
     if (Clock::now() >= deadline) break;
     const int64_t g = current_generation();
     if (auto sealed = sealed_members(g)) {
@@ -279,11 +349,8 @@ Membership Rendezvous::join(milliseconds timeout) {
         if (!contains(*sealed, options_.node_name)) break;
         return sealed_with_this_node(g, std::move(*sealed), revision);
       }
-      const auto now = Clock::now();
-      if (now >= deadline) break;
-      const auto until = timed_out ? deadline : std::min(deadline, join_deadline);
-      store_.watch(generation_prefix(g), listing.revision,
-                   std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(until - now)));
+      if (Clock::now() >= deadline) break;
+      watch_a_while(generation_prefix(g), listing.revision, timed_out ? deadline : std::min(deadline, join_deadline));
     }
   }
   const int64_t g = current_generation();
@@ -305,6 +372,8 @@ std::string Rendezvous::fail(int64_t generation, const std::string& cause) {
   return recorded;
 }
 
+void Rendezvous::finish(int64_t generation) { store_.set(done_key(generation, options_.node_name), "finished"); }
+
 std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   auto ended = [&] {
@@ -325,7 +394,7 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
       }
       if (change.key.starts_with(kNodesPrefix) && !change.value) {
         const std::string node = change.key.substr(kNodesPrefix.size());
-        if (!contains(m.nodes, node)) continue;
+        if (!contains(m.nodes, node) || store_.get(done_key(m.generation, node))) continue;
         return GenerationEvent{
             GenerationEvent::kEnded,
             fail(m.generation, fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "

@@ -8,10 +8,12 @@
 //
 // Keys, under the job's store prefix:
 //   rdzv/generation          the current generation, decimal
+//   rdzv/config              RendezvousOptions::job_config of the job's nodes
 //   rdzv/nodes/<name>        a node's record, under its lease
 //   rdzv/g<g>/join/<name>    who joined generation g, under their leases
 //   rdzv/g<g>/members        g's sealed membership: a JSON list of names
 //   rdzv/g<g>/failed         why g ended (the first cause recorded)
+//   rdzv/g<g>/done/<name>    a node whose ranks finished the job in g
 //   rdzv/waiting/<name>      a node that came after the seal, under its lease
 #pragma once
 
@@ -39,6 +41,10 @@ struct RendezvousOptions {
   // How long a join waits for max_nodes before it seals with fewer.
   std::chrono::milliseconds join_timeout{30000};
   std::chrono::seconds lease_ttl{5};
+  // What every node of the job must agree on, as a JSON object of objects
+  // (sections of the config); empty: not checked. A node whose config
+  // differs from the one the job's live nodes recorded is refused.
+  std::string job_config;
   // Whether the job can run on this many nodes (the layout's DP must divide
   // the world, and the global batch); the seal takes the most nodes it can.
   std::function<bool(int nodes)> runs_on = [](int) { return true; };
@@ -69,14 +75,15 @@ class Rendezvous {
  public:
   // Takes a lease of `options.lease_ttl` and puts rdzv/nodes/<name> under
   // it; a thread renews it every third of the TTL until destruction, which
-  // revokes it. Error(kBadConfig) when another live keeld holds the name.
+  // revokes it. Error(kBadConfig) when another live keeld holds the name,
+  // or when the job's live nodes run another job_config (naming what differs).
   Rendezvous(store::ClusterStore& store, RendezvousOptions options);
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
 
   // Joins the current generation and returns its sealed membership with
-  // this node in it. A node that finds the generation sealed without it
+  // this node in it. A node whose lease expired takes a new one first. A node that finds the generation sealed without it
   // waits (rdzv/waiting/<name>) for the next; one that finds itself in a
   // sealed generation it did not join here (its keeld restarted) fails that
   // generation, whose ranks died with it, and joins the next.
@@ -88,12 +95,21 @@ class Rendezvous {
   // recorded, which is another keeld's when it was first.
   std::string fail(int64_t generation, const std::string& cause);
 
+  // Records that this node's ranks finished the job in `generation`, so
+  // that its leaving (its lease revoked as keeld exits) ends nothing for
+  // the nodes whose ranks are finishing the same last step.
+  void finish(int64_t generation);
+
   // Waits up to `timeout` for what ends `membership`'s generation: the
   // generation moved on, or a member's lease ended (then this keeld fails
   // the generation itself), or a node waits to join while the job is below
   // max_nodes. nullopt on timeout. Moves `membership.revision` past what it
   // read, so the next call reports only what came after.
   std::optional<GenerationEvent> next_event(Membership& membership, std::chrono::milliseconds timeout);
+
+  // Makes a join() under way, and any later one, throw Error(kPeerFailure)
+  // within a second: keeld is stopping and must not wait out a join timeout.
+  void cancel() { cancelled_ = true; }
 
   // False once this node's lease has expired: etcd forgot the node (it was
   // cut off longer than the TTL), and the others have gone on without it.
@@ -103,6 +119,12 @@ class Rendezvous {
   std::optional<std::chrono::steady_clock::time_point> unreachable_since() const;
 
  private:
+  // Takes a lease and rdzv/nodes/<name> under it, waiting out an earlier
+  // keeld's record of the name, and starts the renewer.
+  void take_name();
+  // Records options_.job_config for the job, or refuses one that differs
+  // from what other live nodes recorded.
+  void check_job_config();
   int64_t current_generation();
   std::optional<std::vector<std::string>> sealed_members(int64_t generation);
   std::optional<std::vector<std::string>> try_seal(int64_t generation, const store::ClusterStore::Listing& joined,
@@ -112,6 +134,9 @@ class Rendezvous {
   Membership sealed_with_this_node(int64_t generation, std::vector<std::string> nodes, int64_t revision);
   // Blocks until rdzv/generation moves past `generation` or `deadline`.
   void wait_for_generation_after(int64_t generation, std::chrono::steady_clock::time_point deadline);
+  // A watch of `prefix` from `revision` until `until`, at most a second of
+  // it, after which a cancel() is seen.
+  void watch_a_while(const std::string& prefix, int64_t revision, std::chrono::steady_clock::time_point until);
   void renew_until_stopped();
 
   store::ClusterStore& store_;
@@ -121,6 +146,7 @@ class Rendezvous {
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> lease_lost_{false};
+  std::atomic<bool> cancelled_{false};
   mutable std::mutex mutex_;
   std::condition_variable stop_signal_;
   std::optional<std::chrono::steady_clock::time_point> unreachable_since_;

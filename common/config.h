@@ -237,6 +237,9 @@ struct ClusterConfig {
   double join_timeout_s = 60;      // a rendezvous waits this long for max_nodes before sealing with fewer
   double lease_ttl_s = 5;          // a node silent this long (dead, or cut off from etcd) is out of the job
   std::string credential_file = "";  // a file holding USER:PASSWORD for etcd's auth; empty = auth off
+  // Axes among "tp,cp,ep" whose groups may span nodes (cluster/placement.h);
+  // empty = none: their collectives run every layer and belong on a node's fast links.
+  std::string cross_node_axes = "";
 
   template <class V> void visit(V& v) {
     v("etcd", etcd);
@@ -247,6 +250,7 @@ struct ClusterConfig {
     v("join_timeout_s", join_timeout_s);
     v("lease_ttl_s", lease_ttl_s);
     v("credential_file", credential_file);
+    v("cross_node_axes", cross_node_axes);
   }
 };
 

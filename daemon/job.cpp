@@ -1,6 +1,9 @@
 #include "daemon/job.h"
 
 #include "checkpoint/catalog.h"
+#include "cluster/elastic_layout.h"
+#include "cluster/placement.h"
+#include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
 #include "daemon/checkpoint_quarantine.h"
@@ -14,6 +17,14 @@
 #include <algorithm>
 
 namespace keel::daemon {
+namespace {
+
+// The ranks keeld runs: the whole layout on one node, daemon.ranks on many.
+int node_ranks(const common::Config& config) {
+  return static_cast<int>(config.multi_node() ? config.daemon.ranks : config.parallel.world_size());
+}
+
+}  // namespace
 
 Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const common::Clock& clock)
     : options_(std::move(options)),
@@ -21,11 +32,11 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       clock_(clock),
       run_dir_(options_.config.job.run_dir),
       machine_(options_.config.job.name, options_.config.daemon),
-      ranks_(RankSetOptions{static_cast<int>(options_.config.parallel.world_size()), options_.trainer,
-                            options_.config_path, options_.overrides, options_.store_address, options_.store_secret,
-                            run_dir_, options_.config.daemon.pin_cpus, options_.gpus}),
+      ranks_(RankSetOptions{node_ranks(options_.config), options_.trainer, options_.config_path, options_.overrides,
+                            options_.store_address, options_.store_secret, options_.config.cluster.address, run_dir_,
+                            options_.config.daemon.pin_cpus, options_.gpus}),
       history_(run_dir_),
-      health_(options_.config.health, static_cast<int>(options_.config.parallel.world_size())),
+      health_(options_.config.health, node_ranks(options_.config)),
       started_at_ns_(clock.now_ns()) {
   const auto& c = options_.config;
   if (c.health.hang_timeout_ceiling_s >= c.parallel.timeout_s) {
@@ -54,6 +65,12 @@ void Job::apply(const JobActions& actions) {
         ranks_.terminate(a.grace_s, clock_.now_ns());
         break;
       case JobAction::Kind::kTellRanks:
+        if (options_.cluster != nullptr) {
+          // Every node's ranks and keelds learn it through etcd; a failure of
+          // a generation this node has left is old news.
+          if (membership_ && membership_->generation == a.generation) options_.cluster->fail(a.generation, a.text);
+          break;
+        }
         if (options_.store == nullptr) break;
         try {
           options_.store->set(store::rank_failed_key(a.generation), a.text);
@@ -68,6 +85,9 @@ void Job::apply(const JobActions& actions) {
         log->log(a.level, "{}", a.text);
         break;
       case JobAction::Kind::kEnd:
+        if (options_.cluster != nullptr && membership_ && a.state == JobState::kFinished) {
+          options_.cluster->finish(membership_->generation);
+        }
         on_end_(a.state, a.stop_requested);
         break;
     }
@@ -80,7 +100,7 @@ void Job::start() {
   history_.refresh();
   // Until the ranks say which checkpoint they resumed from, the newest one
   // committed is the best guess.
-  base_checkpoint_ = history_.newest_committed();
+  base_checkpoint_ = options_.cluster != nullptr ? newest_in_catalog() : history_.newest_committed();
   const auto& c = options_.config.checkpoint;
   if (c.every_steps == 0 && c.every_seconds == 0) {
     common::logger("job")->warn(
@@ -90,11 +110,84 @@ void Job::start() {
 }
 
 void Job::start_generation(int64_t generation) {
+  if (options_.cluster == nullptr) {
+    return spawn_generation(generation, RankSlice{0, static_cast<int>(options_.config.parallel.world_size()), {}});
+  }
+  // The generation's number and nodes come from the rendezvous
+  // (docs/architecture.md "Multi-node on etcd"); on_joined() goes on.
+  joining_ = true;
+  std::optional<int64_t> ended;
+  if (membership_) ended = membership_->generation;
+  options_.cluster->join_next(ended, ended_cause_);
+}
+
+void Job::on_joined(const cluster::Membership& membership) {
+  joining_ = false;
+  membership_ = membership;
+  const std::string& node = membership.nodes[static_cast<size_t>(membership.node_rank)];
+  if (machine_.state() != JobState::kStarting) {
+    // Stopped while it joined: the other nodes must not wait for ranks that will not come.
+    options_.cluster->fail(membership.generation,
+                           fmt::format("node '{}' stopped before its ranks started", node));
+    end_generation_if_over();
+    return;
+  }
+  machine_.joined(membership.generation);
+  const auto fit = cluster::layout_on_nodes(options_.config, static_cast<int64_t>(membership.nodes.size()));
+  if (!fit.layout) {
+    // Only a node whose config differs from the one that sealed gets here.
+    const std::string why = fmt::format("node '{}' cannot run generation {} on {} nodes: {}; give every node the "
+                                        "same config",
+                                        node, membership.generation, membership.nodes.size(), fit.why_not);
+    apply(machine_.rank_exited({0, -1, common::exit_code(common::ErrorCode::kBadConfig), -1, why}).actions);
+    end_generation_if_over();
+    return;
+  }
+  cross_node_axes_ = cluster::place_on_nodes(options_.config, static_cast<int64_t>(membership.nodes.size())).crossing;
+  event("generation_joined", {{"nodes", membership.nodes},
+                              {"cross_node_axes", cross_node_axes_},
+                              {"node_rank", membership.node_rank},
+                              {"world", membership.world_size()},
+                              {"dp", fit.layout->dp},
+                              {"micro_batches", fit.layout->micro_batches}});
+  spawn_generation(membership.generation,
+                   RankSlice{membership.rank_offset(), membership.world_size(), fit.layout->overrides()});
+}
+
+void Job::on_join_failed(const std::string& why) {
+  joining_ = false;
+  if (machine_.state() == JobState::kStarting) {
+    apply(machine_.rank_exited({0, -1, common::exit_code(common::ErrorCode::kPeerFailure), -1, why}).actions);
+  }
+  end_generation_if_over();
+}
+
+void Job::on_cluster_event(int64_t generation, const cluster::GenerationEvent& e) {
+  // About a generation this node has left, or not yet started.
+  if (joining_ || !membership_ || membership_->generation != generation) return;
+  if (e.kind == cluster::GenerationEvent::kEnded) {
+    apply(machine_.ended_elsewhere(e.cause).actions);
+    end_generation_if_over();
+    return;
+  }
+  if (machine_.state() != JobState::kRunning) return;
+  const int64_t nodes = static_cast<int64_t>(membership_->nodes.size());
+  bool grows = false;
+  for (int64_t n = nodes + 1; n <= options_.config.max_nodes() && !grows; ++n) {
+    grows = cluster::place_on_nodes(options_.config, n).problem.empty();
+  }
+  if (!grows) return;
+  // Every node sees the same waiting node and restarts alike; the ranks
+  // agree on the step of the checkpoint they save.
+  apply(machine_.restart(fmt::format("the rendezvous ({}; the job grows from {} nodes)", e.cause, nodes)).actions);
+}
+
+void Job::spawn_generation(int64_t generation, const RankSlice& slice) {
   auto log = common::logger("job");
   resumed_ = false;
   last_progress_log_ns_ = clock_.now_ns();
   health_.new_generation();
-  if (const auto failed = ranks_.spawn(generation)) {
+  if (const auto failed = ranks_.spawn(generation, slice)) {
     log->error("generation {}: {}", generation, failed->why);
     apply(machine_.rank_exited({failed->rank, -1, 127, -1, ranks_.exit_cause(failed->rank, 127)}).actions);
     end_generation_if_over();
@@ -122,7 +215,7 @@ bool Job::on_child_exit(pid_t pid, int wait_status) {
 }
 
 void Job::end_generation_if_over() {
-  if (!machine_.generation_live() || ranks_.alive()) return;
+  if (!machine_.generation_live() || ranks_.alive() || joining_) return;
   observe();  // the boards' last words and the ranks' last events, for status and the events below
   // A replica corrupted in the last steps, between keeld's polls and the
   // ranks' exit, must not end the job as finished on corrupted state.
@@ -133,11 +226,21 @@ void Job::end_generation_if_over() {
   // the newest directory's name says nothing when that one is corrupt.
   GenerationOutcome outcome;
   outcome.progressed = history_.committed_in(machine_.generation()) >= 0;
+  if (options_.cluster != nullptr) {
+    // Rank 0, which records commits in its node's events, may run on
+    // another node: the shared checkpoint directory says what was committed.
+    const int64_t newest = newest_in_catalog();
+    outcome.progressed = newest > base_checkpoint_;
+    base_checkpoint_ = std::max(base_checkpoint_, newest);
+  }
   base_checkpoint_ = checkpoint_step();
   outcome.checkpoint_step = base_checkpoint_;
   outcome.abandoned_cause = history_.abandoned_in(machine_.generation());
   outcome.steps_done = steps_done();
   for (const auto& rank : ranks_.ranks()) outcome.exit_codes.push_back(rank.exit_code.value_or(-1));
+  ended_cause_ = machine_.reason().empty()
+                     ? fmt::format("generation {} was restarted to save a checkpoint and regroup", machine_.generation())
+                     : machine_.reason();
   apply(machine_.generation_over(outcome, clock_.now_ns()).actions);
 }
 
@@ -216,6 +319,11 @@ void Job::note_resume() {
   event("generation_resumed", {{"step", step}});
 }
 
+int64_t Job::newest_in_catalog() const {
+  const auto kept = checkpoint::committed(options_.config.checkpoint_dir());
+  return kept.empty() ? -1 : kept.back().step;
+}
+
 int64_t Job::checkpoint_step() const {
   return std::max(base_checkpoint_, history_.committed_in(machine_.generation()));
 }
@@ -223,6 +331,8 @@ int64_t Job::checkpoint_step() const {
 void Job::poll() {
   auto log = common::logger("job");
   observe();
+  // While the rendezvous runs, the boards are the last generation's.
+  if (joining_) return;
   const int64_t now = clock_.now_ns();
   if (machine_.state() == JobState::kStarting || machine_.state() == JobState::kRunning) {
     act_on(health_.observe(ranks_.samples(), now));
@@ -356,6 +466,21 @@ JobReport Job::report() const {
   for (auto& rank : r.ranks) {
     rank.verdict = health_.rank(rank.rank);
     rank.straggler_score = health_.straggler_score(rank.rank);
+  }
+  if (options_.cluster != nullptr) {
+    ClusterReport c;
+    c.node = options_.cluster->node_name();
+    if (membership_) {
+      c.node_rank = membership_->node_rank;
+      c.nodes = membership_->nodes;
+      c.world = membership_->world_size();
+      c.first_rank = membership_->rank_offset();
+      c.cross_node_axes = cross_node_axes_;
+    }
+    if (const auto since = options_.cluster->unreachable_since()) {
+      c.etcd_unreachable_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - *since).count();
+    }
+    r.cluster = std::move(c);
   }
   r.detections = health_.counts();
   r.loss_spikes = history_.loss_spikes();

@@ -19,9 +19,11 @@
 // time on the Clock that poll() compares.
 #pragma once
 
+#include "cluster/rendezvous.h"
 #include "common/clock.h"
 #include "common/config.h"
 #include "store/store.h"
+#include "daemon/cluster_link.h"
 #include "daemon/fault_request.h"
 #include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
@@ -53,6 +55,11 @@ struct JobOptions {
   store::Store* store = nullptr;
   // Each rank's GPU (gpu_assignment.h) when train.device = "cuda".
   std::vector<std::string> gpus;
+  // On many nodes (config.multi_node()): the rendezvous, which numbers the
+  // generations and places this node's ranks in each; a failure here is
+  // told through it (with the ranks' rank_failed record), so `store` is
+  // not used. nullptr: one node.
+  ClusterLink* cluster = nullptr;
 };
 
 class Job {
@@ -93,6 +100,14 @@ class Job {
   // at its next step boundary) and records fault_injected.
   nlohmann::json inject(const FaultSpec& fault, const std::string& by);
 
+  // On many nodes, from the ClusterLink's callbacks on keeld's loop: a
+  // generation's membership came (this node's ranks start), or no
+  // membership could be had (the generation fails as if a rank had), or
+  // something ends the generation or asks it to grow.
+  void on_joined(const cluster::Membership& membership);
+  void on_join_failed(const std::string& why);
+  void on_cluster_event(int64_t generation, const cluster::GenerationEvent& event);
+
   JobState state() const { return machine_.state(); }
   // The job's figures, for the views (daemon/job_views.h).
   JobReport report() const;
@@ -101,6 +116,7 @@ class Job {
   // Carries out what the state machine decided.
   void apply(const JobActions& actions);
   void start_generation(int64_t generation);
+  void spawn_generation(int64_t generation, const RankSlice& slice);
   // Once no rank runs: the generation's outcome goes to the state machine.
   void end_generation_if_over();
   // Takes in the boards and the events appended since the last look.
@@ -119,6 +135,8 @@ class Job {
   // The newest checkpoint known good: the one the ranks resumed from, or a
   // newer one they committed since (events.jsonl); -1 when there is none.
   int64_t checkpoint_step() const;
+  // The newest checkpoint committed in the checkpoint directory; -1: none.
+  int64_t newest_in_catalog() const;
   // Steps done by the job as a whole, from rank 0's board.
   int64_t steps_done() const;
   void event(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
@@ -138,6 +156,11 @@ class Job {
   // the history's newest at start, then each generation's resume step.
   int64_t base_checkpoint_ = -1;
   bool resumed_ = false;  // this generation's resume step is known
+  // On many nodes: the membership last joined, and whether a join is under way.
+  std::optional<cluster::Membership> membership_;
+  bool joining_ = false;
+  std::string ended_cause_;  // why the last generation ended, for the rendezvous
+  std::vector<std::string> cross_node_axes_;  // the membership's (cluster/placement.h)
   int64_t started_at_ns_ = 0;
   int64_t last_progress_log_ns_ = 0;
 };

@@ -154,6 +154,25 @@ Transition JobMachine::verdict(const std::string& cause) {
   return t;
 }
 
+void JobMachine::joined(int64_t generation) {
+  if (state_ == JobState::kStarting && generation_live_) generation_ = generation;
+}
+
+Transition JobMachine::ended_elsewhere(const std::string& cause) {
+  if (state_ != JobState::kStarting && state_ != JobState::kRunning) return {};
+  Transition t;
+  failure_ = cause;
+  failure_code_ = -1;
+  t.actions.push_back(log_action(
+      spdlog::level::err, fmt::format("generation {} ended on another node: {}; stopping this node's ranks",
+                                      generation_, cause)));
+  t.actions.push_back(record("generation_ended_elsewhere", {{"cause", cause}}));
+  t.actions.push_back(tell_ranks_action(generation_, cause));
+  state_ = JobState::kRestarting;
+  t.actions.push_back(terminate_action(grace_s_));
+  return t;
+}
+
 Transition JobMachine::generation_over(const GenerationOutcome& outcome, int64_t now_ns) {
   Transition t;
   auto& actions = t.actions;

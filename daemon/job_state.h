@@ -112,6 +112,15 @@ class JobMachine {
   // the ranks are killed at once. Ignored unless the generation is starting
   // or running (it is already being stopped otherwise).
   Transition verdict(const std::string& cause);
+  // On many nodes: the generation being started got its number from the
+  // rendezvous, which numbers the job's generations for every node.
+  void joined(int64_t generation);
+  // On many nodes: another node ended the generation (its rank failed, or
+  // it left the job). `cause` fails this node's part of it; the ranks get
+  // SIGTERM and grace_s to finish what they can (a commit under way on
+  // rank 0), then SIGKILL. Ignored unless the generation is starting or
+  // running.
+  Transition ended_elsewhere(const std::string& cause);
   // Time passed: starts the next generation once its back-off is over.
   Transition tick(int64_t now_ns);
   // keelctl stop, SIGTERM, SIGINT. `checkpoint_step`: the newest good

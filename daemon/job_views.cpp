@@ -107,6 +107,13 @@ nlohmann::json status_json(const JobReport& report) {
   for (auto [key, tally] : {std::pair{"loss_spikes", report.loss_spikes}, {"skipped_steps", report.skipped_steps}}) {
     out[key] = {{"count", tally.count}, {"last_step", tally.last_step}};
   }
+  out["cluster"] = nullptr;
+  if (const auto& c = report.cluster) {
+    out["cluster"] = {{"node", c->node},   {"node_rank", c->node_rank},   {"nodes", c->nodes},
+                      {"world", c->world}, {"first_rank", c->first_rank}, {"cross_node_axes", c->cross_node_axes}};
+    out["cluster"]["etcd_unreachable_s"] =
+        c->etcd_unreachable_s ? nlohmann::json(*c->etcd_unreachable_s) : nlohmann::json(nullptr);
+  }
   return out;
 }
 
@@ -125,6 +132,14 @@ std::string status_line(const JobReport& report) {
                                  report.generation, report.step, report.total_steps);
   if (const auto& s = head(report)) line += fmt::format(" loss {:.4f}", s->loss);
   line += " health " + (report.state == JobState::kFailed ? report.reason : health);
+  if (report.cluster) {
+    line += fmt::format(" node {}", report.cluster->node);
+    // The ranks train on without etcd; what waits is the next rendezvous
+    // and commit (docs/architecture.md "Multi-node on etcd").
+    if (report.cluster->etcd_unreachable_s) {
+      line += fmt::format(" degraded: etcd unreachable for {:.0f} s", *report.cluster->etcd_unreachable_s);
+    }
+  }
   return line;
 }
 

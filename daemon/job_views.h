@@ -32,6 +32,18 @@ struct RankReport {
   double straggler_score = 0;                 // its newest straggler window score
 };
 
+// This node's place in a job of many nodes (docs/architecture.md
+// "Multi-node on etcd").
+struct ClusterReport {
+  std::string node;                // this node's name
+  int node_rank = -1;              // in the generation last joined; -1: none yet
+  std::vector<std::string> nodes;  // that generation's, node rank order
+  int world = 0;                   // its ranks, every node's
+  int first_rank = 0;              // this node's first global rank
+  std::vector<std::string> cross_node_axes;  // the axes whose groups span nodes (cluster/placement.h)
+  std::optional<double> etcd_unreachable_s;  // how long keeld's renewals have failed to reach etcd; nullopt: they reach it
+};
+
 struct JobReport {
   int64_t now_ns = 0;            // when the report was taken (common/clock.h): ages are counted to it
   std::string job;
@@ -50,7 +62,8 @@ struct JobReport {
   // whose update was skipped (health.spike_policy), from events.jsonl.
   StepTally loss_spikes;
   StepTally skipped_steps;
-  std::vector<RankReport> ranks; // rank 0 first
+  std::vector<RankReport> ranks; // rank 0 first (this node's first)
+  std::optional<ClusterReport> cluster;  // nullopt: one node
 };
 
 // The reply to keelctl status (without the socket and metrics fields, which

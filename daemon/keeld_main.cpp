@@ -8,13 +8,16 @@
 #include "common/error.h"
 #include "common/layout_check.h"
 #include "common/log.h"
+#include "cluster/placement.h"
 #include "store/tcp_store.h"
+#include "daemon/cluster_link.h"
 #include "daemon/control_server.h"
 #include "daemon/gpu_assignment.h"
 #include "daemon/job.h"
 #include "daemon/metrics_server.h"
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <systemd/sd-daemon.h>
@@ -25,9 +28,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 
@@ -66,6 +71,70 @@ class Ticker {
   std::chrono::milliseconds period_;
   std::function<void()> tick_;
 };
+
+// The ranks' Store (docs/architecture.md "Store (store/)"): on one node an
+// embedded TCP store with a new secret at every start (why: "Run
+// directory"); on many, the job's prefix in etcd, whose credential comes
+// from cluster.credential_file.
+struct JobStore {
+  std::optional<keel::store::StoreServer> server;
+  std::unique_ptr<keel::store::Store> client;  // keeld's own
+  std::string address;
+  std::string secret;
+};
+
+void open_job_store(const keel::common::Config& config, JobStore& out) {
+  if (config.multi_node()) {
+    out.address = config.cluster.etcd;
+    if (!config.cluster.credential_file.empty()) {
+      std::ifstream in(config.cluster.credential_file);
+      if (!in || !std::getline(in, out.secret) || out.secret.empty()) {
+        throw Error(ErrorCode::kBadConfig, fmt::format("cluster.credential_file {} cannot be read or is empty; it "
+                                                       "must hold etcd's USER:PASSWORD on its first line",
+                                                       config.cluster.credential_file));
+      }
+    }
+  } else {
+    out.secret = keel::store::new_store_secret();
+    std::error_code ignored;  // a run directory that cannot be made fails the write below, which says so
+    std::filesystem::create_directories(config.job.run_dir, ignored);
+    keel::common::write_file_atomically(std::filesystem::path(config.job.run_dir) / "store.secret", out.secret + "\n",
+                                        0600, ErrorCode::kBadConfig);
+    out.server.emplace(out.secret);
+    out.address = out.server->address();
+  }
+  out.client = keel::store::connect_store(out.address, out.secret, std::chrono::seconds(10));
+}
+
+// This node's part in the rendezvous, from [cluster] (common/config.h).
+keel::cluster::RendezvousOptions rendezvous_options(const keel::common::Config& config) {
+  keel::cluster::RendezvousOptions o;
+  o.node_name = config.cluster.node_name;
+  if (o.node_name.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    o.node_name = host;
+  }
+  o.address = config.cluster.address;
+  o.ranks_per_node = static_cast<int>(config.daemon.ranks);
+  o.min_nodes = static_cast<int>(config.min_nodes());
+  o.max_nodes = static_cast<int>(config.max_nodes());
+  o.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(config.cluster.join_timeout_s * 1000));
+  o.lease_ttl = std::chrono::seconds(static_cast<int64_t>(std::ceil(config.cluster.lease_ttl_s)));
+  o.runs_on = [config](int nodes) { return keel::cluster::place_on_nodes(config, nodes).problem.empty(); };
+  // What the nodes' ranks must agree on to train one model; paths, ports and
+  // the node's own settings may differ.
+  const auto all = config.to_json();
+  o.job_config = nlohmann::json{{"job", {{"name", config.job.name}, {"seed", config.job.seed}}},
+                                {"model", all.at("model")},
+                                {"parallel", all.at("parallel")},
+                                {"train", all.at("train")},
+                                {"checkpoint", {{"dir", config.checkpoint_dir().string()}}},
+                                {"daemon", {{"ranks", config.daemon.ranks}}},
+                                {"cluster", {{"min_nodes", config.min_nodes()}, {"max_nodes", config.max_nodes()}}}}
+                     .dump();
+  return o;
+}
 
 }  // namespace
 
@@ -112,7 +181,8 @@ int main(int argc, char** argv) {
       const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
       const auto gpus =
           keel::daemon::node_gpus(visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
-      options.gpus = keel::daemon::assign_gpus(gpus, static_cast<int>(config.parallel.world_size()));
+      options.gpus = keel::daemon::assign_gpus(
+          gpus, static_cast<int>(config.multi_node() ? config.daemon.ranks : config.parallel.world_size()));
       log->info("ranks get GPUs {} of {}", fmt::join(options.gpus, ","), gpus.source);
     }
     options.config_path = std::filesystem::absolute(config_path);
@@ -120,18 +190,32 @@ int main(int argc, char** argv) {
     log->info("job {}: config {}\n{}", config.job.name, options.config_path.string(), config.to_toml());
 
     asio::io_context io;
-    // A new store secret at every start, why in docs/architecture.md "Run directory".
-    options.store_secret = keel::store::new_store_secret();
-    std::error_code ignored;  // a run directory that cannot be made fails the write below, which says so
-    std::filesystem::create_directories(config.job.run_dir, ignored);
-    keel::common::write_file_atomically(std::filesystem::path(config.job.run_dir) / "store.secret",
-                                        options.store_secret + "\n", 0600, ErrorCode::kBadConfig);
-    keel::store::StoreServer store(options.store_secret);
-    options.store_address = store.address();
-    const auto store_client =
-        keel::store::connect_store(store.address(), options.store_secret, std::chrono::seconds(10));
-    options.store = store_client.get();
+    if (config.multi_node()) {
+      const auto placement = keel::cluster::place_on_nodes(config, config.max_nodes());
+      if (!placement.problem.empty()) throw Error(ErrorCode::kBadConfig, placement.problem);
+    }
+    JobStore store;
+    open_job_store(config, store);
+    options.store_address = store.address;
+    options.store_secret = store.secret;
     options.config = config;
+    // Set once the job exists; the link's callbacks run on the loop, after.
+    keel::daemon::Job* linked_job = nullptr;
+    std::unique_ptr<keel::daemon::ClusterLink> cluster;
+    if (config.multi_node()) {
+      auto& etcd = dynamic_cast<keel::store::ClusterStore&>(*store.client);
+      cluster = std::make_unique<keel::daemon::ClusterLink>(
+          etcd, rendezvous_options(config), [&io](std::function<void()> f) { asio::post(io, std::move(f)); },
+          keel::daemon::ClusterCallbacks{
+              [&](keel::cluster::Membership m) { linked_job->on_joined(m); },
+              [&](std::string why) { linked_job->on_join_failed(why); },
+              [&](int64_t g, keel::cluster::GenerationEvent e) { linked_job->on_cluster_event(g, e); }});
+      options.cluster = cluster.get();
+      log->info("node '{}' of job {} on {}, {} ranks a node, {} to {} nodes", cluster->node_name(), config.job.name,
+                config.cluster.etcd, config.daemon.ranks, config.min_nodes(), config.max_nodes());
+    } else {
+      options.store = store.client.get();
+    }
 
     int exit_code = 0;
     auto finish = [&](int code) {
@@ -146,6 +230,7 @@ int main(int argc, char** argv) {
       log->info("the job has {}; keeld stays up for keelctl (keelctl restart runs it again, keelctl stop exits)",
                 keel::daemon::job_state_name(state));
     });
+    linked_job = &job;
     auto stop = [&](bool checkpoint, const std::string& by) {
       auto reply = job.stop(checkpoint, by);
       if (job.state() == JobState::kStopping) sd_notify(0, "STOPPING=1");

@@ -36,15 +36,16 @@ std::string describe_exit(int code) {
 
 RankSet::RankSet(RankSetOptions options)
     : options_(std::move(options)),
-      reports_(static_cast<size_t>(options_.world)),
-      boards_(static_cast<size_t>(options_.world)) {
-  for (int r = 0; r < options_.world; ++r) reports_[static_cast<size_t>(r)].rank = r;
+      slice_{0, options_.ranks, {}},
+      reports_(static_cast<size_t>(options_.ranks)),
+      boards_(static_cast<size_t>(options_.ranks)) {
+  for (int r = 0; r < options_.ranks; ++r) reports_[static_cast<size_t>(r)].rank = r;
   if (options_.pin_cpus) {
     const auto available = allowed_cpus();
-    cpus_ = cpu_shares(available, options_.world);
+    cpus_ = cpu_shares(available, options_.ranks);
     // One thread per CPU of a share; unpinned ranks divide keeld's CPUs.
     threads_per_rank_ = cpus_.front().empty()
-                            ? std::max<size_t>(1, available.size() / static_cast<size_t>(options_.world))
+                            ? std::max<size_t>(1, available.size() / static_cast<size_t>(options_.ranks))
                             : cpus_.front().size();
   }
 }
@@ -54,9 +55,11 @@ RankSet::~RankSet() {
   remove_boards();
 }
 
-std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation) {
+std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const RankSlice& slice) {
   kill_at_ns_.reset();
-  const std::string world = std::to_string(options_.world);
+  slice_ = slice;
+  const std::string world = std::to_string(slice.world);
+  const std::string local_world = std::to_string(options_.ranks);
   for (auto& rank : reports_) {
     rank.pid = -1;
     rank.last.reset();
@@ -68,19 +71,22 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation) {
     auto& slot = boards_[static_cast<size_t>(rank.rank)];
     RankLaunch launch;
     launch.argv = {options_.trainer.string(), "--config", options_.config_path.string()};
-    for (const auto& o : options_.overrides) {
+    std::vector<std::string> overrides = options_.overrides;
+    overrides.insert(overrides.end(), slice.overrides.begin(), slice.overrides.end());
+    for (const auto& o : overrides) {
       launch.argv.push_back("--set");
       launch.argv.push_back(o);
     }
-    launch.env = {{"KEEL_RANK", std::to_string(rank.rank)},
+    launch.env = {{"KEEL_RANK", std::to_string(slice.first_rank + rank.rank)},
                   {"KEEL_WORLD_SIZE", world},
                   {"KEEL_LOCAL_RANK", std::to_string(rank.rank)},
-                  {"KEEL_LOCAL_WORLD_SIZE", world},
+                  {"KEEL_LOCAL_WORLD_SIZE", local_world},
                   {"KEEL_GENERATION", std::to_string(generation)},
                   {"KEEL_STORE", options_.store_address},
                   {"KEEL_STORE_SECRET", options_.store_secret},
                   {"KEEL_BOARD", board},
                   {"KEEL_RUN_DIR", options_.run_dir.string()}};
+    if (!options_.bind_address.empty()) launch.env["KEEL_BIND_ADDRESS"] = options_.bind_address;
     if (!cpus_.empty()) {
       launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
       for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
@@ -115,7 +121,7 @@ const RankReport* RankSet::reap(pid_t pid, int wait_status) {
 }
 
 std::string RankSet::exit_cause(int rank, int code) const {
-  std::string cause = fmt::format("rank {} {}", rank, describe_exit(code));
+  std::string cause = fmt::format("rank {} {}", slice_.first_rank + rank, describe_exit(code));
   // Only a rank that exited by itself had its say.
   const std::string said = code > 0 && code < 128 ? last_error_sentence(rank_log_path(options_.run_dir, rank)) : "";
   return said.empty() ? cause : cause + ": " + said;
@@ -172,7 +178,7 @@ bool RankSet::request_checkpoint() {
 }
 
 bool RankSet::request_fault(int rank, const health::FaultRequest& request) {
-  if (rank < 0 || rank >= options_.world) return false;
+  if (rank < 0 || rank >= options_.ranks) return false;
   auto& board = boards_[static_cast<size_t>(rank)];
   if (!board) return false;
   board->request_fault(request);

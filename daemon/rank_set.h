@@ -19,15 +19,26 @@
 namespace keel::daemon {
 
 struct RankSetOptions {
-  int world = 1;
+  int ranks = 1;                           // the ranks this node runs
   std::filesystem::path trainer;           // keel-trainer
   std::filesystem::path config_path;       // passed to the ranks, with the overrides
   std::vector<std::string> overrides;
   std::string store_address;               // KEEL_STORE
   std::string store_secret;                // KEEL_STORE_SECRET
+  std::string bind_address;                // KEEL_BIND_ADDRESS: the node's, for Gloo and NCCL; empty: the ranks' default
   std::filesystem::path run_dir;           // KEEL_RUN_DIR; logs/ holds each rank's log
   bool pin_cpus = true;                    // daemon.pin_cpus
   std::vector<std::string> gpus;           // each rank's CUDA_VISIBLE_DEVICES (gpu_assignment.h); empty: CPU
+};
+
+// Where a generation puts this node's ranks (docs/architecture.md
+// "Multi-node on etcd"): local rank l is global rank first_rank + l of
+// `world`, and `overrides` (the generation's layout) follow the config's.
+// On one node: the whole world, no overrides.
+struct RankSlice {
+  int first_rank = 0;
+  int world = 1;
+  std::vector<std::string> overrides;
 };
 
 class RankSet {
@@ -38,14 +49,14 @@ class RankSet {
   RankSet(const RankSet&) = delete;
   RankSet& operator=(const RankSet&) = delete;
 
-  // Starts every rank of `generation`, each with a fresh board and its log
-  // header. When one cannot be started, the ones after it are not either:
-  // that rank shows exit 127 and its number is returned, with why.
+  // Starts every rank of `generation` in `slice`, each with a fresh board
+  // and its log header. When one cannot be started, the ones after it are
+  // not either: that rank shows exit 127 and its number is returned, with why.
   struct SpawnFailure {
     int rank = 0;
     std::string why;
   };
-  std::optional<SpawnFailure> spawn(int64_t generation);
+  std::optional<SpawnFailure> spawn(int64_t generation, const RankSlice& slice);
 
   // The rank whose process `pid` exited with `wait_status` (raw waitpid),
   // its exit and its board's last words recorded; nullptr when `pid` is
@@ -66,7 +77,8 @@ class RankSet {
   health::RankSamples samples() const;
   const std::vector<RankReport>& ranks() const { return reports_; }
 
-  // "rank 1 exited 3 (data_error): <the rank's own sentence, from its log>".
+  // "rank 1 exited 3 (data_error): <the rank's own sentence, from its log>",
+  // naming the rank by its global number.
   std::string exit_cause(int rank, int code) const;
 
   // Requests relayed through the boards; false when `rank` has no board
@@ -80,6 +92,7 @@ class RankSet {
 
  private:
   RankSetOptions options_;
+  RankSlice slice_;                                          // the generation's, once spawned
   std::vector<RankReport> reports_;                          // per rank
   std::vector<std::optional<health::ProgressBoard>> boards_;  // per rank; empty between generations
   std::vector<std::vector<int>> cpus_;                       // per rank; empty: pin_cpus is off

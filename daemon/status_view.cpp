@@ -76,6 +76,21 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
     out << (spikes.empty() ? skipped : skipped.empty() ? spikes : spikes + " | " + skipped)
         << " (keelctl events: loss_spike, step_skipped)\n";
   }
+  if (const auto c = s.find("cluster"); c != s.end() && c->is_object()) {
+    const auto nodes = c->value("nodes", nlohmann::json::array());
+    out << fmt::format("node {} ({} of {}: {}), ranks {} to {} of {}", text(*c, "node"), text(*c, "node_rank"),
+                       nodes.size(), fmt::join(nodes.get<std::vector<std::string>>(), ", "),
+                       c->value("first_rank", 0),
+                       c->value("first_rank", 0) + static_cast<int>(s.value("ranks", nlohmann::json::array()).size()) - 1,
+                       text(*c, "world"));
+    if (const auto axes = c->value("cross_node_axes", nlohmann::json::array()); !axes.empty()) {
+      out << fmt::format(" | across nodes: {}", fmt::join(axes.get<std::vector<std::string>>(), ", "));
+    }
+    if (c->contains("etcd_unreachable_s") && (*c)["etcd_unreachable_s"].is_number()) {
+      out << fmt::format(" | degraded: etcd unreachable for {:.0f} s", (*c)["etcd_unreachable_s"].get<double>());
+    }
+    out << "\n";
+  }
   out << blas_cores(s.value("ranks", nlohmann::json::array()));
   out << "run_dir " << text(s, "run_dir");
   if (s.contains("metrics_port") && s["metrics_port"].is_number()) {

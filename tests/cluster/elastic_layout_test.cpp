@@ -1,6 +1,7 @@
 // The layout a generation gets on the nodes it has: DP shrinks, the model's
 // axes stay, and the global batch is kept through more microbatches.
 #include "cluster/elastic_layout.h"
+#include "tests/cluster/cluster_config.h"
 
 #include <doctest/doctest.h>
 
@@ -8,25 +9,7 @@
 #include <vector>
 
 namespace keel::cluster {
-namespace {
-
-common::Config cluster_config(const std::vector<std::string>& sets) {
-  const char* base = R"(
-[job]
-name = "elastic"
-[data]
-train = "train.bin"
-[model]
-n_layer = 4
-n_head = 4
-n_embd = 32
-[cluster]
-etcd = "etcd://127.0.0.1:2379/keel/elastic"
-)";
-  return common::Config::parse(base, "elastic.toml", "/base", sets);
-}
-
-}  // namespace
+using test::cluster_config;
 
 TEST_SUITE("unit") {
   TEST_CASE("a job keeps its global batch on fewer nodes through more microbatches") {

@@ -172,6 +172,23 @@ TEST_SUITE("integration") {
     // c reaches etcd again and learns that the job went on without it.
     cluster->start(2);
     CHECK(keel::test::wait_until([&] { return !nodes[2].rendezvous->alive(); }, 60));
+
+    // It comes back as a new node, under a new lease, and the job grows back
+    // to it once the members end their generation for it.
+    auto back = std::async(std::launch::async, [&] { return nodes[2].rendezvous->join(60s); });
+    for (int i = 0; i < 2; ++i) {
+      const auto event = survivors[i].rendezvous->next_event(next[i], 60s);
+      REQUIRE(event.has_value());
+      CHECK(event->kind == GenerationEvent::kNodeWaiting);
+      CHECK(event->cause.find("node 'c' waits to join") != std::string::npos);
+    }
+    survivors[0].rendezvous->fail(1, "the job grows back to node c");
+    const auto grown = join_all(survivors);
+    const Membership c = back.get();
+    CHECK(c.generation == 2);
+    CHECK(c.nodes == std::vector<std::string>{"a", "b", "c"});
+    CHECK(grown[0].nodes == c.nodes);
+    CHECK(nodes[2].rendezvous->alive());
   }
 
   TEST_CASE("a keeld that comes after the seal waits and the job grows back to it in the next generation") {

@@ -1,20 +1,13 @@
 // Which GPU each rank of a CUDA job gets: the node's GPUs from keeld's
-// CUDA_VISIBLE_DEVICES or the NVIDIA device nodes, one per rank, and the
-// variable each rank is started with.
+// CUDA_VISIBLE_DEVICES or the NVIDIA device nodes, one per rank (the
+// variable each rank is started with: rank_set_test.cpp).
 #include "common/error.h"
 #include "daemon/gpu_assignment.h"
-#include "daemon/rank_set.h"
-
 #include "tests/support/temp_dir.h"
 
 #include <doctest/doctest.h>
 
-#include <sys/stat.h>
-#include <sys/wait.h>
-
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,13 +18,6 @@ using keel::common::ErrorCode;
 using keel::daemon::assign_gpus;
 using keel::daemon::node_gpus;
 using keel::daemon::NodeGpus;
-
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 }  // namespace
 
@@ -85,32 +71,5 @@ TEST_SUITE("unit") {
         CHECK(message.find("train.device = \"cpu\"") != std::string::npos);
       }
     }
-  }
-}
-
-TEST_SUITE("integration") {
-  TEST_CASE("every rank of a CUDA job is started with its own GPU as CUDA_VISIBLE_DEVICES") {
-    keel::test::TempDir dir;
-    // A trainer that only says which GPU it was given.
-    const auto trainer =
-        dir.write("fake-trainer", "#!/bin/sh\necho \"$CUDA_VISIBLE_DEVICES\" > \"$KEEL_RUN_DIR/gpu-$KEEL_RANK\"\n");
-    chmod(trainer.c_str(), 0755);
-    std::filesystem::create_directories(dir / "run" / "logs");
-    keel::daemon::RankSetOptions options;
-    options.world = 2;
-    options.trainer = trainer;
-    options.config_path = dir / "job.toml";
-    options.run_dir = dir / "run";
-    options.pin_cpus = false;
-    options.gpus = {"3", "GPU-5e"};
-    keel::daemon::RankSet ranks(options);
-    REQUIRE_FALSE(ranks.spawn(0).has_value());
-    for (const auto& rank : ranks.ranks()) {
-      int status = 0;
-      REQUIRE(waitpid(rank.pid, &status, 0) == rank.pid);
-      ranks.reap(rank.pid, status);
-    }
-    CHECK(read_file(dir / "run" / "gpu-0") == "3\n");
-    CHECK(read_file(dir / "run" / "gpu-1") == "GPU-5e\n");
   }
 }

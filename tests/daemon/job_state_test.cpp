@@ -90,6 +90,19 @@ Step verdict(std::string actions, JobState state) {
           std::move(actions), state};
 }
 
+Step ended_elsewhere(std::string actions, JobState state) {
+  return {"ended elsewhere", [](JobMachine& m) { return m.ended_elsewhere("node 'b' lost its lease"); },
+          std::move(actions), state};
+}
+
+Step joined(int64_t generation) {
+  return {"joined", [=](JobMachine& m) {
+            m.joined(generation);
+            return Transition{};
+          },
+          "", JobState::kStarting};
+}
+
 const std::string kFailed = "record:rank_failed tell:0 terminate:10";
 
 struct Case {
@@ -182,6 +195,17 @@ TEST_SUITE("unit") {
           restart("record:restart_requested start:1", JobState::kStarting, "ok"),
           over(outcome({0, 0}), 0, "record:generation_ended record:job_finished end:finished", JobState::kFinished),
           stop(true, "record:stop_requested end:stopped!", JobState::kStopped, "the job had finished")}},
+        {"a generation another node ended stops this node's ranks with a grace and restarts",
+         {start, up, ended_elsewhere("record:generation_ended_elsewhere tell:0 terminate:10", JobState::kRestarting),
+          rank_exits(0, 12, "", JobState::kRestarting),
+          over(outcome({12, 143}), 0, "record:generation_ended record:restart_scheduled", JobState::kRestarting)}},
+        {"an end elsewhere while this node stops changes nothing",
+         {start, up, restart("record:restart_requested terminate:900", JobState::kStopping, "ok"),
+          ended_elsewhere("", JobState::kStopping)}},
+        {"the rendezvous numbers the generation being started and the next follows it",
+         {start, joined(7), rank_exits(1, 137, "record:rank_failed tell:7 terminate:10", JobState::kRestarting),
+          over(outcome({12, 137}), 0, "record:generation_ended record:restart_scheduled", JobState::kRestarting),
+          tick(10 * kSecond, "start:8", JobState::kStarting)}},
         {"a stopping job refuses a restart",
          {start, stop(true, "record:stop_requested terminate:900", JobState::kStopping, "ok"),
           restart("record:restart_requested", JobState::kStopping, "is stopping")}},

@@ -118,6 +118,35 @@ TEST_SUITE("unit") {
                            "rank 2\n") != std::string::npos);
   }
 
+  TEST_CASE("a node of a many-node job shows its place in the job and etcd out of reach as degraded") {
+    JobReport report;
+    report.now_ns = kNow;
+    report.job = "views";
+    report.state = JobState::kRunning;
+    report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1)};
+    report.cluster = ClusterReport{"node-b", 1, {"node-a", "node-b", "node-c"}, 6, 2, {"dp"}, std::nullopt};
+    CHECK(status_line(report).find(" node node-b") != std::string::npos);
+    CHECK(status_line(report).find("degraded") == std::string::npos);
+    auto status = status_json(report);
+    CHECK(status.at("cluster").at("node_rank") == 1);
+    CHECK(status.at("cluster").at("etcd_unreachable_s").is_null());
+    std::ostringstream table;
+    print_status(status, table);
+    CAPTURE(table.str());
+    CHECK(table.str().find("node node-b (1 of 3: node-a, node-b, node-c), ranks 2 to 3 of 6 | across nodes: dp\n") !=
+          std::string::npos);
+
+    report.cluster->etcd_unreachable_s = 12.4;
+    CHECK(status_line(report).find("degraded: etcd unreachable for 12 s") != std::string::npos);
+    status = status_json(report);
+    std::ostringstream degraded;
+    print_status(status, degraded);
+    CHECK(degraded.str().find("| degraded: etcd unreachable for 12 s") != std::string::npos);
+    // One node: no cluster at all.
+    report.cluster.reset();
+    CHECK(status_json(report).at("cluster").is_null());
+  }
+
   TEST_CASE("loss spikes and skipped steps show in the status and on the page but never as detections") {
     JobReport report;
     report.now_ns = kNow;

@@ -63,6 +63,22 @@ grace_s = 10
 progress_every_s = 1
 )";
 
+// Every tensor of the checkpoint of `step` under `checkpoints`.
+inline std::map<std::string, std::vector<float>> checkpoint_tensors(const std::filesystem::path& checkpoints,
+                                                                   int64_t step) {
+  checkpoint::CheckpointReader reader(checkpoint::step_dir(checkpoints, step));
+  std::map<std::string, std::vector<float>> out;
+  for (const auto& name : reader.tensors()) {
+    const auto shape = reader.global_shape(name);
+    const int64_t rows = shape.at(0);
+    const int64_t cols = shape.size() > 1 ? shape.at(1) : 1;
+    auto& values = out[name];
+    values.resize(static_cast<size_t>(rows * cols));
+    reader.read(name, 0, 0, rows, cols, values.data());
+  }
+  return out;
+}
+
 class KeeldJob {
  public:
   // `config`: the job's TOML; its paths are relative to the job's
@@ -144,17 +160,7 @@ class KeeldJob {
 
   // Every tensor of the checkpoint of `step` (model and optimizer state).
   std::map<std::string, std::vector<float>> checkpoint_tensors(int64_t step) const {
-    checkpoint::CheckpointReader reader(checkpoint::step_dir(run_dir() / "checkpoints", step));
-    std::map<std::string, std::vector<float>> out;
-    for (const auto& name : reader.tensors()) {
-      const auto shape = reader.global_shape(name);
-      const int64_t rows = shape.at(0);
-      const int64_t cols = shape.size() > 1 ? shape.at(1) : 1;
-      auto& values = out[name];
-      values.resize(static_cast<size_t>(rows * cols));
-      reader.read(name, 0, 0, rows, cols, values.data());
-    }
-    return out;
+    return test::checkpoint_tensors(run_dir() / "checkpoints", step);
   }
 
  private:

@@ -340,18 +340,7 @@ TEST_SUITE("integration") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
     if (!cluster) return;
-    const std::string endpoints = "--endpoints=" + cluster->endpoint(0);
-    for (const std::vector<std::string>& command :
-         {std::vector<std::string>{"etcdctl", endpoints, "user", "add", "root:root-pw", "--interactive=false"},
-          std::vector<std::string>{"etcdctl", endpoints, "user", "add", "keel:keel-pw", "--interactive=false"},
-          std::vector<std::string>{"etcdctl", endpoints, "role", "add", "job"},
-          std::vector<std::string>{"etcdctl", endpoints, "role", "grant-permission", "job", "--prefix=true",
-                                   "readwrite", "jobs/a/"},
-          std::vector<std::string>{"etcdctl", endpoints, "user", "grant-role", "keel", "job"},
-          std::vector<std::string>{"etcdctl", endpoints, "auth", "enable"}}) {
-      auto result = keel::test::run_process(command, {}, 60);
-      REQUIRE_MESSAGE(result.exit_code == 0, result.output);
-    }
+    cluster->enable_auth("keel", "keel-pw", "jobs/a/");
     auto store = connect(*cluster, "jobs/a", 10s, "keel:keel-pw");
     store->set("k", "v");
     CHECK(store->get("k") == "v");

@@ -123,6 +123,26 @@ std::string EtcdCluster::address(const std::string& prefix) const {
   return address;
 }
 
+void EtcdCluster::enable_auth(const std::string& user, const std::string& password,
+                              const std::string& prefix) const {
+  std::string endpoints = "--endpoints=";
+  for (int m = 0; m < size(); ++m) endpoints += (m > 0 ? "," : "") + endpoint(m);
+  const std::string role = user + "-role";
+  for (const std::vector<std::string>& command : {
+           std::vector<std::string>{"etcdctl", endpoints, "user", "add", "root:root-pw", "--interactive=false"},
+           std::vector<std::string>{"etcdctl", endpoints, "user", "add", user + ":" + password, "--interactive=false"},
+           std::vector<std::string>{"etcdctl", endpoints, "role", "add", role},
+           std::vector<std::string>{"etcdctl", endpoints, "role", "grant-permission", role, "--prefix=true",
+                                    "readwrite", prefix},
+           std::vector<std::string>{"etcdctl", endpoints, "user", "grant-role", user, role},
+           std::vector<std::string>{"etcdctl", endpoints, "auth", "enable"}}) {
+    const auto result = run_process(command, {}, 60);
+    if (result.exit_code != 0) {
+      throw std::runtime_error(fmt::format("{} {} failed: {}", command[2], command[3], result.output));
+    }
+  }
+}
+
 std::string EtcdCluster::endpoint(int member) const {
   return "127.0.0.1:" + std::to_string(members_[member].client_port);
 }

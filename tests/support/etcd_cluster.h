@@ -41,6 +41,10 @@ class EtcdCluster {
   void kill(int member);
   // Starts a killed member again on its ports and data.
   void start(int member);
+  // Turns on etcd's authentication with a root user and `user`, whose
+  // `password` may read and write only keys under `prefix`; throws
+  // std::runtime_error with etcdctl's output when a step fails.
+  void enable_auth(const std::string& user, const std::string& password, const std::string& prefix) const;
   // The end of a member's log, for a failure's message.
   std::string log_tail(int member) const;
 

@@ -1,0 +1,127 @@
+#include "daemon/cluster_link.h"
+
+#include "common/log.h"
+#include "store/store.h"
+
+namespace keel::daemon {
+
+namespace {
+// How long one watch of the membership lasts before the thread looks at
+// its commands again.
+constexpr std::chrono::milliseconds kWatchSlice{500};
+}  // namespace
+
+ClusterLink::ClusterLink(store::ClusterStore& store, cluster::RendezvousOptions options,
+                         std::function<void(std::function<void()>)> post, ClusterCallbacks callbacks)
+    : store_(store),
+      node_name_(options.node_name),
+      join_bound_(2 * options.join_timeout +
+                  2 * std::chrono::duration_cast<std::chrono::milliseconds>(options.lease_ttl)),
+      post_(std::move(post)),
+      callbacks_(std::move(callbacks)) {
+  rendezvous_ = std::make_unique<cluster::Rendezvous>(store, std::move(options));
+  thread_ = std::thread([this] { run(); });
+}
+
+ClusterLink::~ClusterLink() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  rendezvous_->cancel();
+  wake_.notify_all();
+  thread_.join();
+}
+
+void ClusterLink::push(Command command) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    commands_.push_back(std::move(command));
+  }
+  wake_.notify_all();
+}
+
+void ClusterLink::join_next(std::optional<int64_t> ended, std::string cause) { push(Join{ended, std::move(cause)}); }
+
+void ClusterLink::fail(int64_t generation, std::string cause) { push(Fail{generation, std::move(cause)}); }
+
+void ClusterLink::finish(int64_t generation) { push(Finish{generation}); }
+
+void ClusterLink::run() {
+  for (;;) {
+    std::optional<Command> command;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      // With a membership to watch, the wait is the watch itself.
+      if (!watched_) wake_.wait(lock, [this] { return stop_ || !commands_.empty(); });
+      if (stop_) {
+        // What the other nodes must learn before this one goes; a join no longer matters.
+        for (const auto& c : commands_) {
+          if (!std::holds_alternative<Join>(c)) carry_out(c);
+        }
+        return;
+      }
+      if (!commands_.empty()) {
+        command = std::move(commands_.front());
+        commands_.pop_front();
+      }
+    }
+    if (command) {
+      carry_out(*command);
+    } else {
+      watch_membership();
+    }
+  }
+}
+
+void ClusterLink::carry_out(const Command& command) {
+  auto log = common::logger("cluster");
+  if (const auto* f = std::get_if<Finish>(&command)) {
+    try {
+      rendezvous_->finish(f->generation);
+    } catch (const std::exception& e) {
+      log->warn("could not record in etcd that this node finished generation {}: {}", f->generation, e.what());
+    }
+    return;
+  }
+  if (const auto* f = std::get_if<Fail>(&command)) {
+    try {
+      store_.set(store::rank_failed_key(f->generation), f->cause);
+      rendezvous_->fail(f->generation, f->cause);
+    } catch (const std::exception& e) {
+      // The other nodes still learn of it: their collectives with this
+      // node's ranks fail, and this node's lease ends if it is cut off.
+      log->warn("could not record in etcd that generation {} failed ({}): {}", f->generation, f->cause, e.what());
+    }
+    return;
+  }
+  const auto& join = std::get<Join>(command);
+  watched_.reset();
+  try {
+    if (join.ended) rendezvous_->fail(*join.ended, join.cause);
+    cluster::Membership membership = rendezvous_->join(join_bound_);
+    watched_ = membership;
+    post_([this, membership] { callbacks_.joined(membership); });
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    post_([this, why] { callbacks_.join_failed(why); });
+  }
+}
+
+void ClusterLink::watch_membership() {
+  try {
+    auto event = rendezvous_->next_event(*watched_, kWatchSlice);
+    if (!event) return;
+    post_([this, g = watched_->generation, e = *event] { callbacks_.event(g, e); });
+    // After its end nothing more of a generation matters.
+    if (event->kind == cluster::GenerationEvent::kEnded) watched_.reset();
+  } catch (const std::exception& e) {
+    // etcd unreachable for now: the ranks train on (docs/architecture.md
+    // "Multi-node on etcd"); the lease's renewer says when it comes back.
+    common::logger("cluster")->warn("cannot watch generation {} in etcd: {}", watched_->generation, e.what());
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait_for(lock, kWatchSlice, [this] { return stop_ || !commands_.empty(); });
+  }
+}
+
+}  // namespace keel::daemon

@@ -1,0 +1,105 @@
+// keeld's side of the rendezvous (docs/architecture.md "Multi-node on
+// etcd"). Every Rendezvous call waits on etcd, and keeld's event loop must
+// wait on nothing, so they run here on a thread of their own: the job asks
+// for the next generation or reports a failure without blocking, and what
+// the thread learns comes back as a function `post`ed to the loop, where
+// the Job takes it as an input like a rank's exit.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <variant>
+
+#include "cluster/rendezvous.h"
+
+namespace keel::daemon {
+
+struct ClusterCallbacks {
+  // A generation's membership, with this node in it.
+  std::function<void(cluster::Membership)> joined;
+  // Why no membership came within the join timeout (or the join failed).
+  std::function<void(std::string)> join_failed;
+  // What ends generation `generation` (the one last joined), or asks it to grow.
+  std::function<void(int64_t generation, cluster::GenerationEvent)> event;
+};
+
+class ClusterLink {
+ public:
+  // Takes the node's name and lease (cluster::Rendezvous's constructor, so
+  // it blocks and throws as that does) and starts the thread. `post` runs a
+  // function on keeld's event loop; the callbacks run there.
+  ClusterLink(store::ClusterStore& store, cluster::RendezvousOptions options,
+              std::function<void(std::function<void()>)> post, ClusterCallbacks callbacks);
+  // Cancels a join under way and stops the thread within about a second,
+  // once it has recorded the failures and finishes asked for, then gives up
+  // the node's lease.
+  ~ClusterLink();
+  ClusterLink(const ClusterLink&) = delete;
+  ClusterLink& operator=(const ClusterLink&) = delete;
+
+  // Ends generation `ended` with `cause` (none for the first join), then
+  // joins the next; joined() or join_failed() follows.
+  void join_next(std::optional<int64_t> ended, std::string cause);
+  // Ends `generation` with `cause` for every node: a failure seen here.
+  // The ranks of every node get `cause` as the generation's rank_failed
+  // record (store::rank_failed_key), so none waits for the failed ones.
+  void fail(int64_t generation, std::string cause);
+
+  // This node's ranks finished the job in `generation`: its leaving ends
+  // nothing (cluster::Rendezvous::finish).
+  void finish(int64_t generation);
+
+  const std::string& node_name() const { return node_name_; }
+
+  // False once etcd forgot this node (cut off for longer than its lease).
+  bool alive() const { return rendezvous_->alive(); }
+  std::optional<std::chrono::steady_clock::time_point> unreachable_since() const {
+    return rendezvous_->unreachable_since();
+  }
+
+ private:
+  struct Join {
+    std::optional<int64_t> ended;
+    std::string cause;
+  };
+  struct Fail {
+    int64_t generation;
+    std::string cause;
+  };
+  struct Finish {
+    int64_t generation;
+  };
+  using Command = std::variant<Join, Fail, Finish>;
+  void push(Command command);
+
+  void run();
+  void carry_out(const Command& command);
+  // Watches the membership last joined for what ends it, for a while.
+  void watch_membership();
+
+  store::ClusterStore& store_;
+  std::string node_name_;
+  std::unique_ptr<cluster::Rendezvous> rendezvous_;
+  // How long a join may take in all: the join timeout after which it seals
+  // with fewer nodes, twice (the generation may move on once meanwhile),
+  // and the time a dead node's lease takes to end.
+  std::chrono::milliseconds join_bound_;
+  std::function<void(std::function<void()>)> post_;
+  ClusterCallbacks callbacks_;
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Command> commands_;
+  bool stop_ = false;
+  std::optional<cluster::Membership> watched_;  // the thread's own: the generation it watches
+  std::thread thread_;
+};
+
+}  // namespace keel::daemon

@@ -1,0 +1,363 @@
+// Many nodes as one job (docs/architecture.md "Multi-node on etcd"), on one
+// machine: a real three-member etcd cluster and three keelds, each a node
+// with its own run directory, control socket and address (127.0.0.1-3, all
+// loopback), sharing the checkpoint directory as nodes share a filesystem.
+// Each keeld runs two CPU ranks of a DP3 x TP2 job: TP inside a node, DP
+// across nodes.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <random>
+
+#include "daemon/protocol.h"
+#include "tests/daemon/keeld_job.h"
+#include "tests/support/etcd_test_cluster.h"
+
+namespace keel::test {
+namespace {
+
+// keeld_job.h's job as three nodes of two ranks: DP3 x TP2 on max_nodes =
+// 3, which trains on 2 while one is away.
+const std::vector<std::string> kCluster = {"parallel.dp=3",         "train.batch_size=12", "checkpoint.every_steps=4",
+                                           "checkpoint.keep=3",     "daemon.ranks=2",      "daemon.metrics_port=-1",
+                                           "daemon.pin_cpus=false", "cluster.min_nodes=2", "cluster.join_timeout_s=4"};
+
+std::string node_name(int node) { return fmt::format("node-{}", node); }
+
+class ClusterJob {
+ public:
+  // `sets`: overrides every node's keeld gets.
+  ClusterJob(const EtcdCluster& etcd, int nodes, std::vector<std::string> sets = {})
+      : etcd_(etcd), nodes_(nodes), sets_(std::move(sets)) {
+    write_pattern_shard(dir_ / "train.bin", 30000);
+    config_ = dir_.write("job.toml", kKeeldJobConfig);
+  }
+
+  std::filesystem::path run_dir(int node) const { return dir_ / node_name(node); }
+  std::string socket(int node) const { return (dir_ / (node_name(node) + ".sock")).string(); }
+  std::filesystem::path checkpoints() const { return dir_ / "checkpoints"; }
+  std::filesystem::path write(const std::string& name, const std::string& text) const { return dir_.write(name, text); }
+
+  // keeld of node `node`; `extra` overrides follow the node's own.
+  std::unique_ptr<ChildProcess> start(int node, const std::vector<std::string>& extra = {}) const {
+    std::vector<std::string> sets = kCluster;
+    sets.insert(
+        sets.end(),
+        {fmt::format("checkpoint.dir={}", checkpoints().string()),
+         fmt::format("job.run_dir={}", run_dir(node).string()), fmt::format("daemon.socket={}", socket(node)),
+         fmt::format("cluster.etcd={}", etcd_.address("keel/cluster-test")),
+         fmt::format("cluster.node_name={}", node_name(node)), fmt::format("cluster.address=127.0.0.{}", node + 1)});
+    sets.insert(sets.end(), sets_.begin(), sets_.end());
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    std::vector<std::string> argv = {keel_binary("keeld").string(), "--config", config_.string(), "--foreground"};
+    for (const auto& s : sets) {
+      argv.push_back("--set");
+      argv.push_back(s);
+    }
+    return std::make_unique<ChildProcess>(argv);
+  }
+
+  nlohmann::json status(int node) const {
+    daemon::Request request;
+    request.command = daemon::Command::kStatus;
+    return daemon::call_daemon(socket(node), request, std::chrono::seconds(10));
+  }
+
+  // Polls node `node`'s status until `done`; fails after `timeout_s`.
+  nlohmann::json wait_for(int node, const std::function<bool(const nlohmann::json&)>& done,
+                          double timeout_s = 180) const {
+    nlohmann::json last;
+    const bool got_there = wait_until(
+        [&] {
+          try {
+            last = status(node);
+            return done(last);
+          } catch (const daemon::DaemonUnreachable&) {
+            return false;  // not up yet, or gone
+          }
+        },
+        timeout_s);
+    INFO("node " << node << "'s last status: " << last.dump());
+    REQUIRE(got_there);
+    return last;
+  }
+
+  // The events of every node's events.jsonl of `kind`.
+  std::vector<nlohmann::json> events_of(int node, const std::string& kind) const {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(run_dir(node) / "events.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto e = nlohmann::json::parse(line);
+      if (e.at("kind") == kind) out.push_back(e);
+    }
+    return out;
+  }
+
+  // Step -> loss, from every node's metrics.jsonl (rank 0's node writes
+  // it; which node that is depends on the generation), the newest record
+  // of a step winning.
+  std::map<int64_t, double> losses() const {
+    std::map<int64_t, double> out;
+    for (int node = 0; node < nodes_; ++node) {
+      std::ifstream in(run_dir(node) / "metrics.jsonl");
+      for (std::string line; std::getline(in, line);) {
+        auto record = nlohmann::json::parse(line);
+        if (record.contains("loss") && record.contains("step")) {
+          out[record.at("step").get<int64_t>()] = record.at("loss").get<double>();
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  const EtcdCluster& etcd_;
+  int nodes_;
+  std::vector<std::string> sets_;
+  TempDir dir_;
+  std::filesystem::path config_;
+};
+
+int nodes_in(const nlohmann::json& status) {
+  const auto& cluster = status.at("cluster");
+  return cluster.is_null() ? 0 : static_cast<int>(cluster.at("nodes").size());
+}
+
+bool running_on(const nlohmann::json& status, int nodes) {
+  return status.at("state") == "running" && nodes_in(status) == nodes;
+}
+
+// Every node's keeld.
+std::vector<std::unique_ptr<ChildProcess>> start_all(const ClusterJob& job, int nodes = 3) {
+  std::vector<std::unique_ptr<ChildProcess>> keelds;
+  for (int node = 0; node < nodes; ++node) keelds.push_back(job.start(node));
+  return keelds;
+}
+
+// Waits for every keeld to end with the job finished.
+void require_finished(std::vector<std::unique_ptr<ChildProcess>>& keelds) {
+  for (size_t node = 0; node < keelds.size(); ++node) {
+    auto result = keelds[node]->wait(300);
+    INFO("node " << node << ": " << result.output);
+    CHECK(result.exit_code == 0);
+  }
+}
+
+// Long enough that a node's return lands before the end.
+const std::vector<std::string> kLongRun = {"train.steps=300", "checkpoint.every_steps=10"};
+
+// The settings that make a single keeld run the cluster's full layout.
+std::vector<std::string> full_layout(const std::vector<std::string>& more) {
+  std::vector<std::string> sets = {"parallel.dp=3", "train.batch_size=12"};
+  sets.insert(sets.end(), more.begin(), more.end());
+  return sets;
+}
+
+// The three-node job over a run long enough for a node's loss and return,
+// beside its reference: the same run by one keeld alone.
+struct LongRun {
+  TempDir etcd_dir;
+  std::unique_ptr<EtcdCluster> etcd;
+  KeeldJob alone{kKeeldJobConfig};
+  std::unique_ptr<ClusterJob> job;
+  std::vector<std::unique_ptr<ChildProcess>> keelds;
+
+  // Starts etcd (false, the case skipped, where it cannot), runs the
+  // reference, starts every node's keeld and waits until node `watched`
+  // trains on three nodes past the first checkpoint.
+  bool start(int watched) {
+    etcd = start_etcd_or_skip(etcd_dir.path());
+    if (!etcd) return false;
+    alone.run(full_layout(kLongRun));
+    job = std::make_unique<ClusterJob>(*etcd, 3, kLongRun);
+    keelds = start_all(*job);
+    job->wait_for(watched, [](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") >= 12; });
+    return true;
+  }
+};
+
+// A node at random, and another.
+std::pair<int, int> two_nodes() {
+  std::mt19937 rng(std::random_device{}());
+  const int chosen = std::uniform_int_distribution<int>(0, 2)(rng);
+  return {chosen, (chosen + 1) % 3};
+}
+
+// Every step's loss of the cluster's run within the resharding tolerance of
+// the uninterrupted single-keeld run's.
+void check_losses_close(const ClusterJob& job, const KeeldJob& alone) {
+  const auto expected = alone.losses();
+  const auto got = job.losses();
+  REQUIRE(got.size() == expected.size());
+  double worst = 0;
+  for (const auto& [step, loss] : got) {
+    const double want = std::stod(expected.at(static_cast<size_t>(step)));
+    worst = std::max(worst, std::fabs(loss - want) / std::fabs(want));
+  }
+  MESSAGE("largest relative loss difference from the uninterrupted run: " << worst);
+  CHECK(worst <= 1e-4);
+}
+
+}  // namespace
+
+TEST_SUITE("integration") {
+  TEST_CASE(
+      "three keelds on etcd train one DP3 x TP2 job and end with the model of one keeld running the whole layout") {
+    TempDir etcd_dir;
+    auto etcd = start_etcd_or_skip(etcd_dir.path());
+    if (!etcd) return;
+    // The reference: one keeld, one node, the same layout and batches.
+    KeeldJob alone(kKeeldJobConfig);
+    alone.run(full_layout({"checkpoint.every_steps=4"}));
+
+    ClusterJob job(*etcd, 3);
+    auto keelds = start_all(job);
+    require_finished(keelds);
+    for (int node = 0; node < 3; ++node) {
+      const auto joined = job.events_of(node, "generation_joined");
+      REQUIRE(joined.size() == 1);
+      CHECK(joined.front().at("nodes").size() == 3);
+      CHECK(joined.front().at("node_rank") == node);
+      // TP inside each node, DP across (cluster/placement.h).
+      CHECK(joined.front().at("cross_node_axes") == nlohmann::json::array({"dp"}));
+    }
+    // Node 0 ran rank 0, which wrote the metrics and committed the checkpoints.
+    require_identical(alone.checkpoint_tensors(40), checkpoint_tensors(job.checkpoints(), 40));
+  }
+
+  TEST_CASE("bad input to a keeld of a running job is refused with a sentence and an exit code and the job trains on") {
+    TempDir etcd_dir;
+    auto etcd = start_etcd_or_skip(etcd_dir.path(), 1);
+    if (!etcd) return;
+    etcd->enable_auth("keel", "keel-pw", "keel/cluster-test/");
+    ClusterJob job(*etcd, 3, {"train.steps=400", "checkpoint.every_steps=50"});
+    const std::string good = "cluster.credential_file=" + job.write("good.credential", "keel:keel-pw\n").string();
+    const std::string wrong = "cluster.credential_file=" + job.write("wrong.credential", "keel:hunter2\n").string();
+    // min_nodes = 2 seals two nodes after the join timeout.
+    std::vector<std::unique_ptr<ChildProcess>> keelds;
+    for (int node = 0; node < 2; ++node) keelds.push_back(job.start(node, {good}));  // two of three nodes
+    job.wait_for(0, [](const nlohmann::json& s) { return running_on(s, 2); });
+
+    struct Row {
+      const char* name;
+      std::vector<std::string> sets;  // for node 2's keeld
+      int exit_code;
+      const char* says;
+    };
+    const Row rows[] = {
+        {"etcd unreachable",
+         {good, "cluster.etcd=etcd://127.0.0.1:1/keel/cluster-test"},
+         12,
+         "etcd cannot be reached at 127.0.0.1:1"},
+        {"a wrong password", {wrong}, 2, "password"},
+        {"no credential where etcd wants one", {}, 2, "keel/cluster-test"},
+        {"the name of a live node",
+         {good, "cluster.node_name=node-0"},
+         2,
+         "another live keeld holds node name 'node-0'"},
+        {"a node with a different config",
+         {good, "train.lr=0.1"},
+         2,
+         "train.lr is 0.1 here but 0.003 on the job's nodes"},
+        {"a second job under the job's name",
+         {good, "model.n_embd=64", "cluster.node_name=other-job"},
+         2,
+         "model.n_embd is 64 here but 32 on the job's nodes"},
+        {"a layout whose TP groups would span nodes", {good, "daemon.ranks=1"}, 2,
+         "the layout's tp groups span nodes"},
+        {"a credential file that is not there",
+         {"cluster.credential_file=/nonexistent/etcd.credential"},
+         2,
+         "cluster.credential_file /nonexistent/etcd.credential cannot be read"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.name);
+      const auto result = job.start(2, row.sets)->wait(120);
+      CAPTURE(result.output);
+      CHECK(result.exit_code == row.exit_code);
+      CHECK(result.output.find(row.says) != std::string::npos);
+    }
+    // Nothing of the running job was lost: one generation, trained to the end.
+    require_finished(keelds);
+    for (int node = 0; node < 2; ++node) {
+      CHECK(job.events_of(node, "generation_joined").size() == 1);
+      CHECK(job.events_of(node, "rank_failed").empty());
+    }
+    CHECK(job.losses().size() == 400);
+  }
+
+  TEST_CASE(
+      "a node killed with its keeld leaves the job to train on two nodes and it grows back when the node returns with "
+      "the loss of the uninterrupted run") {
+    const auto [victim, survivor] = two_nodes();
+    INFO("the node killed: " << victim);
+    LongRun run;
+    if (!run.start(survivor)) return;
+    auto& job = *run.job;
+    auto& keelds = run.keelds;
+    // keeld and its ranks, as a node that loses power: the ranks die with
+    // keeld (PR_SET_PDEATHSIG), and nobody revokes its lease.
+    keelds[victim]->signal(SIGKILL);
+    keelds[victim]->wait(60);
+    const auto shrunk = job.wait_for(survivor, [](const nlohmann::json& s) { return running_on(s, 2); });
+    CHECK(shrunk.at("cluster").at("world") == 4);
+    CHECK(shrunk.at("step") < 300);
+    // The node comes back under its name; the job takes it in at a checkpoint.
+    keelds[victim] = job.start(victim);
+    job.wait_for(survivor, [](const nlohmann::json& s) { return running_on(s, 3); });
+    require_finished(keelds);
+    // The generations of a survivor: three nodes, two, and three again.
+    std::vector<size_t> sizes;
+    for (const auto& e : job.events_of(survivor, "generation_joined")) sizes.push_back(e.at("nodes").size());
+    CAPTURE(nlohmann::json(sizes).dump());
+    REQUIRE(sizes.size() >= 3);
+    CHECK(sizes.front() == 3);
+    CHECK(std::find(sizes.begin(), sizes.end(), 2) != sizes.end());
+    CHECK(sizes.back() == 3);
+    // On two nodes the batch was the same, in two microbatches a rank.
+    for (const auto& e : job.events_of(survivor, "generation_joined")) {
+      if (e.at("nodes").size() == 2) CHECK(e.at("micro_batches") == 2);
+    }
+    check_losses_close(job, run.alone);
+  }
+
+  TEST_CASE("a keeld restarted at once on one node rejoins and the job goes on to the loss of the uninterrupted run") {
+    const auto [restarted, other] = two_nodes();
+    INFO("the node whose keeld restarts: " << restarted);
+    LongRun run;
+    if (!run.start(other)) return;
+    auto& job = *run.job;
+    auto& keelds = run.keelds;
+    // As systemd's Restart= does: the old keeld is gone with its ranks,
+    // and a new one starts under the same name while its lease still runs.
+    keelds[restarted]->signal(SIGKILL);
+    keelds[restarted]->wait(60);
+    keelds[restarted] = job.start(restarted);
+    require_finished(keelds);
+    const auto joined = job.events_of(other, "generation_joined");
+    REQUIRE(joined.size() >= 2);
+    CHECK(joined.back().at("nodes").size() == 3);
+    // Resumed from a checkpoint, never from the start.
+    const auto resumed = job.events_of(other, "generation_resumed");
+    for (size_t g = 1; g < resumed.size(); ++g) CHECK(resumed[g].at("step") > 0);
+    check_losses_close(job, run.alone);
+  }
+
+  TEST_CASE("the etcd leader killed mid-run costs the job no restart and it ends bit-identical") {
+    LongRun run;
+    if (!run.start(0)) return;
+    const int leader = run.etcd->leader();
+    REQUIRE(leader >= 0);
+    run.etcd->kill(leader);
+    INFO("etcd member killed: " << leader);
+    require_finished(run.keelds);
+    for (int node = 0; node < 3; ++node) {
+      CHECK(run.job->events_of(node, "generation_joined").size() == 1);
+      CHECK(run.job->events_of(node, "rank_failed").empty());
+    }
+    require_identical(run.alone.checkpoint_tensors(300), checkpoint_tensors(run.job->checkpoints(), 300));
+  }
+}
+
+}  // namespace keel::test
