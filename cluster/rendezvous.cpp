@@ -382,10 +382,30 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
   };
   if (current_generation() != m.generation) return ended();
   int64_t& after = m.revision;
+  auto node_lost = [&](const std::string& node) {
+    return GenerationEvent{
+        GenerationEvent::kEnded,
+        fail(m.generation, fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "
+                                       "from etcd for over {} s",
+                                       node, options_.lease_ttl.count()))};
+  };
+  // A node that could not be taken in (the job is at max_nodes) asks for nothing.
+  auto node_waits = [&](const std::string& node) -> std::optional<GenerationEvent> {
+    if (static_cast<int>(m.nodes.size()) >= options_.max_nodes) return std::nullopt;
+    return GenerationEvent{GenerationEvent::kNodeWaiting, fmt::format("node '{}' waits to join", node)};
+  };
   for (;;) {
     auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return std::nullopt;
-    auto changes = store_.watch("rdzv/", after, left);
+    std::vector<store::ClusterStore::Change> changes;
+    try {
+      changes = store_.watch("rdzv/", after, left);
+    } catch (const store::HistoryCompacted& e) {
+      // A quiet generation's cursor fell behind etcd's history window: what
+      // changed since is read whole, from the present.
+      cluster_log().info("generation {}: {}; reading the membership's state instead", m.generation, e.what());
+      return resync(m, node_lost, node_waits);
+    }
     if (changes.empty()) return std::nullopt;
     for (const auto& change : changes) {
       after = std::max(after, change.revision);
@@ -395,20 +415,36 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
       if (change.key.starts_with(kNodesPrefix) && !change.value) {
         const std::string node = change.key.substr(kNodesPrefix.size());
         if (!contains(m.nodes, node) || store_.get(done_key(m.generation, node))) continue;
-        return GenerationEvent{
-            GenerationEvent::kEnded,
-            fail(m.generation, fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "
-                                           "from etcd for over {} s",
-                                           node, options_.lease_ttl.count()))};
+        return node_lost(node);
       }
-      // A node that could not be taken in (the job is at max_nodes) asks for nothing.
-      if (change.key.starts_with(kWaitingPrefix) && change.value &&
-          static_cast<int>(m.nodes.size()) < options_.max_nodes) {
-        return GenerationEvent{GenerationEvent::kNodeWaiting,
-                               fmt::format("node '{}' waits to join", change.key.substr(kWaitingPrefix.size()))};
+      if (change.key.starts_with(kWaitingPrefix) && change.value) {
+        if (auto event = node_waits(change.key.substr(kWaitingPrefix.size()))) return event;
       }
     }
   }
+}
+
+std::optional<GenerationEvent> Rendezvous::resync(
+    Membership& m, const std::function<GenerationEvent(const std::string&)>& node_lost,
+    const std::function<std::optional<GenerationEvent>(const std::string&)>& node_waits) {
+  // The cursor goes to the first listing's revision, so that nothing after
+  // it is missed; what the later listings show again is harmless.
+  const auto nodes = store_.list(std::string(kNodesPrefix));
+  m.revision = nodes.revision;
+  if (current_generation() != m.generation) {
+    return GenerationEvent{GenerationEvent::kEnded,
+                           store_.get(failed_key(m.generation)).value_or("the generation moved on")};
+  }
+  for (const auto& member : m.nodes) {
+    const std::string key = std::string(kNodesPrefix) + member;
+    const bool live = std::any_of(nodes.entries.begin(), nodes.entries.end(),
+                                  [&](const store::ClusterStore::Entry& e) { return e.key == key; });
+    if (!live && !store_.get(done_key(m.generation, member))) return node_lost(member);
+  }
+  for (const auto& entry : store_.list(std::string(kWaitingPrefix)).entries) {
+    if (auto event = node_waits(entry.key.substr(kWaitingPrefix.size()))) return event;
+  }
+  return std::nullopt;
 }
 
 }  // namespace keel::cluster

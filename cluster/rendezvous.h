@@ -138,6 +138,12 @@ class Rendezvous {
   // it, after which a cancel() is seen.
   void watch_a_while(const std::string& prefix, int64_t revision, std::chrono::steady_clock::time_point until);
   void renew_until_stopped();
+  // next_event() from the present when its cursor fell out of etcd's
+  // history: the generation moved on, a member's record is gone, or a node
+  // waits; the cursor moves to the present.
+  std::optional<GenerationEvent> resync(
+      Membership& m, const std::function<GenerationEvent(const std::string&)>& node_lost,
+      const std::function<std::optional<GenerationEvent>(const std::string&)>& node_waits);
 
   store::ClusterStore& store_;
   const RendezvousOptions options_;

@@ -109,8 +109,11 @@ void ClusterLink::carry_out(const Command& command) {
 }
 
 void ClusterLink::watch_membership() {
+  auto log = common::logger("cluster");
   try {
     auto event = rendezvous_->next_event(*watched_, kWatchSlice);
+    if (watch_failing_) log->info("watching generation {} in etcd again", watched_->generation);
+    watch_failing_ = false;
     if (!event) return;
     post_([this, g = watched_->generation, e = *event] { callbacks_.event(g, e); });
     // After its end nothing more of a generation matters.
@@ -118,7 +121,10 @@ void ClusterLink::watch_membership() {
   } catch (const std::exception& e) {
     // etcd unreachable for now: the ranks train on (docs/architecture.md
     // "Multi-node on etcd"); the lease's renewer says when it comes back.
-    common::logger("cluster")->warn("cannot watch generation {} in etcd: {}", watched_->generation, e.what());
+    // Said once an outage, not twice a second through it.
+    log->log(watch_failing_ ? spdlog::level::debug : spdlog::level::warn, "cannot watch generation {} in etcd: {}",
+             watched_->generation, e.what());
+    watch_failing_ = true;
     std::unique_lock<std::mutex> lock(mutex_);
     wake_.wait_for(lock, kWatchSlice, [this] { return stop_ || !commands_.empty(); });
   }

@@ -99,6 +99,7 @@ class ClusterLink {
   std::deque<Command> commands_;
   bool stop_ = false;
   std::optional<cluster::Membership> watched_;  // the thread's own: the generation it watches
+  bool watch_failing_ = false;                  // the thread's own: the last watch failed
   std::thread thread_;
 };
 

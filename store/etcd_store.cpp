@@ -253,10 +253,10 @@ std::vector<ClusterStore::Change> EtcdStore::watch_range(const std::string& begi
       }
       const json& result = field(message, "result");
       if (int64_t compacted = etcd_int(result, "compact_revision"); compacted > 0) {
-        throw Error(ErrorCode::kPeerFailure,
-                    fmt::format("etcd compacted its history to revision {}, past the revision {} a watch resumes "
-                                "from: its changes since are lost; give etcd a longer --auto-compaction-retention",
-                                compacted, seen + 1));
+        throw HistoryCompacted(compacted,
+                               fmt::format("etcd compacted its history to revision {}, past the revision {} a watch "
+                                           "resumes from: its changes since are lost",
+                                           compacted, seen + 1));
       }
       if (result.value("canceled", false)) {
         throw Error(ErrorCode::kPeerFailure, "etcd canceled a watch: " + result.value("cancel_reason", std::string()));

@@ -8,6 +8,8 @@
 // or a wait outlives its timeout: a rank that cannot rendezvous cannot train.
 #pragma once
 
+#include "common/error.h"
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -80,8 +82,22 @@ class ClusterStore : public Store {
   virtual Listing list(const std::string& prefix) = 0;
   // The changes under `prefix` made after `after_revision`, as soon as there
   // is at least one; empty when `timeout` passes without any.
+  // HistoryCompacted when the store no longer keeps the changes after
+  // `after_revision`: the caller reads the present with list() instead.
   virtual std::vector<Change> watch(const std::string& prefix, int64_t after_revision,
                                     std::chrono::milliseconds timeout) = 0;
+};
+
+// A watch from a revision the store compacted away (etcd keeps a window of
+// history, --auto-compaction-retention): what changed since is lost.
+class HistoryCompacted : public common::Error {
+ public:
+  HistoryCompacted(int64_t compacted_revision, const std::string& message)
+      : common::Error(common::ErrorCode::kPeerFailure, message), compacted_revision_(compacted_revision) {}
+  int64_t compacted_revision() const { return compacted_revision_; }
+
+ private:
+  int64_t compacted_revision_;
 };
 
 // Connects to a store by its address, as KEEL_STORE gives it:

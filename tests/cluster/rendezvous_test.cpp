@@ -17,6 +17,7 @@
 #include "store/etcd_store.h"
 #include "tests/support/etcd_cluster.h"
 #include "tests/support/etcd_test_cluster.h"
+#include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/wait.h"
 
@@ -61,6 +62,14 @@ RendezvousOptions options(int min_nodes, int max_nodes, std::chrono::millisecond
   return o;
 }
 
+// A node of each name, all with the same options, talking to every member.
+std::vector<Node> make_nodes(const EtcdCluster& cluster, std::initializer_list<const char*> names,
+                             const RendezvousOptions& o) {
+  std::vector<Node> nodes;
+  for (const char* name : names) nodes.push_back(make_node(cluster, name, o));
+  return nodes;
+}
+
 // Every node joins at once, each on its own thread.
 std::vector<Membership> join_all(std::vector<Node>& nodes, std::chrono::milliseconds timeout = 60s) {
   std::vector<std::future<Membership>> joins;
@@ -88,8 +97,7 @@ TEST_SUITE("integration") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
-    std::vector<Node> nodes;
-    for (const char* name : {"node-c", "node-a", "node-b"}) nodes.push_back(make_node(*cluster, name, options(3, 3)));
+    auto nodes = make_nodes(*cluster, {"node-c", "node-a", "node-b"}, options(3, 3));
     auto memberships = join_all(nodes);
     std::set<int> ranks;
     for (const auto& m : memberships) {
@@ -191,6 +199,25 @@ TEST_SUITE("integration") {
     CHECK(nodes[2].rendezvous->alive());
   }
 
+  TEST_CASE("a member whose watch etcd compacted away reads the present and still sees a node leave") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
+    if (!cluster) return;
+    auto nodes = make_nodes(*cluster, {"a", "b", "c"}, options(3, 3));
+    auto memberships = join_all(nodes);
+    // A quiet generation: the job's other traffic moves the revision on, and
+    // etcd compacts its history past the members' cursors.
+    for (int i = 0; i < 20; ++i) nodes[0].store->set("traffic", std::to_string(i));
+    const int64_t now = nodes[0].store->list("traffic").revision;
+    auto compacted = keel::test::run_process(
+        {"etcdctl", "--endpoints=" + cluster->endpoint(0), "compaction", std::to_string(now)}, {}, 60);
+    REQUIRE_MESSAGE(compacted.exit_code == 0, compacted.output);
+    nodes[2].rendezvous.reset();  // c leaves: its lease revoked, its record gone
+    const GenerationEvent event = wait_for_end(nodes[0], memberships[0]);
+    CHECK(event.kind == GenerationEvent::kEnded);
+    CHECK(event.cause.find("node 'c' lost its lease") != std::string::npos);
+  }
+
   TEST_CASE("a keeld that comes after the seal waits and the job grows back to it in the next generation") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
@@ -253,8 +280,7 @@ TEST_SUITE("integration") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
-    std::vector<Node> nodes;
-    for (const char* name : {"a", "b", "c"}) nodes.push_back(make_node(*cluster, name, options(3, 3)));
+    auto nodes = make_nodes(*cluster, {"a", "b", "c"}, options(3, 3));
     auto memberships = join_all(nodes);
     std::vector<std::future<std::string>> fails;
     for (size_t i = 0; i < nodes.size(); ++i) {
