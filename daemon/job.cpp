@@ -334,6 +334,15 @@ void Job::poll() {
   // While the rendezvous runs, the boards are the last generation's.
   if (joining_) return;
   const int64_t now = clock_.now_ns();
+  if (options_.cluster != nullptr && membership_ && !options_.cluster->alive()) {
+    // Cut off for longer than the lease: the other nodes have gone on
+    // without this one, and its ranks wait on peers that left.
+    apply(machine_
+              .verdict(fmt::format("node '{}' lost its lease: it was cut off from etcd for longer than "
+                                   "cluster.lease_ttl_s, and the other nodes went on without it",
+                                   options_.cluster->node_name()))
+              .actions);
+  }
   if (machine_.state() == JobState::kStarting || machine_.state() == JobState::kRunning) {
     act_on(health_.observe(ranks_.samples(), now));
   }

@@ -13,6 +13,7 @@
 #include "daemon/protocol.h"
 #include "tests/daemon/keeld_job.h"
 #include "tests/support/etcd_test_cluster.h"
+#include "tests/support/network_namespace.h"
 
 namespace keel::test {
 namespace {
@@ -39,8 +40,10 @@ class ClusterJob {
   std::filesystem::path checkpoints() const { return dir_ / "checkpoints"; }
   std::filesystem::path write(const std::string& name, const std::string& text) const { return dir_.write(name, text); }
 
-  // keeld of node `node`; `extra` overrides follow the node's own.
-  std::unique_ptr<ChildProcess> start(int node, const std::vector<std::string>& extra = {}) const {
+  // keeld of node `node`; `extra` overrides follow the node's own, and
+  // `prefix` comes before the command (a network namespace's).
+  std::unique_ptr<ChildProcess> start(int node, const std::vector<std::string>& extra = {},
+                                      const std::vector<std::string>& prefix = {}) const {
     std::vector<std::string> sets = kCluster;
     sets.insert(
         sets.end(),
@@ -50,7 +53,8 @@ class ClusterJob {
          fmt::format("cluster.node_name={}", node_name(node)), fmt::format("cluster.address=127.0.0.{}", node + 1)});
     sets.insert(sets.end(), sets_.begin(), sets_.end());
     sets.insert(sets.end(), extra.begin(), extra.end());
-    std::vector<std::string> argv = {keel_binary("keeld").string(), "--config", config_.string(), "--foreground"};
+    std::vector<std::string> argv = prefix;
+    argv.insert(argv.end(), {keel_binary("keeld").string(), "--config", config_.string(), "--foreground"});
     for (const auto& s : sets) {
       argv.push_back("--set");
       argv.push_back(s);
@@ -264,8 +268,7 @@ TEST_SUITE("integration") {
          {good, "model.n_embd=64", "cluster.node_name=other-job"},
          2,
          "model.n_embd is 64 here but 32 on the job's nodes"},
-        {"a layout whose TP groups would span nodes", {good, "daemon.ranks=1"}, 2,
-         "the layout's tp groups span nodes"},
+        {"a layout whose TP groups would span nodes", {good, "daemon.ranks=1"}, 2, "the layout's tp groups span nodes"},
         {"a credential file that is not there",
          {"cluster.credential_file=/nonexistent/etcd.credential"},
          2,
@@ -342,6 +345,47 @@ TEST_SUITE("integration") {
     const auto resumed = job.events_of(other, "generation_resumed");
     for (size_t g = 1; g < resumed.size(); ++g) CHECK(resumed[g].at("step") > 0);
     check_losses_close(job, run.alone);
+  }
+
+  TEST_CASE(
+      "a node whose link goes down is out of the job within the lease and two seconds and the job grows back when "
+      "the link returns") {
+    if (const std::string why = NetworkNamespace::unavailable_reason(); !why.empty()) {
+      MESSAGE("skipped: " << why);
+      return;
+    }
+    // Nodes 0 and 1 on the host, node 2 in a namespace of its own: its ranks
+    // and its keeld reach etcd and the other ranks only through the veth.
+    NetworkNamespace net("10.231.0.1", "10.231.0.2");
+    TempDir etcd_dir;
+    auto etcd = start_etcd_or_skip(etcd_dir.path(), 3, "10.231.0.1");
+    if (!etcd) return;
+    KeeldJob alone(kKeeldJobConfig);
+    alone.run(full_layout(kLongRun));
+    ClusterJob job(*etcd, 3, kLongRun);
+    std::vector<std::unique_ptr<ChildProcess>> keelds;
+    for (int node = 0; node < 2; ++node) keelds.push_back(job.start(node, {"cluster.address=10.231.0.1"}));
+    keelds.push_back(
+        job.start(2, {"cluster.address=10.231.0.2", "cluster.etcd=" + etcd->address_on_also("keel/cluster-test")},
+                  net.inside({})));
+    job.wait_for(0, [](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") >= 12; });
+    const auto cut = std::chrono::steady_clock::now();
+    net.set_link(false);
+    // The generation ends on the host's nodes: a rank's collective with the
+    // node fails, or its lease ends and the rendezvous says so.
+    REQUIRE(wait_until(
+        [&] {
+          return !job.events_of(0, "rank_failed").empty() || !job.events_of(0, "generation_ended_elsewhere").empty();
+        },
+        60));
+    const double detected_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - cut).count();
+    MESSAGE("the cut was seen after " << detected_s << " s");
+    CHECK(detected_s <= 5 + 2);  // cluster.lease_ttl_s + 2
+    job.wait_for(0, [](const nlohmann::json& s) { return running_on(s, 2); });
+    net.set_link(true);
+    job.wait_for(0, [](const nlohmann::json& s) { return running_on(s, 3); });
+    require_finished(keelds);
+    check_losses_close(job, alone);
   }
 
   TEST_CASE("the etcd leader killed mid-run costs the job no restart and it ends bit-identical") {

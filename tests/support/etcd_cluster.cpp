@@ -62,7 +62,8 @@ std::string EtcdCluster::unavailable_reason() {
   return "";
 }
 
-EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members) : dir_(dir) {
+EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members, std::string also_on)
+    : dir_(dir), also_on_(std::move(also_on)) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     members_.clear();
     members_.resize(members);
@@ -103,7 +104,9 @@ void EtcdCluster::launch(int member) {
   for (const auto& m : members_) cluster += (cluster.empty() ? "" : ",") + m.name + "=" + url(m.peer_port);
   Member& m = members_[member];
   std::vector<std::string> argv = {
-      kEtcd, "--name=" + m.name, "--data-dir=" + (dir_ / m.name).string(), "--listen-client-urls=" + url(m.client_port),
+      kEtcd, "--name=" + m.name, "--data-dir=" + (dir_ / m.name).string(),
+      "--listen-client-urls=" + url(m.client_port) +
+          (also_on_.empty() ? "" : fmt::format(",http://{}:{}", also_on_, m.client_port)),
       "--advertise-client-urls=" + url(m.client_port), "--listen-peer-urls=" + url(m.peer_port),
       "--initial-advertise-peer-urls=" + url(m.peer_port), "--initial-cluster=" + cluster,
       "--initial-cluster-token=" + token_,
@@ -119,6 +122,13 @@ EtcdCluster::~EtcdCluster() {
 std::string EtcdCluster::address(const std::string& prefix) const {
   std::string address = "etcd://";
   for (int i = 0; i < size(); ++i) address += fmt::format("{}{}", i ? "," : "", endpoint(i));
+  if (!prefix.empty()) address += fmt::format("/{}", prefix);
+  return address;
+}
+
+std::string EtcdCluster::address_on_also(const std::string& prefix) const {
+  std::string address = "etcd://";
+  for (int i = 0; i < size(); ++i) address += fmt::format("{}{}:{}", i ? "," : "", also_on_, members_[i].client_port);
   if (!prefix.empty()) address += fmt::format("/{}", prefix);
   return address;
 }

@@ -22,7 +22,9 @@ class EtcdCluster {
   // Starts the members and returns once one of them leads; throws
   // std::runtime_error with the members' logs when they do not form a
   // cluster within a minute.
-  explicit EtcdCluster(const std::filesystem::path& dir, int members = 3);
+  // `also_on`: another local address every member serves clients on too
+  // (a veth's, for a node in a network namespace); empty: loopback only.
+  explicit EtcdCluster(const std::filesystem::path& dir, int members = 3, std::string also_on = "");
   ~EtcdCluster();
   EtcdCluster(const EtcdCluster&) = delete;
   EtcdCluster& operator=(const EtcdCluster&) = delete;
@@ -31,6 +33,8 @@ class EtcdCluster {
   // "etcd://127.0.0.1:P0,127.0.0.1:P1,...[/prefix]": every member, as a
   // store address.
   std::string address(const std::string& prefix = "") const;
+  // The same through `also_on` instead of 127.0.0.1.
+  std::string address_on_also(const std::string& prefix = "") const;
   // "127.0.0.1:P", one member's client endpoint.
   std::string endpoint(int member) const;
   // The member that leads now, as the running members see it; -1 when none
@@ -59,6 +63,7 @@ class EtcdCluster {
   void launch(int member);
 
   std::filesystem::path dir_;
+  std::string also_on_;
   std::string token_;
   std::vector<Member> members_;
 };
