@@ -156,10 +156,8 @@ void Job::on_joined(const cluster::Membership& membership) {
 
 void Job::on_join_failed(const std::string& why) {
   joining_ = false;
-  if (machine_.state() == JobState::kStarting) {
-    apply(machine_.rank_exited({0, -1, common::exit_code(common::ErrorCode::kPeerFailure), -1, why}).actions);
-  }
-  end_generation_if_over();
+  if (machine_.state() == JobState::kStarting) return apply(machine_.join_failed(why, clock_.now_ns()).actions);
+  end_generation_if_over();  // stopped while it joined
 }
 
 void Job::on_cluster_event(int64_t generation, const cluster::GenerationEvent& e) {

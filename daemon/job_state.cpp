@@ -62,6 +62,7 @@ JobMachine::JobMachine(std::string job_name, const common::DaemonConfig& daemon)
     : job_name_(std::move(job_name)),
       grace_s_(daemon.grace_s),
       stop_timeout_s_(daemon.stop_timeout_s),
+      restart_backoff_s_(daemon.restart_backoff_s),
       restart_policy_(daemon) {}
 
 JobAction JobMachine::record(const std::string& kind, nlohmann::json fields) const {
@@ -156,6 +157,21 @@ Transition JobMachine::verdict(const std::string& cause) {
 
 void JobMachine::joined(int64_t generation) {
   if (state_ == JobState::kStarting && generation_live_) generation_ = generation;
+}
+
+Transition JobMachine::join_failed(const std::string& cause, int64_t now_ns) {
+  if (state_ != JobState::kStarting) return {};
+  Transition t;
+  failure_ = cause;
+  failure_code_ = -1;
+  generation_live_ = false;
+  state_ = JobState::kRestarting;
+  restart_at_ns_ = now_ns + static_cast<int64_t>(restart_backoff_s_ * 1e9);
+  t.actions.push_back(log_action(spdlog::level::warn, fmt::format("no generation with this node: {}; joining again "
+                                                                  "in {:.1f} s",
+                                                                  cause, restart_backoff_s_)));
+  t.actions.push_back(record("join_failed", {{"cause", cause}, {"delay_s", restart_backoff_s_}}));
+  return t;
 }
 
 Transition JobMachine::ended_elsewhere(const std::string& cause) {

@@ -121,6 +121,12 @@ class JobMachine {
   // rank 0), then SIGKILL. Ignored unless the generation is starting or
   // running.
   Transition ended_elsewhere(const std::string& cause);
+  // On many nodes: the rendezvous sealed no generation with this node
+  // (too few nodes came, or etcd is out of reach). No rank ran, so nothing
+  // crashed: the next join follows after restart_backoff_s, and however
+  // often it fails it never counts toward a crash loop. Ignored unless the
+  // generation is starting.
+  Transition join_failed(const std::string& cause, int64_t now_ns);
   // Time passed: starts the next generation once its back-off is over.
   Transition tick(int64_t now_ns);
   // keelctl stop, SIGTERM, SIGINT. `checkpoint_step`: the newest good
@@ -137,6 +143,7 @@ class JobMachine {
   std::string job_name_;
   double grace_s_;
   double stop_timeout_s_;
+  double restart_backoff_s_;
   RestartPolicy restart_policy_;
   JobState state_ = JobState::kStarting;
   int64_t generation_ = 0;

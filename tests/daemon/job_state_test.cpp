@@ -103,6 +103,12 @@ Step joined(int64_t generation) {
           "", JobState::kStarting};
 }
 
+Step join_failed(int64_t now_ns) {
+  return {"join failed",
+          [=](JobMachine& m) { return m.join_failed("the rendezvous did not complete: 1 node joined", now_ns); },
+          "record:join_failed", JobState::kRestarting};
+}
+
 const std::string kFailed = "record:rank_failed tell:0 terminate:10";
 
 struct Case {
@@ -206,6 +212,12 @@ TEST_SUITE("unit") {
          {start, joined(7), rank_exits(1, 137, "record:rank_failed tell:7 terminate:10", JobState::kRestarting),
           over(outcome({12, 137}), 0, "record:generation_ended record:restart_scheduled", JobState::kRestarting),
           tick(10 * kSecond, "start:8", JobState::kStarting)}},
+        {"a join that seals no generation waits and joins again and never fails the job as a crash loop",
+         {start, join_failed(0), tick(kSecond / 2, "", JobState::kRestarting),
+          tick(kSecond, "start:1", JobState::kStarting), join_failed(kSecond),
+          tick(2 * kSecond, "start:2", JobState::kStarting), join_failed(2 * kSecond),
+          tick(3 * kSecond, "start:3", JobState::kStarting), join_failed(3 * kSecond),
+          tick(4 * kSecond, "start:4", JobState::kStarting), joined(9), up}},
         {"a stopping job refuses a restart",
          {start, stop(true, "record:stop_requested terminate:900", JobState::kStopping, "ok"),
           restart("record:restart_requested", JobState::kStopping, "is stopping")}},
