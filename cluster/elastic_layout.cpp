@@ -12,7 +12,7 @@ std::vector<std::string> NodeLayout::overrides() const {
 
 LayoutFit layout_on_nodes(const common::Config& config, int64_t nodes) {
   const auto& p = config.parallel;
-  const int64_t per_node = config.multi_node() ? config.daemon.ranks : p.world_size();
+  const int64_t per_node = config.node_ranks();
   const int64_t world = nodes * per_node;
   const int64_t model_ranks = p.tp * p.cp * p.pp;
   if (nodes < 1) return {std::nullopt, "a job needs at least one node"};

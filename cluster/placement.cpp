@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <sstream>
 
-#include "cluster/elastic_layout.h"
 #include "common/error.h"
 #include "trainer/parallel/mesh.h"
 
@@ -46,10 +45,11 @@ Placement place_on_nodes(const common::Config& config, int64_t nodes) {
     placement.problem = fit.why_not;
     return placement;
   }
+  placement.layout = fit.layout;
   common::Config on_nodes = config;
   on_nodes.parallel.dp = fit.layout->dp;
   on_nodes.parallel.micro_batches = fit.layout->micro_batches;
-  const int64_t per_node = config.multi_node() ? config.daemon.ranks : config.parallel.world_size();
+  const int64_t per_node = config.node_ranks();
   const trainer::Mesh mesh(trainer::Layout::from(on_nodes.parallel), 0);
   const auto allowed = cross_node_axes(config);
   for (Axis axis : kReported) {

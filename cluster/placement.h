@@ -10,14 +10,19 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cluster/elastic_layout.h"
 #include "common/config.h"
 
 namespace keel::cluster {
 
 struct Placement {
+  // The layout on that many nodes (cluster/elastic_layout.h); nullopt: it
+  // cannot run there, and `problem` says why.
+  std::optional<NodeLayout> layout;
   // The axes ("tp", "cp", "dp", "pp", "ep") with a group that spans nodes.
   std::vector<std::string> crossing;
   // Why the layout is refused (a sentence naming the axis, a group and

@@ -376,11 +376,7 @@ void Rendezvous::finish(int64_t generation) { store_.set(done_key(generation, op
 
 std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
-  auto ended = [&] {
-    return GenerationEvent{GenerationEvent::kEnded,
-                           store_.get(failed_key(m.generation)).value_or("the generation moved on")};
-  };
-  if (current_generation() != m.generation) return ended();
+  if (current_generation() != m.generation) return ended(m);
   int64_t& after = m.revision;
   auto node_lost = [&](const std::string& node) {
     return GenerationEvent{
@@ -410,7 +406,7 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
     for (const auto& change : changes) {
       after = std::max(after, change.revision);
       if (change.key == kGenerationKey && change.value && parse_generation(*change.value) != m.generation) {
-        return ended();
+        return ended(m);
       }
       if (change.key.starts_with(kNodesPrefix) && !change.value) {
         const std::string node = change.key.substr(kNodesPrefix.size());
@@ -424,6 +420,11 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
   }
 }
 
+GenerationEvent Rendezvous::ended(const Membership& m) {
+  return GenerationEvent{GenerationEvent::kEnded,
+                         store_.get(failed_key(m.generation)).value_or("the generation moved on")};
+}
+
 std::optional<GenerationEvent> Rendezvous::resync(
     Membership& m, const std::function<GenerationEvent(const std::string&)>& node_lost,
     const std::function<std::optional<GenerationEvent>(const std::string&)>& node_waits) {
@@ -431,10 +432,7 @@ std::optional<GenerationEvent> Rendezvous::resync(
   // it is missed; what the later listings show again is harmless.
   const auto nodes = store_.list(std::string(kNodesPrefix));
   m.revision = nodes.revision;
-  if (current_generation() != m.generation) {
-    return GenerationEvent{GenerationEvent::kEnded,
-                           store_.get(failed_key(m.generation)).value_or("the generation moved on")};
-  }
+  if (current_generation() != m.generation) return ended(m);
   for (const auto& member : m.nodes) {
     const std::string key = std::string(kNodesPrefix) + member;
     const bool live = std::any_of(nodes.entries.begin(), nodes.entries.end(),

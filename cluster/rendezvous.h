@@ -138,6 +138,8 @@ class Rendezvous {
   // it, after which a cancel() is seen.
   void watch_a_while(const std::string& prefix, int64_t revision, std::chrono::steady_clock::time_point until);
   void renew_until_stopped();
+  // The end of `m`'s generation, with the cause recorded for it.
+  GenerationEvent ended(const Membership& m);
   // next_event() from the present when its cursor fell out of etcd's
   // history: the generation moved on, a member's record is gone, or a node
   // waits; the cursor moves to the present.

@@ -391,6 +391,8 @@ class Config {
   std::filesystem::path checkpoint_dir() const;
   // Whether keeld runs this job on many nodes (cluster.etcd is set).
   bool multi_node() const { return !cluster.etcd.empty(); }
+  // The ranks one keeld runs: daemon.ranks on many nodes, the whole layout on one.
+  int64_t node_ranks() const { return multi_node() ? daemon.ranks : parallel.world_size(); }
   // The nodes of the full layout: cluster.max_nodes, or the layout's ranks
   // over daemon.ranks; 1 on one node.
   int64_t max_nodes() const;

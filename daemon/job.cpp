@@ -1,7 +1,6 @@
 #include "daemon/job.h"
 
 #include "checkpoint/catalog.h"
-#include "cluster/elastic_layout.h"
 #include "cluster/placement.h"
 #include "common/error.h"
 #include "common/events.h"
@@ -17,14 +16,6 @@
 #include <algorithm>
 
 namespace keel::daemon {
-namespace {
-
-// The ranks keeld runs: the whole layout on one node, daemon.ranks on many.
-int node_ranks(const common::Config& config) {
-  return static_cast<int>(config.multi_node() ? config.daemon.ranks : config.parallel.world_size());
-}
-
-}  // namespace
 
 Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const common::Clock& clock)
     : options_(std::move(options)),
@@ -32,11 +23,11 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       clock_(clock),
       run_dir_(options_.config.job.run_dir),
       machine_(options_.config.job.name, options_.config.daemon),
-      ranks_(RankSetOptions{node_ranks(options_.config), options_.trainer, options_.config_path, options_.overrides,
+      ranks_(RankSetOptions{static_cast<int>(options_.config.node_ranks()), options_.trainer, options_.config_path, options_.overrides,
                             options_.store_address, options_.store_secret, options_.config.cluster.address, run_dir_,
                             options_.config.daemon.pin_cpus, options_.gpus}),
       history_(run_dir_),
-      health_(options_.config.health, node_ranks(options_.config)),
+      health_(options_.config.health, static_cast<int>(options_.config.node_ranks())),
       started_at_ns_(clock.now_ns()) {
   const auto& c = options_.config;
   if (c.health.hang_timeout_ceiling_s >= c.parallel.timeout_s) {
@@ -133,25 +124,25 @@ void Job::on_joined(const cluster::Membership& membership) {
     return;
   }
   machine_.joined(membership.generation);
-  const auto fit = cluster::layout_on_nodes(options_.config, static_cast<int64_t>(membership.nodes.size()));
-  if (!fit.layout) {
+  const auto placed = cluster::place_on_nodes(options_.config, static_cast<int64_t>(membership.nodes.size()));
+  if (!placed.layout || !placed.problem.empty()) {
     // Only a node whose config differs from the one that sealed gets here.
     const std::string why = fmt::format("node '{}' cannot run generation {} on {} nodes: {}; give every node the "
                                         "same config",
-                                        node, membership.generation, membership.nodes.size(), fit.why_not);
+                                        node, membership.generation, membership.nodes.size(), placed.problem);
     apply(machine_.rank_exited({0, -1, common::exit_code(common::ErrorCode::kBadConfig), -1, why}).actions);
     end_generation_if_over();
     return;
   }
-  cross_node_axes_ = cluster::place_on_nodes(options_.config, static_cast<int64_t>(membership.nodes.size())).crossing;
+  cross_node_axes_ = placed.crossing;
   event("generation_joined", {{"nodes", membership.nodes},
                               {"cross_node_axes", cross_node_axes_},
                               {"node_rank", membership.node_rank},
                               {"world", membership.world_size()},
-                              {"dp", fit.layout->dp},
-                              {"micro_batches", fit.layout->micro_batches}});
+                              {"dp", placed.layout->dp},
+                              {"micro_batches", placed.layout->micro_batches}});
   spawn_generation(membership.generation,
-                   RankSlice{membership.rank_offset(), membership.world_size(), fit.layout->overrides()});
+                   RankSlice{membership.rank_offset(), membership.world_size(), placed.layout->overrides()});
 }
 
 void Job::on_join_failed(const std::string& why) {

@@ -142,17 +142,23 @@ Transition JobMachine::rank_exited(const RankExit& exit) {
   return t;
 }
 
-Transition JobMachine::verdict(const std::string& cause) {
+Transition JobMachine::fail_live_generation(const std::string& cause, std::string said, JobActions records,
+                                            JobAction stop) {
   if (state_ != JobState::kStarting && state_ != JobState::kRunning) return {};
   Transition t;
   failure_ = cause;
   failure_code_ = -1;
-  t.actions.push_back(
-      log_action(spdlog::level::err, fmt::format("generation {}: {}; stopping the generation", generation_, cause)));
+  t.actions.push_back(log_action(spdlog::level::err, std::move(said)));
+  t.actions.insert(t.actions.end(), records.begin(), records.end());
   t.actions.push_back(tell_ranks_action(generation_, cause));
   state_ = JobState::kRestarting;
-  t.actions.push_back(signal_action(SIGKILL));
+  t.actions.push_back(std::move(stop));
   return t;
+}
+
+Transition JobMachine::verdict(const std::string& cause) {
+  return fail_live_generation(cause, fmt::format("generation {}: {}; stopping the generation", generation_, cause), {},
+                              signal_action(SIGKILL));
 }
 
 void JobMachine::joined(int64_t generation) {
@@ -175,18 +181,10 @@ Transition JobMachine::join_failed(const std::string& cause, int64_t now_ns) {
 }
 
 Transition JobMachine::ended_elsewhere(const std::string& cause) {
-  if (state_ != JobState::kStarting && state_ != JobState::kRunning) return {};
-  Transition t;
-  failure_ = cause;
-  failure_code_ = -1;
-  t.actions.push_back(log_action(
-      spdlog::level::err, fmt::format("generation {} ended on another node: {}; stopping this node's ranks",
-                                      generation_, cause)));
-  t.actions.push_back(record("generation_ended_elsewhere", {{"cause", cause}}));
-  t.actions.push_back(tell_ranks_action(generation_, cause));
-  state_ = JobState::kRestarting;
-  t.actions.push_back(terminate_action(grace_s_));
-  return t;
+  return fail_live_generation(
+      cause,
+      fmt::format("generation {} ended on another node: {}; stopping this node's ranks", generation_, cause),
+      {record("generation_ended_elsewhere", {{"cause", cause}})}, terminate_action(grace_s_));
 }
 
 Transition JobMachine::generation_over(const GenerationOutcome& outcome, int64_t now_ns) {

@@ -137,6 +137,10 @@ class JobMachine {
 
  private:
   Transition start_generation();
+  // Fails the starting or running generation for `cause`, which no rank's
+  // exit gave: logs `said`, appends `records`, tells the ranks and ends
+  // them with `stop`. Nothing otherwise.
+  Transition fail_live_generation(const std::string& cause, std::string said, JobActions records, JobAction stop);
   void end(JobState state, JobActions& actions);
   JobAction record(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
 

@@ -181,8 +181,7 @@ int main(int argc, char** argv) {
       const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
       const auto gpus =
           keel::daemon::node_gpus(visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
-      options.gpus = keel::daemon::assign_gpus(
-          gpus, static_cast<int>(config.multi_node() ? config.daemon.ranks : config.parallel.world_size()));
+      options.gpus = keel::daemon::assign_gpus(gpus, static_cast<int>(config.node_ranks()));
       log->info("ranks get GPUs {} of {}", fmt::join(options.gpus, ","), gpus.source);
     }
     options.config_path = std::filesystem::absolute(config_path);
