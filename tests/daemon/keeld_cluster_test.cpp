@@ -235,7 +235,8 @@ TEST_SUITE("integration") {
     auto etcd = start_etcd_or_skip(etcd_dir.path(), 1);
     if (!etcd) return;
     etcd->enable_auth("keel", "keel-pw", "keel/cluster-test/");
-    ClusterJob job(*etcd, 3, {"train.steps=400", "checkpoint.every_steps=50"});
+    // Endless, stopped on purpose after the table: every row meets it running.
+    ClusterJob job(*etcd, 3, {"train.steps=1000000", "checkpoint.every_steps=50"});
     const std::string good = "cluster.credential_file=" + job.write("good.credential", "keel:keel-pw\n").string();
     const std::string wrong = "cluster.credential_file=" + job.write("wrong.credential", "keel:hunter2\n").string();
     // min_nodes = 2 seals two nodes after the join timeout.
@@ -281,13 +282,21 @@ TEST_SUITE("integration") {
       CHECK(result.exit_code == row.exit_code);
       CHECK(result.output.find(row.says) != std::string::npos);
     }
-    // Nothing of the running job was lost: one generation, trained to the end.
+    // Nothing of the running job was lost: one generation, still training,
+    // and stopped with its final checkpoint.
+    const int64_t step = job.status(0).at("step");
+    CHECK(job.status(0).at("state") == "running");
+    for (auto& keeld : keelds) keeld->signal(SIGTERM);
     require_finished(keelds);
     for (int node = 0; node < 2; ++node) {
       CHECK(job.events_of(node, "generation_joined").size() == 1);
       CHECK(job.events_of(node, "rank_failed").empty());
     }
-    CHECK(job.losses().size() == 400);
+    // Every step trained once, from step 0 to past where the table ended.
+    const auto losses = job.losses();
+    CHECK(static_cast<int64_t>(losses.size()) >= step);
+    CHECK(losses.rbegin()->first + 1 == static_cast<int64_t>(losses.size()));
+    CHECK(job.events_of(0, "job_stopped").size() == 1);
   }
 
   TEST_CASE(
