@@ -129,7 +129,6 @@ Rendezvous::Rendezvous(store::ClusterStore& store, RendezvousOptions options)
 }
 
 void Rendezvous::take_name() {
-  lease_ = store_.grant_lease(options_.lease_ttl);
   record_ = nlohmann::json{
       {"name", options_.node_name},
       {"address", options_.address},
@@ -143,10 +142,13 @@ void Rendezvous::take_name() {
   const auto deadline = Clock::now() + 2 * options_.lease_ttl + std::chrono::seconds(2);
   for (;;) {
     auto listing = store_.list(key);
+    // A lease of its own for each try: the wait may outlast a whole TTL,
+    // and nothing renews a lease before the name is taken.
+    lease_ = store_.grant_lease(options_.lease_ttl);
     auto held = store_.compare_set_with_lease(key, std::nullopt, record_, lease_);
     if (held == record_) break;
+    store_.revoke(lease_);
     if (Clock::now() >= deadline) {
-      store_.revoke(lease_);
       throw Error(ErrorCode::kBadConfig,
                   fmt::format("another live keeld holds node name '{}' in this job (its record: {}): give each node "
                               "its own [cluster] node_name",

@@ -276,6 +276,19 @@ TEST_SUITE("integration") {
     CHECK(a.nodes == std::vector<std::string>{"a", "b"});
   }
 
+  TEST_CASE("a keeld whose name is held for longer than its own lease lasts takes the name when the holder's ends") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
+    if (!cluster) return;
+    // The predecessor's record outlives a whole lease of the newcomer: an
+    // etcd slow to expire leases under load does the same.
+    keel::store::EtcdStore holder(keel::store::parse_etcd_address(cluster->address("job").substr(7), "", 10s));
+    holder.set_with_lease("rdzv/nodes/b", R"({"name":"b"})", holder.grant_lease(5s));
+    Node restarted = make_node(*cluster, "b", options(1, 1));
+    Membership m = restarted.rendezvous->join(60s);
+    CHECK(m.nodes == std::vector<std::string>{"b"});
+  }
+
   TEST_CASE("many keelds failing one generation at once move it once and all read the first cause") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
