@@ -10,6 +10,7 @@
 #include <cmath>
 #include <random>
 
+#include "checkpoint/catalog.h"
 #include "daemon/protocol.h"
 #include "tests/daemon/keeld_job.h"
 #include "tests/support/etcd_test_cluster.h"
@@ -148,8 +149,12 @@ void require_finished(std::vector<std::unique_ptr<ChildProcess>>& keelds) {
   }
 }
 
-// Long enough that a node's return lands before the end.
+// Long enough that the etcd leader's loss lands before the end.
 const std::vector<std::string> kLongRun = {"train.steps=300", "checkpoint.every_steps=10"};
+
+// Endless, and stopped on purpose once a node is back: its return must not
+// race the job's end.
+const std::vector<std::string> kEndless = {"train.steps=1000000", "checkpoint.every_steps=10"};
 
 // The settings that make a single keeld run the cluster's full layout.
 std::vector<std::string> full_layout(const std::vector<std::string>& more) {
@@ -158,26 +163,32 @@ std::vector<std::string> full_layout(const std::vector<std::string>& more) {
   return sets;
 }
 
-// The three-node job over a run long enough for a node's loss and return,
-// beside its reference: the same run by one keeld alone.
-struct LongRun {
+// The three-node job, with every node's keeld started.
+struct ThreeNodes {
   TempDir etcd_dir;
   std::unique_ptr<EtcdCluster> etcd;
-  KeeldJob alone{kKeeldJobConfig};
   std::unique_ptr<ClusterJob> job;
   std::vector<std::unique_ptr<ChildProcess>> keelds;
 
-  // Starts etcd (false, the case skipped, where it cannot), runs the
-  // reference, starts every node's keeld and waits until node `watched`
-  // trains on three nodes past the first checkpoint.
-  bool start(int watched) {
+  // Starts etcd (false, the case skipped, where it cannot), starts every
+  // node's keeld with `sets` and waits until node `watched` trains on three
+  // nodes and the first checkpoint is committed: a node lost before that
+  // rightly has the job start again from step 0.
+  bool start(int watched, const std::vector<std::string>& sets) {
     etcd = start_etcd_or_skip(etcd_dir.path());
     if (!etcd) return false;
-    alone.run(full_layout(kLongRun));
-    job = std::make_unique<ClusterJob>(*etcd, 3, kLongRun);
+    job = std::make_unique<ClusterJob>(*etcd, 3, sets);
     keelds = start_all(*job);
-    job->wait_for(watched, [](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") >= 12; });
+    job->wait_for(watched, [&](const nlohmann::json& s) {
+      return running_on(s, 3) && !checkpoint::committed(job->checkpoints()).empty();
+    });
     return true;
+  }
+
+  // Stops the endless job on every node, as `systemctl stop` would.
+  void stop() {
+    for (auto& keeld : keelds) keeld->signal(SIGTERM);
+    require_finished(keelds);
   }
 };
 
@@ -188,18 +199,27 @@ std::pair<int, int> two_nodes() {
   return {chosen, (chosen + 1) % 3};
 }
 
-// Every step's loss of the cluster's run within the resharding tolerance of
-// the uninterrupted single-keeld run's.
-void check_losses_close(const ClusterJob& job, const KeeldJob& alone) {
-  const auto expected = alone.losses();
+// Every step's loss of the cluster's endless run within the resharding
+// tolerance of the uninterrupted run: one keeld alone, the same endless
+// job, stopped past the cluster's last step.
+void check_losses_close(const ClusterJob& job) {
   const auto got = job.losses();
-  REQUIRE(got.size() == expected.size());
+  REQUIRE(!got.empty());
+  const int64_t last = got.rbegin()->first;
+  KeeldJob alone(kKeeldJobConfig);
+  auto keeld = alone.start(full_layout(kEndless));
+  alone.wait_for([&](const nlohmann::json& s) { return s.at("step") > last + 1; }, 900);
+  keeld->signal(SIGTERM);
+  REQUIRE(keeld->wait(120).exit_code == 0);
+  const auto expected = alone.losses();
+  REQUIRE(static_cast<int64_t>(expected.size()) > last);
+  CHECK(static_cast<int64_t>(got.size()) == last + 1);  // every step trained, none lost
   double worst = 0;
   for (const auto& [step, loss] : got) {
     const double want = std::stod(expected.at(static_cast<size_t>(step)));
     worst = std::max(worst, std::fabs(loss - want) / std::fabs(want));
   }
-  MESSAGE("largest relative loss difference from the uninterrupted run: " << worst);
+  MESSAGE("largest relative loss difference from the uninterrupted run over " << last + 1 << " steps: " << worst);
   CHECK(worst <= 1e-4);
 }
 
@@ -304,8 +324,8 @@ TEST_SUITE("integration") {
       "the loss of the uninterrupted run") {
     const auto [victim, survivor] = two_nodes();
     INFO("the node killed: " << victim);
-    LongRun run;
-    if (!run.start(survivor)) return;
+    ThreeNodes run;
+    if (!run.start(survivor, kEndless)) return;
     auto& job = *run.job;
     auto& keelds = run.keelds;
     // keeld and its ranks, as a node that loses power: the ranks die with
@@ -314,11 +334,10 @@ TEST_SUITE("integration") {
     keelds[victim]->wait(60);
     const auto shrunk = job.wait_for(survivor, [](const nlohmann::json& s) { return running_on(s, 2); });
     CHECK(shrunk.at("cluster").at("world") == 4);
-    CHECK(shrunk.at("step") < 300);
     // The node comes back under its name; the job takes it in at a checkpoint.
     keelds[victim] = job.start(victim);
     job.wait_for(survivor, [](const nlohmann::json& s) { return running_on(s, 3); });
-    require_finished(keelds);
+    run.stop();
     // The generations of a survivor: three nodes, two, and three again.
     std::vector<size_t> sizes;
     for (const auto& e : job.events_of(survivor, "generation_joined")) sizes.push_back(e.at("nodes").size());
@@ -331,29 +350,37 @@ TEST_SUITE("integration") {
     for (const auto& e : job.events_of(survivor, "generation_joined")) {
       if (e.at("nodes").size() == 2) CHECK(e.at("micro_batches") == 2);
     }
-    check_losses_close(job, run.alone);
+    // Resumed from a checkpoint, never from the start.
+    const auto resumed = job.events_of(survivor, "generation_resumed");
+    for (size_t g = 1; g < resumed.size(); ++g) CHECK(resumed[g].at("step") > 0);
+    check_losses_close(job);
   }
 
   TEST_CASE("a keeld restarted at once on one node rejoins and the job goes on to the loss of the uninterrupted run") {
     const auto [restarted, other] = two_nodes();
     INFO("the node whose keeld restarts: " << restarted);
-    LongRun run;
-    if (!run.start(other)) return;
+    ThreeNodes run;
+    if (!run.start(other, kEndless)) return;
     auto& job = *run.job;
     auto& keelds = run.keelds;
+    const size_t generations_before = job.events_of(other, "generation_joined").size();
     // As systemd's Restart= does: the old keeld is gone with its ranks,
     // and a new one starts under the same name while its lease still runs.
     keelds[restarted]->signal(SIGKILL);
     keelds[restarted]->wait(60);
     keelds[restarted] = job.start(restarted);
-    require_finished(keelds);
+    // Back on three nodes in a later generation.
+    job.wait_for(other, [&](const nlohmann::json& s) {
+      return running_on(s, 3) && job.events_of(other, "generation_joined").size() > generations_before;
+    });
+    run.stop();
     const auto joined = job.events_of(other, "generation_joined");
     REQUIRE(joined.size() >= 2);
     CHECK(joined.back().at("nodes").size() == 3);
     // Resumed from a checkpoint, never from the start.
     const auto resumed = job.events_of(other, "generation_resumed");
     for (size_t g = 1; g < resumed.size(); ++g) CHECK(resumed[g].at("step") > 0);
-    check_losses_close(job, run.alone);
+    check_losses_close(job);
   }
 
   TEST_CASE(
@@ -369,9 +396,7 @@ TEST_SUITE("integration") {
     TempDir etcd_dir;
     auto etcd = start_etcd_or_skip(etcd_dir.path(), 3, "10.231.0.1");
     if (!etcd) return;
-    // Endless, and stopped on purpose once the node is back: the node's
-    // return must not race the job's end.
-    ClusterJob job(*etcd, 3, {"train.steps=1000000", "checkpoint.every_steps=10"});
+    ClusterJob job(*etcd, 3, kEndless);
     std::vector<std::unique_ptr<ChildProcess>> keelds;
     for (int node = 0; node < 2; ++node) keelds.push_back(job.start(node, {"cluster.address=10.231.0.1"}));
     keelds.push_back(
@@ -401,8 +426,10 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("the etcd leader killed mid-run costs the job no restart and it ends bit-identical") {
-    LongRun run;
-    if (!run.start(0)) return;
+    KeeldJob alone(kKeeldJobConfig);
+    alone.run(full_layout(kLongRun));
+    ThreeNodes run;
+    if (!run.start(0, kLongRun)) return;
     const int leader = run.etcd->leader();
     REQUIRE(leader >= 0);
     run.etcd->kill(leader);
@@ -412,7 +439,7 @@ TEST_SUITE("integration") {
       CHECK(run.job->events_of(node, "generation_joined").size() == 1);
       CHECK(run.job->events_of(node, "rank_failed").empty());
     }
-    require_identical(run.alone.checkpoint_tensors(300), checkpoint_tensors(run.job->checkpoints(), 300));
+    require_identical(alone.checkpoint_tensors(300), checkpoint_tensors(run.job->checkpoints(), 300));
   }
 }
 
