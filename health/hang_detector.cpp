@@ -259,7 +259,7 @@ class Judge {
   // returns true when something still explains it.
   bool judge_missing(int rank, const std::string& group, bool joined, Verdict& v) {
     const RankSample& sample = samples_[rank];
-    if (!sample.board) {
+    if (!sample.board && sample.known) {
       v.blame(rank, fmt::format("rank {} never published its board", rank));
       return false;
     }
@@ -267,7 +267,8 @@ class Judge {
       // It may be the one everybody waits for, or garbage: it holds the
       // verdict up to the ceiling, and is never named.
       if (v.waited_s <= config_.hang_timeout_ceiling_s) return true;
-      v.note(fmt::format("rank {}'s board is not trusted", rank));
+      v.note(sample.known ? fmt::format("rank {}'s board is not trusted", rank)
+                          : fmt::format("rank {}'s node has not been heard from", rank));
       return false;
     }
     if (!sample.running) {
@@ -417,7 +418,7 @@ std::vector<HangFinding> HangDetector::observe(const RankSamples& samples, int64
   std::vector<bool> trusted(samples.size(), false);
   for (size_t r = 0; r < samples.size(); ++r) {
     const RankSample& sample = samples[r];
-    if (!sample.board) continue;
+    if (!sample.known || !sample.board) continue;
     const std::string why =
         distrust(*sample.board, sample.heartbeat_ns, static_cast<int>(r), samples.size(), now_ns);
     trusted[r] = why.empty();

@@ -23,6 +23,10 @@ struct RankSample {
   std::optional<BoardSnapshot> board;  // the newest snapshot read; nothing: never published
   int64_t heartbeat_ns = 0;            // the board's heartbeat; 0: never beaten
   bool running = true;                 // false once the rank's process exited
+  // False for another node's rank this keeld has not heard of lately
+  // (daemon/world_view.h): nothing is known of it, which is not "never
+  // published", so it is never named, like a board not trusted.
+  bool known = true;
 };
 
 // Samples of every rank of the job, rank 0 first (index = rank).
@@ -34,7 +38,7 @@ using RankSamples = std::vector<RankSample>;
 // of a rank. What an exited rank published stays true (the digests of the
 // steps it finished); its timings no longer describe a live rank.
 inline const BoardSnapshot* published_board(const RankSample& sample) {
-  if (!sample.board) return nullptr;
+  if (!sample.known || !sample.board) return nullptr;
   const BoardSnapshot& b = *sample.board;
   return b.version == kBoardVersion && b.rank == sample.rank ? &b : nullptr;
 }

@@ -630,7 +630,7 @@ TEST_SUITE("unit") {
     common::logger("hang")->set_level(spdlog::level::info);
   }
 
-  TEST_CASE("a missing member is named with the reason it is missing unless its board is garbage") {
+  TEST_CASE("a missing member is named with the reason it is missing unless its board is garbage or its node unheard of") {
     struct Case {
       std::string name;
       std::function<void(SyntheticJob&)> make_missing;  // rank 1 of 2
@@ -650,6 +650,17 @@ TEST_SUITE("unit") {
         {"frozen", [](SyntheticJob& job) { job.freeze(1); }, "rank 1 is frozen", {1}},
         {"stuck in a phase", [](SyntheticJob&) {}, "rank 1 never began it (backward for", {1}},
     };
+    // A rank on another node that keeld has not heard from lately may be
+    // the one everybody waits for too, and is no more named than garbage.
+    cases.push_back({"on a node not heard from",
+                     [](SyntheticJob& job) {
+                       job.corrupt = [](RankSamples& samples) {
+                         samples[1].board.reset();
+                         samples[1].known = false;
+                       };
+                     },
+                     "rank 1's node has not been heard from, so the boards name nobody",
+                     {}});
     // A board that is not trusted may be the one everybody waits for: past
     // the ceiling the hang is reported, naming nobody.
     for (const Garble& g : untrusted_garbles()) {
