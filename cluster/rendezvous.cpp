@@ -320,6 +320,16 @@ Membership Rendezvous::join(milliseconds timeout) {
     if (auto sealed = sealed_members(g)) {
       if (joined == g && contains(*sealed, options_.node_name))
         return sealed_with_this_node(g, std::move(*sealed), revision);
+      if (finished_by(g, *sealed)) {
+        cluster_log().info("the job finished in generation {} on nodes {}; node '{}' has nothing to join", g,
+                           fmt::join(*sealed, ", "), options_.node_name);
+        Membership m;
+        m.generation = g;
+        m.nodes = std::move(*sealed);
+        m.ranks_per_node = options_.ranks_per_node;
+        m.job_finished = true;
+        return m;
+      }
       if (contains(*sealed, options_.node_name)) {
         fail(g, fmt::format("node '{}' came back while generation {} ran (its keeld restarted): its ranks are gone",
                             options_.node_name, g));
@@ -374,7 +384,17 @@ std::string Rendezvous::fail(int64_t generation, const std::string& cause) {
   return recorded;
 }
 
-void Rendezvous::finish(int64_t generation) { store_.set(done_key(generation, options_.node_name), "finished"); }
+void Rendezvous::finish(int64_t generation) {
+  store_.set(done_key(generation, options_.node_name), options_.job_config);
+}
+
+bool Rendezvous::finished_by(int64_t generation, const std::vector<std::string>& members) {
+  for (const auto& member : members) {
+    const auto done = store_.get(done_key(generation, member));
+    if (!done || *done != options_.job_config) return false;
+  }
+  return !members.empty();
+}
 
 std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;

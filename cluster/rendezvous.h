@@ -57,6 +57,10 @@ struct Membership {
   int node_rank = 0;               // this node's
   int ranks_per_node = 1;
   int64_t revision = 0;  // where watches of its events start: before its seal, then past each event read
+  // The job finished without this node: every member of `generation`
+  // recorded it done, under the config this node has. There is nothing to
+  // join, and `node_rank` means nothing.
+  bool job_finished = false;
 
   int world_size() const { return static_cast<int>(nodes.size()) * ranks_per_node; }
   int rank_offset() const { return node_rank * ranks_per_node; }
@@ -67,6 +71,9 @@ struct GenerationEvent {
   enum Kind {
     kEnded,        // the generation was failed: stop the ranks and join the next
     kNodeWaiting,  // a node came after the seal: grow at the next checkpoint
+    // This node failed a generation that had ended already: `cause` is
+    // what ended it, and what this node saw (a peer gone) followed from it.
+    kEndedBefore,
   } kind = kEnded;
   std::string cause;
 };
@@ -86,7 +93,10 @@ class Rendezvous {
   // this node in it. A node whose lease expired takes a new one first. A node that finds the generation sealed without it
   // waits (rdzv/waiting/<name>) for the next; one that finds itself in a
   // sealed generation it did not join here (its keeld restarted) fails that
-  // generation, whose ranks died with it, and joins the next.
+  // generation, whose ranks died with it, and joins the next. Either
+  // returns a Membership with job_finished when that generation's every
+  // member finished the job with the same config (a job that changed, say
+  // more steps, goes on instead).
   // Error(kPeerFailure) after `timeout` naming who joined.
   Membership join(std::chrono::milliseconds timeout);
 
@@ -95,9 +105,10 @@ class Rendezvous {
   // recorded, which is another keeld's when it was first.
   std::string fail(int64_t generation, const std::string& cause);
 
-  // Records that this node's ranks finished the job in `generation`, so
-  // that its leaving (its lease revoked as keeld exits) ends nothing for
-  // the nodes whose ranks are finishing the same last step.
+  // Records that this node's ranks finished the job in `generation`, with
+  // the job's config, so that its leaving (its lease revoked as keeld exits)
+  // ends nothing for the nodes whose ranks are finishing the same last
+  // step, and a node that comes back later learns the job is over.
   void finish(int64_t generation);
 
   // Waits up to `timeout` for what ends `membership`'s generation: the
@@ -117,6 +128,9 @@ class Rendezvous {
   // Since when the renewals have failed to reach etcd (nullopt: they reach
   // it), for a degraded status.
   std::optional<std::chrono::steady_clock::time_point> unreachable_since() const;
+  // The node's lease: what else this node keeps in etcd lives under it, and
+  // ends with the node. It changes when a lost lease is taken again.
+  store::ClusterStore::LeaseId lease() const { return lease_; }
 
  private:
   // Takes a lease and rdzv/nodes/<name> under it, waiting out an earlier
@@ -125,6 +139,8 @@ class Rendezvous {
   // Records options_.job_config for the job, or refuses one that differs
   // from what other live nodes recorded.
   void check_job_config();
+  // Whether every one of `members` finished the job in `generation` with this node's config.
+  bool finished_by(int64_t generation, const std::vector<std::string>& members);
   int64_t current_generation();
   std::optional<std::vector<std::string>> sealed_members(int64_t generation);
   std::optional<std::vector<std::string>> try_seal(int64_t generation, const store::ClusterStore::Listing& joined,
@@ -149,7 +165,7 @@ class Rendezvous {
 
   store::ClusterStore& store_;
   const RendezvousOptions options_;
-  store::ClusterStore::LeaseId lease_ = 0;
+  std::atomic<store::ClusterStore::LeaseId> lease_{0};  // read by lease() from other threads
   std::string record_;  // rdzv/nodes/<name>'s value: JSON with a nonce of this keeld's
 
   std::atomic<bool> stop_{false};

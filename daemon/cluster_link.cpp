@@ -21,6 +21,7 @@ ClusterLink::ClusterLink(store::ClusterStore& store, cluster::RendezvousOptions 
       callbacks_(std::move(callbacks)) {
   rendezvous_ = std::make_unique<cluster::Rendezvous>(store, std::move(options));
   thread_ = std::thread([this] { run(); });
+  writer_ = std::thread([this] { write_until_stopped(); });
 }
 
 ClusterLink::~ClusterLink() {
@@ -31,19 +32,22 @@ ClusterLink::~ClusterLink() {
   rendezvous_->cancel();
   wake_.notify_all();
   thread_.join();
+  writer_.join();
 }
 
 void ClusterLink::push(Command command) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    commands_.push_back(std::move(command));
+    (std::holds_alternative<Join>(command) ? commands_ : writes_).push_back(std::move(command));
   }
   wake_.notify_all();
 }
 
 void ClusterLink::join_next(std::optional<int64_t> ended, std::string cause) { push(Join{ended, std::move(cause)}); }
 
-void ClusterLink::fail(int64_t generation, std::string cause) { push(Fail{generation, std::move(cause)}); }
+void ClusterLink::fail(int64_t generation, std::string cause, std::function<void()> then) {
+  push(Fail{generation, std::move(cause), std::move(then)});
+}
 
 void ClusterLink::finish(int64_t generation) { push(Finish{generation}); }
 
@@ -54,13 +58,7 @@ void ClusterLink::run() {
       std::unique_lock<std::mutex> lock(mutex_);
       // With a membership to watch, the wait is the watch itself.
       if (!watched_) wake_.wait(lock, [this] { return stop_ || !commands_.empty(); });
-      if (stop_) {
-        // What the other nodes must learn before this one goes; a join no longer matters.
-        for (const auto& c : commands_) {
-          if (!std::holds_alternative<Join>(c)) carry_out(c);
-        }
-        return;
-      }
+      if (stop_) return;  // a join no longer matters
       if (!commands_.empty()) {
         command = std::move(commands_.front());
         commands_.pop_front();
@@ -71,6 +69,21 @@ void ClusterLink::run() {
     } else {
       watch_membership();
     }
+  }
+}
+
+void ClusterLink::write_until_stopped() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [this] { return stop_ || !writes_.empty(); });
+    // What the other nodes must learn before this one goes is written
+    // before the thread ends.
+    if (writes_.empty()) return;
+    Command command = std::move(writes_.front());
+    writes_.pop_front();
+    lock.unlock();
+    carry_out(command);
+    lock.lock();
   }
 }
 
@@ -86,26 +99,38 @@ void ClusterLink::carry_out(const Command& command) {
   }
   if (const auto* f = std::get_if<Fail>(&command)) {
     try {
-      store_.set(store::rank_failed_key(f->generation), f->cause);
-      rendezvous_->fail(f->generation, f->cause);
+      const std::string first = fail_generation(f->generation, f->cause);
+      // The ranks of every node read why; the first cause is the one that explains the rest.
+      store_.set(store::rank_failed_key(f->generation), first);
     } catch (const std::exception& e) {
       // The other nodes still learn of it: their collectives with this
       // node's ranks fail, and this node's lease ends if it is cut off.
       log->warn("could not record in etcd that generation {} failed ({}): {}", f->generation, f->cause, e.what());
     }
+    if (f->then) post_(f->then);
     return;
   }
   const auto& join = std::get<Join>(command);
   watched_.reset();
   try {
-    if (join.ended) rendezvous_->fail(*join.ended, join.cause);
+    if (join.ended) fail_generation(*join.ended, join.cause);
     cluster::Membership membership = rendezvous_->join(join_bound_);
-    watched_ = membership;
+    if (!membership.job_finished) watched_ = membership;
     post_([this, membership] { callbacks_.joined(membership); });
   } catch (const std::exception& e) {
     std::string why = e.what();
     post_([this, why] { callbacks_.join_failed(why); });
   }
+}
+
+std::string ClusterLink::fail_generation(int64_t generation, const std::string& cause) {
+  std::string first = rendezvous_->fail(generation, cause);
+  if (first != cause) {
+    post_([this, generation, first] {
+      callbacks_.event(generation, cluster::GenerationEvent{cluster::GenerationEvent::kEndedBefore, first});
+    });
+  }
+  return first;
 }
 
 void ClusterLink::watch_membership() {

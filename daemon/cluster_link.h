@@ -1,9 +1,11 @@
 // keeld's side of the rendezvous (docs/architecture.md "Multi-node on
 // etcd"). Every Rendezvous call waits on etcd, and keeld's event loop must
-// wait on nothing, so they run here on a thread of their own: the job asks
-// for the next generation or reports a failure without blocking, and what
-// the thread learns comes back as a function `post`ed to the loop, where
-// the Job takes it as an input like a rank's exit.
+// wait on nothing, so they run here on threads of their own (joins and
+// watches on one; failures and finishes, which must not wait behind a
+// watch, on another): the job asks for the next generation or reports a
+// failure without blocking, and what the threads learn comes back as a
+// function `post`ed to the loop, where the Job takes it as an input like a
+// rank's exit.
 #pragma once
 
 #include <condition_variable>
@@ -48,9 +50,12 @@ class ClusterLink {
   // joins the next; joined() or join_failed() follows.
   void join_next(std::optional<int64_t> ended, std::string cause);
   // Ends `generation` with `cause` for every node: a failure seen here.
-  // The ranks of every node get `cause` as the generation's rank_failed
-  // record (store::rank_failed_key), so none waits for the failed ones.
-  void fail(int64_t generation, std::string cause);
+  // The ranks of every node get the generation's first cause as its
+  // rank_failed record (store::rank_failed_key), so none waits for the
+  // failed ones. `then` runs on the loop once etcd has it (or could not be
+  // told): a node that kills ranks on a verdict kills them after, so that
+  // the peers' failures that follow do not come first in etcd.
+  void fail(int64_t generation, std::string cause, std::function<void()> then = {});
 
   // This node's ranks finished the job in `generation`: its leaving ends
   // nothing (cluster::Rendezvous::finish).
@@ -63,6 +68,8 @@ class ClusterLink {
   std::optional<std::chrono::steady_clock::time_point> unreachable_since() const {
     return rendezvous_->unreachable_since();
   }
+  // The node's lease (cluster::Rendezvous::lease); any thread may ask.
+  store::ClusterStore::LeaseId lease() const { return rendezvous_->lease(); }
 
  private:
   struct Join {
@@ -72,6 +79,7 @@ class ClusterLink {
   struct Fail {
     int64_t generation;
     std::string cause;
+    std::function<void()> then;
   };
   struct Finish {
     int64_t generation;
@@ -79,8 +87,14 @@ class ClusterLink {
   using Command = std::variant<Join, Fail, Finish>;
   void push(Command command);
 
+  // Joins and watches, on thread_; failures and finishes, short writes
+  // that must not wait behind a watch, on writer_.
   void run();
+  void write_until_stopped();
   void carry_out(const Command& command);
+  // Rendezvous::fail; when another cause came first, the job hears it as a
+  // kEndedBefore event. Returns the first cause.
+  std::string fail_generation(int64_t generation, const std::string& cause);
   // Watches the membership last joined for what ends it, for a while.
   void watch_membership();
 
@@ -96,11 +110,13 @@ class ClusterLink {
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Command> commands_;
+  std::deque<Command> commands_;  // joins
+  std::deque<Command> writes_;    // failures and finishes
   bool stop_ = false;
   std::optional<cluster::Membership> watched_;  // the thread's own: the generation it watches
   bool watch_failing_ = false;                  // the thread's own: the last watch failed
   std::thread thread_;
+  std::thread writer_;
 };
 
 }  // namespace keel::daemon

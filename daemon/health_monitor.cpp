@@ -52,7 +52,9 @@ HealthMonitor::HealthMonitor(const common::HealthConfig& config, int world)
       flags_(static_cast<size_t>(world)),
       sdc_reports_seen_(static_cast<size_t>(world), 0) {}
 
-void HealthMonitor::new_generation() {
+void HealthMonitor::new_generation(int world) {
+  if (static_cast<size_t>(world) != flags_.size()) flags_.assign(static_cast<size_t>(world), Flags{});
+  sdc_reports_seen_.resize(static_cast<size_t>(world));
   digests_.emplace();
   for (auto& f : flags_) f.hung.clear();
   std::fill(sdc_reports_seen_.begin(), sdc_reports_seen_.end(), 0);

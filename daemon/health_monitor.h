@@ -77,11 +77,13 @@ class HealthMonitor {
   // the ranks' exit are evidence of what they computed, though no rank
   // runs any more (and so nothing can hang or straggle).
   Verdicts last_words(health::RankSamples samples, int64_t now_ns);
-  // A new generation started: its ranks hang no more, their memory was
-  // loaded again (replica digests compare afresh) and their boards count
-  // SDC reports from zero. What was learned of timings and stragglers, and
-  // which ranks are suspect, stays.
-  void new_generation();
+  // A new generation of `world` ranks started: its ranks hang no more,
+  // their memory was loaded again (replica digests compare afresh) and their
+  // boards count SDC reports from zero. What was learned of timings and
+  // stragglers stays, and which ranks are suspect unless the world changed
+  // size (on many nodes, with the node count): then the ranks are numbered
+  // afresh and no flag of an old number applies.
+  void new_generation(int world);
 
   RankHealth rank(int rank) const;
   DetectionCounts counts() const { return counts_; }

@@ -55,9 +55,14 @@ std::string cell(const nlohmann::json& rank, const std::string& group, int64_t s
 }  // namespace
 
 void print_health(const nlohmann::json& reply, std::ostream& out) {
-  out << fmt::format("{:<5} {:<10} {}\n", "rank", "health", "reason");
-  for (const auto& r : reply.value("ranks", nlohmann::json::array())) {
-    out << fmt::format("{:<5} {:<10} {}\n", r.value("rank", -1), r.value("health", "?"), r.value("reason", ""));
+  // On many nodes each rank says its node.
+  const auto ranks = reply.value("ranks", nlohmann::json::array());
+  const bool nodes = !ranks.empty() && ranks[0].contains("node");
+  out << fmt::format("{:<5} {}{:<10} {}\n", "rank", nodes ? fmt::format("{:<12} ", "node") : "", "health", "reason");
+  for (const auto& r : ranks) {
+    out << fmt::format("{:<5} {}{:<10} {}\n", r.value("rank", -1),
+                       nodes ? fmt::format("{:<12} ", r.value("node", "?")) : "", r.value("health", "?"),
+                       r.value("reason", ""));
   }
   const auto d = reply.value("detections", nlohmann::json::object());
   out << fmt::format("\ndetections: {} hang, {} sdc, {} straggler | synchronisation tax {:.3f}\n",

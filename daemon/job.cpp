@@ -9,11 +9,13 @@
 #include "daemon/flight_dump.h"
 #include "daemon/health_policy.h"
 #include "daemon/protocol.h"
+#include "daemon/world_view.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <set>
 
 namespace keel::daemon {
 
@@ -44,7 +46,8 @@ void Job::event(const std::string& kind, nlohmann::json fields) const {
 
 void Job::apply(const JobActions& actions) {
   auto log = common::logger("job");
-  for (const auto& a : actions) {
+  for (auto it = actions.begin(); it != actions.end(); ++it) {
+    const JobAction& a = *it;
     switch (a.kind) {
       case JobAction::Kind::kStartGeneration:
         start_generation(a.generation);
@@ -59,7 +62,14 @@ void Job::apply(const JobActions& actions) {
         if (options_.cluster != nullptr) {
           // Every node's ranks and keelds learn it through etcd; a failure of
           // a generation this node has left is old news.
-          if (membership_ && membership_->generation == a.generation) options_.cluster->fail(a.generation, a.text);
+          if (membership_ && membership_->generation == a.generation) {
+            // What follows (a kill) waits until etcd has the cause: the
+            // peers' failures it brings about must not come first there.
+            options_.cluster->fail(a.generation, a.text, [this, rest = JobActions(std::next(it), actions.end())] {
+              apply(rest);
+            });
+            return;
+          }
           break;
         }
         if (options_.store == nullptr) break;
@@ -114,6 +124,15 @@ void Job::start_generation(int64_t generation) {
 
 void Job::on_joined(const cluster::Membership& membership) {
   joining_ = false;
+  if (membership.job_finished) {
+    apply(machine_
+              .finished_elsewhere(fmt::format("on nodes {} in generation {}", fmt::join(membership.nodes, ", "),
+                                              membership.generation),
+                                  newest_in_catalog())
+              .actions);
+    end_generation_if_over();
+    return;
+  }
   membership_ = membership;
   const std::string& node = membership.nodes[static_cast<size_t>(membership.node_rank)];
   if (machine_.state() != JobState::kStarting) {
@@ -152,6 +171,16 @@ void Job::on_join_failed(const std::string& why) {
 }
 
 void Job::on_cluster_event(int64_t generation, const cluster::GenerationEvent& e) {
+  if (e.kind == cluster::GenerationEvent::kEndedBefore) {
+    // This node's ranks failed on what another node's failure did to them
+    // (their peers gone): its record names what every node records.
+    if (generation == cause_recorded_for_) return;
+    cause_recorded_for_ = generation;
+    common::logger("job")->warn("generation {} had ended on another node before this node's ranks failed: {}",
+                                generation, e.cause);
+    common::append_event(run_dir_, "generation_ended_elsewhere", generation, -1, {{"cause", e.cause}});
+    return;
+  }
   // About a generation this node has left, or not yet started.
   if (joining_ || !membership_ || membership_->generation != generation) return;
   if (e.kind == cluster::GenerationEvent::kEnded) {
@@ -175,7 +204,7 @@ void Job::spawn_generation(int64_t generation, const RankSlice& slice) {
   auto log = common::logger("job");
   resumed_ = false;
   last_progress_log_ns_ = clock_.now_ns();
-  health_.new_generation();
+  health_.new_generation(slice.world);
   if (const auto failed = ranks_.spawn(generation, slice)) {
     log->error("generation {}: {}", generation, failed->why);
     apply(machine_.rank_exited({failed->rank, -1, 127, -1, ranks_.exit_cause(failed->rank, 127)}).actions);
@@ -208,7 +237,7 @@ void Job::end_generation_if_over() {
   observe();  // the boards' last words and the ranks' last events, for status and the events below
   // A replica corrupted in the last steps, between keeld's polls and the
   // ranks' exit, must not end the job as finished on corrupted state.
-  act_on(health_.last_words(ranks_.samples(), clock_.now_ns()));
+  act_on(health_.last_words(health_samples(), clock_.now_ns()));
   ranks_.remove_boards();
   quarantine_suspect_checkpoints();
   // A generation made progress when it committed a checkpoint of its own:
@@ -269,7 +298,8 @@ void Job::act_on(const Verdicts& verdicts) {
     diagnosis_ = {{"verdict", verdict}, {"generation", machine_.generation()}, {"ranks", records}};
     diagnosis_["flight"] = flight.empty() ? nlohmann::json(nullptr) : nlohmann::json(flight);
   }
-  const HealthResponse response = respond(verdicts, options_.config.health.sdc_policy, flight);
+  HealthResponse response = respond(verdicts, options_.config.health.sdc_policy, flight);
+  name_nodes(response);
   for (const auto& warning : response.warnings) log->warn("{}", warning);
   for (const auto& e : response.events) {
     log->warn("{}: {}", e.kind, e.fields.dump());
@@ -279,6 +309,34 @@ void Job::act_on(const Verdicts& verdicts) {
     keep_through_step_ = std::min(keep_through_step_.value_or(*response.keep_through_step), *response.keep_through_step);
   }
   if (!response.stop_cause.empty()) apply(machine_.verdict(response.stop_cause).actions);
+}
+
+void Job::name_nodes(HealthResponse& response) const {
+  if (!membership_) return;
+  const cluster::Membership& m = *membership_;
+  auto node_of = [&m](int64_t rank) {
+    const int64_t n = rank / m.ranks_per_node;
+    return rank >= 0 && n < static_cast<int64_t>(m.nodes.size()) ? m.nodes[static_cast<size_t>(n)] : std::string();
+  };
+  std::set<std::string> culprits;
+  for (auto& e : response.events) {
+    if (e.fields.contains("culprit_ranks")) {
+      nlohmann::json nodes = nlohmann::json::array();
+      for (const auto& r : e.fields["culprit_ranks"]) {
+        nodes.push_back(node_of(r.get<int64_t>()));
+        culprits.insert(nodes.back().get<std::string>());
+      }
+      e.fields["culprit_nodes"] = nodes;
+    } else if (e.fields.value("rank", int64_t{-1}) >= 0) {
+      e.fields["node"] = node_of(e.fields["rank"].get<int64_t>());
+      culprits.insert(e.fields["node"].get<std::string>());
+    }
+  }
+  // Every node records the cause; it names the nodes as well as the ranks.
+  culprits.erase("");
+  if (!response.stop_cause.empty() && !culprits.empty()) {
+    response.stop_cause += fmt::format(" [on node {}]", fmt::join(culprits, ", "));
+  }
 }
 
 std::vector<nlohmann::json> Job::collective_records() const {
@@ -322,6 +380,7 @@ void Job::poll() {
   observe();
   // While the rendezvous runs, the boards are the last generation's.
   if (joining_) return;
+  publish_health();
   const int64_t now = clock_.now_ns();
   if (options_.cluster != nullptr && membership_ && !options_.cluster->alive()) {
     // Cut off for longer than the lease: the other nodes have gone on
@@ -333,7 +392,7 @@ void Job::poll() {
               .actions);
   }
   if (machine_.state() == JobState::kStarting || machine_.state() == JobState::kRunning) {
-    act_on(health_.observe(ranks_.samples(), now));
+    act_on(health_.observe(health_samples(), now));
   }
   if (machine_.state() == JobState::kStarting) {
     const auto& ranks = ranks_.ranks();
@@ -352,6 +411,21 @@ void Job::poll() {
     log->warn("generation {}: ranks still running after their grace period; sent SIGKILL", machine_.generation());
   }
   apply(machine_.tick(now).actions);
+}
+
+health::RankSamples Job::health_samples() const {
+  if (options_.health_exchange == nullptr || !membership_) return ranks_.samples();
+  // A node heard of within its lease and two summaries is alive and in the
+  // generation; after that its lease has ended or its keeld stalled.
+  const int64_t stale_after_ns =
+      static_cast<int64_t>((options_.config.cluster.lease_ttl_s + 2) * 1e9);
+  return world_samples(ranks_.samples(), *membership_, options_.health_exchange->received(), clock_.now_ns(),
+                       stale_after_ns);
+}
+
+void Job::publish_health() const {
+  if (options_.health_exchange == nullptr || !membership_) return;
+  options_.health_exchange->offer(health::encode_summary(membership_->generation, ranks_.samples(), clock_.now_ns()));
 }
 
 int64_t Job::steps_done() const {
@@ -390,6 +464,13 @@ nlohmann::json Job::restart(const std::string& by) {
 nlohmann::json Job::health() const {
   auto out = health_.health_json();
   out["ok"] = true;
+  if (membership_) {
+    for (auto& r : out["ranks"]) {
+      const auto n = static_cast<size_t>(r.at("rank").get<int64_t>() / membership_->ranks_per_node);
+      if (n < membership_->nodes.size()) r["node"] = membership_->nodes[n];
+    }
+    out["nodes"] = membership_->nodes;
+  }
   // Beside the detections, what is only a record (docs/architecture.md "Health").
   out["records"] = {{"loss_spikes", history_.loss_spikes().count}, {"skipped_steps", history_.skipped_steps().count}};
   out["generation"] = machine_.generation();
@@ -421,18 +502,27 @@ nlohmann::json Job::inject(const FaultSpec& fault, const std::string& by) {
                                    job_state_name(state)));
   }
   const auto& ranks = ranks_.ranks();
+  // A fault names a global rank; on many nodes this node runs some of them.
+  const int64_t first = membership_ ? membership_->rank_offset() : 0;
+  const int world = membership_ ? membership_->world_size() : static_cast<int>(ranks.size());
+  const int64_t local = fault.rank - first;
+  if (membership_ && fault.rank >= 0 && fault.rank < world && (local < 0 || local >= static_cast<int64_t>(ranks.size()))) {
+    const auto& node = membership_->nodes[static_cast<size_t>(fault.rank / membership_->ranks_per_node)];
+    return error_reply(fmt::format("rank {} runs on node '{}', not on this one: ask that node's keeld", fault.rank,
+                                   node));
+  }
   int64_t steps_done = -1;  // unknown until the rank publishes
-  if (fault.rank >= 0 && fault.rank < static_cast<int64_t>(ranks.size())) {
-    const auto& board = ranks[static_cast<size_t>(fault.rank)].last;
+  if (local >= 0 && local < static_cast<int64_t>(ranks.size())) {
+    const auto& board = ranks[static_cast<size_t>(local)].last;
     if (board) steps_done = board->steps_done;
   }
   health::FaultRequest request;
   try {
-    request = fault_request(fault, static_cast<int>(ranks.size()), options_.config.parallel, steps_done);
+    request = fault_request(fault, world, options_.config.parallel, steps_done);
   } catch (const FaultRefused& e) {
     return error_reply(e.what());
   }
-  if (!ranks_.request_fault(static_cast<int>(fault.rank), request)) {
+  if (!ranks_.request_fault(static_cast<int>(local), request)) {
     return error_reply(fmt::format("rank {} has no board to take the fault (its generation is over)", fault.rank));
   }
   auto fields = fault_json(fault);
@@ -462,6 +552,7 @@ JobReport Job::report() const {
   r.stale_after_s = options_.config.daemon.stale_after_s;
   r.ranks = ranks_.ranks();
   for (auto& rank : r.ranks) {
+    if (membership_) rank.rank += membership_->rank_offset();  // an operator knows ranks by their global number
     rank.verdict = health_.rank(rank.rank);
     rank.straggler_score = health_.straggler_score(rank.rank);
   }

@@ -24,6 +24,7 @@
 #include "common/config.h"
 #include "store/store.h"
 #include "daemon/cluster_link.h"
+#include "daemon/health_exchange.h"
 #include "daemon/fault_request.h"
 #include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
@@ -43,6 +44,8 @@
 
 namespace keel::daemon {
 
+struct HealthResponse;
+
 struct JobOptions {
   common::Config config;
   std::filesystem::path config_path;       // passed to the ranks, with the overrides
@@ -60,6 +63,9 @@ struct JobOptions {
   // told through it (with the ranks' rank_failed record), so `store` is
   // not used. nullptr: one node.
   ClusterLink* cluster = nullptr;
+  // On many nodes: the other nodes' boards, for detectors that see the
+  // whole world (daemon/world_view.h). nullptr: this node's ranks only.
+  HealthExchange* health_exchange = nullptr;
 };
 
 class Job {
@@ -121,8 +127,15 @@ class Job {
   void end_generation_if_over();
   // Takes in the boards and the events appended since the last look.
   void observe();
+  // What the detectors take: every rank of the generation, on every node.
+  health::RankSamples health_samples() const;
+  // Offers this node's boards to the other nodes' detectors.
+  void publish_health() const;
   // Records the detectors' verdicts and does what the health policy says.
   void act_on(const Verdicts& verdicts);
+  // On many nodes: each culprit's node in its event, and the culprits'
+  // nodes in the cause every node records.
+  void name_nodes(HealthResponse& response) const;
   // Every rank's group table and recent collectives as last read
   // (flight_dump.h): the flight dump and `keelctl diagnose`.
   std::vector<nlohmann::json> collective_records() const;
@@ -160,6 +173,7 @@ class Job {
   std::optional<cluster::Membership> membership_;
   bool joining_ = false;
   std::string ended_cause_;  // why the last generation ended, for the rendezvous
+  int64_t cause_recorded_for_ = -1;  // the last generation whose earlier cause (kEndedBefore) was recorded
   std::vector<std::string> cross_node_axes_;  // the membership's (cluster/placement.h)
   int64_t started_at_ns_ = 0;
   int64_t last_progress_log_ns_ = 0;

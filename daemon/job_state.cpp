@@ -187,6 +187,18 @@ Transition JobMachine::ended_elsewhere(const std::string& cause) {
       {record("generation_ended_elsewhere", {{"cause", cause}})}, terminate_action(grace_s_));
 }
 
+Transition JobMachine::finished_elsewhere(const std::string& where, int64_t checkpoint_step) {
+  if (state_ != JobState::kStarting) return {};
+  Transition t;
+  generation_live_ = false;
+  t.actions.push_back(log_action(spdlog::level::info,
+                                 fmt::format("job {} finished {} while this node was away; final checkpoint step {}",
+                                             job_name_, where, checkpoint_step)));
+  t.actions.push_back(record("job_finished", {{"elsewhere", where}, {"checkpoint_step", checkpoint_step}}));
+  end(JobState::kFinished, t.actions);
+  return t;
+}
+
 Transition JobMachine::generation_over(const GenerationOutcome& outcome, int64_t now_ns) {
   Transition t;
   auto& actions = t.actions;

@@ -127,6 +127,11 @@ class JobMachine {
   // often it fails it never counts toward a crash loop. Ignored unless the
   // generation is starting.
   Transition join_failed(const std::string& cause, int64_t now_ns);
+  // On many nodes: the job finished on the other nodes while this one was
+  // away (`where` says on which, for the record). It ends finished, with
+  // the newest checkpoint `checkpoint_step`. Ignored unless the generation
+  // is starting.
+  Transition finished_elsewhere(const std::string& where, int64_t checkpoint_step);
   // Time passed: starts the next generation once its back-off is over.
   Transition tick(int64_t now_ns);
   // keelctl stop, SIGTERM, SIGINT. `checkpoint_step`: the newest good

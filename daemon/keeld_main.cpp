@@ -11,6 +11,7 @@
 #include "cluster/placement.h"
 #include "store/tcp_store.h"
 #include "daemon/cluster_link.h"
+#include "daemon/health_exchange.h"
 #include "daemon/control_server.h"
 #include "daemon/gpu_assignment.h"
 #include "daemon/job.h"
@@ -201,6 +202,7 @@ int main(int argc, char** argv) {
     // Set once the job exists; the link's callbacks run on the loop, after.
     keel::daemon::Job* linked_job = nullptr;
     std::unique_ptr<keel::daemon::ClusterLink> cluster;
+    std::unique_ptr<keel::daemon::HealthExchange> health_exchange;  // ends before the link whose lease it uses
     if (config.multi_node()) {
       auto& etcd = dynamic_cast<keel::store::ClusterStore&>(*store.client);
       cluster = std::make_unique<keel::daemon::ClusterLink>(
@@ -210,6 +212,9 @@ int main(int argc, char** argv) {
               [&](std::string why) { linked_job->on_join_failed(why); },
               [&](int64_t g, keel::cluster::GenerationEvent e) { linked_job->on_cluster_event(g, e); }});
       options.cluster = cluster.get();
+      health_exchange = std::make_unique<keel::daemon::HealthExchange>(
+          etcd, cluster->node_name(), [&cluster] { return cluster->lease(); }, keel::common::Clock::steady());
+      options.health_exchange = health_exchange.get();
       log->info("node '{}' of job {} on {}, {} ranks a node, {} to {} nodes", cluster->node_name(), config.job.name,
                 config.cluster.etcd, config.daemon.ranks, config.min_nodes(), config.max_nodes());
     } else {

@@ -162,7 +162,7 @@ void RankSet::read_boards() {
 health::RankSamples RankSet::samples() const {
   health::RankSamples out;
   for (const auto& rank : reports_) {
-    out.push_back({rank.rank, rank.last, rank.heartbeat_ns, rank.pid > 0 && !rank.exit_code});
+    out.push_back({slice_.first_rank + rank.rank, rank.last, rank.heartbeat_ns, rank.pid > 0 && !rank.exit_code});
   }
   return out;
 }

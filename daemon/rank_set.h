@@ -74,6 +74,8 @@ class RankSet {
 
   // Takes in each board's newest snapshot and its heartbeat.
   void read_boards();
+  // The detectors' samples, each under its global rank: the number its
+  // board says (health::published_board takes no other).
   health::RankSamples samples() const;
   const std::vector<RankReport>& ranks() const { return reports_; }
 

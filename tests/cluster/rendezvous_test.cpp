@@ -289,6 +289,37 @@ TEST_SUITE("integration") {
     CHECK(m.nodes == std::vector<std::string>{"b"});
   }
 
+  TEST_CASE("a keeld that comes back after the others finished the job learns it finished unless the job changed") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path());
+    if (!cluster) return;
+    auto o = options(2, 3, 2s);
+    o.job_config = R"({"train":{"steps":40}})";
+    auto nodes = make_nodes(*cluster, {"a", "b"}, o);
+    const auto first = join_all(nodes);
+    // Both finish and leave, as keelds whose ranks all exited 0 do.
+    for (auto& node : nodes) node.rendezvous->finish(first[0].generation);
+    nodes.clear();
+    Node late = make_node(*cluster, "c", o);
+    const Membership m = late.rendezvous->join(30s);
+    CHECK(m.job_finished);
+    CHECK(m.generation == first[0].generation);
+    CHECK(m.nodes == std::vector<std::string>{"a", "b"});
+    // One of the nodes that finished starts again on the same config: finished too.
+    Node again = make_node(*cluster, "a", o);
+    CHECK(again.rendezvous->join(30s).job_finished);
+    // The job restarted with more steps goes on instead.
+    auto more = o;
+    more.job_config = R"({"train":{"steps":80}})";
+    late.rendezvous.reset();
+    again.rendezvous.reset();
+    std::vector<Node> next = make_nodes(*cluster, {"a", "b"}, more);
+    const auto joined = join_all(next);
+    CHECK_FALSE(joined[0].job_finished);
+    CHECK(joined[0].generation > first[0].generation);
+    CHECK(joined[0].nodes == std::vector<std::string>{"a", "b"});
+  }
+
   TEST_CASE("many keelds failing one generation at once move it once and all read the first cause") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());

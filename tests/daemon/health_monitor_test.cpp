@@ -120,7 +120,7 @@ TEST_SUITE("unit") {
     CHECK(watch_stuck(monitor, clock, since, 1).hangs.empty());
     CHECK(monitor.counts().hang == 1);
 
-    monitor.new_generation();
+    monitor.new_generation(3);
     CHECK(monitor.rank(1).condition == RankCondition::kHealthy);
     const auto health = monitor.health_json();
     CHECK(health.at("ranks").size() == 3);
@@ -194,7 +194,7 @@ TEST_SUITE("unit") {
     CHECK(verdicts.sdc[0].rank == -1);
 
     // A new generation's boards count from zero again; rank 2 stays suspect.
-    monitor.new_generation();
+    monitor.new_generation(3);
     samples = {sample(0, now), sample(1, now), sample(2, now)};
     report_sdc(samples[0], 1, 12, 2, health::SdcMethod::kKat, health::SdcVerdict::kPersistent);
     CHECK(monitor.observe(samples, now).sdc.size() == 1);
@@ -212,7 +212,7 @@ TEST_SUITE("unit") {
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
     REQUIRE(watch_stuck(monitor, clock, since, 6).hangs.size() == 1);
     CHECK(monitor.rank(1).condition == RankCondition::kHung);
-    monitor.new_generation();
+    monitor.new_generation(3);
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
   }
 

@@ -12,6 +12,7 @@
 
 #include "checkpoint/catalog.h"
 #include "daemon/protocol.h"
+#include "tests/daemon/health_job.h"
 #include "tests/daemon/keeld_job.h"
 #include "tests/support/etcd_test_cluster.h"
 #include "tests/support/network_namespace.h"
@@ -63,11 +64,12 @@ class ClusterJob {
     return std::make_unique<ChildProcess>(argv);
   }
 
-  nlohmann::json status(int node) const {
+  nlohmann::json ask(int node, daemon::Command command) const {
     daemon::Request request;
-    request.command = daemon::Command::kStatus;
+    request.command = command;
     return daemon::call_daemon(socket(node), request, std::chrono::seconds(10));
   }
+  nlohmann::json status(int node) const { return ask(node, daemon::Command::kStatus); }
 
   // Polls node `node`'s status until `done`; fails after `timeout_s`.
   nlohmann::json wait_for(int node, const std::function<bool(const nlohmann::json&)>& done,
@@ -302,6 +304,12 @@ TEST_SUITE("integration") {
       CHECK(result.exit_code == row.exit_code);
       CHECK(result.output.find(row.says) != std::string::npos);
     }
+    // keelctl health on a node shows every rank of the job, with its node.
+    const auto health = job.ask(0, daemon::Command::kHealth);
+    REQUIRE(health.at("ranks").size() == 4);
+    CHECK(health.at("ranks")[2].at("rank") == 2);
+    CHECK(health.at("ranks")[2].at("node") == node_name(1));
+    CHECK(health.at("nodes") == nlohmann::json::array({node_name(0), node_name(1)}));
     // Nothing of the running job was lost: one generation, still training,
     // and stopped with its final checkpoint.
     const int64_t step = job.status(0).at("step");
@@ -423,6 +431,71 @@ TEST_SUITE("integration") {
     std::vector<size_t> sizes;
     for (const auto& e : job.events_of(0, "generation_joined")) sizes.push_back(e.at("nodes").size());
     CHECK(nlohmann::json(sizes).dump() == "[3,2,3]");
+  }
+
+  TEST_CASE(
+      "a hang injected in a rank of one node is found with the other nodes' boards, named on every node, and the job "
+      "ends with the fault-free model") {
+    TempDir etcd_dir;
+    auto etcd = start_etcd_or_skip(etcd_dir.path());
+    if (!etcd) return;
+    KeeldJob alone(kKeeldJobConfig);
+    alone.run(full_layout({"checkpoint.every_steps=4"}));
+    // Rank 4 runs on node 2; its DP peers, ranks 0 and 2, on nodes 0 and 1.
+    const int culprit = 4;
+    std::vector<std::string> sets = kFastHealth;
+    sets.insert(sets.end(), {fmt::format("faults.hang_rank={}", culprit), "faults.hang_step=12", "faults.hang_group=dp",
+                             // The hung rank outlives SIGTERM's grace (10 s) when another node ends the
+                             // generation: the next one waits for its node, so the model stays DP3's.
+                             "cluster.join_timeout_s=20"});
+    ClusterJob job(*etcd, 3, sets);
+    auto keelds = start_all(job);
+    require_finished(keelds);
+    std::ifstream log(job.run_dir(2) / "logs" / fmt::format("rank-{:05d}.log", culprit % 2));  // by local rank
+    const std::string rank_log((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    CHECK(rank_log.find("hang_group = dp): this rank stops") != std::string::npos);  // the fault landed
+    // Whichever node's detector got there first ended the generation; every
+    // node's record of that end names the rank.
+    int findings = 0;
+    for (int node = 0; node < 3; ++node) {
+      CAPTURE(node);
+      const auto hangs = job.events_of(node, "hang_detected");
+      for (const auto& hang : hangs) {
+        INFO(hang.dump());
+        CHECK(hang.at("culprit_ranks") == nlohmann::json::array({culprit}));
+        CHECK(hang.at("culprit_nodes") == nlohmann::json::array({node_name(2)}));
+        CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
+        ++findings;
+      }
+      std::ifstream in(job.run_dir(node) / "events.jsonl");
+      const std::string events((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const bool named = events.find(fmt::format("rank {} never began", culprit)) != std::string::npos &&
+                         events.find(fmt::format("[on node {}]", node_name(2))) != std::string::npos;
+      CHECK_MESSAGE(named, "node " << node << " did not learn that rank " << culprit << " of node 2 hung:\n" << events);
+      CHECK(job.events_of(node, "generation_joined").size() == 2);
+    }
+    CHECK(findings >= 1);
+    require_identical(alone.checkpoint_tensors(40), checkpoint_tensors(job.checkpoints(), 40));
+  }
+
+  TEST_CASE("a node that comes back after the job finished on the others ends finished at once") {
+    TempDir etcd_dir;
+    auto etcd = start_etcd_or_skip(etcd_dir.path());
+    if (!etcd) return;
+    ClusterJob job(*etcd, 3);
+    // Two of three nodes: min_nodes = 2 seals them after the join timeout.
+    std::vector<std::unique_ptr<ChildProcess>> keelds;
+    for (int node = 0; node < 2; ++node) keelds.push_back(job.start(node));
+    require_finished(keelds);
+    // The third node's keeld, as systemd starts it when the machine is back.
+    const auto late = job.start(2)->wait(120);
+    INFO(late.output);
+    CHECK(late.exit_code == 0);
+    const auto finished = job.events_of(2, "job_finished");
+    REQUIRE(finished.size() == 1);
+    CHECK(finished[0].at("elsewhere").get<std::string>().find("node-0, node-1") != std::string::npos);
+    CHECK(finished[0].at("checkpoint_step") == 40);
+    CHECK(job.events_of(2, "generation_started").empty());
   }
 
   TEST_CASE("the etcd leader killed mid-run costs the job no restart and it ends bit-identical") {

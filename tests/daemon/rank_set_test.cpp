@@ -2,7 +2,8 @@
 // only writes down what it was given: on a node of a many-node job each
 // rank is told its global rank in the generation's world, its local rank,
 // the node's address and the generation's layout after the config's own
-// overrides; in a CUDA job each gets its own GPU.
+// overrides, and the detectors know it by its global rank; in a CUDA job
+// each gets its own GPU.
 #include "daemon/rank_set.h"
 
 #include <doctest/doctest.h>
@@ -65,6 +66,11 @@ TEST_SUITE("integration") {
     CHECK(read_file(dir / "run" / "rank-1") == "5 6 1 2 10.0.0.7 5 --config " + args);
     // A rank's failure names it by its global rank, as the other nodes know it.
     CHECK(ranks.exit_cause(1, 137) == "rank 5 killed by SIGKILL");
+    // The detectors take each rank under the number its board says.
+    const auto samples = ranks.samples();
+    REQUIRE(samples.size() == 2);
+    CHECK(samples[0].rank == 4);
+    CHECK(samples[1].rank == 5);
   }
 
   TEST_CASE("every rank of a CUDA job is started with its own GPU as CUDA_VISIBLE_DEVICES") {
