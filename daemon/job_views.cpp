@@ -88,6 +88,17 @@ nlohmann::json status_json(const JobReport& report) {
   }
   const auto& s = head(report);
   const auto eta = eta_s(report);
+  // What each axis moved a step: the most any of this node's ranks handed
+  // to its group of that axis in its last step.
+  nlohmann::json axis_bytes = nlohmann::json::object();
+  for (const auto& rank : report.ranks) {
+    if (!rank.last) continue;
+    for (const auto& g : rank.last->groups) {
+      if (g.name[0] == '\0' || g.step_bytes == 0) continue;
+      const std::string axis = health::group_kind(health::group_name(g));
+      axis_bytes[axis] = std::max(axis_bytes.value(axis, uint64_t{0}), g.step_bytes);
+    }
+  }
   nlohmann::json out = {{"ok", true},
                         {"job", report.job},
                         {"state", job_state_name(report.state)},
@@ -100,6 +111,7 @@ nlohmann::json status_json(const JobReport& report) {
                         {"keeld_pid", getpid()},
                         {"uptime_s", report.uptime_s},
                         {"ranks", ranks}};
+  out["axis_bytes_per_step"] = axis_bytes;
   out["reason"] = report.reason;
   out["loss"] = s ? nlohmann::json(s->loss) : nlohmann::json(nullptr);
   out["tokens_per_s"] = s ? nlohmann::json(s->tokens_per_s) : nlohmann::json(nullptr);

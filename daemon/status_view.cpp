@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -75,6 +76,19 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
   if (!spikes.empty() || !skipped.empty()) {
     out << (spikes.empty() ? skipped : skipped.empty() ? spikes : spikes + " | " + skipped)
         << " (keelctl events: loss_spike, step_skipped)\n";
+  }
+  // Per step, per axis: what one rank hands to its group, and whether the
+  // group spans nodes (its bytes cross the slower links).
+  const auto crossing = s.contains("cluster") && s["cluster"].is_object()
+                            ? s["cluster"].value("cross_node_axes", nlohmann::json::array())
+                            : nlohmann::json::array();
+  if (const auto bytes = s.value("axis_bytes_per_step", nlohmann::json::object()); !bytes.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [axis, n] : bytes.items()) {
+      const bool across = std::find(crossing.begin(), crossing.end(), axis) != crossing.end();
+      parts.push_back(fmt::format("{} {}{}", axis, common::format_bytes(n.get<uint64_t>()), across ? " across nodes" : ""));
+    }
+    out << fmt::format("collectives a step, per rank: {}\n", fmt::join(parts, ", "));
   }
   if (const auto c = s.find("cluster"); c != s.end() && c->is_object()) {
     const auto nodes = c->value("nodes", nlohmann::json::array());

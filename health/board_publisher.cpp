@@ -122,6 +122,7 @@ void BoardPublisher::begin_step(int64_t step) {
     step_ = step;
     wait_ns_ = 0;
     data_ns_ = 0;
+    std::fill(std::begin(step_bytes_), std::end(step_bytes_), 0);
   });
 }
 
@@ -141,6 +142,7 @@ void BoardPublisher::record_step_timing() {
         std::max<int64_t>(0, clock_->cpu_wait_ns() - cpu_wait_at_start_ns_ - collective_cpu_wait_ns_);
     t.cpu_wait_ms = to_ms(cpu_wait);
     t.compute_ms = to_ms(std::max<int64_t>(0, total - wait_ns_ - data_ns_ - cpu_wait));
+    for (int g = 0; g < groups_; ++g) s.groups[g].step_bytes = step_bytes_[g];
     step_ = -1;
   });
 }
@@ -163,6 +165,7 @@ void BoardPublisher::begin_collective(int group, int64_t seq, std::string_view o
     copy_name(g.op, op);
     g.seq_begun = seq;
     g.bytes = bytes;
+    step_bytes_[group] += bytes;
     g.begin_ns = clock_->now_ns();
     g.state = static_cast<uint32_t>(CollectiveState::kInFlight);
     RecentCollective& r = s.recent[s.recent_count % kRecentCollectives];

@@ -52,7 +52,8 @@ class BoardPublisher {
   // towards it until record_step_timing().
   void begin_step(int64_t step);
   // Closes the step's timing: total since begin_step, split into wait,
-  // data and the rest (compute).
+  // data and the rest (compute), and each group's payload begun since
+  // (GroupRecord::step_bytes).
   void record_step_timing();
   void finish_step(int64_t steps_done, float loss, float grad_norm, double tokens_per_s, double step_ms);
   // A collective of `group` runs from begin to end (on whatever thread
@@ -100,6 +101,7 @@ class BoardPublisher {
   // run-queue wait spent blocked on collectives.
   int64_t cpu_wait_at_start_ns_ = 0;
   int64_t collective_cpu_wait_ns_ = 0;
+  uint64_t step_bytes_[kMaxGroups] = {};  // per group, begun since the step began
   std::condition_variable stop_beating_;
   bool stopping_ = false;
   std::thread heartbeat_;

@@ -43,7 +43,7 @@ json encode_board(const BoardSnapshot& b, int64_t now) {
     const GroupRecord& g = b.groups[slot];
     if (g.name[0] == '\0') continue;
     groups.push_back({slot, board_text(g.name), board_text(g.op), g.size, g.index, g.seq_begun, g.seq_done,
-                      age_of(g.begin_ns, now), age_of(g.done_ns, now), g.bytes, g.state});
+                      age_of(g.begin_ns, now), age_of(g.done_ns, now), g.bytes, g.state, g.step_bytes});
   }
   json digests = json::array();
   for (size_t slot = 0; slot < kDigestSlots; ++slot) {
@@ -120,6 +120,7 @@ BoardSnapshot decode_board(const json& j, int64_t now) {
     r.done_ns = time_of(g.at(8), now);
     r.bytes = g.at(9).get<uint64_t>();
     r.state = g.at(10).get<uint32_t>();
+    r.step_bytes = g.at(11).get<uint64_t>();
   }
   for (const json& d : j.at("digests")) {
     b.digests[slot_of(d.at(0), kDigestSlots)] = {d.at(1).get<int64_t>(), d.at(2).get<uint64_t>(),

@@ -41,7 +41,7 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-inline constexpr uint32_t kBoardVersion = 4;
+inline constexpr uint32_t kBoardVersion = 5;
 // Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
 // ep, expert_dp, dp_cp) and one spare.
 inline constexpr size_t kMaxGroups = 8;
@@ -71,6 +71,9 @@ struct GroupRecord {
   uint64_t bytes = 0;               // payload of seq_begun
   uint32_t state = static_cast<uint32_t>(CollectiveState::kNone);  // of seq_begun
   uint32_t reserved = 0;
+  // Payload of the collectives begun during the last step timed: what the
+  // axis moves a step (keelctl status; on many nodes, across nodes).
+  uint64_t step_bytes = 0;
 };
 
 // One collective of the rank's recent history (any group), for keeld's

@@ -124,6 +124,13 @@ TEST_SUITE("unit") {
     report.job = "views";
     report.state = JobState::kRunning;
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1)};
+    // Each rank's last step: its DP group's payload, and a TP group inside the node.
+    for (auto& r : report.ranks) {
+      r.last->groups[0].step_bytes = 3u << 20;
+      std::strcpy(r.last->groups[1].name, "g0.tp.1");
+      r.last->groups[1].step_bytes = 512u << 10;
+    }
+    report.ranks[1].last->groups[1].step_bytes = 256u << 10;  // the most of any rank shows
     report.cluster = ClusterReport{"node-b", 1, {"node-a", "node-b", "node-c"}, 6, 2, {"dp"}, std::nullopt};
     CHECK(status_line(report).find(" node node-b") != std::string::npos);
     CHECK(status_line(report).find("degraded") == std::string::npos);
@@ -134,6 +141,9 @@ TEST_SUITE("unit") {
     print_status(status, table);
     CAPTURE(table.str());
     CHECK(table.str().find("node node-b (1 of 3: node-a, node-b, node-c), ranks 2 to 3 of 6 | across nodes: dp\n") !=
+          std::string::npos);
+    CHECK(status.at("axis_bytes_per_step") == nlohmann::json{{"dp", 3u << 20}, {"tp", 512u << 10}});
+    CHECK(table.str().find("collectives a step, per rank: dp 3.0 MiB across nodes, tp 512.0 KiB\n") !=
           std::string::npos);
 
     report.cluster->etcd_unreachable_s = 12.4;

@@ -304,6 +304,11 @@ TEST_SUITE("integration") {
       CHECK(result.exit_code == row.exit_code);
       CHECK(result.output.find(row.says) != std::string::npos);
     }
+    // keelctl status shows what each axis moved a step, DP crossing nodes.
+    const auto status = job.status(0);
+    CHECK(status.at("axis_bytes_per_step").value("dp", uint64_t{0}) > 0);
+    CHECK(status.at("axis_bytes_per_step").value("tp", uint64_t{0}) > 0);
+    CHECK(status.at("cluster").at("cross_node_axes") == nlohmann::json::array({"dp"}));
     // keelctl health on a node shows every rank of the job, with its node.
     const auto health = job.ask(0, daemon::Command::kHealth);
     REQUIRE(health.at("ranks").size() == 4);

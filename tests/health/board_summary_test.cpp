@@ -63,6 +63,7 @@ RankSample busy_rank(int rank, int64_t now) {
     g.begin_ns = now - 3 * kSecond;
     g.done_ns = now - 4 * kSecond;
     g.bytes = 1u << 20;
+    g.step_bytes = (3u << 20) + slot;
     g.state = 1;
   }
   for (size_t d = 0; d < keel::health::kDigestSlots; ++d) {

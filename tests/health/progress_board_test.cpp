@@ -130,6 +130,34 @@ TEST_SUITE("unit") {
     CHECK(seen->phase_last_ms[static_cast<size_t>(Phase::kData)] == doctest::Approx(10));
   }
 
+  TEST_CASE("each group's payload of the last step timed is on the board and a step of none shows none") {
+    RemoveOnExit guard{unique_name("step-bytes")};
+    auto daemon_side = ProgressBoard::create(guard.name);
+    common::FakeClock clock;
+    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0, clock);
+    const int tp = rank.add_group("g0.tp.0", 0, 2);
+    const int dp = rank.add_group("g0.dp.0", 0, 2);
+    rank.begin_step(3);
+    rank.begin_collective(tp, 0, "all_reduce", 1000);
+    rank.end_collective(tp, 0, true);
+    rank.begin_collective(tp, 1, "all_gather", 500);
+    rank.end_collective(tp, 1, true);
+    rank.begin_collective(dp, 0, "all_reduce", 4096);
+    // Still in flight when the step closes: begun in it, so counted.
+    rank.record_step_timing();
+    auto seen = daemon_side.read();
+    REQUIRE(seen.has_value());
+    CHECK(seen->groups[tp].step_bytes == 1500);
+    CHECK(seen->groups[dp].step_bytes == 4096);
+    rank.end_collective(dp, 0, true);
+    rank.begin_step(4);
+    rank.record_step_timing();
+    seen = daemon_side.read();
+    REQUIRE(seen.has_value());
+    CHECK(seen->groups[tp].step_bytes == 0);
+    CHECK(seen->groups[dp].step_bytes == 0);
+  }
+
   TEST_CASE("the heartbeat goes on while the rank's own thread is busy") {
     RemoveOnExit guard{unique_name("heartbeat")};
     auto daemon_side = ProgressBoard::create(guard.name);
