@@ -23,6 +23,7 @@
 #include "store/etcd_gateway.h"
 #include "tests/support/etcd_cluster.h"
 #include "tests/support/etcd_test_cluster.h"
+#include "tests/support/free_ports.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/wait.h"
@@ -119,19 +120,6 @@ class FakeMember {
   std::atomic<int> requests_{0};
   std::thread thread_;
 };
-
-// A loopback port nobody listens on: bound, and closed without listening.
-int closed_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
-  close(fd);
-  return ntohs(address.sin_port);
-}
 
 std::string http_answer(int status, const std::string& body) {
   return "HTTP/1.1 " + std::to_string(status) +
@@ -391,8 +379,8 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("no etcd answering is a peer failure within the timeout naming every endpoint") {
-    const int first = closed_port();
-    const int second = closed_port();
+    const auto ports = keel::test::free_loopback_ports(2);  // nobody listens on them
+    const int first = ports[0], second = ports[1];
     const std::string address = "etcd://127.0.0.1:" + std::to_string(first) + ",127.0.0.1:" + std::to_string(second);
     auto started = std::chrono::steady_clock::now();
     Error unreachable = error_of([&] { connect_store(address, "", 1s); });

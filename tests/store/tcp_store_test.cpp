@@ -1,6 +1,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "store/tcp_store.h"
+#include "tests/support/free_ports.h"
 
 #include <doctest/doctest.h>
 #include <netinet/in.h>
@@ -81,14 +82,6 @@ uint16_t bound_port(int fd) {
   socklen_t size = sizeof(addr);
   REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) == 0);
   return ntohs(addr.sin_port);
-}
-
-// A port nothing listens on right now (for a server started later).
-uint16_t free_port() {
-  Fd fd(socket(AF_INET, SOCK_STREAM, 0));
-  sockaddr_in addr = loopback(0);
-  REQUIRE(bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  return bound_port(fd.get());
 }
 
 // A raw connection for speaking to the server outside the protocol.
@@ -538,7 +531,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a client that finds no server gives up within its timeout") {
-    uint16_t port = free_port();
+    uint16_t port = static_cast<uint16_t>(keel::test::free_loopback_port());
     auto start = Clock::now();
     auto error = error_from([&] { TcpStore store("127.0.0.1", port, kSecret, 400ms); });
     double elapsed = seconds_since(start);
@@ -747,7 +740,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a client started before the server connects once it appears") {
-    uint16_t port = free_port();
+    uint16_t port = static_cast<uint16_t>(keel::test::free_loopback_port());
     std::unique_ptr<StoreServer> server;
     std::thread late_start([&] {
       std::this_thread::sleep_for(300ms);
@@ -840,7 +833,7 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("a rank started before the store process connects once it appears") {
-    uint16_t port = free_port();
+    uint16_t port = static_cast<uint16_t>(keel::test::free_loopback_port());
     pid_t rank_pid = fork_child([port] {
       std::unique_ptr<Store> store = connect_store(store_address(port), kSecret, 10s);
       store->set("hello", "from the rank");

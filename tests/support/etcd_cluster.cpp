@@ -1,5 +1,7 @@
 #include "tests/support/etcd_cluster.h"
 
+#include "tests/support/free_ports.h"
+
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -18,29 +20,6 @@ namespace keel::test {
 namespace {
 
 constexpr const char* kEtcd = "etcd";
-
-// Ports the kernel has free now: each bound to port 0 at once and closed
-// together, so the set holds no duplicate. Another process may take one
-// before etcd binds it; the cluster then fails to form and is started again.
-std::vector<int> free_ports(size_t count) {
-  std::vector<int> fds;
-  std::vector<int> ports;
-  for (size_t i = 0; i < count; ++i) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-        getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-      throw std::runtime_error("cannot find a free loopback port");
-    }
-    fds.push_back(fd);
-    ports.push_back(ntohs(address.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
 
 // Whether a child has exited (a zombie not yet reaped, or gone).
 bool exited(pid_t pid) {
@@ -67,7 +46,7 @@ EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members, std::str
   for (int attempt = 0; attempt < 3; ++attempt) {
     members_.clear();
     members_.resize(members);
-    std::vector<int> ports = free_ports(2 * members);
+    std::vector<int> ports = free_loopback_ports(2 * members);
     token_ = "keel-test-" + std::to_string(getpid()) + "-" + std::to_string(ports[0]);
     for (int i = 0; i < members; ++i) {
       members_[i].name = fmt::format("m{}", i);
