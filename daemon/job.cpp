@@ -65,8 +65,10 @@ void Job::apply(const JobActions& actions) {
           if (membership_ && membership_->generation == a.generation) {
             // What follows (a kill) waits until etcd has the cause: the
             // peers' failures it brings about must not come first there.
-            options_.cluster->fail(a.generation, a.text, [this, rest = JobActions(std::next(it), actions.end())] {
-              apply(rest);
+            const int64_t g = a.generation;
+            options_.cluster->fail(g, a.text, [this, g, rest = JobActions(std::next(it), actions.end())] {
+              // etcd may have taken long enough for the job to have moved on.
+              if (membership_ && membership_->generation == g) apply(rest);
             });
             return;
           }

@@ -468,6 +468,10 @@ bool EtcdGateway::stream(std::string_view path, const std::function<nlohmann::js
   return impl_->stream(path, body_for_retry, deadline, on_message);
 }
 
+void EtcdGateway::authenticate_again() {
+  if (!impl_->options().user.empty()) impl_->authenticate();
+}
+
 const EtcdOptions& EtcdGateway::options() const { return impl_->options(); }
 
 std::string EtcdGateway::endpoint_names() const { return impl_->endpoint_names(); }

@@ -79,6 +79,12 @@ class EtcdGateway {
               std::chrono::steady_clock::time_point deadline,
               const std::function<bool(const nlohmann::json&)>& on_message);
 
+  // Takes a new token (with a user; nothing without one). A watch is
+  // cancelled, not refused, when its token expired (etcd's simple tokens
+  // end 5 minutes unused, or when the user's password is set): the watch
+  // itself cannot tell the gateway, so its caller does.
+  void authenticate_again();
+
   const EtcdOptions& options() const;
   // "127.0.0.1:2379, 127.0.0.1:2479", for messages.
   std::string endpoint_names() const;

@@ -246,7 +246,11 @@ std::vector<ClusterStore::Change> EtcdStore::watch_range(const std::string& begi
         {"create_request",
          {{"key", etcd_base64(begin)}, {"range_end", etcd_base64(end)}, {"start_revision", std::to_string(seen + 1)}}}};
   };
-  gateway_.stream("/v3/watch", body, std::chrono::steady_clock::now() + timeout, [&](const json& message) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // etcd cancels a watch whose token expired instead of refusing it; one
+  // new token, and the watch again.
+  bool token_expired = false, authenticated_again = false;
+  auto on_message = [&](const json& message) {
     return read_answer(gateway_, "a watch", [&] {
       if (auto error = message.find("error"); error != message.end()) {
         throw Error(ErrorCode::kPeerFailure, "etcd ended a watch: " + error->dump());
@@ -259,7 +263,12 @@ std::vector<ClusterStore::Change> EtcdStore::watch_range(const std::string& begi
                                            compacted, seen + 1));
       }
       if (result.value("canceled", false)) {
-        throw Error(ErrorCode::kPeerFailure, "etcd canceled a watch: " + result.value("cancel_reason", std::string()));
+        const std::string reason = result.value("cancel_reason", std::string());
+        if (!authenticated_again && reason.find("invalid auth token") != std::string::npos) {
+          token_expired = true;
+          return false;
+        }
+        throw Error(ErrorCode::kPeerFailure, "etcd canceled a watch: " + reason);
       }
       auto events = result.find("events");
       if (events == result.end()) return true;  // created, or a progress note: keep reading
@@ -272,7 +281,13 @@ std::vector<ClusterStore::Change> EtcdStore::watch_range(const std::string& begi
       }
       return false;
     });
-  });
+  };
+  gateway_.stream("/v3/watch", body, deadline, on_message);
+  if (token_expired) {
+    gateway_.authenticate_again();
+    authenticated_again = true;
+    gateway_.stream("/v3/watch", body, deadline, on_message);
+  }
   return changes;
 }
 

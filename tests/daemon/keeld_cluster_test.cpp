@@ -309,6 +309,16 @@ TEST_SUITE("integration") {
     CHECK(status.at("axis_bytes_per_step").value("dp", uint64_t{0}) > 0);
     CHECK(status.at("axis_bytes_per_step").value("tp", uint64_t{0}) > 0);
     CHECK(status.at("cluster").at("cross_node_axes") == nlohmann::json::array({"dp"}));
+    // keelctl inject names ranks globally: node 0 runs ranks 0 and 1 only.
+    daemon::Request inject;
+    inject.command = daemon::Command::kInject;
+    inject.fault.kind = "slow";
+    inject.fault.rank = 2;
+    inject.fault.factor = 2.0;
+    const auto refused = daemon::call_daemon(job.socket(0), inject, std::chrono::seconds(10));
+    CAPTURE(refused.dump());
+    CHECK(refused.at("ok") == false);
+    CHECK(refused.dump().find("rank 2 runs on node 'node-1', not on this one") != std::string::npos);
     // keelctl health on a node shows every rank of the job, with its node.
     const auto health = job.ask(0, daemon::Command::kHealth);
     REQUIRE(health.at("ranks").size() == 4);

@@ -324,6 +324,22 @@ TEST_SUITE("integration") {
     }
   }
 
+  TEST_CASE("a watch whose token etcd voided takes a new one and sees the change") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
+    if (!cluster) return;
+    cluster->enable_auth("keel", "keel-pw", "jobs/a/");
+    auto watcher = connect(*cluster, "jobs/a", 10s, "keel:keel-pw");
+    const int64_t before = watcher->list("w").revision;  // and its token
+    cluster->void_tokens();
+    // Another client, authenticated afresh, changes the key.
+    connect(*cluster, "jobs/a", 10s, "keel:keel-pw")->set("w", "1");
+    const auto changes = watcher->watch("w", before, 10s);
+    REQUIRE(changes.size() == 1);
+    CHECK(changes[0].key == "w");
+    CHECK(changes[0].value == "1");
+  }
+
   TEST_CASE("etcd with authentication takes the right user and password and refuses others with exit code 2") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);

@@ -3,6 +3,7 @@
 #include "tests/support/free_ports.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -112,24 +113,38 @@ std::string EtcdCluster::address_on_also(const std::string& prefix) const {
   return address;
 }
 
-void EtcdCluster::enable_auth(const std::string& user, const std::string& password,
-                              const std::string& prefix) const {
+namespace {
+
+// Runs each etcdctl command (its arguments after the endpoints) in turn on
+// `cluster`; throws std::runtime_error with the output of the first that fails.
+void run_etcdctl(const EtcdCluster& cluster, const std::vector<std::vector<std::string>>& commands) {
   std::string endpoints = "--endpoints=";
-  for (int m = 0; m < size(); ++m) endpoints += (m > 0 ? "," : "") + endpoint(m);
-  const std::string role = user + "-role";
-  for (const std::vector<std::string>& command : {
-           std::vector<std::string>{"etcdctl", endpoints, "user", "add", "root:root-pw", "--interactive=false"},
-           std::vector<std::string>{"etcdctl", endpoints, "user", "add", user + ":" + password, "--interactive=false"},
-           std::vector<std::string>{"etcdctl", endpoints, "role", "add", role},
-           std::vector<std::string>{"etcdctl", endpoints, "role", "grant-permission", role, "--prefix=true",
-                                    "readwrite", prefix},
-           std::vector<std::string>{"etcdctl", endpoints, "user", "grant-role", user, role},
-           std::vector<std::string>{"etcdctl", endpoints, "auth", "enable"}}) {
-    const auto result = run_process(command, {}, 60);
+  for (int m = 0; m < cluster.size(); ++m) endpoints += (m > 0 ? "," : "") + cluster.endpoint(m);
+  for (const auto& command : commands) {
+    std::vector<std::string> argv = {"etcdctl", endpoints};
+    argv.insert(argv.end(), command.begin(), command.end());
+    const auto result = run_process(argv, {}, 60);
     if (result.exit_code != 0) {
-      throw std::runtime_error(fmt::format("{} {} failed: {}", command[2], command[3], result.output));
+      throw std::runtime_error(fmt::format("etcdctl {} failed: {}", fmt::join(command, " "), result.output));
     }
   }
+}
+
+}  // namespace
+
+void EtcdCluster::enable_auth(const std::string& user, const std::string& password,
+                              const std::string& prefix) const {
+  const std::string role = user + "-role";
+  run_etcdctl(*this, {{"user", "add", "root:root-pw", "--interactive=false"},
+                      {"user", "add", user + ":" + password, "--interactive=false"},
+                      {"role", "add", role},
+                      {"role", "grant-permission", role, "--prefix=true", "readwrite", prefix},
+                      {"user", "grant-role", user, role},
+                      {"auth", "enable"}});
+}
+
+void EtcdCluster::void_tokens() const {
+  run_etcdctl(*this, {{"--user=root:root-pw", "auth", "disable"}, {"auth", "enable"}});
 }
 
 std::string EtcdCluster::endpoint(int member) const {

@@ -49,6 +49,10 @@ class EtcdCluster {
   // `password` may read and write only keys under `prefix`; throws
   // std::runtime_error with etcdctl's output when a step fails.
   void enable_auth(const std::string& user, const std::string& password, const std::string& prefix) const;
+  // Turns authentication off and on again (root's password is root-pw):
+  // every token etcd handed out is void, as when a simple token outlives
+  // its TTL.
+  void void_tokens() const;
   // The end of a member's log, for a failure's message.
   std::string log_tail(int member) const;
 
