@@ -94,10 +94,12 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const Ra
       }
     }
     if (!options_.gpus.empty()) launch.env["CUDA_VISIBLE_DEVICES"] = options_.gpus[static_cast<size_t>(rank.rank)];
-    launch.log = rank_log_path(options_.run_dir, rank.rank);
+    // Logs go by global rank, the number the events, verdicts and the other nodes use.
+    const int global_rank = slice.first_rank + rank.rank;
+    launch.log = rank_log_path(options_.run_dir, global_rank);
     try {
       slot.emplace(health::ProgressBoard::create(board));
-      std::ofstream(launch.log, std::ios::app) << rank_log_header(generation, rank.rank);
+      std::ofstream(launch.log, std::ios::app) << rank_log_header(generation, global_rank);
       rank.pid = spawn_rank(launch);
     } catch (const std::exception& e) {
       rank.exit_code = 127;
@@ -123,7 +125,8 @@ const RankReport* RankSet::reap(pid_t pid, int wait_status) {
 std::string RankSet::exit_cause(int rank, int code) const {
   std::string cause = fmt::format("rank {} {}", slice_.first_rank + rank, describe_exit(code));
   // Only a rank that exited by itself had its say.
-  const std::string said = code > 0 && code < 128 ? last_error_sentence(rank_log_path(options_.run_dir, rank)) : "";
+  const std::string said = code > 0 && code < 128 ? last_error_sentence(rank_log_path(options_.run_dir, slice_.first_rank + rank))
+                                                      : "";
   return said.empty() ? cause : cause + ": " + said;
 }
 

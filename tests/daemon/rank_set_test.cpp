@@ -66,6 +66,10 @@ TEST_SUITE("integration") {
     CHECK(read_file(dir / "run" / "rank-1") == "5 6 1 2 10.0.0.7 5 --config " + args);
     // A rank's failure names it by its global rank, as the other nodes know it.
     CHECK(ranks.exit_cause(1, 137) == "rank 5 killed by SIGKILL");
+    // Each rank's log is named by its global rank, as the events name it.
+    CHECK(std::filesystem::exists(dir / "run" / "logs" / "rank-00004.log"));
+    CHECK(std::filesystem::exists(dir / "run" / "logs" / "rank-00005.log"));
+    CHECK_FALSE(std::filesystem::exists(dir / "run" / "logs" / "rank-00000.log"));
     // The detectors take each rank under the number its board says.
     const auto samples = ranks.samples();
     REQUIRE(samples.size() == 2);
