@@ -64,6 +64,11 @@ struct Membership {
 
   int world_size() const { return static_cast<int>(nodes.size()) * ranks_per_node; }
   int rank_offset() const { return node_rank * ranks_per_node; }
+  // The node that runs global rank `rank`; empty for a rank outside the world.
+  std::string node_of(int64_t rank) const {
+    if (rank < 0 || rank >= world_size()) return "";
+    return nodes[static_cast<size_t>(rank / ranks_per_node)];
+  }
 };
 
 // What ends a generation, or asks for the next one.

@@ -63,17 +63,13 @@ void HealthExchange::exchange_once() {
   try {
     if (summary) store_.set_with_lease(kHealthPrefix + node_name_, *summary, lease_());
     const auto listing = store_.list(kHealthPrefix);
-    RemoteSummaries now_held;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      now_held = received_;
-    }
+    // Only this thread writes received_, so it reads it without the lock.
     RemoteSummaries next;
     for (const auto& entry : listing.entries) {
       const std::string node = entry.key.substr(std::string(kHealthPrefix).size());
       if (node == node_name_) continue;
-      auto held = now_held.find(node);
-      if (held != now_held.end() && revisions_[node] == entry.revision) {
+      auto held = received_.find(node);
+      if (held != received_.end() && revisions_[node] == entry.revision) {
         next.emplace(node, held->second);  // unchanged: its age goes on from when it came
         continue;
       }

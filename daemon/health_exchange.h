@@ -62,7 +62,7 @@ class HealthExchange {
   std::condition_variable wake_;
   bool stop_ = false;
   std::optional<std::string> offered_;  // not published yet
-  RemoteSummaries received_;
+  RemoteSummaries received_;  // written by the thread only, under mutex_
   std::map<std::string, int64_t> revisions_;  // the thread's own: the etcd revision of each node's summary decoded
   std::set<std::string> unreadable_;          // the thread's own: nodes whose summary did not decode, logged once
   std::string failing_;                       // the thread's own: the last failure logged, so it is logged once

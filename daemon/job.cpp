@@ -316,21 +316,17 @@ void Job::act_on(const Verdicts& verdicts) {
 void Job::name_nodes(HealthResponse& response) const {
   if (!membership_) return;
   const cluster::Membership& m = *membership_;
-  auto node_of = [&m](int64_t rank) {
-    const int64_t n = rank / m.ranks_per_node;
-    return rank >= 0 && n < static_cast<int64_t>(m.nodes.size()) ? m.nodes[static_cast<size_t>(n)] : std::string();
-  };
   std::set<std::string> culprits;
   for (auto& e : response.events) {
     if (e.fields.contains("culprit_ranks")) {
       nlohmann::json nodes = nlohmann::json::array();
       for (const auto& r : e.fields["culprit_ranks"]) {
-        nodes.push_back(node_of(r.get<int64_t>()));
+        nodes.push_back(m.node_of(r.get<int64_t>()));
         culprits.insert(nodes.back().get<std::string>());
       }
       e.fields["culprit_nodes"] = nodes;
     } else if (e.fields.value("rank", int64_t{-1}) >= 0) {
-      e.fields["node"] = node_of(e.fields["rank"].get<int64_t>());
+      e.fields["node"] = m.node_of(e.fields["rank"].get<int64_t>());
       culprits.insert(e.fields["node"].get<std::string>());
     }
   }
@@ -468,8 +464,7 @@ nlohmann::json Job::health() const {
   out["ok"] = true;
   if (membership_) {
     for (auto& r : out["ranks"]) {
-      const auto n = static_cast<size_t>(r.at("rank").get<int64_t>() / membership_->ranks_per_node);
-      if (n < membership_->nodes.size()) r["node"] = membership_->nodes[n];
+      if (auto node = membership_->node_of(r.at("rank").get<int64_t>()); !node.empty()) r["node"] = node;
     }
     out["nodes"] = membership_->nodes;
   }
@@ -509,9 +504,8 @@ nlohmann::json Job::inject(const FaultSpec& fault, const std::string& by) {
   const int world = membership_ ? membership_->world_size() : static_cast<int>(ranks.size());
   const int64_t local = fault.rank - first;
   if (membership_ && fault.rank >= 0 && fault.rank < world && (local < 0 || local >= static_cast<int64_t>(ranks.size()))) {
-    const auto& node = membership_->nodes[static_cast<size_t>(fault.rank / membership_->ranks_per_node)];
     return error_reply(fmt::format("rank {} runs on node '{}', not on this one: ask that node's keeld", fault.rank,
-                                   node));
+                                   membership_->node_of(fault.rank)));
   }
   int64_t steps_done = -1;  // unknown until the rank publishes
   if (local >= 0 && local < static_cast<int64_t>(ranks.size())) {
