@@ -4,6 +4,8 @@ find_package(PkgConfig REQUIRED)
 find_package(Threads REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(Boost 1.74 REQUIRED COMPONENTS system)
+# TLS to etcd (store/etcd_gateway.cpp), through Boost.Asio's ssl streams.
+find_package(OpenSSL REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(fmt REQUIRED)
 find_package(doctest REQUIRED)

@@ -240,6 +240,9 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.daemon.socket, config.origin("daemon.socket"), base_dir);
   resolve_path(config.daemon.trainer, config.origin("daemon.trainer"), base_dir);
   resolve_path(config.cluster.credential_file, config.origin("cluster.credential_file"), base_dir);
+  resolve_path(config.cluster.tls_ca_file, config.origin("cluster.tls_ca_file"), base_dir);
+  resolve_path(config.cluster.tls_cert_file, config.origin("cluster.tls_cert_file"), base_dir);
+  resolve_path(config.cluster.tls_key_file, config.origin("cluster.tls_key_file"), base_dir);
   config.validate();
   return config;
 }
@@ -374,6 +377,8 @@ void Config::validate() const {
           fmt::format("must be an etcd address with the job's prefix, etcd://host:2379[,host:2379...]/keel/{} (got "
                       "\"{}\")",
                       job.name, cluster.etcd));
+    check(cluster.etcd.find('?') == std::string::npos, "cluster.etcd",
+          "takes no query: name etcd's TLS files with cluster.tls_ca_file, tls_cert_file and tls_key_file");
     check(daemon.ranks > 0, "daemon.ranks",
           "must name the ranks each node runs when cluster.etcd is set, e.g. ranks = 8 for a node of 8 GPUs");
     check(parallel.world_size() % daemon.ranks == 0, "daemon.ranks",
@@ -394,6 +399,12 @@ void Config::validate() const {
           fmt::format("must be at least 2 s, etcd's shortest lease (got {})", cluster.lease_ttl_s));
     check(!cluster.address.empty(), "cluster.address",
           "must name this node's address on the network its ranks share, e.g. its InfiniBand interface's");
+    check(cluster.tls_cert_file.empty() == cluster.tls_key_file.empty(),
+          cluster.tls_cert_file.empty() ? "cluster.tls_cert_file" : "cluster.tls_key_file",
+          "a client certificate goes with its key: set both tls_cert_file and tls_key_file, or neither");
+    check(cluster.tls_cert_file.empty() || !cluster.tls_ca_file.empty(), "cluster.tls_ca_file",
+          "must name the CA of etcd's certificates when tls_cert_file is set (a client certificate is sent over "
+          "TLS only)");
   } else {
     check(daemon.ranks == 0 || daemon.ranks == parallel.world_size(), "daemon.ranks",
           fmt::format("ranks={} but one node runs the whole layout dp x tp x pp x cp = {}; set 0 or that number, or "

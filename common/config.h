@@ -237,6 +237,12 @@ struct ClusterConfig {
   double join_timeout_s = 60;      // a rendezvous waits this long for max_nodes before sealing with fewer
   double lease_ttl_s = 5;          // a node silent this long (dead, or cut off from etcd) is out of the job
   std::string credential_file = "";  // a file holding USER:PASSWORD for etcd's auth; empty = auth off
+  // etcd over TLS (its client URLs are https): the CA that signed etcd's
+  // certificates; empty = plain HTTP. A client certificate and its key,
+  // for etcd's --client-cert-auth, go with it or not at all.
+  std::string tls_ca_file = "";
+  std::string tls_cert_file = "";
+  std::string tls_key_file = "";
   // Axes among "tp,cp,ep" whose groups may span nodes (cluster/placement.h);
   // empty = none: their collectives run every layer and belong on a node's fast links.
   std::string cross_node_axes = "";
@@ -250,6 +256,9 @@ struct ClusterConfig {
     v("join_timeout_s", join_timeout_s);
     v("lease_ttl_s", lease_ttl_s);
     v("credential_file", credential_file);
+    v("tls_ca_file", tls_ca_file);
+    v("tls_cert_file", tls_cert_file);
+    v("tls_key_file", tls_key_file);
     v("cross_node_axes", cross_node_axes);
   }
 };

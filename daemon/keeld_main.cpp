@@ -9,6 +9,7 @@
 #include "common/layout_check.h"
 #include "common/log.h"
 #include "cluster/placement.h"
+#include "store/etcd_gateway.h"
 #include "store/tcp_store.h"
 #include "daemon/cluster_link.h"
 #include "daemon/health_exchange.h"
@@ -76,7 +77,7 @@ class Ticker {
 // The ranks' Store (docs/architecture.md "Store (store/)"): on one node an
 // embedded TCP store with a new secret at every start (why: "Run
 // directory"); on many, the job's prefix in etcd, whose credential comes
-// from cluster.credential_file.
+// from cluster.credential_file and TLS files from cluster.tls_*.
 struct JobStore {
   std::optional<keel::store::StoreServer> server;
   std::unique_ptr<keel::store::Store> client;  // keeld's own
@@ -86,7 +87,9 @@ struct JobStore {
 
 void open_job_store(const keel::common::Config& config, JobStore& out) {
   if (config.multi_node()) {
-    out.address = config.cluster.etcd;
+    // The ranks reach etcd by this address too, TLS files and all.
+    out.address = keel::store::etcd_address_with_tls(
+        config.cluster.etcd, {config.cluster.tls_ca_file, config.cluster.tls_cert_file, config.cluster.tls_key_file});
     if (!config.cluster.credential_file.empty()) {
       std::ifstream in(config.cluster.credential_file);
       if (!in || !std::getline(in, out.secret) || out.secret.empty()) {

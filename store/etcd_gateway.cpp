@@ -1,6 +1,10 @@
 #include "store/etcd_gateway.h"
 
+#include <openssl/ssl.h>
+#include <openssl/x509_vfy.h>
+
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 
 #include "common/error.h"
@@ -17,6 +21,7 @@
 #include <optional>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 namespace keel::store {
@@ -60,16 +65,27 @@ constexpr int kCodeUnauthenticated = 16;
 // timeout closes the socket when it passes), so nothing blocks past it.
 struct Connection {
   asio::io_context io;
-  beast::tcp_stream stream{io};
+  beast::tcp_stream tcp{io};
+  // Over TLS, what requests and answers go through, on `tcp`.
+  std::unique_ptr<asio::ssl::stream<beast::tcp_stream&>> tls;
   beast::flat_buffer buffer;
   size_t endpoint = 0;
 
-  // Runs one asynchronous operation started by `start` until it completes
-  // or `deadline` passes (beast::error::timeout).
+  // Runs one asynchronous operation, which `start(stream, handler)` begins
+  // on the layer HTTP goes through, until it completes or `deadline` passes
+  // (beast::error::timeout).
   template <class Start>
   error_code run(Clock::time_point deadline, Start start) {
+    if (tls) return run_on_tcp(deadline, [&](auto handler) { start(*tls, std::move(handler)); });
+    return run_on_tcp(deadline, [&](auto handler) { start(tcp, std::move(handler)); });
+  }
+
+  // The same for an operation `start(handler)` begins itself (connecting,
+  // the TLS handshake).
+  template <class Start>
+  error_code run_on_tcp(Clock::time_point deadline, Start start) {
     error_code result = asio::error::would_block;
-    stream.expires_at(deadline);
+    tcp.expires_at(deadline);
     start([&result](error_code ec, auto&&...) { result = ec; });
     io.restart();
     io.run();
@@ -88,7 +104,63 @@ struct Attempt {
   unsigned status = 0;
   std::string body;
   std::string failure;  // why, when not answered
+  // Not sent because of keel's TLS settings, which no retry changes.
+  bool config_problem = false;
 };
+
+// Why a connection failed, with what to change when it is the settings.
+struct ConnectFailure {
+  std::string why;  // empty: connected
+  bool config_problem = false;
+};
+
+// Why a member turned away keel's client certificate, or empty when `ec` is
+// something else. Over TLS 1.3 a client finishes its handshake before the
+// server checks its certificate, so the refusal arrives as an alert on the
+// first read, before the server has read any request.
+std::string certificate_refusal(const error_code& ec) {
+  if (ec.category() != asio::error::get_ssl_category()) return "";
+  switch (ERR_GET_REASON(static_cast<unsigned long>(ec.value()))) {
+    case SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED:
+    case SSL_R_SSLV3_ALERT_BAD_CERTIFICATE:
+    case SSL_R_SSLV3_ALERT_CERTIFICATE_UNKNOWN:
+    case SSL_R_SSLV3_ALERT_CERTIFICATE_EXPIRED:
+    case SSL_R_SSLV3_ALERT_CERTIFICATE_REVOKED:
+    case SSL_R_TLSV1_ALERT_UNKNOWN_CA:
+    case SSL_R_TLSV1_ALERT_ACCESS_DENIED:
+      return fmt::format("it refused keel's TLS client certificate ({}): etcd with --client-cert-auth wants one "
+                         "signed by its --trusted-ca-file in cluster.tls_cert_file and tls_key_file",
+                         ec.message());
+    default:
+      return "";
+  }
+}
+
+// Loads the TLS files into a client context; Error(kBadConfig) naming the
+// file that cannot be used and OpenSSL's reason.
+std::unique_ptr<asio::ssl::context> tls_context(const EtcdTls& tls) {
+  auto context = std::make_unique<asio::ssl::context>(asio::ssl::context::tls_client);
+  context->set_verify_mode(asio::ssl::verify_peer);
+  auto load = [](const std::string& file, const char* what, auto load_file) {
+    error_code ec;
+    load_file(ec);
+    if (ec) {
+      throw Error(ErrorCode::kBadConfig,
+                  fmt::format("the {} for etcd's TLS, {}, cannot be used: {} (check [cluster] tls_ca_file, "
+                              "tls_cert_file and tls_key_file)",
+                              what, file, ec.message()));
+    }
+  };
+  load(tls.ca_file, "CA file", [&](error_code& ec) { context->load_verify_file(tls.ca_file, ec); });
+  if (!tls.cert_file.empty()) {
+    load(tls.cert_file, "client certificate",
+         [&](error_code& ec) { context->use_certificate_chain_file(tls.cert_file, ec); });
+    // OpenSSL refuses a key that does not match the certificate here.
+    load(tls.key_file, "client key",
+         [&](error_code& ec) { context->use_private_key_file(tls.key_file, asio::ssl::context::pem, ec); });
+  }
+  return context;
+}
 
 // etcd's error answer: {"error": ..., "message": ..., "code": N}.
 struct EtcdStatus {
@@ -129,7 +201,8 @@ bool refused_before_proposing(const EtcdStatus& status) {
 
 class EtcdGateway::Impl {
  public:
-  explicit Impl(EtcdOptions options) : options_(std::move(options)) {}
+  explicit Impl(EtcdOptions options)
+      : options_(std::move(options)), tls_context_(options_.tls.on() ? tls_context(options_.tls) : nullptr) {}
 
   const EtcdOptions& options() const { return options_; }
 
@@ -158,6 +231,14 @@ class EtcdGateway::Impl {
     // Half the call at most, so that a silent member leaves time for another.
     const milliseconds attempt_bound = std::clamp(limit / 2, milliseconds(500), kAttemptBound);
     std::vector<std::string> failures(options_.endpoints.size());
+    // A member that turned away the TLS settings keeps that as its failure:
+    // the connection it refused may also end in a reset, which says less.
+    std::vector<bool> config_problems(options_.endpoints.size());
+    auto failed = [&](size_t index, const std::string& why, bool config_problem) {
+      if (config_problems[index] && !config_problem) return;
+      failures[index] = options_.endpoints[index].name() + ": " + why;
+      config_problems[index] = config_problem;
+    };
     bool authenticated_again = false;
     const size_t n = options_.endpoints.size();
     for (;;) {
@@ -170,14 +251,14 @@ class EtcdGateway::Impl {
                                std::min(deadline, now + attempt_bound), retry);
         const std::string& name = options_.endpoints[index].name();
         if (attempt.kind == Attempt::kNotSent) {
-          failures[index] = name + ": " + attempt.failure;
+          failed(index, attempt.failure, attempt.config_problem);
           demote(index);
           continue;
         }
         if (attempt.kind == Attempt::kMaybeApplied) {
           demote(index);
           if (retry == Retry::kOnce) throw maybe_applied(path, name, attempt.failure);
-          failures[index] = name + ": " + attempt.failure;
+          failed(index, attempt.failure, false);
           continue;
         }
         if (attempt.status == 200) {
@@ -198,7 +279,7 @@ class EtcdGateway::Impl {
           if (retry == Retry::kOnce && !refused_before_proposing(status)) {
             throw maybe_applied(path, name, status.message);
           }
-          failures[index] = name + ": " + status.message;
+          failed(index, status.message, false);
           continue;
         }
         throw refused(path, name, status);
@@ -210,10 +291,16 @@ class EtcdGateway::Impl {
     for (const auto& failure : failures) {
       if (!failure.empty()) why += (why.empty() ? "" : "; ") + failure;
     }
+    // Every member turned away keel's TLS settings: no restart mends that.
+    if (std::all_of(config_problems.begin(), config_problems.end(), [](bool b) { return b; })) {
+      throw Error(ErrorCode::kBadConfig, fmt::format("no etcd member at {} takes keel's TLS settings: {}",
+                                                     endpoint_names(), why));
+    }
     throw Error(ErrorCode::kPeerFailure,
                 fmt::format("etcd cannot be reached at {} within {} ms ({}): check that etcd runs there and that the "
-                            "store address (KEEL_STORE, or [cluster] etcd in keeld's config) lists its client URLs",
-                            endpoint_names(), limit.count(), why.empty() ? "no attempt" : why));
+                            "store address (KEEL_STORE, or [cluster] etcd in keeld's config) lists its client URLs{}",
+                            endpoint_names(), limit.count(), why.empty() ? "no attempt" : why,
+                            tls_context_ ? "" : " (if they are https, set cluster.tls_ca_file)"));
   }
 
   bool stream(std::string_view path, const std::function<nlohmann::json()>& body_for_retry, Clock::time_point deadline,
@@ -231,26 +318,27 @@ class EtcdGateway::Impl {
       const std::string& name = options_.endpoints[index].name();
       index = (index + 1) % n;  // the next attempt goes elsewhere
       const auto attempt_deadline = std::min(deadline, Clock::now() + kAttemptBound);
-      if (std::string failure = connect(connection, attempt_deadline); !failure.empty()) {
-        last_failure = name + ": " + failure;
+      if (ConnectFailure failure = connect(connection, attempt_deadline); !failure.why.empty()) {
+        last_failure = name + ": " + failure.why;
         continue;
       }
       // A member cut off from its quorum would keep a watch open and silent;
       // asked to require a leader, it ends the watch with "no leader".
       auto request = make_request(path, body_for_retry().dump(), token(), name, /*require_leader=*/true);
-      if (auto ec = connection.run(attempt_deadline, [&](auto handler) {
-            http::async_write(connection.stream, request, std::move(handler));
+      if (auto ec = connection.run(attempt_deadline, [&](auto& stream, auto handler) {
+            http::async_write(stream, request, std::move(handler));
           })) {
         last_failure = name + ": " + describe(ec);
         continue;
       }
       http::response_parser<http::buffer_body> parser;
       parser.body_limit(boost::none);  // a watch streams for as long as it is read
-      if (auto ec = connection.run(deadline, [&](auto handler) {
-            http::async_read_header(connection.stream, connection.buffer, parser, std::move(handler));
+      if (auto ec = connection.run(deadline, [&](auto& stream, auto handler) {
+            http::async_read_header(stream, connection.buffer, parser, std::move(handler));
           })) {
         if (ec == beast::error::timeout) return false;
-        last_failure = name + ": " + describe(ec);
+        std::string refusal = certificate_refusal(ec);
+        last_failure = name + ": " + (refusal.empty() ? describe(ec) : refusal);
         continue;
       }
       const bool ok_status = parser.get().result_int() == 200;
@@ -260,8 +348,8 @@ class EtcdGateway::Impl {
         char chunk[8192];
         parser.get().body().data = chunk;
         parser.get().body().size = sizeof(chunk);
-        auto ec = connection.run(deadline, [&](auto handler) {
-          http::async_read_some(connection.stream, connection.buffer, parser, std::move(handler));
+        auto ec = connection.run(deadline, [&](auto& stream, auto handler) {
+          http::async_read_some(stream, connection.buffer, parser, std::move(handler));
         });
         if (ec == beast::error::timeout) return false;
         if (ec && ec != http::error::need_buffer) {
@@ -326,17 +414,49 @@ class EtcdGateway::Impl {
     return token_;
   }
 
-  // Empty, or why no connection was made.
-  std::string connect(Connection& connection, Clock::time_point deadline) {
+  ConnectFailure connect(Connection& connection, Clock::time_point deadline) {
     const EtcdEndpoint& endpoint = options_.endpoints[connection.endpoint];
     error_code ec;
     // A numeric address resolves at once; a host name waits on the system
     // resolver, which has no deadline of its own.
     auto addresses = tcp::resolver(connection.io).resolve(endpoint.host, std::to_string(endpoint.port), ec);
-    if (ec) return "cannot resolve " + endpoint.host + ": " + ec.message();
-    ec =
-        connection.run(deadline, [&](auto handler) { connection.stream.async_connect(addresses, std::move(handler)); });
-    return ec ? describe(ec) : std::string();
+    if (ec) return {"cannot resolve " + endpoint.host + ": " + ec.message()};
+    ec = connection.run_on_tcp(deadline,
+                               [&](auto handler) { connection.tcp.async_connect(addresses, std::move(handler)); });
+    if (ec) return {describe(ec)};
+    return tls_context_ ? handshake(connection, endpoint, deadline) : ConnectFailure{};
+  }
+
+  // The member's certificate must chain to the CA and name the host or
+  // address keel dialed, as an https client checks.
+  ConnectFailure handshake(Connection& connection, const EtcdEndpoint& endpoint, Clock::time_point deadline) {
+    connection.tls = std::make_unique<asio::ssl::stream<beast::tcp_stream&>>(connection.tcp, *tls_context_);
+    SSL* ssl = connection.tls->native_handle();
+    error_code not_address;
+    asio::ip::make_address(endpoint.host, not_address);
+    if (not_address) {
+      SSL_set_tlsext_host_name(ssl, endpoint.host.c_str());  // SNI, for names only
+      SSL_set1_host(ssl, endpoint.host.c_str());
+    } else {
+      X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl), endpoint.host.c_str());
+    }
+    error_code ec = connection.run_on_tcp(deadline, [&](auto handler) {
+      connection.tls->async_handshake(asio::ssl::stream_base::client, std::move(handler));
+    });
+    if (!ec) return {};
+    if (ec == beast::error::timeout || ec.category() != asio::error::get_ssl_category()) {
+      return {"TLS handshake: " + describe(ec)};
+    }
+    if (long verdict = SSL_get_verify_result(ssl); verdict != X509_V_OK) {
+      return {fmt::format("its TLS certificate is not trusted: {} (cluster.tls_ca_file must name the CA that "
+                          "signed etcd's certificates, and they must name {})",
+                          X509_verify_cert_error_string(verdict), endpoint.host),
+              true};
+    }
+    return {fmt::format("TLS handshake: {} (is etcd's client URL https? keel speaks TLS to it because "
+                        "cluster.tls_ca_file is set)",
+                        ec.message()),
+            true};
   }
 
   static http::request<http::string_body> make_request(std::string_view path, const std::string& body,
@@ -369,8 +489,8 @@ class EtcdGateway::Impl {
     }
     auto connection = std::make_unique<Connection>();
     connection->endpoint = index;
-    if (std::string failure = connect(*connection, deadline); !failure.empty()) {
-      return {Attempt::kNotSent, 0, {}, failure};
+    if (ConnectFailure failure = connect(*connection, deadline); !failure.why.empty()) {
+      return {Attempt::kNotSent, 0, {}, failure.why, failure.config_problem};
     }
     return exchange(connection, path, body, token, deadline);
   }
@@ -381,14 +501,17 @@ class EtcdGateway::Impl {
                    const std::string& token, Clock::time_point deadline) {
     auto request = make_request(path, body, token, options_.endpoints[connection->endpoint].name());
     if (auto ec = connection->run(
-            deadline, [&](auto handler) { http::async_write(connection->stream, request, std::move(handler)); })) {
+            deadline, [&](auto& stream, auto handler) { http::async_write(stream, request, std::move(handler)); })) {
       return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
     }
     http::response_parser<http::string_body> parser;
     parser.body_limit(kMaxAnswerBytes);
-    if (auto ec = connection->run(deadline, [&](auto handler) {
-          http::async_read(connection->stream, connection->buffer, parser, std::move(handler));
+    if (auto ec = connection->run(deadline, [&](auto& stream, auto handler) {
+          http::async_read(stream, connection->buffer, parser, std::move(handler));
         })) {
+      if (std::string refusal = certificate_refusal(ec); !refusal.empty()) {
+        return {Attempt::kNotSent, 0, {}, refusal, /*config_problem=*/true};
+      }
       return {Attempt::kMaybeApplied, 0, {}, describe(ec)};
     }
     auto response = parser.release();
@@ -433,6 +556,16 @@ class EtcdGateway::Impl {
   }
 
   Error refused(std::string_view path, const std::string& name, const EtcdStatus& status) const {
+    // etcd's fix for CVE-2018-16886: with client-cert-auth and users on, its
+    // gateway refuses any client certificate that has a Common Name.
+    if (status.message.find("CommonName of client sending a request against gateway") != std::string::npos) {
+      return Error(ErrorCode::kBadConfig,
+                   fmt::format("etcd at {} refuses keel's client certificate ({}): with its authentication on, "
+                               "etcd's JSON gateway takes only client certificates without a Common Name; issue "
+                               "cluster.tls_cert_file without one (say, subject /O=keel) and authenticate with "
+                               "cluster.credential_file",
+                               name, options_.tls.cert_file));
+    }
     if (status.code == kCodePermissionDenied || status.message.find("authentication failed") != std::string::npos ||
         status.message.find("user name is empty") != std::string::npos) {
       return Error(ErrorCode::kBadConfig,
@@ -445,6 +578,7 @@ class EtcdGateway::Impl {
   }
 
   const EtcdOptions options_;
+  const std::unique_ptr<asio::ssl::context> tls_context_;  // null without TLS
   std::mutex mutex_;
   size_t preferred_ = 0;
   std::string token_;
@@ -476,19 +610,51 @@ const EtcdOptions& EtcdGateway::options() const { return impl_->options(); }
 
 std::string EtcdGateway::endpoint_names() const { return impl_->endpoint_names(); }
 
+namespace {
+
+// The query of an etcd address: ca=FILE[&cert=FILE&key=FILE]. `malformed`
+// makes the error for a reason.
+template <class Malformed>
+EtcdTls parse_tls_query(std::string_view query, const Malformed& malformed) {
+  EtcdTls tls;
+  while (!query.empty()) {
+    size_t amp = query.find('&');
+    std::string_view item = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    size_t equals = item.find('=');
+    std::string_view name = item.substr(0, equals);
+    std::string_view value = equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
+    std::string* field = name == "ca" ? &tls.ca_file : name == "cert" ? &tls.cert_file : name == "key" ? &tls.key_file
+                                                                                                      : nullptr;
+    if (field == nullptr) throw malformed(fmt::format("'{}' is none of ca, cert and key", name));
+    if (value.empty()) throw malformed(fmt::format("'{}' names no file", name));
+    *field = std::string(value);
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty()) throw malformed("a client cert goes with its key: give both");
+  if (!tls.cert_file.empty() && tls.ca_file.empty()) throw malformed("a client cert needs ca, the CA of etcd's");
+  return tls;
+}
+
+}  // namespace
+
 EtcdOptions parse_etcd_address(std::string_view address, std::string_view credential, milliseconds timeout) {
   auto malformed = [&address](const std::string& why) {
     return Error(ErrorCode::kBadConfig,
-                 fmt::format("bad etcd address 'etcd://{}': {}; expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX], "
-                             "e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/keel/job-a",
+                 fmt::format("bad etcd address 'etcd://{}': {}; expected "
+                             "etcd://HOST:PORT[,HOST:PORT...][/PREFIX][?ca=FILE[&cert=FILE&key=FILE]], e.g. "
+                             "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/keel/job-a",
                              address, why));
   };
   EtcdOptions options;
   options.timeout = timeout;
   std::string_view hosts = address;
-  if (size_t slash = address.find('/'); slash != std::string_view::npos) {
-    hosts = address.substr(0, slash);
-    std::string_view prefix = address.substr(slash + 1);
+  if (size_t question = hosts.find('?'); question != std::string_view::npos) {
+    options.tls = parse_tls_query(hosts.substr(question + 1), malformed);
+    hosts = hosts.substr(0, question);
+  }
+  if (size_t slash = hosts.find('/'); slash != std::string_view::npos) {
+    std::string_view prefix = hosts.substr(slash + 1);
+    hosts = hosts.substr(0, slash);
     while (!prefix.empty() && prefix.back() == '/') prefix.remove_suffix(1);
     if (!prefix.empty()) options.prefix = std::string(prefix) + "/";
   }
@@ -522,6 +688,24 @@ EtcdOptions parse_etcd_address(std::string_view address, std::string_view creden
     options.password = std::string(credential.substr(colon + 1));
   }
   return options;
+}
+
+std::string etcd_address_with_tls(const std::string& address, const EtcdTls& tls) {
+  if (!tls.on()) return address;
+  std::string query;
+  for (auto [name, file, key] : {std::tuple{"ca", &tls.ca_file, "cluster.tls_ca_file"},
+                                 {"cert", &tls.cert_file, "cluster.tls_cert_file"},
+                                 {"key", &tls.key_file, "cluster.tls_key_file"}}) {
+    if (file->empty()) continue;
+    if (file->find_first_of("&?") != std::string::npos) {
+      throw Error(ErrorCode::kBadConfig, fmt::format("{} = \"{}\": keel hands etcd's TLS files to its ranks in the "
+                                                     "store address, where a file name cannot hold '&' or '?'; "
+                                                     "rename the file",
+                                                     key, *file));
+    }
+    query += fmt::format("{}{}={}", query.empty() ? "?" : "&", name, *file);
+  }
+  return address + query;
 }
 
 std::string etcd_base64(std::string_view bytes) {

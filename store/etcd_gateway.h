@@ -30,6 +30,16 @@ struct EtcdEndpoint {
   std::string name() const { return host + ":" + std::to_string(port); }
 };
 
+// etcd over TLS, for client URLs that are https: PEM files. The member's
+// certificate must be signed by the CA and name the host or address keel
+// dials.
+struct EtcdTls {
+  std::string ca_file;    // empty: plain HTTP
+  std::string cert_file;  // a client certificate, for etcd's --client-cert-auth; with key_file or neither
+  std::string key_file;
+  bool on() const { return !ca_file.empty(); }
+};
+
 struct EtcdOptions {
   std::vector<EtcdEndpoint> endpoints;
   // What every key is stored under ("keel/job-a/"), so that jobs can share
@@ -38,15 +48,22 @@ struct EtcdOptions {
   // etcd's own authentication; empty user: auth is off.
   std::string user;
   std::string password;
+  EtcdTls tls;
   // Bounds reaching a member and every call (a watch has its own).
   std::chrono::milliseconds timeout{10000};
 };
 
 // Parses the part of a store address after "etcd://":
-// HOST:PORT[,HOST:PORT...][/PREFIX]. `credential` is USER:PASSWORD or empty.
-// Error(kBadConfig) naming what is wrong and the expected form.
+// HOST:PORT[,HOST:PORT...][/PREFIX][?ca=FILE[&cert=FILE&key=FILE]], the
+// query naming the TLS files (EtcdTls). `credential` is USER:PASSWORD or
+// empty. Error(kBadConfig) naming what is wrong and the expected form.
 EtcdOptions parse_etcd_address(std::string_view address, std::string_view credential,
                                std::chrono::milliseconds timeout);
+
+// `address` (etcd://..., without a query) with `tls` as its query, so that
+// one string carries everything a rank needs to reach etcd (KEEL_STORE).
+// Error(kBadConfig) for a file name that cannot go in a query ('&', '?').
+std::string etcd_address_with_tls(const std::string& address, const EtcdTls& tls);
 
 class EtcdGateway {
  public:
@@ -57,6 +74,8 @@ class EtcdGateway {
 
   // Authenticates when `options` has a user: Error(kBadConfig) when etcd
   // refuses the name or password, Error(kPeerFailure) when no member answers.
+  // Error(kBadConfig) when a TLS file cannot be read or the key does not
+  // match the certificate.
   explicit EtcdGateway(EtcdOptions options);
   ~EtcdGateway();
   EtcdGateway(const EtcdGateway&) = delete;

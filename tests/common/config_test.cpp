@@ -133,6 +133,16 @@ TEST_SUITE("unit") {
          "min_nodes=3 exceeds the 2 nodes of the full layout"},
         {"a lease etcd would not grant", m, {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=1", "cluster.lease_ttl_s=1"},
          "at least 2 s, etcd's shortest lease"},
+        {"TLS files in the etcd address", m, {"cluster.etcd=etcd://h:1/keel/t?ca=/ca.pem", "daemon.ranks=1"},
+         "name etcd's TLS files with cluster.tls_ca_file"},
+        {"a client certificate without its key", m,
+         {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=1", "cluster.tls_ca_file=/ca.pem",
+          "cluster.tls_cert_file=/node.pem"},
+         "cluster.tls_key_file): a client certificate goes with its key"},
+        {"a client certificate without etcd's CA", m,
+         {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=1", "cluster.tls_cert_file=/node.pem",
+          "cluster.tls_key_file=/node.key"},
+         "cluster.tls_ca_file): must name the CA of etcd's certificates"},
         {"override without =", m, {"train.lr"}, "expected section.key=value"},
         {"override of unknown key", m, {"train.learning_rate=1"}, "unknown key 'learning_rate' in [train]"},
         {"override of wrong type", m, {"train.steps=many"}, "train.steps must be an integer"},
@@ -157,6 +167,11 @@ TEST_SUITE("unit") {
     CHECK(c.max_nodes() == 3);
     CHECK(c.min_nodes() == 3);
     CHECK(c.cluster.credential_file == (std::filesystem::current_path() / "etcd.pw").string());
+    Config tls = Config::parse(c.to_toml(), "r.toml", "/x",
+                               {"cluster.tls_ca_file=pki/ca.pem", "cluster.tls_cert_file=/etc/keel/node.pem",
+                                "cluster.tls_key_file=/etc/keel/node.key"});
+    CHECK(tls.cluster.tls_ca_file == (std::filesystem::current_path() / "pki/ca.pem").string());
+    CHECK(tls.cluster.tls_key_file == "/etc/keel/node.key");
     CHECK(Config::parse(c.to_toml(), "r.toml", "/x", {"cluster.min_nodes=2"}).min_nodes() == 2);
   }
 

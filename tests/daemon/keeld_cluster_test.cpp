@@ -51,8 +51,14 @@ class ClusterJob {
         sets.end(),
         {fmt::format("checkpoint.dir={}", checkpoints().string()),
          fmt::format("job.run_dir={}", run_dir(node).string()), fmt::format("daemon.socket={}", socket(node)),
-         fmt::format("cluster.etcd={}", etcd_.address("keel/cluster-test")),
          fmt::format("cluster.node_name={}", node_name(node)), fmt::format("cluster.address=127.0.0.{}", node + 1)});
+    // keeld takes etcd's TLS files from [cluster], not in the address.
+    const std::string address = etcd_.address("keel/cluster-test");
+    sets.push_back("cluster.etcd=" + address.substr(0, address.find('?')));
+    if (const auto tls = etcd_.client_tls(); tls.on()) {
+      sets.insert(sets.end(), {"cluster.tls_ca_file=" + tls.ca_file, "cluster.tls_cert_file=" + tls.cert_file,
+                               "cluster.tls_key_file=" + tls.key_file});
+    }
     sets.insert(sets.end(), sets_.begin(), sets_.end());
     sets.insert(sets.end(), extra.begin(), extra.end());
     std::vector<std::string> argv = prefix;
@@ -252,15 +258,19 @@ TEST_SUITE("integration") {
     require_identical(alone.checkpoint_tensors(40), checkpoint_tensors(job.checkpoints(), 40));
   }
 
-  TEST_CASE("bad input to a keeld of a running job is refused with a sentence and an exit code and the job trains on") {
+  TEST_CASE(
+      "bad input to a keeld of a running job on etcd with TLS and passwords is refused with a sentence and an exit "
+      "code and the job trains on") {
     TempDir etcd_dir;
-    auto etcd = start_etcd_or_skip(etcd_dir.path(), 1);
+    // As an operator would run it: TLS with client certificates, and users.
+    auto etcd = start_etcd_or_skip(etcd_dir.path(), 1, "", EtcdCluster::Transport::kTls);
     if (!etcd) return;
     etcd->enable_auth("keel", "keel-pw", "keel/cluster-test/");
     // Endless, stopped on purpose after the table: every row meets it running.
     ClusterJob job(*etcd, 3, {"train.steps=1000000", "checkpoint.every_steps=50"});
     const std::string good = "cluster.credential_file=" + job.write("good.credential", "keel:keel-pw\n").string();
     const std::string wrong = "cluster.credential_file=" + job.write("wrong.credential", "keel:hunter2\n").string();
+    const auto stranger = keel::test::make_test_certificates(etcd_dir.path() / "stranger", {"127.0.0.1"});
     // min_nodes = 2 seals two nodes after the join timeout.
     std::vector<std::unique_ptr<ChildProcess>> keelds;
     for (int node = 0; node < 2; ++node) keelds.push_back(job.start(node, {good}));  // two of three nodes
@@ -292,6 +302,19 @@ TEST_SUITE("integration") {
          2,
          "model.n_embd is 64 here but 32 on the job's nodes"},
         {"a layout whose TP groups would span nodes", {good, "daemon.ranks=1"}, 2, "the layout's tp groups span nodes"},
+        {"plain HTTP where etcd speaks TLS",
+         {good, "cluster.tls_ca_file=", "cluster.tls_cert_file=", "cluster.tls_key_file="},
+         12,
+         "if they are https, set cluster.tls_ca_file"},
+        {"a CA that did not sign etcd's certificate",
+         {good, "cluster.tls_ca_file=" + stranger.ca.string()},
+         2,
+         "its TLS certificate is not trusted"},
+        {"a client certificate with a Common Name where etcd has users",
+         {good, "cluster.tls_cert_file=" + etcd->certificates().named_client_cert.string(),
+          "cluster.tls_key_file=" + etcd->certificates().named_client_key.string()},
+         2,
+         "etcd's JSON gateway takes only client certificates without a Common Name"},
         {"a credential file that is not there",
          {"cluster.credential_file=/nonexistent/etcd.credential"},
          2,

@@ -26,6 +26,7 @@
 #include "tests/support/free_ports.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_certificates.h"
 #include "tests/support/wait.h"
 
 using keel::common::Error;
@@ -101,6 +102,9 @@ class FakeMember {
         ssize_t n = read(connection, buffer, sizeof(buffer));
         if (n <= 0) break;
         request.append(buffer, n);
+        // A TLS hello is no request: answered at once, as an HTTP server
+        // answers bytes it cannot parse.
+        if (request[0] == 0x16) break;
         size_t head_end = request.find("\r\n\r\n");
         if (head_end == std::string::npos) continue;
         size_t length_at = request.find("Content-Length: ");
@@ -357,6 +361,80 @@ TEST_SUITE("integration") {
     CHECK(outside.code() == ErrorCode::kBadConfig);
     CHECK(std::string(outside.what()).find("jobs/b/") != std::string::npos);
   }
+
+  TEST_CASE("etcd over TLS with client certificates keeps the store contract and its watches and leases past its leader's loss") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path(), 3, "", EtcdCluster::Transport::kTls);
+    if (!cluster) return;
+    REQUIRE(cluster->address("job").find("?ca=") != std::string::npos);
+    auto store = connect(*cluster, "job", 20s);
+    store->set("a", "1");
+    CHECK(store->compare_set("a", "1", "2") == "2");
+    const ClusterStore::LeaseId lease = store->grant_lease(30s);
+    store->set_with_lease("nodes/a", "alive", lease);
+    CHECK(store->keep_alive(lease, 5s));
+    const int64_t before = store->list("nodes/").revision;
+    const int leader = cluster->leader();
+    REQUIRE(leader >= 0);
+    cluster->kill(leader);
+    // Another client's change reaches the watch over the members left.
+    connect(*cluster, "job", 20s)->set("nodes/b", "joined");
+    const auto changes = store->watch("nodes/", before, 30s);
+    REQUIRE(changes.size() == 1);
+    CHECK(changes[0].key == "nodes/b");
+    CHECK(store->add("count", 1) == 1);
+    CHECK(store->get("a") == "2");
+    store->revoke(lease);
+    CHECK_FALSE(store->get("nodes/a").has_value());
+  }
+
+  TEST_CASE("TLS settings etcd turns away are refused with a sentence naming what to change") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1, "", EtcdCluster::Transport::kTls);
+    if (!cluster) return;
+    const auto& own = cluster->certificates();
+    const auto stranger = keel::test::make_test_certificates(dir.path() / "stranger", {"127.0.0.1"});
+    const std::string members = "etcd://" + cluster->endpoint(0) + "/job";
+    struct Row {
+      const char* name;
+      keel::store::EtcdTls tls;
+      ErrorCode code;
+      const char* says;
+    };
+    const Row rows[] = {
+        {"plain HTTP to a member that speaks TLS", {}, ErrorCode::kPeerFailure, "set cluster.tls_ca_file"},
+        {"a CA that did not sign etcd's certificate",
+         {stranger.ca, own.client_cert, own.client_key},
+         ErrorCode::kBadConfig,
+         "its TLS certificate is not trusted"},
+        {"no client certificate where etcd asks for one",
+         {own.ca, "", ""},
+         ErrorCode::kBadConfig,
+         "refused keel's TLS client certificate"},
+        {"a client certificate of another CA",
+         {own.ca, stranger.client_cert, stranger.client_key},
+         ErrorCode::kBadConfig,
+         "refused keel's TLS client certificate"},
+        {"a CA file that is not there", {"/nonexistent/ca.pem", "", ""}, ErrorCode::kBadConfig, "/nonexistent/ca.pem"},
+        {"a key that is not the certificate's",
+         {own.ca, own.client_cert, stranger.client_key},
+         ErrorCode::kBadConfig,
+         "client key"},
+    };
+    for (const Row& row : rows) {
+      const std::string name = row.name;
+      CAPTURE(name);
+      const auto started = std::chrono::steady_clock::now();
+      Error refused = error_of([&] {
+        connect_store(keel::store::etcd_address_with_tls(members, row.tls), "", 10s)->set("k", "v");
+      });
+      const std::string said = refused.what();
+      CAPTURE(said);
+      CHECK(std::chrono::steady_clock::now() - started < 30s);
+      CHECK(refused.code() == row.code);
+      CHECK(said.find(row.says) != std::string::npos);
+    }
+  }
 }
 
 TEST_SUITE("unit") {
@@ -380,6 +458,10 @@ TEST_SUITE("unit") {
              {"etcd://h:2379", ":pw", "USER:PASSWORD"},
              {"etc://h:2379", "", "neither tcp:// "},
              {"h:2379", "", "neither tcp:// "},
+             {"etcd://h:2379/job?ca=", "", "'ca' names no file"},
+             {"etcd://h:2379/job?tls=on", "", "'tls' is none of ca, cert and key"},
+             {"etcd://h:2379/job?ca=/ca.pem&cert=/c.pem", "", "a client cert goes with its key"},
+             {"etcd://h:2379/job?cert=/c.pem&key=/k.pem", "", "a client cert needs ca"},
          }) {
       CAPTURE(c.address);
       Error refused = error_of([&] { connect_store(c.address, c.credential, 1s); });
@@ -392,6 +474,33 @@ TEST_SUITE("unit") {
     CHECK(options.prefix == "keel/job/");
     CHECK(options.user == "u");
     CHECK(options.password == "p:q");
+    CHECK_FALSE(options.tls.on());
+    const keel::store::EtcdTls tls{"/etc/keel/ca.pem", "/etc/keel/node.pem", "/etc/keel/node.key"};
+    const std::string with_tls = keel::store::etcd_address_with_tls("etcd://a:1,b:2/keel/job", tls);
+    auto parsed = keel::store::parse_etcd_address(std::string_view(with_tls).substr(7), "", 1s);
+    CHECK(parsed.prefix == "keel/job/");
+    CHECK(parsed.endpoints.size() == 2);
+    CHECK(parsed.tls.ca_file == tls.ca_file);
+    CHECK(parsed.tls.cert_file == tls.cert_file);
+    CHECK(parsed.tls.key_file == tls.key_file);
+    CHECK(keel::store::parse_etcd_address("a:1?ca=/ca.pem", "", 1s).prefix.empty());
+    Error unquotable = error_of([] { keel::store::etcd_address_with_tls("etcd://a:1", {"/pki/a&b.pem", "", ""}); });
+    CHECK(unquotable.code() == ErrorCode::kBadConfig);
+    CHECK(std::string(unquotable.what()).find("cluster.tls_ca_file") != std::string::npos);
+  }
+
+  TEST_CASE("TLS to a member that speaks plain HTTP is refused with a sentence and exit code 2") {
+    TempDir dir;
+    const auto pki = keel::test::make_test_certificates(dir.path(), {"127.0.0.1"});
+    FakeMember plain(http_answer(200, R"({"header":{"revision":"1"}})"));
+    const std::string address = keel::store::etcd_address_with_tls(
+        "etcd://127.0.0.1:" + std::to_string(plain.port()) + "/job", {pki.ca, pki.client_cert, pki.client_key});
+    Error refused = error_of([&] { connect_store(address, "", 2s)->set("k", "v"); });
+    const std::string said = refused.what();
+    CAPTURE(said);
+    CHECK(refused.code() == ErrorCode::kBadConfig);
+    CHECK_MESSAGE(std::string(refused.what()).find("is etcd's client URL https?") != std::string::npos,
+                  refused.what());
   }
 
   TEST_CASE("no etcd answering is a peer failure within the timeout naming every endpoint") {

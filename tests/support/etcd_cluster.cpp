@@ -30,7 +30,9 @@ bool exited(pid_t pid) {
   return state == "Z";
 }
 
-std::string url(int port) { return "http://127.0.0.1:" + std::to_string(port); }
+std::string url(int port, const std::string& host = "127.0.0.1", const char* scheme = "http") {
+  return fmt::format("{}://{}:{}", scheme, host, port);
+}
 
 }  // namespace
 
@@ -42,8 +44,13 @@ std::string EtcdCluster::unavailable_reason() {
   return "";
 }
 
-EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members, std::string also_on)
-    : dir_(dir), also_on_(std::move(also_on)) {
+EtcdCluster::EtcdCluster(const std::filesystem::path& dir, int members, std::string also_on, Transport transport)
+    : dir_(dir), also_on_(std::move(also_on)), transport_(transport) {
+  if (transport_ == Transport::kTls) {
+    std::vector<std::string> addresses = {"127.0.0.1"};
+    if (!also_on_.empty()) addresses.push_back(also_on_);
+    certificates_ = make_test_certificates(dir_ / "pki", addresses);
+  }
   for (int attempt = 0; attempt < 3; ++attempt) {
     members_.clear();
     members_.resize(members);
@@ -83,15 +90,22 @@ void EtcdCluster::launch(int member) {
   std::string cluster;
   for (const auto& m : members_) cluster += (cluster.empty() ? "" : ",") + m.name + "=" + url(m.peer_port);
   Member& m = members_[member];
+  const char* client_scheme = transport_ == Transport::kTls ? "https" : "http";
   std::vector<std::string> argv = {
       kEtcd, "--name=" + m.name, "--data-dir=" + (dir_ / m.name).string(),
-      "--listen-client-urls=" + url(m.client_port) +
-          (also_on_.empty() ? "" : fmt::format(",http://{}:{}", also_on_, m.client_port)),
-      "--advertise-client-urls=" + url(m.client_port), "--listen-peer-urls=" + url(m.peer_port),
+      "--listen-client-urls=" + url(m.client_port, "127.0.0.1", client_scheme) +
+          (also_on_.empty() ? "" : "," + url(m.client_port, also_on_, client_scheme)),
+      "--advertise-client-urls=" + url(m.client_port, "127.0.0.1", client_scheme),
+      "--listen-peer-urls=" + url(m.peer_port),
       "--initial-advertise-peer-urls=" + url(m.peer_port), "--initial-cluster=" + cluster,
       "--initial-cluster-token=" + token_,
       // A member started again finds its cluster in its data.
       "--initial-cluster-state=new", "--logger=zap", "--log-outputs=" + (dir_ / (m.name + ".log")).string()};
+  if (transport_ == Transport::kTls) {
+    argv.insert(argv.end(), {"--cert-file=" + certificates_.server_cert.string(),
+                             "--key-file=" + certificates_.server_key.string(),
+                             "--trusted-ca-file=" + certificates_.ca.string(), "--client-cert-auth"});
+  }
   m.process = std::make_unique<ChildProcess>(argv);
 }
 
@@ -103,14 +117,19 @@ std::string EtcdCluster::address(const std::string& prefix) const {
   std::string address = "etcd://";
   for (int i = 0; i < size(); ++i) address += fmt::format("{}{}", i ? "," : "", endpoint(i));
   if (!prefix.empty()) address += fmt::format("/{}", prefix);
-  return address;
+  return store::etcd_address_with_tls(address, client_tls());
 }
 
 std::string EtcdCluster::address_on_also(const std::string& prefix) const {
   std::string address = "etcd://";
   for (int i = 0; i < size(); ++i) address += fmt::format("{}{}:{}", i ? "," : "", also_on_, members_[i].client_port);
   if (!prefix.empty()) address += fmt::format("/{}", prefix);
-  return address;
+  return store::etcd_address_with_tls(address, client_tls());
+}
+
+store::EtcdTls EtcdCluster::client_tls() const {
+  if (transport_ != Transport::kTls) return {};
+  return {certificates_.ca.string(), certificates_.client_cert.string(), certificates_.client_key.string()};
 }
 
 namespace {
@@ -120,8 +139,13 @@ namespace {
 void run_etcdctl(const EtcdCluster& cluster, const std::vector<std::vector<std::string>>& commands) {
   std::string endpoints = "--endpoints=";
   for (int m = 0; m < cluster.size(); ++m) endpoints += (m > 0 ? "," : "") + cluster.endpoint(m);
+  std::vector<std::string> tls;
+  if (const store::EtcdTls files = cluster.client_tls(); files.on()) {
+    tls = {"--cacert=" + files.ca_file, "--cert=" + files.cert_file, "--key=" + files.key_file};
+  }
   for (const auto& command : commands) {
     std::vector<std::string> argv = {"etcdctl", endpoints};
+    argv.insert(argv.end(), tls.begin(), tls.end());
     argv.insert(argv.end(), command.begin(), command.end());
     const auto result = run_process(argv, {}, 60);
     if (result.exit_code != 0) {
@@ -160,6 +184,7 @@ int EtcdCluster::leader() const {
       store::EtcdOptions options;
       options.endpoints = {{"127.0.0.1", static_cast<uint16_t>(members_[i].client_port)}};
       options.timeout = std::chrono::milliseconds(1000);
+      options.tls = client_tls();
       store::EtcdGateway gateway(options);
       auto status =
           gateway.call("/v3/maintenance/status", nlohmann::json::object(), store::EtcdGateway::Retry::kIdempotent);

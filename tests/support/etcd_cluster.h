@@ -10,12 +10,21 @@
 #include <string>
 #include <vector>
 
+#include "store/etcd_gateway.h"
 #include "tests/support/process.h"
+#include "tests/support/test_certificates.h"
 
 namespace keel::test {
 
 class EtcdCluster {
  public:
+  enum class Transport {
+    kHttp,
+    // Clients speak TLS to the members, which ask for a client certificate
+    // signed by the cluster's own CA (etcd's --client-cert-auth).
+    kTls,
+  };
+
   // Why no cluster can be started here, or empty when one can.
   static std::string unavailable_reason();
 
@@ -24,17 +33,22 @@ class EtcdCluster {
   // cluster within a minute.
   // `also_on`: another local address every member serves clients on too
   // (a veth's, for a node in a network namespace); empty: loopback only.
-  explicit EtcdCluster(const std::filesystem::path& dir, int members = 3, std::string also_on = "");
+  explicit EtcdCluster(const std::filesystem::path& dir, int members = 3, std::string also_on = "",
+                       Transport transport = Transport::kHttp);
   ~EtcdCluster();
   EtcdCluster(const EtcdCluster&) = delete;
   EtcdCluster& operator=(const EtcdCluster&) = delete;
 
   int size() const { return static_cast<int>(members_.size()); }
   // "etcd://127.0.0.1:P0,127.0.0.1:P1,...[/prefix]": every member, as a
-  // store address.
+  // store address; over TLS with the client certificate's files as its query.
   std::string address(const std::string& prefix = "") const;
   // The same through `also_on` instead of 127.0.0.1.
   std::string address_on_also(const std::string& prefix = "") const;
+  // What a client needs for TLS (nothing over HTTP).
+  store::EtcdTls client_tls() const;
+  // The files behind it, with the server's; only over TLS.
+  const TestCertificates& certificates() const { return certificates_; }
   // "127.0.0.1:P", one member's client endpoint.
   std::string endpoint(int member) const;
   // The member that leads now, as the running members see it; -1 when none
@@ -68,6 +82,8 @@ class EtcdCluster {
 
   std::filesystem::path dir_;
   std::string also_on_;
+  Transport transport_;
+  TestCertificates certificates_;
   std::string token_;
   std::vector<Member> members_;
 };
