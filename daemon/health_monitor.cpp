@@ -50,11 +50,16 @@ HealthMonitor::HealthMonitor(const common::HealthConfig& config, int world)
       stragglers_(config),
       digests_(std::in_place),
       flags_(static_cast<size_t>(world)),
-      sdc_reports_seen_(static_cast<size_t>(world), 0) {}
+      sdc_reports_seen_(static_cast<size_t>(world), 0),
+      placement_(static_cast<size_t>(world)) {}
 
-void HealthMonitor::new_generation(int world) {
-  if (static_cast<size_t>(world) != flags_.size()) flags_.assign(static_cast<size_t>(world), Flags{});
-  sdc_reports_seen_.resize(static_cast<size_t>(world));
+void HealthMonitor::new_generation(const std::vector<std::string>& placement) {
+  if (placement != placement_) {
+    flags_.assign(placement.size(), Flags{});
+    stragglers_ = health::StragglerMonitor(config_);
+    placement_ = placement;
+  }
+  sdc_reports_seen_.resize(placement.size());
   digests_.emplace();
   for (auto& f : flags_) f.hung.clear();
   std::fill(sdc_reports_seen_.begin(), sdc_reports_seen_.end(), 0);

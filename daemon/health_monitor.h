@@ -77,13 +77,15 @@ class HealthMonitor {
   // the ranks' exit are evidence of what they computed, though no rank
   // runs any more (and so nothing can hang or straggle).
   Verdicts last_words(health::RankSamples samples, int64_t now_ns);
-  // A new generation of `world` ranks started: its ranks hang no more,
-  // their memory was loaded again (replica digests compare afresh) and their
-  // boards count SDC reports from zero. What was learned of timings and
-  // stragglers stays, and which ranks are suspect unless the world changed
-  // size (on many nodes, with the node count): then the ranks are numbered
-  // afresh and no flag of an old number applies.
-  void new_generation(int world);
+  // A new generation started, global rank r on node `placement[r]` ("" on
+  // one node): its ranks hang no more, their memory was loaded again
+  // (replica digests compare afresh) and their boards count SDC reports
+  // from zero. What was learned of collective timings stays. Which ranks are
+  // suspect and the straggler evidence stay while every rank number runs on
+  // the node it ran on; when the placement changed (the job shrank or grew,
+  // or another node took a place), a number means other hardware and
+  // nothing learned of an old number applies.
+  void new_generation(const std::vector<std::string>& placement);
 
   RankHealth rank(int rank) const;
   DetectionCounts counts() const { return counts_; }
@@ -112,6 +114,7 @@ class HealthMonitor {
   // (rank, step, method) of this generation's SDC findings: every rank may
   // report the same one.
   std::set<std::tuple<int, int64_t, std::string>> sdc_seen_;
+  std::vector<std::string> placement_;  // of the current generation
   DetectionCounts counts_;
 };
 

@@ -206,7 +206,11 @@ void Job::spawn_generation(int64_t generation, const RankSlice& slice) {
   auto log = common::logger("job");
   resumed_ = false;
   last_progress_log_ns_ = clock_.now_ns();
-  health_.new_generation(slice.world);
+  std::vector<std::string> placement(static_cast<size_t>(slice.world));
+  if (membership_) {
+    for (int r = 0; r < slice.world; ++r) placement[static_cast<size_t>(r)] = membership_->node_of(r);
+  }
+  health_.new_generation(placement);
   if (const auto failed = ranks_.spawn(generation, slice)) {
     log->error("generation {}: {}", generation, failed->why);
     apply(machine_.rank_exited({failed->rank, -1, 127, -1, ranks_.exit_cause(failed->rank, 127)}).actions);

@@ -90,6 +90,22 @@ Verdicts watch_stuck(HealthMonitor& monitor, common::FakeClock& clock, int64_t s
   return all;
 }
 
+// A generation of `world` ranks on one node.
+std::vector<std::string> one_node(int world) { return std::vector<std::string>(static_cast<size_t>(world)); }
+
+// Three ranks' boards with steps 0..`steps`-1 timed, rank 2 the slowest.
+health::RankSamples timed(int64_t now_ns, int64_t steps) {
+  health::RankSamples samples = {sample(0, now_ns, steps), sample(1, now_ns, steps), sample(2, now_ns, steps)};
+  for (auto& s : samples) {
+    for (int64_t step = 0; step < steps; ++step) {
+      auto& t = s.board->steps[step % health::kRecentSteps];
+      t.step = step;
+      t.compute_ms = t.total_ms = 100.0f + 10.0f * static_cast<float>(s.rank);
+    }
+  }
+  return samples;
+}
+
 }  // namespace
 
 TEST_SUITE("unit") {
@@ -120,7 +136,7 @@ TEST_SUITE("unit") {
     CHECK(watch_stuck(monitor, clock, since, 1).hangs.empty());
     CHECK(monitor.counts().hang == 1);
 
-    monitor.new_generation(3);
+    monitor.new_generation(one_node(3));
     CHECK(monitor.rank(1).condition == RankCondition::kHealthy);
     const auto health = monitor.health_json();
     CHECK(health.at("ranks").size() == 3);
@@ -194,12 +210,36 @@ TEST_SUITE("unit") {
     CHECK(verdicts.sdc[0].rank == -1);
 
     // A new generation's boards count from zero again; rank 2 stays suspect.
-    monitor.new_generation(3);
+    monitor.new_generation(one_node(3));
     samples = {sample(0, now), sample(1, now), sample(2, now)};
     report_sdc(samples[0], 1, 12, 2, health::SdcMethod::kKat, health::SdcVerdict::kPersistent);
     CHECK(monitor.observe(samples, now).sdc.size() == 1);
     CHECK(monitor.rank(2).condition == RankCondition::kSuspect);
     CHECK(monitor.rank(2).reason.find("known-answer") != std::string::npos);
+  }
+
+  TEST_CASE("what was learned of a rank number stays while it runs on its node and goes when the placement changes") {
+    common::FakeClock clock;
+    HealthMonitor monitor(health_config(), 3);
+    const std::vector<std::string> three_nodes = {"node-a", "node-b", "node-c"};
+    monitor.new_generation(three_nodes);
+    auto samples = timed(clock.now_ns(), 10);
+    report_sdc(samples[0], 1, 3, 2, health::SdcMethod::kKat, health::SdcVerdict::kPersistent);
+    monitor.observe(samples, clock.now_ns());
+    REQUIRE(monitor.rank(2).condition == RankCondition::kSuspect);
+    REQUIRE_FALSE(monitor.straggler_report().at("steps").empty());
+
+    // The same nodes in the same places: rank 2 is the same machine.
+    monitor.new_generation(three_nodes);
+    CHECK(monitor.rank(2).condition == RankCondition::kSuspect);
+    CHECK_FALSE(monitor.straggler_report().at("steps").empty());
+
+    // node-b left: rank 2 is now a rank of another node (the world has
+    // three ranks still, as with two nodes of more ranks each).
+    monitor.new_generation({"node-a", "node-c", "node-c"});
+    CHECK(monitor.rank(2).condition == RankCondition::kHealthy);
+    CHECK(monitor.straggler_report().at("steps").empty());
+    CHECK(monitor.counts().sdc == 1);  // what was found stays counted
   }
 
   TEST_CASE("a rank shows its worst verdict: hung over suspect over straggler") {
@@ -212,7 +252,7 @@ TEST_SUITE("unit") {
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
     REQUIRE(watch_stuck(monitor, clock, since, 6).hangs.size() == 1);
     CHECK(monitor.rank(1).condition == RankCondition::kHung);
-    monitor.new_generation(3);
+    monitor.new_generation(one_node(3));
     CHECK(monitor.rank(1).condition == RankCondition::kSuspect);
   }
 
