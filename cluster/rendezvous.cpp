@@ -35,6 +35,24 @@ std::string generation_prefix(int64_t g) { return fmt::format("rdzv/g{}/", g); }
 std::string join_prefix(int64_t g) { return generation_prefix(g) + "join/"; }
 std::string members_key(int64_t g) { return generation_prefix(g) + "members"; }
 std::string failed_key(int64_t g) { return generation_prefix(g) + "failed"; }
+
+std::string encode_failure(const GenerationFailure& f) {
+  return nlohmann::json{{"cause", f.cause}, {"culprit_nodes", f.culprit_nodes}}.dump();
+}
+
+// A record that is not what fail() writes is a cause naming no node: it
+// ends the generation all the same, and never crashes keeld.
+GenerationFailure decode_failure(const std::string& text) {
+  const auto record = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!record.is_object() || !record.contains("cause") || !record.at("cause").is_string()) return {text, {}};
+  GenerationFailure f{record.at("cause").get<std::string>(), {}};
+  if (auto nodes = record.find("culprit_nodes"); nodes != record.end() && nodes->is_array()) {
+    for (const auto& node : *nodes) {
+      if (node.is_string()) f.culprit_nodes.push_back(node.get<std::string>());
+    }
+  }
+  return f;
+}
 std::string done_key(int64_t g, const std::string& node) { return generation_prefix(g) + "done/" + node; }
 
 // An integer the store holds, or Error(kPeerFailure): what another keeld
@@ -331,8 +349,8 @@ Membership Rendezvous::join(milliseconds timeout) {
         return m;
       }
       if (contains(*sealed, options_.node_name)) {
-        fail(g, fmt::format("node '{}' came back while generation {} ran (its keeld restarted): its ranks are gone",
-                            options_.node_name, g));
+        fail(g, {fmt::format("node '{}' came back while generation {} ran (its keeld restarted): its ranks are gone",
+                             options_.node_name, g)});
       } else {
         store_.set_with_lease(std::string(kWaitingPrefix) + options_.node_name, record_, lease_);
         cluster_log().info("generation {} is sealed without node '{}' ({}); it waits for the next", g,
@@ -377,11 +395,12 @@ Membership Rendezvous::join(milliseconds timeout) {
                           g, timeout.count(), arrived.size(), fmt::join(arrived, ", "), options_.min_nodes));
 }
 
-std::string Rendezvous::fail(int64_t generation, const std::string& cause) {
-  std::string recorded = store_.compare_set(failed_key(generation), std::nullopt, cause).value_or(cause);
+GenerationFailure Rendezvous::fail(int64_t generation, const GenerationFailure& failure) {
+  const std::string mine = encode_failure(failure);
+  const std::string recorded = store_.compare_set(failed_key(generation), std::nullopt, mine).value_or(mine);
   store_.compare_set(kGenerationKey, std::to_string(generation), std::to_string(generation + 1));
-  if (recorded == cause) cluster_log().warn("generation {} ends: {}", generation, cause);
-  return recorded;
+  if (recorded == mine) cluster_log().warn("generation {} ends: {}", generation, failure.cause);
+  return decode_failure(recorded);
 }
 
 void Rendezvous::finish(int64_t generation) {
@@ -401,11 +420,11 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
   if (current_generation() != m.generation) return ended(m);
   int64_t& after = m.revision;
   auto node_lost = [&](const std::string& node) {
-    return GenerationEvent{
-        GenerationEvent::kEnded,
-        fail(m.generation, fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "
-                                       "from etcd for over {} s",
-                                       node, options_.lease_ttl.count()))};
+    GenerationFailure first =
+        fail(m.generation, {fmt::format("node '{}' lost its lease: its keeld or the node died, or it was cut off "
+                                        "from etcd for over {} s",
+                                        node, options_.lease_ttl.count())});
+    return GenerationEvent{GenerationEvent::kEnded, std::move(first.cause), std::move(first.culprit_nodes)};
   };
   // A node that could not be taken in (the job is at max_nodes) asks for nothing.
   auto node_waits = [&](const std::string& node) -> std::optional<GenerationEvent> {
@@ -443,8 +462,9 @@ std::optional<GenerationEvent> Rendezvous::next_event(Membership& m, millisecond
 }
 
 GenerationEvent Rendezvous::ended(const Membership& m) {
-  return GenerationEvent{GenerationEvent::kEnded,
-                         store_.get(failed_key(m.generation)).value_or("the generation moved on")};
+  const auto recorded = store_.get(failed_key(m.generation));
+  GenerationFailure f = recorded ? decode_failure(*recorded) : GenerationFailure{"the generation moved on", {}};
+  return GenerationEvent{GenerationEvent::kEnded, std::move(f.cause), std::move(f.culprit_nodes)};
 }
 
 std::optional<GenerationEvent> Rendezvous::resync(

@@ -71,6 +71,15 @@ struct Membership {
   }
 };
 
+// Why a generation ended, as etcd records it: the first cause wins.
+struct GenerationFailure {
+  std::string cause;
+  // The nodes whose ranks a detector's verdict named (a hang's culprits, a
+  // corrupted rank): their keelds kill those ranks at once, as the node that
+  // reached the verdict does, rather than wait out a hung rank's grace.
+  std::vector<std::string> culprit_nodes;
+};
+
 // What ends a generation, or asks for the next one.
 struct GenerationEvent {
   enum Kind {
@@ -81,6 +90,7 @@ struct GenerationEvent {
     kEndedBefore,
   } kind = kEnded;
   std::string cause;
+  std::vector<std::string> culprit_nodes;  // kEnded: GenerationFailure's
 };
 
 class Rendezvous {
@@ -105,10 +115,10 @@ class Rendezvous {
   // Error(kPeerFailure) after `timeout` naming who joined.
   Membership join(std::chrono::milliseconds timeout);
 
-  // Records `cause` for generation g (the first cause wins) and moves the
-  // generation from g to g + 1 (only if it is still g). Returns the cause
+  // Records `failure` for generation g (the first one wins) and moves the
+  // generation from g to g + 1 (only if it is still g). Returns the failure
   // recorded, which is another keeld's when it was first.
-  std::string fail(int64_t generation, const std::string& cause);
+  GenerationFailure fail(int64_t generation, const GenerationFailure& failure);
 
   // Records that this node's ranks finished the job in `generation`, with
   // the job's config, so that its leaving (its lease revoked as keeld exits)

@@ -45,8 +45,8 @@ void ClusterLink::push(Command command) {
 
 void ClusterLink::join_next(std::optional<int64_t> ended, std::string cause) { push(Join{ended, std::move(cause)}); }
 
-void ClusterLink::fail(int64_t generation, std::string cause, std::function<void()> then) {
-  push(Fail{generation, std::move(cause), std::move(then)});
+void ClusterLink::fail(int64_t generation, cluster::GenerationFailure failure, std::function<void()> then) {
+  push(Fail{generation, std::move(failure), std::move(then)});
 }
 
 void ClusterLink::finish(int64_t generation) { push(Finish{generation}); }
@@ -99,13 +99,14 @@ void ClusterLink::carry_out(const Command& command) {
   }
   if (const auto* f = std::get_if<Fail>(&command)) {
     try {
-      const std::string first = fail_generation(f->generation, f->cause);
+      const std::string first = fail_generation(f->generation, f->failure);
       // The ranks of every node read why; the first cause is the one that explains the rest.
       store_.set(store::rank_failed_key(f->generation), first);
     } catch (const std::exception& e) {
       // The other nodes still learn of it: their collectives with this
       // node's ranks fail, and this node's lease ends if it is cut off.
-      log->warn("could not record in etcd that generation {} failed ({}): {}", f->generation, f->cause, e.what());
+      log->warn("could not record in etcd that generation {} failed ({}): {}", f->generation, f->failure.cause,
+                e.what());
     }
     if (f->then) post_(f->then);
     return;
@@ -113,7 +114,7 @@ void ClusterLink::carry_out(const Command& command) {
   const auto& join = std::get<Join>(command);
   watched_.reset();
   try {
-    if (join.ended) fail_generation(*join.ended, join.cause);
+    if (join.ended) fail_generation(*join.ended, {join.cause});
     cluster::Membership membership = rendezvous_->join(join_bound_);
     if (!membership.job_finished) watched_ = membership;
     post_([this, membership] { callbacks_.joined(membership); });
@@ -123,9 +124,9 @@ void ClusterLink::carry_out(const Command& command) {
   }
 }
 
-std::string ClusterLink::fail_generation(int64_t generation, const std::string& cause) {
-  std::string first = rendezvous_->fail(generation, cause);
-  if (first != cause) {
+std::string ClusterLink::fail_generation(int64_t generation, const cluster::GenerationFailure& failure) {
+  std::string first = rendezvous_->fail(generation, failure).cause;
+  if (first != failure.cause) {
     post_([this, generation, first] {
       callbacks_.event(generation, cluster::GenerationEvent{cluster::GenerationEvent::kEndedBefore, first});
     });

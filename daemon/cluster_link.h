@@ -49,13 +49,13 @@ class ClusterLink {
   // Ends generation `ended` with `cause` (none for the first join), then
   // joins the next; joined() or join_failed() follows.
   void join_next(std::optional<int64_t> ended, std::string cause);
-  // Ends `generation` with `cause` for every node: a failure seen here.
+  // Ends `generation` with `failure` for every node: a failure seen here.
   // The ranks of every node get the generation's first cause as its
   // rank_failed record (store::rank_failed_key), so none waits for the
   // failed ones. `then` runs on the loop once etcd has it (or could not be
   // told): a node that kills ranks on a verdict kills them after, so that
   // the peers' failures that follow do not come first in etcd.
-  void fail(int64_t generation, std::string cause, std::function<void()> then = {});
+  void fail(int64_t generation, cluster::GenerationFailure failure, std::function<void()> then = {});
 
   // This node's ranks finished the job in `generation`: its leaving ends
   // nothing (cluster::Rendezvous::finish).
@@ -78,7 +78,7 @@ class ClusterLink {
   };
   struct Fail {
     int64_t generation;
-    std::string cause;
+    cluster::GenerationFailure failure;
     std::function<void()> then;
   };
   struct Finish {
@@ -94,7 +94,7 @@ class ClusterLink {
   void carry_out(const Command& command);
   // Rendezvous::fail; when another cause came first, the job hears it as a
   // kEndedBefore event. Returns the first cause.
-  std::string fail_generation(int64_t generation, const std::string& cause);
+  std::string fail_generation(int64_t generation, const cluster::GenerationFailure& failure);
   // Watches the membership last joined for what ends it, for a while.
   void watch_membership();
 

@@ -66,7 +66,7 @@ void Job::apply(const JobActions& actions) {
             // What follows (a kill) waits until etcd has the cause: the
             // peers' failures it brings about must not come first there.
             const int64_t g = a.generation;
-            options_.cluster->fail(g, a.text, [this, g, rest = JobActions(std::next(it), actions.end())] {
+            options_.cluster->fail(g, {a.text, a.nodes}, [this, g, rest = JobActions(std::next(it), actions.end())] {
               // etcd may have taken long enough for the job to have moved on.
               if (membership_ && membership_->generation == g) apply(rest);
             });
@@ -139,8 +139,7 @@ void Job::on_joined(const cluster::Membership& membership) {
   const std::string& node = membership.nodes[static_cast<size_t>(membership.node_rank)];
   if (machine_.state() != JobState::kStarting) {
     // Stopped while it joined: the other nodes must not wait for ranks that will not come.
-    options_.cluster->fail(membership.generation,
-                           fmt::format("node '{}' stopped before its ranks started", node));
+    options_.cluster->fail(membership.generation, {fmt::format("node '{}' stopped before its ranks started", node)});
     end_generation_if_over();
     return;
   }
@@ -186,7 +185,9 @@ void Job::on_cluster_event(int64_t generation, const cluster::GenerationEvent& e
   // About a generation this node has left, or not yet started.
   if (joining_ || !membership_ || membership_->generation != generation) return;
   if (e.kind == cluster::GenerationEvent::kEnded) {
-    apply(machine_.ended_elsewhere(e.cause).actions);
+    const std::string& here = membership_->nodes[static_cast<size_t>(membership_->node_rank)];
+    const bool named_here = std::find(e.culprit_nodes.begin(), e.culprit_nodes.end(), here) != e.culprit_nodes.end();
+    apply(machine_.ended_elsewhere(e.cause, named_here).actions);
     end_generation_if_over();
     return;
   }
@@ -305,7 +306,7 @@ void Job::act_on(const Verdicts& verdicts) {
     diagnosis_["flight"] = flight.empty() ? nlohmann::json(nullptr) : nlohmann::json(flight);
   }
   HealthResponse response = respond(verdicts, options_.config.health.sdc_policy, flight);
-  name_nodes(response);
+  const std::vector<std::string> culprit_nodes = name_nodes(response);
   for (const auto& warning : response.warnings) log->warn("{}", warning);
   for (const auto& e : response.events) {
     log->warn("{}: {}", e.kind, e.fields.dump());
@@ -314,11 +315,11 @@ void Job::act_on(const Verdicts& verdicts) {
   if (response.keep_through_step) {
     keep_through_step_ = std::min(keep_through_step_.value_or(*response.keep_through_step), *response.keep_through_step);
   }
-  if (!response.stop_cause.empty()) apply(machine_.verdict(response.stop_cause).actions);
+  if (!response.stop_cause.empty()) apply(machine_.verdict(response.stop_cause, culprit_nodes).actions);
 }
 
-void Job::name_nodes(HealthResponse& response) const {
-  if (!membership_) return;
+std::vector<std::string> Job::name_nodes(HealthResponse& response) const {
+  if (!membership_) return {};
   const cluster::Membership& m = *membership_;
   std::set<std::string> culprits;
   for (auto& e : response.events) {
@@ -339,6 +340,7 @@ void Job::name_nodes(HealthResponse& response) const {
   if (!response.stop_cause.empty() && !culprits.empty()) {
     response.stop_cause += fmt::format(" [on node {}]", fmt::join(culprits, ", "));
   }
+  return {culprits.begin(), culprits.end()};
 }
 
 std::vector<nlohmann::json> Job::collective_records() const {

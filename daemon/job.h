@@ -134,8 +134,8 @@ class Job {
   // Records the detectors' verdicts and does what the health policy says.
   void act_on(const Verdicts& verdicts);
   // On many nodes: each culprit's node in its event, and the culprits'
-  // nodes in the cause every node records.
-  void name_nodes(HealthResponse& response) const;
+  // nodes in the cause every node records. Returns those nodes.
+  std::vector<std::string> name_nodes(HealthResponse& response) const;
   // Every rank's group table and recent collectives as last read
   // (flight_dump.h): the flight dump and `keelctl diagnose`.
   std::vector<nlohmann::json> collective_records() const;

@@ -33,11 +33,12 @@ JobAction terminate_action(double grace_s) {
   return a;
 }
 
-JobAction tell_ranks_action(int64_t generation, std::string cause) {
+JobAction tell_ranks_action(int64_t generation, std::string cause, std::vector<std::string> culprit_nodes = {}) {
   JobAction a;
   a.kind = JobAction::Kind::kTellRanks;
   a.generation = generation;
   a.text = std::move(cause);
+  a.nodes = std::move(culprit_nodes);
   return a;
 }
 
@@ -143,22 +144,22 @@ Transition JobMachine::rank_exited(const RankExit& exit) {
 }
 
 Transition JobMachine::fail_live_generation(const std::string& cause, std::string said, JobActions records,
-                                            JobAction stop) {
+                                            JobAction stop, std::vector<std::string> culprit_nodes) {
   if (state_ != JobState::kStarting && state_ != JobState::kRunning) return {};
   Transition t;
   failure_ = cause;
   failure_code_ = -1;
   t.actions.push_back(log_action(spdlog::level::err, std::move(said)));
   t.actions.insert(t.actions.end(), records.begin(), records.end());
-  t.actions.push_back(tell_ranks_action(generation_, cause));
+  t.actions.push_back(tell_ranks_action(generation_, cause, std::move(culprit_nodes)));
   state_ = JobState::kRestarting;
   t.actions.push_back(std::move(stop));
   return t;
 }
 
-Transition JobMachine::verdict(const std::string& cause) {
+Transition JobMachine::verdict(const std::string& cause, std::vector<std::string> culprit_nodes) {
   return fail_live_generation(cause, fmt::format("generation {}: {}; stopping the generation", generation_, cause), {},
-                              signal_action(SIGKILL));
+                              signal_action(SIGKILL), std::move(culprit_nodes));
 }
 
 void JobMachine::joined(int64_t generation) {
@@ -180,11 +181,13 @@ Transition JobMachine::join_failed(const std::string& cause, int64_t now_ns) {
   return t;
 }
 
-Transition JobMachine::ended_elsewhere(const std::string& cause) {
+Transition JobMachine::ended_elsewhere(const std::string& cause, bool named_here) {
   return fail_live_generation(
       cause,
-      fmt::format("generation {} ended on another node: {}; stopping this node's ranks", generation_, cause),
-      {record("generation_ended_elsewhere", {{"cause", cause}})}, terminate_action(grace_s_));
+      fmt::format("generation {} ended on another node: {}; {} this node's ranks", generation_, cause,
+                  named_here ? "the verdict names ranks of this node: killing" : "stopping"),
+      {record("generation_ended_elsewhere", {{"cause", cause}})},
+      named_here ? signal_action(SIGKILL) : terminate_action(grace_s_));
 }
 
 Transition JobMachine::finished_elsewhere(const std::string& where, int64_t checkpoint_step) {

@@ -46,7 +46,7 @@ struct JobAction {
     kStartGeneration,  // spawn every rank of `generation`, each with a fresh board
     kSignal,           // send `signal` to every live rank
     kTerminate,        // SIGTERM every live rank, SIGKILL those still alive `grace_s` later
-    kTellRanks,        // write `text` as `generation`'s rank_failed record in the Store
+    kTellRanks,        // write `text` as `generation`'s rank_failed record in the Store, with `nodes` on many nodes
     kRecord,           // append event `text` of `generation` with `fields` to events.jsonl
     kLog,              // log `text` at `level`
     kEnd,              // the job has ended for good in `state`; `stop_requested`: someone asked for it
@@ -56,6 +56,9 @@ struct JobAction {
   int signal = 0;
   double grace_s = 0;
   std::string text;
+  // kTellRanks on many nodes: the nodes whose ranks a verdict named
+  // (cluster::GenerationFailure::culprit_nodes).
+  std::vector<std::string> nodes;
   nlohmann::json fields = nlohmann::json::object();
   spdlog::level::level_enum level = spdlog::level::info;
   JobState state = JobState::kStarting;
@@ -109,18 +112,22 @@ class JobMachine {
   // No rank of the generation runs any more.
   Transition generation_over(const GenerationOutcome& outcome, int64_t now_ns);
   // A detector found the running generation broken: `cause` fails it and
-  // the ranks are killed at once. Ignored unless the generation is starting
-  // or running (it is already being stopped otherwise).
-  Transition verdict(const std::string& cause);
+  // the ranks are killed at once. On many nodes `culprit_nodes` run the
+  // ranks it names. Ignored unless the generation is starting or running
+  // (it is already being stopped otherwise).
+  Transition verdict(const std::string& cause, std::vector<std::string> culprit_nodes = {});
   // On many nodes: the generation being started got its number from the
   // rendezvous, which numbers the job's generations for every node.
   void joined(int64_t generation);
   // On many nodes: another node ended the generation (its rank failed, or
   // it left the job). `cause` fails this node's part of it; the ranks get
   // SIGTERM and grace_s to finish what they can (a commit under way on
-  // rank 0), then SIGKILL. Ignored unless the generation is starting or
-  // running.
-  Transition ended_elsewhere(const std::string& cause);
+  // rank 0), then SIGKILL. When it was a verdict that named ranks of this
+  // node (`named_here`), they are killed at once, as the verdict's own node
+  // kills them: a hung rank ignores SIGTERM, and waiting out its grace would
+  // keep this node from the next generation's rendezvous. Ignored unless
+  // the generation is starting or running.
+  Transition ended_elsewhere(const std::string& cause, bool named_here = false);
   // On many nodes: the rendezvous sealed no generation with this node
   // (too few nodes came, or etcd is out of reach). No rank ran, so nothing
   // crashed: the next join follows after restart_backoff_s, and however
@@ -145,7 +152,8 @@ class JobMachine {
   // Fails the starting or running generation for `cause`, which no rank's
   // exit gave: logs `said`, appends `records`, tells the ranks and ends
   // them with `stop`. Nothing otherwise.
-  Transition fail_live_generation(const std::string& cause, std::string said, JobActions records, JobAction stop);
+  Transition fail_live_generation(const std::string& cause, std::string said, JobActions records, JobAction stop,
+                                  std::vector<std::string> culprit_nodes = {});
   void end(JobState state, JobActions& actions);
   JobAction record(const std::string& kind, nlohmann::json fields = nlohmann::json::object()) const;
 

@@ -22,6 +22,7 @@
 #include "tests/support/wait.h"
 
 using keel::cluster::GenerationEvent;
+using keel::cluster::GenerationFailure;
 using keel::cluster::Membership;
 using keel::cluster::Rendezvous;
 using keel::cluster::RendezvousOptions;
@@ -190,7 +191,7 @@ TEST_SUITE("integration") {
       CHECK(event->kind == GenerationEvent::kNodeWaiting);
       CHECK(event->cause.find("node 'c' waits to join") != std::string::npos);
     }
-    survivors[0].rendezvous->fail(1, "the job grows back to node c");
+    survivors[0].rendezvous->fail(1, {"the job grows back to node c"});
     const auto grown = join_all(survivors);
     const Membership c = back.get();
     CHECK(c.generation == 2);
@@ -239,7 +240,7 @@ TEST_SUITE("integration") {
     CHECK(event->cause == "node 'c' waits to join");
     // Told once: the next wait hears nothing new.
     CHECK_FALSE(nodes[0].rendezvous->next_event(first[0], 500ms).has_value());
-    nodes[0].rendezvous->fail(first[0].generation, "grow: node 'c' waits to join");
+    nodes[0].rendezvous->fail(first[0].generation, {"grow: node 'c' waits to join"});
     auto second = std::async(std::launch::async, [&] { return nodes[1].rendezvous->join(60s); });
     Membership a = nodes[0].rendezvous->join(60s);
     Membership b = second.get();
@@ -320,26 +321,49 @@ TEST_SUITE("integration") {
     CHECK(joined[0].nodes == std::vector<std::string>{"a", "b"});
   }
 
-  TEST_CASE("many keelds failing one generation at once move it once and all read the first cause") {
+  TEST_CASE("many keelds failing one generation at once move it once and all read the first cause and its culprits") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
     auto nodes = make_nodes(*cluster, {"a", "b", "c"}, options(3, 3));
     auto memberships = join_all(nodes);
-    std::vector<std::future<std::string>> fails;
+    const std::vector<std::string> names = {"a", "b", "c"};
+    std::vector<std::future<GenerationFailure>> fails;
     for (size_t i = 0; i < nodes.size(); ++i) {
       fails.push_back(std::async(std::launch::async, [&, i] {
-        return nodes[i].rendezvous->fail(0, "rank failure seen by node " + std::to_string(i));
+        // Each names the next node's rank as the culprit.
+        return nodes[i].rendezvous->fail(0, {"hang seen by node " + names[i], {names[(i + 1) % 3]}});
       }));
     }
-    std::set<std::string> causes;
-    for (auto& f : fails) causes.insert(f.get());
-    CHECK(causes.size() == 1);
+    std::set<std::pair<std::string, std::vector<std::string>>> recorded;
+    for (auto& f : fails) {
+      const GenerationFailure first = f.get();
+      recorded.insert({first.cause, first.culprit_nodes});
+    }
+    REQUIRE(recorded.size() == 1);
+    const auto& [cause, culprits] = *recorded.begin();
     CHECK(nodes[0].store->get("rdzv/generation") == "1");
     auto event = nodes[1].rendezvous->next_event(memberships[1], 10s);
     REQUIRE(event.has_value());
     CHECK(event->kind == GenerationEvent::kEnded);
-    CHECK(event->cause == *causes.begin());
+    CHECK(event->cause == cause);
+    CHECK(event->culprit_nodes == culprits);
+    REQUIRE(culprits.size() == 1);
+    // The culprit is the node after the one whose cause came first.
+    const size_t by = static_cast<size_t>(cause.back() - 'a');
+    CHECK(culprits[0] == names[(by + 1) % 3]);
+
+    // A record fail() did not write (another writer, a corrupted value) is a
+    // cause naming no node, never a crash.
+    auto next = join_all(nodes);
+    REQUIRE(next[0].generation == 1);
+    nodes[0].store->set("rdzv/g1/failed", "\x01not a record");
+    nodes[0].store->compare_set("rdzv/generation", "1", "2");
+    auto garbled = nodes[2].rendezvous->next_event(next[2], 10s);
+    REQUIRE(garbled.has_value());
+    CHECK(garbled->kind == GenerationEvent::kEnded);
+    CHECK(garbled->cause == "\x01not a record");
+    CHECK(garbled->culprit_nodes.empty());
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <csignal>
 #include <functional>
@@ -37,7 +38,10 @@ std::string summary(const JobActions& actions) {
       case JobAction::Kind::kStartGeneration: word = fmt::format("start:{}", a.generation); break;
       case JobAction::Kind::kSignal: word = fmt::format("signal:{}", a.signal); break;
       case JobAction::Kind::kTerminate: word = fmt::format("terminate:{:g}", a.grace_s); break;
-      case JobAction::Kind::kTellRanks: word = fmt::format("tell:{}", a.generation); break;
+      case JobAction::Kind::kTellRanks:
+        word = fmt::format("tell:{}", a.generation);
+        if (!a.nodes.empty()) word += fmt::format("[{}]", fmt::join(a.nodes, ","));
+        break;
       case JobAction::Kind::kRecord: word = "record:" + a.text; break;
       case JobAction::Kind::kLog: continue;
       case JobAction::Kind::kEnd: word = std::string("end:") + job_state_name(a.state) + (a.stop_requested ? "!" : ""); break;
@@ -92,6 +96,20 @@ Step verdict(std::string actions, JobState state) {
 
 Step ended_elsewhere(std::string actions, JobState state) {
   return {"ended elsewhere", [](JobMachine& m) { return m.ended_elsewhere("node 'b' lost its lease"); },
+          std::move(actions), state};
+}
+
+Step verdict_on_nodes(std::string actions, JobState state) {
+  return {"verdict naming node b",
+          [](JobMachine& m) { return m.verdict("hang detected: rank 2 never began g0.dp.0 #7 [on node b]", {"b"}); },
+          std::move(actions), state};
+}
+
+Step ended_by_verdict_naming_this_node(std::string actions, JobState state) {
+  return {"ended elsewhere by a verdict naming this node",
+          [](JobMachine& m) {
+            return m.ended_elsewhere("hang detected: rank 2 never began g0.dp.0 #7 [on node b]", /*named_here=*/true);
+          },
           std::move(actions), state};
 }
 
@@ -205,6 +223,12 @@ TEST_SUITE("unit") {
          {start, up, ended_elsewhere("record:generation_ended_elsewhere tell:0 terminate:10", JobState::kRestarting),
           rank_exits(0, 12, "", JobState::kRestarting),
           over(outcome({12, 143}), 0, "record:generation_ended record:restart_scheduled", JobState::kRestarting)}},
+        {"a verdict on many nodes tells etcd the nodes of the ranks it names and kills this node's ranks",
+         {start, up, verdict_on_nodes("tell:0[b] signal:9", JobState::kRestarting)}},
+        {"a generation another node ended on a verdict naming this node's ranks kills them at once",
+         {start, up,
+          ended_by_verdict_naming_this_node("record:generation_ended_elsewhere tell:0 signal:9", JobState::kRestarting),
+          over(outcome({137, 137}), 0, "record:generation_ended record:restart_scheduled", JobState::kRestarting)}},
         {"an end elsewhere while this node stops changes nothing",
          {start, up, restart("record:restart_requested terminate:900", JobState::kStopping, "ok"),
           ended_elsewhere("", JobState::kStopping)}},
