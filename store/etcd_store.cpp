@@ -80,8 +80,8 @@ void EtcdStore::set_with_lease(const std::string& key, const std::string& value,
   gateway_.call("/v3/kv/put", body, Retry::kIdempotent);
 }
 
-EtcdStore::Read EtcdStore::read(const std::string& key) {
-  json answer = gateway_.call("/v3/kv/range", {{"key", etcd_key(key)}}, Retry::kIdempotent);
+EtcdStore::Read EtcdStore::read(const std::string& key, std::optional<std::chrono::milliseconds> timeout) {
+  json answer = gateway_.call("/v3/kv/range", {{"key", etcd_key(key)}}, Retry::kIdempotent, timeout);
   return read_answer(gateway_, "a read of " + quoted(key), [&] {
     Read result;
     result.revision = etcd_int(field(answer, "header"), "revision");
@@ -100,7 +100,11 @@ void EtcdStore::wait(const std::vector<std::string>& keys, std::chrono::millisec
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<std::string> missing;
   for (const auto& key : keys) {
-    Read current = read(key);
+    // Each read within what is left of the wait (at least one attempt's
+    // worth), so an etcd out of reach costs the wait's timeout, not a call
+    // timeout per key.
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    Read current = read(key, std::min(std::max(left, std::chrono::milliseconds(500)), gateway_.options().timeout));
     int64_t seen = current.revision;
     bool present = current.value.has_value();
     while (!present) {

@@ -43,7 +43,8 @@ class EtcdStore final : public ClusterStore {
     std::optional<std::string> value;
     int64_t mod_revision = 0;
   };
-  Read read(const std::string& key);
+  // `timeout` bounds the call instead of the options' timeout.
+  Read read(const std::string& key, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   // The changes to etcd keys in [begin, end) after `after_revision`.
   std::vector<Change> watch_range(const std::string& begin, const std::string& end, int64_t after_revision,
                                   std::chrono::milliseconds timeout);

@@ -328,6 +328,19 @@ TEST_SUITE("integration") {
     }
   }
 
+  TEST_CASE("a wait on many keys of an etcd out of reach gives up within its own timeout, not a call timeout a key") {
+    TempDir dir;
+    auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
+    if (!cluster) return;
+    auto store = connect(*cluster, "job", 10s);
+    cluster->kill(0);
+    const auto started = std::chrono::steady_clock::now();
+    Error lost = error_of([&] { store->wait({"a", "b", "c", "d"}, 1s); });
+    const double took_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    CHECK(lost.code() == ErrorCode::kPeerFailure);
+    CHECK_MESSAGE(took_s < 5, "took " << took_s << " s");  // the call timeout alone is 10 s
+  }
+
   TEST_CASE("a watch whose token etcd voided takes a new one and sees the change") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
