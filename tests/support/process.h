@@ -20,7 +20,10 @@ struct ProcessResult {
 // A program running as a real child process (fork/exec, no shell; a name
 // without a slash is looked up on PATH) with its
 // stdout and stderr captured together. `env` entries are added to the
-// inherited environment. The destructor kills a child still running.
+// inherited environment. The destructor kills a child still running, and
+// the kernel kills it when the thread that made it ends (PR_SET_PDEATHSIG),
+// so a test killed mid-way leaves nothing running: make children on the
+// test's own thread.
 class ChildProcess {
  public:
   ChildProcess(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {});
