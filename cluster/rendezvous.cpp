@@ -296,11 +296,31 @@ Membership Rendezvous::sealed_with_this_node(int64_t generation, std::vector<std
   m.generation = generation;
   m.node_rank = static_cast<int>(std::find(nodes.begin(), nodes.end(), options_.node_name) - nodes.begin());
   m.nodes = std::move(nodes);
+  m.addresses = join_addresses(generation, m.nodes);
   m.ranks_per_node = options_.ranks_per_node;
   m.revision = revision;
   cluster_log().info("generation {}: nodes {}; this node '{}' is node {}", generation, fmt::join(m.nodes, ", "),
                      options_.node_name, m.node_rank);
   return m;
+}
+
+std::vector<std::string> Rendezvous::join_addresses(int64_t generation, const std::vector<std::string>& nodes) {
+  std::vector<std::string> addresses(nodes.size());
+  const std::string prefix = join_prefix(generation);
+  try {
+    for (const auto& entry : store_.list(prefix).entries) {
+      const auto at = std::find(nodes.begin(), nodes.end(), entry.key.substr(prefix.size()));
+      const auto record = nlohmann::json::parse(entry.value, nullptr, /*allow_exceptions=*/false);
+      if (at == nodes.end() || !record.is_object() || !record.contains("address") || !record["address"].is_string()) {
+        continue;
+      }
+      addresses[static_cast<size_t>(at - nodes.begin())] = record["address"].get<std::string>();
+    }
+  } catch (const std::exception& e) {
+    // Only the status shows them: the membership stands without.
+    cluster_log().warn("generation {}: cannot read the nodes' addresses: {}", generation, e.what());
+  }
+  return addresses;
 }
 
 void Rendezvous::watch_a_while(const std::string& prefix, int64_t revision, Clock::time_point until) {

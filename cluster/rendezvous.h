@@ -54,6 +54,9 @@ struct RendezvousOptions {
 struct Membership {
   int64_t generation = 0;
   std::vector<std::string> nodes;  // sorted; a node's rank is its index
+  // Each node's [cluster] address, as its join record says; "" where it
+  // could not be read. For operators; nothing is dialed by it.
+  std::vector<std::string> addresses;
   int node_rank = 0;               // this node's
   int ranks_per_node = 1;
   int64_t revision = 0;  // where watches of its events start: before its seal, then past each event read
@@ -163,6 +166,8 @@ class Rendezvous {
   // The membership of a sealed generation this node joined; `revision`
   // comes before the seal, so watches from it miss nothing after.
   Membership sealed_with_this_node(int64_t generation, std::vector<std::string> nodes, int64_t revision);
+  // The [cluster] address in each of `nodes`' join records of `generation`.
+  std::vector<std::string> join_addresses(int64_t generation, const std::vector<std::string>& nodes);
   // Blocks until rdzv/generation moves past `generation` or `deadline`.
   void wait_for_generation_after(int64_t generation, std::chrono::steady_clock::time_point deadline);
   // A watch of `prefix` from `revision` until `until`, at most a second of

@@ -427,6 +427,34 @@ health::RankSamples Job::health_samples() const {
                        stale_after_ns);
 }
 
+std::vector<NodeReport> Job::node_reports(int64_t now_ns) const {
+  const cluster::Membership& m = *membership_;
+  const RemoteSummaries heard = options_.health_exchange ? options_.health_exchange->received() : RemoteSummaries{};
+  std::vector<NodeReport> out;
+  for (size_t n = 0; n < m.nodes.size(); ++n) {
+    NodeReport node;
+    node.name = m.nodes[n];
+    node.address = n < m.addresses.size() ? m.addresses[n] : "";
+    node.first_rank = static_cast<int>(n) * m.ranks_per_node;
+    node.ranks = m.ranks_per_node;
+    if (static_cast<int>(n) == m.node_rank) {
+      node.heard_s = 0;
+    } else if (auto it = heard.find(node.name); it != heard.end() && it->second->generation == m.generation) {
+      node.heard_s = common::ns_to_seconds(now_ns - it->second->as_of_ns);
+    }
+    node.health = node.heard_s ? "ok" : "not heard from";
+    RankCondition worst = RankCondition::kHealthy;
+    for (int r = node.first_rank; node.heard_s && r < node.first_rank + node.ranks; ++r) {
+      if (const auto condition = health_.rank(r).condition; condition > worst) {
+        worst = condition;
+        node.health = fmt::format("rank {} {}", r, rank_condition_name(condition));
+      }
+    }
+    out.push_back(std::move(node));
+  }
+  return out;
+}
+
 void Job::publish_health() const {
   if (options_.health_exchange == nullptr || !membership_) return;
   options_.health_exchange->offer(health::encode_summary(membership_->generation, ranks_.samples(), clock_.now_ns()));
@@ -564,6 +592,7 @@ JobReport Job::report() const {
     if (membership_) {
       c.node_rank = membership_->node_rank;
       c.nodes = membership_->nodes;
+      c.members = node_reports(r.now_ns);
       c.world = membership_->world_size();
       c.first_rank = membership_->rank_offset();
       c.cross_node_axes = cross_node_axes_;

@@ -129,6 +129,8 @@ class Job {
   void observe();
   // What the detectors take: every rank of the generation, on every node.
   health::RankSamples health_samples() const;
+  // Every node of the generation joined, for keelctl status.
+  std::vector<NodeReport> node_reports(int64_t now_ns) const;
   // Offers this node's boards to the other nodes' detectors.
   void publish_health() const;
   // Records the detectors' verdicts and does what the health policy says.

@@ -123,6 +123,16 @@ nlohmann::json status_json(const JobReport& report) {
   if (const auto& c = report.cluster) {
     out["cluster"] = {{"node", c->node},   {"node_rank", c->node_rank},   {"nodes", c->nodes},
                       {"world", c->world}, {"first_rank", c->first_rank}, {"cross_node_axes", c->cross_node_axes}};
+    nlohmann::json members = nlohmann::json::array();
+    for (const NodeReport& n : c->members) {
+      members.push_back({{"node", n.name},
+                         {"address", n.address},
+                         {"first_rank", n.first_rank},
+                         {"ranks", n.ranks},
+                         {"health", n.health},
+                         {"heard_s", n.heard_s ? nlohmann::json(*n.heard_s) : nlohmann::json(nullptr)}});
+    }
+    out["cluster"]["members"] = members;
     out["cluster"]["etcd_unreachable_s"] =
         c->etcd_unreachable_s ? nlohmann::json(*c->etcd_unreachable_s) : nlohmann::json(nullptr);
   }

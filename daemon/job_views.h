@@ -34,10 +34,23 @@ struct RankReport {
 
 // This node's place in a job of many nodes (docs/architecture.md
 // "Multi-node on etcd").
+// One node of the generation, as this node knows it.
+struct NodeReport {
+  std::string name;
+  std::string address;  // its [cluster] address; "" where unknown
+  int first_rank = 0;
+  int ranks = 0;
+  // Its worst rank's verdict, "rank 4 hung", or "ok"; "not heard from"
+  // while no summary of this generation's boards came from it.
+  std::string health;
+  std::optional<double> heard_s;  // age of what this node last heard of it; nullopt: nothing (0 for itself)
+};
+
 struct ClusterReport {
   std::string node;                // this node's name
   int node_rank = -1;              // in the generation last joined; -1: none yet
   std::vector<std::string> nodes;  // that generation's, node rank order
+  std::vector<NodeReport> members; // the same nodes, with what is known of each
   int world = 0;                   // its ranks, every node's
   int first_rank = 0;              // this node's first global rank
   std::vector<std::string> cross_node_axes;  // the axes whose groups span nodes (cluster/placement.h)

@@ -104,6 +104,16 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
       out << fmt::format(" | degraded: etcd unreachable for {:.0f} s", (*c)["etcd_unreachable_s"].get<double>());
     }
     out << "\n";
+    const auto members = c->value("members", nlohmann::json::array());
+    for (size_t i = 0; i < members.size(); ++i) {
+      const auto& n = members[i];
+      const int first = n.value("first_rank", 0);
+      const std::string address = n.value("address", "");
+      const double heard_s = n.contains("heard_s") && n["heard_s"].is_number() ? n["heard_s"].get<double>() : 0;
+      out << fmt::format("  node {} {} at {}: ranks {} to {}, {}{}\n", i, text(n, "node"),
+                         address.empty() ? "-" : address, first, first + n.value("ranks", 1) - 1, text(n, "health"),
+                         heard_s >= 1 ? fmt::format(" (heard {:.0f} s ago)", heard_s) : "");
+    }
   }
   out << blas_cores(s.value("ranks", nlohmann::json::array()));
   out << "run_dir " << text(s, "run_dir");

@@ -98,12 +98,18 @@ TEST_SUITE("integration") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
-    auto nodes = make_nodes(*cluster, {"node-c", "node-a", "node-b"}, options(3, 3));
+    std::vector<Node> nodes;
+    for (const char* name : {"node-c", "node-a", "node-b"}) {
+      RendezvousOptions o = options(3, 3);
+      o.address = std::string("10.0.0.") + name[5];  // node-a at 10.0.0.a, as the status shows it
+      nodes.push_back(make_node(*cluster, name, o));
+    }
     auto memberships = join_all(nodes);
     std::set<int> ranks;
     for (const auto& m : memberships) {
       CHECK(m.generation == 0);
       CHECK(m.nodes == std::vector<std::string>{"node-a", "node-b", "node-c"});
+      CHECK(m.addresses == std::vector<std::string>{"10.0.0.a", "10.0.0.b", "10.0.0.c"});
       CHECK(m.world_size() == 6);
       CHECK(m.rank_offset() == 2 * m.node_rank);
       ranks.insert(m.node_rank);

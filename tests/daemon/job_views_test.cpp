@@ -131,7 +131,11 @@ TEST_SUITE("unit") {
       r.last->groups[1].step_bytes = 512u << 10;
     }
     report.ranks[1].last->groups[1].step_bytes = 256u << 10;  // the most of any rank shows
-    report.cluster = ClusterReport{"node-b", 1, {"node-a", "node-b", "node-c"}, 6, 2, {"dp"}, std::nullopt};
+    const std::vector<NodeReport> members = {{"node-a", "10.0.0.1", 0, 2, "rank 0 straggler", 3.2},
+                                             {"node-b", "10.0.0.2", 2, 2, "ok", 0.0},
+                                             {"node-c", "", 4, 2, "not heard from", std::nullopt}};
+    report.cluster =
+        ClusterReport{"node-b", 1, {"node-a", "node-b", "node-c"}, members, 6, 2, {"dp"}, std::nullopt};
     CHECK(status_line(report).find(" node node-b") != std::string::npos);
     CHECK(status_line(report).find("degraded") == std::string::npos);
     auto status = status_json(report);
@@ -142,6 +146,13 @@ TEST_SUITE("unit") {
     CAPTURE(table.str());
     CHECK(table.str().find("node node-b (1 of 3: node-a, node-b, node-c), ranks 2 to 3 of 6 | across nodes: dp\n") !=
           std::string::npos);
+    // Every node of the job, with what this node knows of it.
+    CHECK(status.at("cluster").at("members").size() == 3);
+    CHECK(status.at("cluster").at("members")[2].at("heard_s").is_null());
+    CHECK(table.str().find("  node 0 node-a at 10.0.0.1: ranks 0 to 1, rank 0 straggler (heard 3 s ago)\n") !=
+          std::string::npos);
+    CHECK(table.str().find("  node 1 node-b at 10.0.0.2: ranks 2 to 3, ok\n") != std::string::npos);
+    CHECK(table.str().find("  node 2 node-c at -: ranks 4 to 5, not heard from\n") != std::string::npos);
     CHECK(status.at("axis_bytes_per_step") == nlohmann::json{{"dp", 3u << 20}, {"tp", 512u << 10}});
     CHECK(table.str().find("collectives a step, per rank: dp 3.0 MiB across nodes, tp 512.0 KiB\n") !=
           std::string::npos);

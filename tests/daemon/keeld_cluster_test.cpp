@@ -332,6 +332,16 @@ TEST_SUITE("integration") {
     CHECK(status.at("axis_bytes_per_step").value("dp", uint64_t{0}) > 0);
     CHECK(status.at("axis_bytes_per_step").value("tp", uint64_t{0}) > 0);
     CHECK(status.at("cluster").at("cross_node_axes") == nlohmann::json::array({"dp"}));
+    // ...and every node of the job, heard from through etcd.
+    const auto& members = status.at("cluster").at("members");
+    REQUIRE(members.size() == 2);
+    for (int node = 0; node < 2; ++node) {
+      CAPTURE(members[node].dump());
+      CHECK(members[node].at("node") == node_name(node));
+      CHECK(members[node].at("address") == fmt::format("127.0.0.{}", node + 1));
+      CHECK(members[node].at("first_rank") == 2 * node);
+      CHECK(members[node].at("health") != "not heard from");
+    }
     // keelctl inject names ranks globally: node 0 runs ranks 0 and 1 only.
     daemon::Request inject;
     inject.command = daemon::Command::kInject;
