@@ -1,0 +1,101 @@
+// A rank's in-memory snapshots (docs/architecture.md "In-memory snapshots:
+// the design being built"): copies of its training state in one shared
+// memory file that keeld owns (a memfd), so that they outlive the rank's
+// crash and the next generation resumes from them without storage.
+//
+// The file holds `keep` + 1 slots. A snapshot goes into a slot that is not
+// one of the `keep` newest complete ones; begin() marks it writing, the
+// caller copies the pieces in, and commit() hashes every piece (XXH3-64)
+// and marks it complete with a release store. A rank killed between the
+// two leaves that slot writing, never read, and the others whole. A slot is
+// read only after every piece's hash is checked again.
+//
+// keeld opens the same file to list the slots (keelctl checkpoint) and to
+// quarantine those after an SDC verdict's last good step; an area is a view
+// of the file as it was when made (or at its last begin()), so keeld makes
+// one for each look. Nothing in the
+// file is trusted: a header, a piece table or a size that does not add up
+// makes that slot (or the whole area) unusable with a sentence, never a
+// crash or a read past the file.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checkpoint/piece.h"
+
+namespace keel::checkpoint {
+
+class SnapshotArea {
+ public:
+  // What a complete slot says of itself, from its header alone.
+  struct Listed {
+    int slot = 0;
+    int64_t step = -1;
+    int64_t tokens = 0;
+    uint64_t sequence = 0;  // higher: committed later
+    uint64_t bytes = 0;     // of its pieces
+  };
+  // A complete slot whose every piece verified.
+  struct Snapshot {
+    Listed listed;
+    std::vector<Piece> pieces;
+    std::vector<const float*> data;  // each piece's floats, in the area
+  };
+  // The slots read back: the ones that verified, newest first, and a
+  // sentence for each complete one that did not.
+  struct Verified {
+    std::vector<Snapshot> snapshots;
+    std::vector<std::string> problems;
+  };
+
+  // Over `fd` (not owned; a memfd keeld made, empty until the first
+  // snapshot), keeping the `keep` newest snapshots (at least 1).
+  SnapshotArea(int fd, int keep);
+  ~SnapshotArea();
+  SnapshotArea(const SnapshotArea&) = delete;
+  SnapshotArea& operator=(const SnapshotArea&) = delete;
+
+  // Lays out the next snapshot for `pieces` and returns where each piece's
+  // floats go. When the state's shape differs from the area's (the first
+  // snapshot, another layout) the area is laid out afresh and what it held
+  // is gone. Error(kCheckpointFailure) when the file cannot grow (memory).
+  std::vector<float*> begin(const std::vector<Piece>& pieces, uint64_t layout_hash);
+  // Hashes the pieces begun and marks the slot complete as step `step`.
+  void commit(int64_t step, int64_t tokens);
+
+  // The complete slots, newest first.
+  std::vector<Listed> list() const;
+  // The complete slots of `layout_hash` whose pieces verify.
+  Verified verified(uint64_t layout_hash) const;
+  // Marks every complete slot of a step after `step` quarantined (never
+  // read again); returns how many.
+  int quarantine_after(int64_t step);
+
+ private:
+  // Maps what the file holds when its header adds up (false: nothing usable).
+  bool map_existing();
+  // Sizes and maps the file for keep + 1 slots of this much table and data,
+  // every slot empty.
+  void lay_out(size_t table_bytes, size_t data_bytes);
+  void unmap();
+  unsigned char* slot_at(int slot) const;
+
+  int fd_;
+  int keep_;
+  unsigned char* base_ = nullptr;  // the mapping, or null
+  size_t mapped_ = 0;
+  int slots_ = 0;  // as the area's header says
+  size_t slot_bytes_ = 0;
+  size_t table_bytes_ = 0;
+  int writing_ = -1;  // the slot begun and not committed
+  std::vector<Piece> begun_;
+  std::vector<size_t> begun_offsets_;  // of each piece's floats in the slot
+};
+
+// XXH3-64 of a layout's description, for SnapshotArea's layout check.
+uint64_t layout_hash(const std::string& layout_json);
+
+}  // namespace keel::checkpoint

@@ -1,0 +1,180 @@
+// In-memory snapshots on their own (checkpoint/memory_snapshot.h): a memfd
+// as keeld would hold it, written by a forked child as a rank would and
+// read back by the test as the next generation's rank or keeld would.
+#include "checkpoint/memory_snapshot.h"
+
+#include <doctest/doctest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tests/support/process.h"
+
+using keel::checkpoint::Piece;
+using keel::checkpoint::SnapshotArea;
+
+namespace {
+
+// keeld's side: a memfd that outlives the ranks that write into it.
+struct Memfd {
+  int fd = memfd_create("keel-snapshot-test", 0);
+  ~Memfd() { close(fd); }
+};
+
+// A rank's state: a 2-D parameter block and its moment, and a 1-D bias.
+std::vector<Piece> state_pieces() {
+  return {{"model", "wte", {8, 4}, 4, 0, 4, 4},
+          {"optim/exp_avg", "wte", {8, 4}, 4, 0, 4, 4},
+          {"model", "ln_f.bias", {4}, 0, 0, 4, 1}};
+}
+
+constexpr uint64_t kLayout = 0x5eed;
+
+// Snapshots step `step`: every float of piece i is step + i / 10.
+void snapshot(SnapshotArea& area, int64_t step) {
+  const auto pieces = state_pieces();
+  const auto where = area.begin(pieces, kLayout);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    for (size_t k = 0; k < pieces[i].numel(); ++k) where[i][k] = static_cast<float>(step) + 0.1f * i;
+  }
+  area.commit(step, step * 100);
+}
+
+std::vector<int64_t> steps_of(const SnapshotArea::Verified& v) {
+  std::vector<int64_t> steps;
+  for (const auto& s : v.snapshots) steps.push_back(s.listed.step);
+  return steps;
+}
+
+// Flips one byte of the first piece of the snapshot of `step`.
+void flip_a_byte(const SnapshotArea& area, int64_t step) {
+  for (const auto& s : area.verified(kLayout).snapshots) {
+    if (s.listed.step == step) const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(s.data[0]))[5] ^= 0x10;
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("unit") {
+  TEST_CASE("a snapshot committed by a rank that is gone is read back whole and verified") {
+    Memfd memfd;
+    const std::string said = keel::test::run_in_child([&] {
+      SnapshotArea area(memfd.fd, 2);
+      snapshot(area, 7);
+      return std::string("ok");
+    });
+    REQUIRE(said == "ok");
+    SnapshotArea next(memfd.fd, 2);
+    const auto v = next.verified(kLayout);
+    CHECK(v.problems.empty());
+    REQUIRE(v.snapshots.size() == 1);
+    const auto& s = v.snapshots[0];
+    CHECK(s.listed.step == 7);
+    CHECK(s.listed.tokens == 700);
+    REQUIRE(s.pieces.size() == 3);
+    CHECK(s.pieces[1].tensor_path() == "/optim/exp_avg/wte");
+    CHECK(s.pieces[0].row == 4);
+    CHECK(s.pieces[2].global_shape == std::vector<int64_t>{4});
+    CHECK(s.data[0][15] == 7.0f);
+    CHECK(s.data[2][3] == doctest::Approx(7.2f));
+  }
+
+  TEST_CASE("a slot a rank was writing when it died is never read and the snapshots before it stay whole") {
+    Memfd memfd;
+    const std::string said = keel::test::run_in_child([&] {
+      SnapshotArea area(memfd.fd, 2);
+      snapshot(area, 1);
+      snapshot(area, 2);
+      area.begin(state_pieces(), kLayout);  // killed in the middle of the copy
+      _exit(0);
+      return std::string();
+    });
+    CHECK(said.empty());
+    SnapshotArea next(memfd.fd, 2);
+    CHECK(steps_of(next.verified(kLayout)) == std::vector<int64_t>{2, 1});
+  }
+
+  TEST_CASE("the keep newest snapshots survive every later begin and the oldest make room") {
+    Memfd memfd;
+    SnapshotArea area(memfd.fd, 2);
+    for (int64_t step = 1; step <= 5; ++step) snapshot(area, step);
+    // Three slots: the two kept and the one the next snapshot goes into.
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{5, 4, 3});
+    area.begin(state_pieces(), kLayout);  // step 6 under way, over step 3
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{5, 4});
+    area.commit(6, 600);
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{6, 5, 4});
+  }
+
+  TEST_CASE("a flipped byte or another layout makes a snapshot unusable with a sentence and the older one serves") {
+    Memfd memfd;
+    SnapshotArea area(memfd.fd, 2);
+    snapshot(area, 1);
+    snapshot(area, 2);
+    flip_a_byte(area, 2);
+    const auto v = area.verified(kLayout);
+    CHECK(steps_of(v) == std::vector<int64_t>{1});
+    REQUIRE(v.problems.size() == 1);
+    CHECK(v.problems[0] == "the in-memory snapshot of step 2 (slot 1) does not match its checksum in /model/wte");
+    const auto other = area.verified(kLayout + 1);
+    CHECK(other.snapshots.empty());
+    CHECK(other.problems.size() == 2);
+    CHECK(other.problems[0].find("is of another layout") != std::string::npos);
+  }
+
+  TEST_CASE("snapshots after the last good step are quarantined and never read again") {
+    Memfd memfd;
+    {
+      SnapshotArea rank(memfd.fd, 3);
+      for (int64_t step = 1; step <= 4; ++step) snapshot(rank, step);
+    }
+    SnapshotArea keeld(memfd.fd, 3);
+    CHECK(keeld.quarantine_after(2) == 2);
+    CHECK(steps_of(SnapshotArea(memfd.fd, 3).verified(kLayout)) == std::vector<int64_t>{2, 1});
+    CHECK(keeld.list().size() == 2);
+  }
+
+  TEST_CASE("an area whose bytes do not add up reads as empty or names the slot and never crashes") {
+    struct Row {
+      const char* name;
+      size_t offset;  // of the byte set, from the start of the file
+      unsigned char byte;
+      bool area_usable;  // whether the area header still adds up
+    };
+    // The file: a page of area header, then slots of a header page, a table
+    // page and the data.
+    const Row rows[] = {
+        {"a wrong magic", 0, 'X', false},
+        {"another version", 8, 9, false},
+        {"a slot count past every bound", 15, 0xff, false},
+        {"a slot size past the file", 23, 0x7f, false},
+        {"a piece count past the table", 4096 + 4 + 3, 0x7f, true},
+        {"a table size past the table", 4096 + 40 + 3, 0x7f, true},
+        {"a piece table that is not JSON", 4096 + 4096 + 8 * 3, '}', true},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.name);
+      Memfd memfd;
+      {
+        SnapshotArea rank(memfd.fd, 2);
+        snapshot(rank, 1);
+      }
+      unsigned char* file =
+          static_cast<unsigned char*>(mmap(nullptr, 4096 * 4, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.fd, 0));
+      REQUIRE(file != MAP_FAILED);
+      file[row.offset] = row.byte;
+      munmap(file, 4096 * 4);
+      SnapshotArea next(memfd.fd, 2);
+      const auto v = next.verified(kLayout);
+      CHECK(v.snapshots.empty());
+      CHECK(v.problems.size() == (row.area_usable ? 1u : 0u));
+      if (!v.problems.empty()) CHECK(v.problems[0].find("step 1 (slot 0)") != std::string::npos);
+      // The next snapshot lays the area out afresh where it must, and serves.
+      snapshot(next, 2);
+      CHECK(steps_of(next.verified(kLayout)) == std::vector<int64_t>{2});
+    }
+  }
+}
