@@ -315,6 +315,8 @@ void Config::validate() const {
         fmt::format("must be non-negative; 0 disables saving by time (got {})", checkpoint.every_seconds));
   at_least(checkpoint.keep, 1, "checkpoint.keep");
   at_least(checkpoint.keep_every, 0, "checkpoint.keep_every");
+  at_least(checkpoint.memory_every_steps, 0, "checkpoint.memory_every_steps");
+  at_least(checkpoint.memory_keep, 1, "checkpoint.memory_keep");
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
         fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
   check(faults.crash_in == "step" || faults.crash_in == "save", "faults.crash_in",

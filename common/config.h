@@ -171,6 +171,11 @@ struct CheckpointConfig {
   std::string init_from = "";  // when the run has no checkpoint that loads: "" fails if any exists, "none" starts at step 0, or a checkpoint directory
   bool o_direct = true;        // bulk writes bypass the page cache where the filesystem allows it
   double timeout_s = 600;      // how long rank 0 waits for every rank's file before abandoning a save
+  // In-memory snapshots held by keeld (docs/architecture.md "In-memory
+  // snapshots"): after every N steps; 0 = none. keeld gives each rank its
+  // area (KEEL_SNAPSHOT_FD) while this is set.
+  int64_t memory_every_steps = 0;
+  int64_t memory_keep = 2;     // newest in-memory snapshots kept per rank
 
   template <class V> void visit(V& v) {
     v("dir", dir);
@@ -183,6 +188,8 @@ struct CheckpointConfig {
     v("init_from", init_from);
     v("o_direct", o_direct);
     v("timeout_s", timeout_s);
+    v("memory_every_steps", memory_every_steps);
+    v("memory_keep", memory_keep);
   }
 };
 

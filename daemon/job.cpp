@@ -27,7 +27,8 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       machine_(options_.config.job.name, options_.config.daemon),
       ranks_(RankSetOptions{static_cast<int>(options_.config.node_ranks()), options_.trainer, options_.config_path, options_.overrides,
                             options_.store_address, options_.store_secret, options_.config.cluster.address, run_dir_,
-                            options_.config.daemon.pin_cpus, options_.gpus}),
+                            options_.config.daemon.pin_cpus, options_.gpus,
+                            options_.config.checkpoint.memory_every_steps > 0}),
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.node_ranks())),
       started_at_ns_(clock.now_ns()) {

@@ -5,6 +5,7 @@
 #include "daemon/rank_spawner.h"
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 namespace keel::daemon {
@@ -40,6 +42,18 @@ RankSet::RankSet(RankSetOptions options)
       reports_(static_cast<size_t>(options_.ranks)),
       boards_(static_cast<size_t>(options_.ranks)) {
   for (int r = 0; r < options_.ranks; ++r) reports_[static_cast<size_t>(r)].rank = r;
+  if (options_.snapshot_areas) {
+    snapshot_areas_ = std::vector<common::UniqueFd>(static_cast<size_t>(options_.ranks));
+    for (int r = 0; r < options_.ranks; ++r) {
+      const std::string name = fmt::format("keel-snapshot-rank-{}", r);
+      common::UniqueFd area(memfd_create(name.c_str(), MFD_CLOEXEC));
+      if (area.get() < 0) {
+        throw common::Error(common::ErrorCode::kInternal,
+                            fmt::format("cannot make rank {}'s in-memory snapshot area: {}", r, std::strerror(errno)));
+      }
+      snapshot_areas_[static_cast<size_t>(r)] = std::move(area);
+    }
+  }
   if (options_.pin_cpus) {
     const auto available = allowed_cpus();
     cpus_ = cpu_shares(available, options_.ranks);
@@ -94,6 +108,10 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const Ra
       }
     }
     if (!options_.gpus.empty()) launch.env["CUDA_VISIBLE_DEVICES"] = options_.gpus[static_cast<size_t>(rank.rank)];
+    if (!snapshot_areas_.empty()) {
+      launch.snapshot_fd = snapshot_areas_[static_cast<size_t>(rank.rank)].get();
+      launch.env["KEEL_SNAPSHOT_FD"] = std::to_string(kSnapshotFd);
+    }
     // Logs go by global rank, the number the events, verdicts and the other nodes use.
     const int global_rank = slice.first_rank + rank.rank;
     launch.log = rank_log_path(options_.run_dir, global_rank);

@@ -4,6 +4,7 @@
 // job decides about them is daemon/job_state.h's; this only does it.
 #pragma once
 
+#include "common/unique_fd.h"
 #include "daemon/job_views.h"
 #include "health/progress_board.h"
 #include "health/rank_sample.h"
@@ -29,6 +30,9 @@ struct RankSetOptions {
   std::filesystem::path run_dir;           // KEEL_RUN_DIR; logs/ holds each rank's log
   bool pin_cpus = true;                    // daemon.pin_cpus
   std::vector<std::string> gpus;           // each rank's CUDA_VISIBLE_DEVICES (gpu_assignment.h); empty: CPU
+  // Give each rank an in-memory snapshot area that outlives it
+  // (checkpoint.memory_every_steps > 0; checkpoint/memory_snapshot.h).
+  bool snapshot_areas = false;
 };
 
 // Where a generation puts this node's ranks (docs/architecture.md
@@ -98,6 +102,9 @@ class RankSet {
   std::vector<RankReport> reports_;                          // per rank
   std::vector<std::optional<health::ProgressBoard>> boards_;  // per rank; empty between generations
   std::vector<std::vector<int>> cpus_;                       // per rank; empty: pin_cpus is off
+  // Per rank, a memfd held for the job's life: a rank's crash loses none of
+  // its snapshots, keeld's exit all of them. Empty without snapshot_areas.
+  std::vector<common::UniqueFd> snapshot_areas_;
   size_t threads_per_rank_ = 1;
   std::optional<int64_t> kill_at_ns_;
 };

@@ -93,7 +93,12 @@ pid_t spawn_rank(const RankLaunch& launch) {
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
     dup2(log_fd, STDOUT_FILENO);
     dup2(log_fd, STDERR_FILENO);
-    close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+    if (launch.snapshot_fd >= 0) {
+      // dup2 onto itself keeps close-on-exec, which the rank must not have.
+      if (launch.snapshot_fd != kSnapshotFd) dup2(launch.snapshot_fd, kSnapshotFd);
+      fcntl(kSnapshotFd, F_SETFD, 0);
+    }
+    close_range(launch.snapshot_fd >= 0 ? kSnapshotFd + 1 : 3, ~0U, CLOSE_RANGE_CLOEXEC);
     execve(argv[0], argv.data(), envp.data());
     const char* prefix = "keeld: cannot start the rank: exec failed: ";
     const char* why = strerror(errno);

@@ -17,12 +17,17 @@ struct RankLaunch {
   std::map<std::string, std::string> env;   // added to (and overriding) keeld's environment
   std::vector<int> cpus;                    // CPU affinity; empty = keeld's own
   std::filesystem::path log;                // stdout and stderr are appended here
+  int snapshot_fd = -1;                     // the rank's snapshot area, passed as descriptor 3; -1: none
 };
+
+// The descriptor a rank finds its snapshot area on (KEEL_SNAPSHOT_FD).
+inline constexpr int kSnapshotFd = 3;
 
 // Forks and execs the rank. The child gets its own process group (a
 // terminal's Ctrl-C reaches keeld alone, which then stops the ranks in
 // order), dies with SIGKILL if keeld dies (PR_SET_PDEATHSIG), runs on
-// `cpus`, and inherits no descriptor of keeld's but its log. Throws
+// `cpus`, and inherits no descriptor of keeld's but its log and its
+// snapshot area (as kSnapshotFd). Throws
 // Error(kInternal) when the log cannot be opened or fork fails; a failed
 // exec shows as the child exiting 127 with the reason in its log.
 pid_t spawn_rank(const RankLaunch& launch);

@@ -143,6 +143,8 @@ TEST_SUITE("unit") {
          {"cluster.etcd=etcd://h:1/keel/t", "daemon.ranks=1", "cluster.tls_cert_file=/node.pem",
           "cluster.tls_key_file=/node.key"},
          "cluster.tls_ca_file): must name the CA of etcd's certificates"},
+        {"no in-memory snapshot kept", m, {"checkpoint.memory_keep=0"}, "checkpoint.memory_keep"},
+        {"a negative snapshot interval", m, {"checkpoint.memory_every_steps=-1"}, "checkpoint.memory_every_steps"},
         {"override without =", m, {"train.lr"}, "expected section.key=value"},
         {"override of unknown key", m, {"train.learning_rate=1"}, "unknown key 'learning_rate' in [train]"},
         {"override of wrong type", m, {"train.steps=many"}, "train.steps must be an integer"},

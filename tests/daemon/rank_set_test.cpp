@@ -77,6 +77,29 @@ TEST_SUITE("integration") {
     CHECK(samples[1].rank == 5);
   }
 
+  TEST_CASE("each rank finds its own snapshot area on descriptor 3 and the same one in the next generation") {
+    keel::test::TempDir dir;
+    // What the rank sees: the variable, and the area's name and inode.
+    auto options = two_fake_ranks(
+        dir, "echo \"$KEEL_SNAPSHOT_FD $(readlink /proc/self/fd/3) $(stat -L -c %i /proc/self/fd/3)\" > "
+             "\"$KEEL_RUN_DIR/area-$KEEL_LOCAL_RANK-$KEEL_GENERATION\"");
+    options.snapshot_areas = true;
+    keel::daemon::RankSet ranks(options);
+    run_ranks(ranks, 0, {0, 2, {}});
+    run_ranks(ranks, 1, {0, 2, {}});
+    std::vector<std::string> seen;
+    for (int generation = 0; generation < 2; ++generation) {
+      for (int rank = 0; rank < 2; ++rank) {
+        seen.push_back(read_file(dir / "run" / ("area-" + std::to_string(rank) + "-" + std::to_string(generation))));
+        CAPTURE(seen.back());
+        CHECK(seen.back().starts_with("3 /memfd:keel-snapshot-rank-" + std::to_string(rank) + " "));
+      }
+    }
+    CHECK(seen[0] == seen[2]);  // rank 0's area outlived its first process
+    CHECK(seen[1] == seen[3]);
+    CHECK(seen[0] != seen[1]);  // and is its own
+  }
+
   TEST_CASE("every rank of a CUDA job is started with its own GPU as CUDA_VISIBLE_DEVICES") {
     keel::test::TempDir dir;
     auto options = two_fake_ranks(dir, "echo \"$CUDA_VISIBLE_DEVICES\" > \"$KEEL_RUN_DIR/gpu-$KEEL_RANK\"");

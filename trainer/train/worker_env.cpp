@@ -50,6 +50,10 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
     }
   }
   if (const char* run_dir = getenv("KEEL_RUN_DIR"); run_dir != nullptr && *run_dir != '\0') env.run_dir = run_dir;
+  // 0 to 2 are the standard streams.
+  if (const int64_t fd = read_int(getenv, "KEEL_SNAPSHOT_FD", -1, 3, std::numeric_limits<int32_t>::max()); fd >= 0) {
+    env.snapshot_fd = static_cast<int>(fd);
+  }
 
   if (env.rank >= env.world_size) {
     fail(fmt::format("KEEL_RANK={} must be below KEEL_WORLD_SIZE={}", env.rank, env.world_size));

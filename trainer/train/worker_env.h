@@ -23,6 +23,9 @@ struct WorkerEnv {
   // tells its peers, its node's address on the job's network.
   std::string bind_address = "127.0.0.1";
   std::optional<std::string> run_dir;  // KEEL_RUN_DIR: overrides job.run_dir
+  // KEEL_SNAPSHOT_FD: the descriptor of this rank's in-memory snapshot
+  // area, which keeld holds across generations; none: no area.
+  std::optional<int> snapshot_fd;
 
   // Reads the contract through `getenv` (std::getenv by default, a map in
   // tests). Throws Error(kBadConfig) naming the variable when a value is
