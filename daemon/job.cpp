@@ -592,7 +592,6 @@ JobReport Job::report() const {
     c.node = options_.cluster->node_name();
     if (membership_) {
       c.node_rank = membership_->node_rank;
-      c.nodes = membership_->nodes;
       c.members = node_reports(r.now_ns);
       c.world = membership_->world_size();
       c.first_rank = membership_->rank_offset();

@@ -121,10 +121,10 @@ nlohmann::json status_json(const JobReport& report) {
   }
   out["cluster"] = nullptr;
   if (const auto& c = report.cluster) {
-    out["cluster"] = {{"node", c->node},   {"node_rank", c->node_rank},   {"nodes", c->nodes},
-                      {"world", c->world}, {"first_rank", c->first_rank}, {"cross_node_axes", c->cross_node_axes}};
+    nlohmann::json nodes = nlohmann::json::array();
     nlohmann::json members = nlohmann::json::array();
     for (const NodeReport& n : c->members) {
+      nodes.push_back(n.name);
       members.push_back({{"node", n.name},
                          {"address", n.address},
                          {"first_rank", n.first_rank},
@@ -132,6 +132,8 @@ nlohmann::json status_json(const JobReport& report) {
                          {"health", n.health},
                          {"heard_s", n.heard_s ? nlohmann::json(*n.heard_s) : nlohmann::json(nullptr)}});
     }
+    out["cluster"] = {{"node", c->node},   {"node_rank", c->node_rank},   {"nodes", nodes},
+                      {"world", c->world}, {"first_rank", c->first_rank}, {"cross_node_axes", c->cross_node_axes}};
     out["cluster"]["members"] = members;
     out["cluster"]["etcd_unreachable_s"] =
         c->etcd_unreachable_s ? nlohmann::json(*c->etcd_unreachable_s) : nlohmann::json(nullptr);

@@ -49,8 +49,7 @@ struct NodeReport {
 struct ClusterReport {
   std::string node;                // this node's name
   int node_rank = -1;              // in the generation last joined; -1: none yet
-  std::vector<std::string> nodes;  // that generation's, node rank order
-  std::vector<NodeReport> members; // the same nodes, with what is known of each
+  std::vector<NodeReport> members; // that generation's nodes, node rank order, with what is known of each
   int world = 0;                   // its ranks, every node's
   int first_rank = 0;              // this node's first global rank
   std::vector<std::string> cross_node_axes;  // the axes whose groups span nodes (cluster/placement.h)
