@@ -493,10 +493,11 @@ TEST_SUITE("integration") {
     const int culprit = 4;
     std::vector<std::string> sets = kFastHealth;
     // The hung rank ignores SIGTERM; its node kills it at once whichever
-    // node's verdict ended the generation, and is back within the 4 s join
-    // timeout (kCluster), which a wait for SIGTERM's 10 s grace would miss:
-    // the next generation has all three nodes and the model stays DP3's.
-    sets.insert(sets.end(), {fmt::format("faults.hang_rank={}", culprit), "faults.hang_step=12", "faults.hang_group=dp"});
+    // node's verdict ended the generation, and is back within an 8 s join
+    // timeout, which a wait for SIGTERM's 10 s grace would miss: the next
+    // generation has all three nodes and the model stays DP3's.
+    sets.insert(sets.end(), {fmt::format("faults.hang_rank={}", culprit), "faults.hang_step=12", "faults.hang_group=dp",
+                             "cluster.join_timeout_s=8"});
     ClusterJob job(*etcd, 3, sets);
     auto keelds = start_all(job);
     require_finished(keelds);
