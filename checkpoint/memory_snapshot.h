@@ -1,5 +1,5 @@
-// A rank's in-memory snapshots (docs/architecture.md "In-memory snapshots:
-// the design being built"): copies of its training state in one shared
+// A rank's in-memory snapshots (docs/architecture.md "In-memory
+// snapshots"): copies of its training state in one shared
 // memory file that keeld owns (a memfd), so that they outlive the rank's
 // crash and the next generation resumes from them without storage.
 //
@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,21 +59,34 @@ class SnapshotArea {
   SnapshotArea(const SnapshotArea&) = delete;
   SnapshotArea& operator=(const SnapshotArea&) = delete;
 
-  // Lays out the next snapshot for `pieces` and returns where each piece's
-  // floats go. When the state's shape differs from the area's (the first
-  // snapshot, another layout) the area is laid out afresh and what it held
+  // Makes the area hold `keep` + 1 snapshots of `pieces`: when the state's
+  // shape differs from the area's (the first snapshot, another layout) the
+  // area is laid out afresh, its pages taken and touched, and what it held
   // is gone. Error(kCheckpointFailure) when the file cannot grow (memory).
+  void reserve(const std::vector<Piece>& pieces);
+  // reserve(), then lays out the next snapshot for `pieces` and returns
+  // where each piece's floats go.
   std::vector<float*> begin(const std::vector<Piece>& pieces, uint64_t layout_hash);
   // Hashes the pieces begun and marks the slot complete as step `step`.
-  void commit(int64_t step, int64_t tokens);
+  // A piece holding a non-finite value leaves the slot unfinished (never
+  // read) and is named in the sentence returned: no snapshot holds
+  // non-finite state.
+  // `threads` share the hashing (0: every CPU this process may run on).
+  std::optional<std::string> commit(int64_t step, int64_t tokens, unsigned threads = 1);
 
   // The complete slots, newest first.
   std::vector<Listed> list() const;
-  // The complete slots of `layout_hash` whose pieces verify.
-  Verified verified(uint64_t layout_hash) const;
+  // The complete slots of `layout_hash` whose pieces verify, hashed over
+  // `threads` threads.
+  Verified verified(uint64_t layout_hash, unsigned threads = 1) const;
   // Marks every complete slot of a step after `step` quarantined (never
   // read again); returns how many.
   int quarantine_after(int64_t step);
+
+  // The file's mapping (null and 0 before the first snapshot), for a
+  // backend that registers it for device copies. begin() may move it.
+  void* mapping() const { return base_; }
+  size_t mapping_bytes() const { return mapped_; }
 
  private:
   // Maps what the file holds when its header adds up (false: nothing usable).

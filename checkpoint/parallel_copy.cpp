@@ -20,6 +20,11 @@ void parallel_copy(const std::vector<CopyJob>& jobs, unsigned threads) {
                                std::min(kChunk, job.bytes - at)});
     }
   }
+  parallel_each(chunks.size(), threads,
+                [&](size_t i) { std::memcpy(chunks[i].dst, chunks[i].src, chunks[i].bytes); });
+}
+
+void parallel_each(size_t count, unsigned threads, const std::function<void(size_t)>& work) {
   if (threads == 0) {
     // The CPUs this process may run on (keeld pins each rank to its share),
     // not every CPU of the machine.
@@ -28,14 +33,14 @@ void parallel_copy(const std::vector<CopyJob>& jobs, unsigned threads) {
                                                              : std::thread::hardware_concurrency();
     threads = std::max(1u, threads);
   }
-  threads = static_cast<unsigned>(std::min<size_t>(threads, chunks.size()));
+  threads = static_cast<unsigned>(std::min<size_t>(threads, count));
   std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < chunks.size(); i = next++) std::memcpy(chunks[i].dst, chunks[i].src, chunks[i].bytes);
+  auto loop = [&] {
+    for (size_t i = next++; i < count; i = next++) work(i);
   };
   std::vector<std::thread> helpers;
-  for (unsigned t = 1; t < threads; ++t) helpers.emplace_back(work);
-  work();
+  for (unsigned t = 1; t < threads; ++t) helpers.emplace_back(loop);
+  loop();
   for (auto& h : helpers) h.join();
 }
 

@@ -2,7 +2,10 @@
 // holds as one contiguous dataset (docs/architecture.md "Checkpoints").
 #pragma once
 
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,21 @@ struct Piece {
   std::string dataset_path() const {
     return tensor_path() + "@" + std::to_string(row) + "," + std::to_string(col);
   }
+  bool operator==(const Piece&) const = default;
 };
+
+// The first non-finite value of `n`, if any: no checkpoint or snapshot is
+// kept of non-finite state. Branch-free over the whole run, so the common
+// all-finite case goes at memory speed; the value is looked for only when
+// there is one.
+inline std::optional<float> first_non_finite(const float* values, size_t n) {
+  bool finite = true;
+  for (size_t k = 0; k < n; ++k) finite &= std::isfinite(values[k]);
+  if (finite) return std::nullopt;
+  for (size_t k = 0; k < n; ++k) {
+    if (!std::isfinite(values[k])) return values[k];
+  }
+  return std::nullopt;
+}
 
 }  // namespace keel::checkpoint

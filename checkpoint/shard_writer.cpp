@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -134,14 +133,8 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
 std::optional<std::pair<std::string, float>> ShardWriter::first_non_finite() const {
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const float* values = reinterpret_cast<const float*>(staging_.get() + staging_offset_[i]);
-    const size_t n = pieces_[i].bytes() / sizeof(float);
-    // Branch-free over a whole piece, so the common all-finite case runs at
-    // memory speed; the element is looked for only when there is one.
-    bool finite = true;
-    for (size_t k = 0; k < n; ++k) finite &= std::isfinite(values[k]);
-    if (finite) continue;
-    for (size_t k = 0; k < n; ++k) {
-      if (!std::isfinite(values[k])) return std::make_pair(pieces_[i].tensor_path(), values[k]);
+    if (const auto bad = checkpoint::first_non_finite(values, pieces_[i].numel())) {
+      return std::make_pair(pieces_[i].tensor_path(), *bad);
     }
   }
   return std::nullopt;

@@ -315,12 +315,14 @@ void Config::validate() const {
         fmt::format("must be non-negative; 0 disables saving by time (got {})", checkpoint.every_seconds));
   at_least(checkpoint.keep, 1, "checkpoint.keep");
   at_least(checkpoint.keep_every, 0, "checkpoint.keep_every");
-  at_least(checkpoint.memory_every_steps, 0, "checkpoint.memory_every_steps");
+  at_least(checkpoint.memory_every_steps, -1, "checkpoint.memory_every_steps");
+  check(checkpoint.memory_stall_budget > 0 && checkpoint.memory_stall_budget < 1, "checkpoint.memory_stall_budget",
+        fmt::format("must be above 0 and below 1, a share of the step time (got {})", checkpoint.memory_stall_budget));
   at_least(checkpoint.memory_keep, 1, "checkpoint.memory_keep");
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
         fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
-  check(faults.crash_in == "step" || faults.crash_in == "save", "faults.crash_in",
-        fmt::format("must be \"step\" or \"save\" (got \"{}\")", faults.crash_in));
+  check(faults.crash_in == "step" || faults.crash_in == "save" || faults.crash_in == "snapshot", "faults.crash_in",
+        fmt::format("must be \"step\", \"save\" or \"snapshot\" (got \"{}\")", faults.crash_in));
   check(faults.nan_target == "gradient" || faults.nan_target == "loss", "faults.nan_target",
         fmt::format("must be \"gradient\" or \"loss\" (got \"{}\")", faults.nan_target));
   at_least(faults.loss_spike_step, -1, "faults.loss_spike_step");
@@ -456,9 +458,10 @@ void Config::validate() const {
                     faults.bitflip_target));
   check(!faults.hang_group.empty(), "faults.hang_group", "must name a mesh axis, e.g. \"dp\" or \"tp\"");
   check(faults.checkpoint_fault.empty() || faults.checkpoint_fault == "write_error" ||
-            faults.checkpoint_fault == "corrupt" || faults.checkpoint_fault == "disk_full",
+            faults.checkpoint_fault == "corrupt" || faults.checkpoint_fault == "disk_full" ||
+            faults.checkpoint_fault == "snapshot_corrupt",
         "faults.checkpoint_fault",
-        fmt::format("must be \"write_error\", \"corrupt\", \"disk_full\" or empty (got \"{}\")",
+        fmt::format("must be \"write_error\", \"corrupt\", \"disk_full\", \"snapshot_corrupt\" or empty (got \"{}\")",
                     faults.checkpoint_fault));
 
   for (auto [value, key] : {std::pair{health.heartbeat_timeout_s, "health.heartbeat_timeout_s"},

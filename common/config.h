@@ -172,10 +172,12 @@ struct CheckpointConfig {
   bool o_direct = true;        // bulk writes bypass the page cache where the filesystem allows it
   double timeout_s = 600;      // how long rank 0 waits for every rank's file before abandoning a save
   // In-memory snapshots held by keeld (docs/architecture.md "In-memory
-  // snapshots"): after every N steps; 0 = none. keeld gives each rank its
-  // area (KEEL_SNAPSHOT_FD) while this is set.
-  int64_t memory_every_steps = 0;
+  // snapshots"): after every N steps; 0 = none; -1 = as often as keeps
+  // their stall within memory_stall_budget of the step time. keeld gives
+  // each rank its area (KEEL_SNAPSHOT_FD) unless this is 0.
+  int64_t memory_every_steps = -1;
   int64_t memory_keep = 2;     // newest in-memory snapshots kept per rank
+  double memory_stall_budget = 0.02;  // memory_every_steps = -1: the share of the step time snapshots may take
 
   template <class V> void visit(V& v) {
     v("dir", dir);
@@ -190,6 +192,7 @@ struct CheckpointConfig {
     v("timeout_s", timeout_s);
     v("memory_every_steps", memory_every_steps);
     v("memory_keep", memory_keep);
+    v("memory_stall_budget", memory_stall_budget);
   }
 };
 
@@ -326,7 +329,10 @@ struct FaultsConfig {
   int64_t crash_rank = -1;        // the rank to kill; -1 = none
   int64_t crash_step = 0;         // killed just before training this step
   int64_t crash_generation = 0;   // only in this generation; -1 = in every generation (a crash loop)
-  std::string crash_in = "step";  // "step": before training crash_step; "save": writing the checkpoint of step crash_step, before reporting it
+  // "step": before training crash_step; "save": writing the checkpoint of
+  // step crash_step, before reporting it; "snapshot": halfway through
+  // copying the in-memory snapshot of step crash_step
+  std::string crash_in = "step";
   int64_t fault_generation = 0;   // the generation the faults below fire in; -1 = every generation
   int64_t nan_rank = -1;          // the rank whose step turns non-finite; -1 = none
   int64_t nan_step = 0;           // at this step
@@ -357,7 +363,10 @@ struct FaultsConfig {
   std::string bitflip_target = "param";
   std::string bitflip_tensor = "";       // the tensor (e.g. "h.0.mlp.c_fc.weight"); empty = one chosen from the step
   int64_t bitflip_bit = 22;       // 0-22 mantissa (22, the highest, is silent), 23-30 exponent, 31 sign
-  std::string checkpoint_fault = "";  // "write_error" | "corrupt" (a byte flipped after its checksum) | "disk_full"; empty = none
+  // "write_error" | "corrupt" (a byte flipped after its checksum) |
+  // "disk_full" | "snapshot_corrupt" (a byte of the in-memory snapshot of
+  // checkpoint_fault_step flipped after its checksum); empty = none
+  std::string checkpoint_fault = "";
   int64_t checkpoint_fault_rank = 0;  // the rank whose file fails
   int64_t checkpoint_fault_step = 0;  // the checkpoint of this step; 0 = the first one saved
 

@@ -58,7 +58,8 @@ std::string layout_text(const nlohmann::json& layout) {
 
 }  // namespace
 
-int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostream& err) {
+int checkpoint_list(const CheckpointTarget& target, const SnapshotSource& memory, std::ostream& out,
+                    std::ostream& err) {
   if (!root_exists(target, err)) return 2;
   nlohmann::json rows = nlohmann::json::array();
   std::vector<std::filesystem::path> dirs;
@@ -81,8 +82,19 @@ int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostr
     }
     rows.push_back(row);
   }
+  // Oldest first, as the directories are.
+  nlohmann::json snapshots = nlohmann::json::array();
+  size_t local_ranks = 0;
+  if (memory.status.is_object()) {
+    local_ranks = memory.status.value("ranks", nlohmann::json::array()).size();
+    const auto listed = memory.status.value("snapshots", nlohmann::json::array());
+    for (auto it = listed.rbegin(); it != listed.rend(); ++it) snapshots.push_back(*it);
+  }
   if (target.json) {
-    out << nlohmann::json{{"checkpoints", rows}}.dump() << "\n";
+    nlohmann::json reply = {{"checkpoints", rows}};
+    reply["snapshots"] = memory.status.is_object() ? snapshots : nlohmann::json(nullptr);
+    if (!memory.absent.empty()) reply["snapshots_absent"] = memory.absent;
+    out << reply.dump() << "\n";
     return 0;
   }
   out << fmt::format("{:>10}  {:<24}  {:>10}  {:<24}  {}\n", "STEP", "CREATED", "SIZE", "LAYOUT", "STATUS");
@@ -91,7 +103,13 @@ int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostr
                        r.value("created", "-"), r.contains("bytes") ? common::format_bytes(r["bytes"]) : "-",
                        r.contains("layout") ? layout_text(r["layout"]) : "-", r.value("status", ""));
   }
+  for (const auto& r : snapshots) {
+    out << fmt::format("{:>10}  {:<24}  {:>10}  {:<24}  in memory on {} of {} ranks of this node (keeld)\n",
+                       r.value("step", int64_t{0}), "-", common::format_bytes(r.value("bytes", uint64_t{0})), "-",
+                       r.value("ranks", 0), local_ranks);
+  }
   if (rows.empty()) out << "(no checkpoints in " << target.root.string() << ")\n";
+  if (!memory.absent.empty()) out << "(in-memory snapshots not shown: " << memory.absent << ")\n";
   return 0;
 }
 

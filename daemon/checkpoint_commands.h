@@ -1,5 +1,6 @@
 // keelctl checkpoint list | verify | inspect | prune (docs/architecture.md "Daemon"): work
-// directly on a run's checkpoint directory, with or without a daemon.
+// directly on a run's checkpoint directory, with or without a daemon; list
+// adds the in-memory snapshots of a keeld running that job.
 // Readable tables by default, one JSON document with --json. Each returns
 // the process exit code: 0 fine, 1 a checkpoint failed verification, 2 bad
 // usage or input (no such directory, step or tensor).
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -19,7 +21,16 @@ struct CheckpointTarget {
   bool json = false;
 };
 
-int checkpoint_list(const CheckpointTarget& target, std::ostream& out, std::ostream& err);
+// keeld's status reply when keeld runs the job of that directory (its
+// in-memory snapshots are listed beside the checkpoints), or a sentence
+// saying why they are not: keeld not running, or running another job.
+struct SnapshotSource {
+  nlohmann::json status;
+  std::string absent;
+};
+
+int checkpoint_list(const CheckpointTarget& target, const SnapshotSource& memory, std::ostream& out,
+                    std::ostream& err);
 // Every file of the checkpoint against its size and checksum; `all`: every
 // committed checkpoint.
 int checkpoint_verify(const CheckpointTarget& target, bool all, std::ostream& out, std::ostream& err);

@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 namespace keel::daemon {
@@ -28,7 +29,7 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       ranks_(RankSetOptions{static_cast<int>(options_.config.node_ranks()), options_.trainer, options_.config_path, options_.overrides,
                             options_.store_address, options_.store_secret, options_.config.cluster.address, run_dir_,
                             options_.config.daemon.pin_cpus, options_.gpus,
-                            options_.config.checkpoint.memory_every_steps > 0}),
+                            options_.config.checkpoint.memory_every_steps != 0}),
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.node_ranks())),
       started_at_ns_(clock.now_ns()) {
@@ -140,7 +141,7 @@ void Job::on_joined(const cluster::Membership& membership) {
   const std::string& node = membership.nodes[static_cast<size_t>(membership.node_rank)];
   if (machine_.state() != JobState::kStarting) {
     // Stopped while it joined: the other nodes must not wait for ranks that will not come.
-    options_.cluster->fail(membership.generation, {fmt::format("node '{}' stopped before its ranks started", node)});
+    options_.cluster->fail(membership.generation, {fmt::format("node '{}' stopped before its ranks started", node), {}});
     end_generation_if_over();
     return;
   }
@@ -279,11 +280,17 @@ void Job::quarantine_suspect_checkpoints() {
   keep_through_step_.reset();
   const auto root = options_.config.checkpoint_dir();
   const Quarantine q = quarantine_checkpoints(root, last_good, machine_.generation());
+  // The in-memory snapshots of those steps too ("In-memory snapshots").
+  const int snapshots = ranks_.quarantine_snapshots_after(last_good);
   for (const auto& error : q.errors) common::logger("health")->error("{}", error);
-  common::logger("health")->warn("moved aside the checkpoints after step {}, the last known good: [{}]", last_good,
-                                 fmt::join(q.moved, ", "));
-  event("checkpoint_quarantined",
-        {{"last_good_step", last_good}, {"steps", q.steps}, {"moved", q.moved}, {"errors", q.errors}});
+  common::logger("health")->warn(
+      "moved aside the checkpoints after step {}, the last known good: [{}]; {} in-memory snapshots quarantined",
+      last_good, fmt::join(q.moved, ", "), snapshots);
+  event("checkpoint_quarantined", {{"last_good_step", last_good},
+                                   {"steps", q.steps},
+                                   {"moved", q.moved},
+                                   {"errors", q.errors},
+                                   {"snapshots", snapshots}});
   history_.refresh();
   const auto kept = checkpoint::committed(root);
   base_checkpoint_ = kept.empty() ? -1 : kept.back().step;
@@ -364,11 +371,24 @@ void Job::note_resume() {
   if (resumed_ || !head || head->total_steps == 0) return;
   resumed_ = true;
   const int64_t step = head->first_step;
-  base_checkpoint_ = step > 0 ? step : -1;
-  common::logger("job")->info("generation {}: the ranks resumed from {}", machine_.generation(),
-                              step > 0 ? fmt::format("the checkpoint of step {}", step)
-                                       : std::string("the start: no checkpoint loads"));
-  event("generation_resumed", {{"step", step}});
+  // Rank 0's record says whether that was memory (none when rank 0 runs
+  // on another node): a snapshot is no checkpoint, so the newest known
+  // good checkpoint stays what it was.
+  const nlohmann::json restored = history_.restored_in(machine_.generation());
+  const std::string from = restored.is_object() ? restored.value("from", "") : "";
+  if (from != "memory") base_checkpoint_ = step > 0 ? step : -1;
+  const std::string why =
+      restored.is_object() && restored.contains("why") && restored["why"].is_string() ? restored["why"].get<std::string>()
+                                                                                      : "";
+  common::logger("job")->info("generation {}: the ranks resumed from {}{}", machine_.generation(),
+                              from == "memory" ? fmt::format("the in-memory snapshot of step {}", step)
+                              : step > 0       ? fmt::format("the checkpoint of step {}", step)
+                                               : std::string("the start: no checkpoint loads"),
+                              why.empty() ? "" : fmt::format(" ({})", why));
+  nlohmann::json fields = {{"step", step}};
+  if (!from.empty()) fields["from"] = from;
+  if (!why.empty()) fields["why"] = why;
+  event("generation_resumed", fields);
 }
 
 int64_t Job::newest_in_catalog() const {
@@ -577,8 +597,19 @@ JobReport Job::report() const {
   r.step = steps_done();
   r.total_steps = options_.config.train.steps;
   r.checkpoint_step = checkpoint_step();
+  std::map<int64_t, SnapshotRow, std::greater<>> by_step;
+  for (const auto& area : ranks_.snapshots()) {
+    for (const auto& listed : area) {
+      SnapshotRow& row = by_step[listed.step];
+      row.step = listed.step;
+      row.ranks += 1;
+      row.bytes += listed.bytes;
+    }
+  }
+  for (const auto& [step, row] : by_step) r.snapshots.push_back(row);
   r.reason = machine_.reason();
   r.run_dir = run_dir_;
+  r.checkpoint_dir = options_.config.checkpoint_dir();
   r.uptime_s = common::ns_to_seconds(r.now_ns - started_at_ns_);
   r.stale_after_s = options_.config.daemon.stale_after_s;
   r.ranks = ranks_.ranks();

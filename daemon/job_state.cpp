@@ -265,8 +265,9 @@ Transition JobMachine::generation_over(const GenerationOutcome& outcome, int64_t
     return t;
   }
   actions.push_back(log_action(spdlog::level::warn,
-                               fmt::format("generation {} failed ({}); restarting in {:.1f} s from the newest "
-                                           "checkpoint that loads (step {} as far as keeld knows)",
+                               fmt::format("generation {} failed ({}); restarting in {:.1f} s from the ranks' "
+                                           "newest in-memory snapshot or the newest checkpoint that loads (step {} "
+                                           "as far as keeld knows)",
                                            generation_, failure_, decision.delay_s, checkpoint)));
   actions.push_back(
       record("restart_scheduled", {{"cause", failure_}, {"delay_s", decision.delay_s}, {"checkpoint_step", checkpoint}}));

@@ -63,6 +63,9 @@ nlohmann::json status_json(const JobReport& report) {
       r["phase"] = health::phase_name(s.phase);
       r["step_ms"] = s.step_ms;
       r["board_age_s"] = common::ns_to_seconds(now_ns - s.update_ns);
+      if (s.snapshot_step >= 0) {
+        r["snapshot"] = {{"step", s.snapshot_step}, {"bytes", s.snapshot_bytes}, {"stall_s", s.snapshot_stall_s}};
+      }
       if (const std::string core = health::board_text(s.blas_core); !core.empty()) {
         r["blas_core"] = core;
         r["blas_chosen_by"] = health::board_text(s.blas_chosen_by);
@@ -108,6 +111,7 @@ nlohmann::json status_json(const JobReport& report) {
                         {"total_steps", report.total_steps},
                         {"checkpoint_step", report.checkpoint_step},
                         {"run_dir", report.run_dir.string()},
+                        {"checkpoint_dir", report.checkpoint_dir.string()},
                         {"keeld_pid", getpid()},
                         {"uptime_s", report.uptime_s},
                         {"ranks", ranks}};
@@ -119,6 +123,11 @@ nlohmann::json status_json(const JobReport& report) {
   for (auto [key, tally] : {std::pair{"loss_spikes", report.loss_spikes}, {"skipped_steps", report.skipped_steps}}) {
     out[key] = {{"count", tally.count}, {"last_step", tally.last_step}};
   }
+  nlohmann::json snapshots = nlohmann::json::array();
+  for (const SnapshotRow& row : report.snapshots) {
+    snapshots.push_back({{"step", row.step}, {"ranks", row.ranks}, {"bytes", row.bytes}});
+  }
+  out["snapshots"] = snapshots;
   out["cluster"] = nullptr;
   if (const auto& c = report.cluster) {
     nlohmann::json nodes = nlohmann::json::array();
@@ -217,6 +226,12 @@ std::string metrics_text(const JobReport& report) {
               static_cast<double>(s.checkpoint_bytes), labels);
     out.gauge("keel_rank_checkpoint_write_seconds", "Write time of this rank's newest checkpoint file",
               s.checkpoint_write_s, labels);
+    if (s.snapshot_step >= 0) {
+      out.gauge("keel_snapshot_bytes", "Bytes of this rank's newest in-memory snapshot",
+                static_cast<double>(s.snapshot_bytes), labels);
+      out.gauge("keel_snapshot_stall_seconds", "How long training waited for this rank's newest in-memory snapshot",
+                s.snapshot_stall_s, labels);
+    }
     out.gauge("keel_rank_straggler_score",
               "This rank's newest straggler score: its compute over the median rank's, minus 1", rank.straggler_score,
               labels);

@@ -56,6 +56,14 @@ struct ClusterReport {
   std::optional<double> etcd_unreachable_s;  // how long keeld's renewals have failed to reach etcd; nullopt: they reach it
 };
 
+// The in-memory snapshots of one step on this node (docs/architecture.md
+// "In-memory snapshots"): how many of its ranks hold one, and their bytes.
+struct SnapshotRow {
+  int64_t step = 0;
+  int ranks = 0;
+  uint64_t bytes = 0;
+};
+
 struct JobReport {
   int64_t now_ns = 0;            // when the report was taken (common/clock.h): ages are counted to it
   std::string job;
@@ -67,6 +75,7 @@ struct JobReport {
   int64_t checkpoint_step = -1;  // the newest good checkpoint (daemon/job.h); -1: none
   std::string reason;            // why the generation or the job failed; empty otherwise
   std::filesystem::path run_dir;
+  std::filesystem::path checkpoint_dir;
   double uptime_s = 0;
   double stale_after_s = 0;      // a board older than this makes its rank "stale"
   DetectionCounts detections;    // the detectors' findings so far
@@ -75,6 +84,7 @@ struct JobReport {
   StepTally loss_spikes;
   StepTally skipped_steps;
   std::vector<RankReport> ranks; // rank 0 first (this node's first)
+  std::vector<SnapshotRow> snapshots;  // newest first; empty when snapshots are off
   std::optional<ClusterReport> cluster;  // nullopt: one node
 };
 

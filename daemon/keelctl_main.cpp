@@ -9,6 +9,7 @@
 #include "daemon/straggler_view.h"
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include <iostream>
 #include <string_view>
@@ -46,6 +47,25 @@ int ask_keeld(const std::string& socket, const keel::daemon::Request& request, b
   }
   if (!ok) return kRefused;
   return then ? then(reply) : 0;
+}
+
+// The in-memory snapshots of the job whose checkpoints are at `root`, from
+// the keeld at `socket` if it runs that job.
+keel::daemon::SnapshotSource snapshot_source(const std::string& socket, const std::filesystem::path& root) {
+  keel::daemon::Request request;
+  request.command = keel::daemon::Command::kStatus;
+  nlohmann::json status;
+  try {
+    status = keel::daemon::call_daemon(socket, request);
+  } catch (const std::exception&) {
+    return {nullptr, fmt::format("no keeld answers at {}", socket)};
+  }
+  std::error_code ec;
+  const std::string dir = status.value("checkpoint_dir", "");
+  if (!status.value("ok", false) || dir.empty() || !std::filesystem::equivalent(dir, root, ec)) {
+    return {nullptr, fmt::format("the keeld at {} runs the job of {}, not this one", socket, dir.empty() ? "?" : dir)};
+  }
+  return {status, ""};
 }
 
 }  // namespace
@@ -179,7 +199,7 @@ int main(int argc, char** argv) {
   keel::daemon::CheckpointTarget target{checkpoints.empty() ? std::filesystem::path(run_dir) / "checkpoints"
                                                             : std::filesystem::path(checkpoints),
                                         step >= 0 ? std::optional<int64_t>(step) : std::nullopt, json};
-  if (list->parsed()) return keel::daemon::checkpoint_list(target, std::cout, std::cerr);
+  if (list->parsed()) return keel::daemon::checkpoint_list(target, snapshot_source(socket, target.root), std::cout, std::cerr);
   if (verify->parsed()) return keel::daemon::checkpoint_verify(target, all, std::cout, std::cerr);
   if (inspect->parsed()) return keel::daemon::checkpoint_inspect(target, tensor, limit, std::cout, std::cerr);
   return keel::daemon::checkpoint_prune(target, keep, keep_every, dry_run, std::cout, std::cerr);

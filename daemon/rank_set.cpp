@@ -206,6 +206,18 @@ bool RankSet::request_fault(int rank, const health::FaultRequest& request) {
   return true;
 }
 
+std::vector<std::vector<checkpoint::SnapshotArea::Listed>> RankSet::snapshots() const {
+  std::vector<std::vector<checkpoint::SnapshotArea::Listed>> out;
+  for (const auto& fd : snapshot_areas_) out.push_back(checkpoint::SnapshotArea(fd.get(), 1).list());
+  return out;
+}
+
+int RankSet::quarantine_snapshots_after(int64_t step) {
+  int moved = 0;
+  for (const auto& fd : snapshot_areas_) moved += checkpoint::SnapshotArea(fd.get(), 1).quarantine_after(step);
+  return moved;
+}
+
 void RankSet::remove_boards() {
   for (auto& board : boards_) {
     if (board) health::ProgressBoard::remove(board->name());

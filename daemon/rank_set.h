@@ -4,6 +4,7 @@
 // job decides about them is daemon/job_state.h's; this only does it.
 #pragma once
 
+#include "checkpoint/memory_snapshot.h"
 #include "common/unique_fd.h"
 #include "daemon/job_views.h"
 #include "health/progress_board.h"
@@ -31,7 +32,7 @@ struct RankSetOptions {
   bool pin_cpus = true;                    // daemon.pin_cpus
   std::vector<std::string> gpus;           // each rank's CUDA_VISIBLE_DEVICES (gpu_assignment.h); empty: CPU
   // Give each rank an in-memory snapshot area that outlives it
-  // (checkpoint.memory_every_steps > 0; checkpoint/memory_snapshot.h).
+  // (checkpoint.memory_every_steps not 0; checkpoint/memory_snapshot.h).
   bool snapshot_areas = false;
 };
 
@@ -91,6 +92,14 @@ class RankSet {
   // (no generation runs).
   bool request_checkpoint();
   bool request_fault(int rank, const health::FaultRequest& request);
+
+  // The complete in-memory snapshots of each local rank's area, from the
+  // slot headers (newest first); empty without snapshot_areas.
+  std::vector<std::vector<checkpoint::SnapshotArea::Listed>> snapshots() const;
+  // Marks every snapshot of a step after `step` quarantined in every area
+  // (an SDC verdict's last good step); returns how many. Only while no
+  // rank runs.
+  int quarantine_snapshots_after(int64_t step);
 
   void remove_boards();
   // The boards of keelds that died (named after a pid that no longer exists).

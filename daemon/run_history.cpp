@@ -53,6 +53,8 @@ void RunHistory::take(const nlohmann::json& event) {
     record.abandoned = step;
     const auto cause = event.find("cause");
     record.abandoned_cause = cause != event.end() && cause->is_string() ? cause->get<std::string>() : "no cause given";
+  } else if (kind == "state_restored") {
+    generations_[g].restored = event;
   } else if (kind == "loss_spike") {
     spike_steps_.insert(step);
   } else if (kind == "step_skipped") {
@@ -64,6 +66,11 @@ void RunHistory::take(const nlohmann::json& event) {
       if (!record.committed.empty()) newest_committed_ = std::max(newest_committed_, *record.committed.rbegin());
     }
   }
+}
+
+nlohmann::json RunHistory::restored_in(int64_t generation) const {
+  const auto it = generations_.find(generation);
+  return it == generations_.end() ? nlohmann::json() : it->second.restored;
 }
 
 StepTally RunHistory::tally(const std::set<int64_t>& steps) {

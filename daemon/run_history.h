@@ -6,7 +6,8 @@
 // rather than by the names of the checkpoint directories: a directory that
 // looks committed may not verify, and then the ranks pass it over.
 //
-// It also tallies the run's records that are no alarms (docs/architecture.md
+// It also keeps where each generation's ranks restored their state from
+// (state_restored: memory, disk or the start, and why not memory), and tallies the run's records that are no alarms (docs/architecture.md
 // "Health"): the loss spikes the ranks recorded (loss_spike) and the steps
 // they skipped (step_skipped). A step counts once however many
 // generations replayed it.
@@ -48,6 +49,10 @@ class RunHistory {
   // Why rank 0 abandoned the last checkpoint of `generation`, when no
   // newer one was committed after it; empty otherwise.
   std::string abandoned_in(int64_t generation) const;
+  // Rank 0's state_restored record of `generation` ({"from", "step",
+  // "why"?, ...}); null when rank 0 wrote none here (yet, or it runs on
+  // another node).
+  nlohmann::json restored_in(int64_t generation) const;
   StepTally loss_spikes() const { return tally(spike_steps_); }
   StepTally skipped_steps() const { return tally(skipped_steps_); }
 
@@ -56,6 +61,7 @@ class RunHistory {
     std::set<int64_t> committed;
     int64_t abandoned = -1;
     std::string abandoned_cause;
+    nlohmann::json restored;
   };
   void take(const nlohmann::json& event);
   static StepTally tally(const std::set<int64_t>& steps);

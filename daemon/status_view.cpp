@@ -70,6 +70,15 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
   const int64_t checkpoint = s.value("checkpoint_step", int64_t{-1});
   line += checkpoint >= 0 ? fmt::format(" | checkpoint step {}", checkpoint) : std::string(" | no checkpoint yet");
   out << line << "\n";
+  if (const auto rows = s.value("snapshots", nlohmann::json::array()); !rows.empty()) {
+    const size_t ranks = s.value("ranks", nlohmann::json::array()).size();
+    std::vector<std::string> parts;
+    for (const auto& row : rows) {
+      parts.push_back(fmt::format("step {} ({} of {} ranks, {})", row.value("step", int64_t{0}), row.value("ranks", 0),
+                                  ranks, common::format_bytes(row.value("bytes", uint64_t{0}))));
+    }
+    out << fmt::format("in-memory snapshots on this node: {}\n", fmt::join(parts, ", "));
+  }
   // Records, no alarms: what the operator may want to look at in events.
   const std::string spikes = tally(s, "loss_spikes", "loss spike", "loss spikes");
   const std::string skipped = tally(s, "skipped_steps", "step skipped", "steps skipped");

@@ -216,6 +216,14 @@ void BoardPublisher::checkpoint_written(int64_t step, uint64_t bytes, double wri
   });
 }
 
+void BoardPublisher::snapshot_taken(int64_t step, uint64_t bytes, double stall_s) {
+  update([&](BoardSnapshot& s) {
+    s.snapshot_step = step;
+    s.snapshot_bytes = bytes;
+    s.snapshot_stall_s = stall_s;
+  });
+}
+
 void BoardPublisher::publish_digest(int64_t steps_done, uint64_t replica_set, uint64_t digest) {
   update([&](BoardSnapshot& s) {
     s.digests[s.digest_count % kDigestSlots] = ReplicaDigest{steps_done, replica_set, digest};

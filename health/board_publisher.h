@@ -71,6 +71,7 @@ class BoardPublisher {
   WaitMark begin_wait() const;
   void end_wait(const WaitMark& mark);
   void checkpoint_written(int64_t step, uint64_t bytes, double write_s);
+  void snapshot_taken(int64_t step, uint64_t bytes, double stall_s);
   // The replica digest of the state after `steps_done` steps.
   void publish_digest(int64_t steps_done, uint64_t replica_set, uint64_t digest);
   // A finding of the rank's own checks (rerun, known-answer test).

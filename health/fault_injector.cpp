@@ -25,6 +25,24 @@ void FaultInjector::during_save(int64_t step) const {
   if (faults().crash_in == "save") crash("saving the checkpoint of step", step);
 }
 
+void FaultInjector::during_snapshot(int64_t step) const {
+  if (faults().crash_in == "snapshot") crash("halfway through the in-memory snapshot of step", step);
+}
+
+bool FaultInjector::corrupts_snapshot(int64_t step) const {
+  std::lock_guard lock(mutex_);
+  const auto& f = faults();
+  if (f.checkpoint_fault != "snapshot_corrupt" || f.checkpoint_fault_rank != rank_ || !armed() ||
+      f.checkpoint_fault_step != step) {
+    return false;
+  }
+  common::logger("faults")->warn(
+      "fault injection ([faults] checkpoint_fault = snapshot_corrupt): a byte of the in-memory snapshot of step {} "
+      "flips after its checksum",
+      step);
+  return true;
+}
+
 void FaultInjector::crash(const char* where, int64_t step) const {
   if (faults().crash_rank != rank_ || faults().crash_step != step) return;
   if (faults().crash_generation != -1 && faults().crash_generation != generation_) return;
@@ -138,7 +156,10 @@ void FaultInjector::record_flip(std::string_view target, std::string_view site, 
 std::string FaultInjector::checkpoint_fault(int64_t step) const {
   std::lock_guard lock(mutex_);
   const auto& f = faults();
-  if (f.checkpoint_fault.empty() || f.checkpoint_fault_rank != rank_ || !armed()) return "";
+  if (f.checkpoint_fault.empty() || f.checkpoint_fault == "snapshot_corrupt" || f.checkpoint_fault_rank != rank_ ||
+      !armed()) {
+    return "";
+  }
   int64_t unset = -1;
   first_checkpoint_step_.compare_exchange_strong(unset, step);
   const int64_t due = f.checkpoint_fault_step == 0 ? first_checkpoint_step_.load() : f.checkpoint_fault_step;

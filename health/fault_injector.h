@@ -36,6 +36,14 @@ class FaultInjector {
   // `step` is written, before it is reported: kills this rank when
   // crash_in = "save" and crash_step = step.
   void during_save(int64_t step) const;
+  // Called halfway through the copy of this rank's in-memory snapshot of
+  // `step`: kills this rank when crash_in = "snapshot" and crash_step =
+  // step, which leaves that snapshot unfinished.
+  void during_snapshot(int64_t step) const;
+  // Whether a byte of this rank's in-memory snapshot of `step` flips after
+  // its checksum (checkpoint_fault = "snapshot_corrupt" at
+  // checkpoint_fault_step, in fault_generation).
+  bool corrupts_snapshot(int64_t step) const;
   // Whether this rank's `target` ("gradient" or "loss") is to be made NaN at
   // `step` ([faults] nan_rank / nan_step / nan_target, in fault_generation).
   // Logs it when it says yes.

@@ -41,7 +41,7 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-inline constexpr uint32_t kBoardVersion = 5;
+inline constexpr uint32_t kBoardVersion = 6;
 // Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
 // ep, expert_dp, dp_cp) and one spare.
 inline constexpr size_t kMaxGroups = 8;
@@ -174,6 +174,9 @@ struct BoardSnapshot {
   uint64_t checkpoint_bytes = 0;  // this rank's bytes in it
   double checkpoint_write_s = 0;  // its write time on the writer thread
   uint64_t checkpoint_requests_seen = 0;  // the request count the rank acted on last
+  int64_t snapshot_step = -1;     // the newest in-memory snapshot this rank took
+  uint64_t snapshot_bytes = 0;    // its bytes
+  double snapshot_stall_s = 0;    // how long training waited for it
   // The OpenBLAS core the CPU backend runs and whose choice it is
   // (trainer/train/blas_core_start.h); empty on a GPU rank.
   char blas_core[kBlasCoreBytes] = {};

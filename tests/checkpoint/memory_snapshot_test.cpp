@@ -7,7 +7,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -123,6 +125,21 @@ TEST_SUITE("unit") {
     CHECK(other.snapshots.empty());
     CHECK(other.problems.size() == 2);
     CHECK(other.problems[0].find("is of another layout") != std::string::npos);
+  }
+
+  TEST_CASE("a snapshot holding a non-finite value is not committed and the one before it serves") {
+    Memfd memfd;
+    SnapshotArea area(memfd.fd, 2);
+    snapshot(area, 1);
+    const auto where = area.begin(state_pieces(), kLayout);
+    for (size_t i = 0; i < state_pieces().size(); ++i) std::fill(where[i], where[i] + state_pieces()[i].numel(), 1.0f);
+    where[1][9] = std::numeric_limits<float>::quiet_NaN();
+    const auto problem = area.commit(2, 200);
+    REQUIRE(problem.has_value());
+    CHECK(*problem == "the state of step 2 holds a non-finite value (nan in /optim/exp_avg/wte)");
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{1});
+    snapshot(area, 3);
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{3, 1});
   }
 
   TEST_CASE("snapshots after the last good step are quarantined and never read again") {

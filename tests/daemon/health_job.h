@@ -63,6 +63,16 @@ inline const std::vector<std::string> kShortAnomalyWindow = {"health.sdc_anomaly
 inline const std::vector<std::string> kThreeReplicas = {
     "parallel.dp=3", "parallel.tp=1", "parallel.zero=0", "train.batch_size=6"};
 
+// Three replicas whose digests and checkpoints come every 5 steps, rolled
+// back on a mismatch the digests alone find (no rerun): a silent flip at
+// step 12 is found at step 15, whose last agreed step is 10.
+inline const std::vector<std::string> kDigestRollback = {
+    "parallel.dp=3",      "parallel.tp=1",      "parallel.zero=0",           "train.batch_size=6",
+    "checkpoint.keep=20", "health.sdc_digest_every=5", "health.sdc_policy=restart", "health.sdc_rerun=false"};
+// That flip: a high mantissa bit of a parameter of rank 2, which moves no loss.
+inline const std::vector<std::string> kSilentFlipAtStep12 = {"faults.bitflip_rank=2", "faults.bitflip_step=12",
+                                                             "faults.bitflip_target=param", "faults.bitflip_bit=22"};
+
 // Four single-threaded ranks with enough compute per step (tens of ms)
 // that a 10% slowdown stands out of the scheduler's noise on a small
 // machine; the straggler monitor at its defaults.

@@ -35,6 +35,10 @@ TEST_SUITE("integration") {
     CHECK(rows[0].at("step") == 4);
     CHECK(rows[0].at("status") == "committed");
     CHECK(rows[3].at("status").get<std::string>().find("incomplete") != std::string::npos);
+    // No keeld runs this job: no in-memory snapshots, and a sentence why.
+    const auto listed = nlohmann::json::parse(list.output);
+    CHECK(listed.at("snapshots").is_null());
+    CHECK(listed.at("snapshots_absent").get<std::string>().find("no keeld answers at") != std::string::npos);
     const auto table = keelctl({"checkpoint", "list", "--run-dir", dir});
     CHECK(table.output.find("STEP") != std::string::npos);
     CHECK(table.output.find("dp1 tp1 zero0") != std::string::npos);

@@ -379,17 +379,12 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE("a silently flipped bit in one replica is named by the digests and the run rolls back to its last agreed step") {
-    // Three DP replicas, so that a majority names the odd one; digests and
-    // checkpoints every 5 steps; a high mantissa bit, which moves no loss.
-    const std::vector<std::string> layout = {"parallel.dp=3",         "parallel.tp=1",          "parallel.zero=0", "train.batch_size=6",
-                                             "checkpoint.keep=20",    "health.sdc_digest_every=5", "health.sdc_policy=restart",
-                                             "health.sdc_rerun=false"};
+    // Three DP replicas, so that a majority names the odd one.
     KeeldJob reference;
-    reference.run(layout);
+    reference.run(kDigestRollback);
 
     KeeldJob job;
-    job.run(with(layout, {"faults.bitflip_rank=2", "faults.bitflip_step=12", "faults.bitflip_target=param",
-                          "faults.bitflip_bit=22"}));
+    job.run(with(kDigestRollback, kSilentFlipAtStep12));
     const auto found = job.events_of("sdc_detected");
     REQUIRE(found.size() == 1);
     CHECK(found[0].at("rank") == 2);

@@ -223,6 +223,45 @@ inline int kill_live_rank(const nlohmann::json& status, std::mt19937& rng) {
 
 // Bit-identity of two checkpoints' tensors, naming the first that differs.
 inline void require_identical(const std::map<std::string, std::vector<float>>& a,
+                              const std::map<std::string, std::vector<float>>& b);
+
+// A job that lost a rank to kill -9, resumed and finished: the job, keeld's
+// status when the rank was chosen, and the rank.
+struct KilledRun {
+  std::unique_ptr<KeeldJob> job = std::make_unique<KeeldJob>();
+  nlohmann::json status;
+  int victim = -1;
+};
+
+// Runs a job with `sets` under keeld, kills a random live rank with
+// SIGKILL once the job reaches `at_step`, and requires keeld to resume by
+// itself and end with the checkpoint of step 40 equal to `expected`.
+inline KilledRun check_resumes_after_kill(const std::vector<std::string>& sets, int64_t at_step, std::mt19937& rng,
+                                          const std::map<std::string, std::vector<float>>& expected) {
+  KilledRun run;
+  const KeeldJob& job = *run.job;
+  auto keeld = job.start(sets);
+  run.status = job.wait_for([&](const nlohmann::json& s) {
+    return s.at("state") == "running" && s.at("step").get<int64_t>() >= at_step;
+  });
+  run.victim = kill_live_rank(run.status, rng);
+  INFO("killed rank " << run.victim);
+  REQUIRE_MESSAGE(run.victim >= 0, "every rank had finished before one could be killed");
+  const auto result = keeld->wait(300);
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+
+  const auto failures = job.events_of("rank_failed");
+  REQUIRE(failures.size() == 1);
+  CHECK(failures[0].at("rank") == run.victim);
+  CHECK(failures[0].at("cause").get<std::string>().find("SIGKILL") != std::string::npos);
+  CHECK(job.events_of("generation_started").size() == 2);
+  CHECK(job.events_of("job_finished").size() == 1);
+  require_identical(job.checkpoint_tensors(40), expected);
+  return run;
+}
+
+inline void require_identical(const std::map<std::string, std::vector<float>>& a,
                               const std::map<std::string, std::vector<float>>& b) {
   REQUIRE(a.size() == b.size());
   for (const auto& [name, values] : a) {

@@ -63,31 +63,6 @@ int connect_raw(const std::string& socket_path) {
   return fd;
 }
 
-// Runs a job with `sets` under keeld, kills a random live rank with
-// SIGKILL once the job reaches `at_step`, and requires keeld to resume by
-// itself and end with the checkpoint of step 40 equal to `expected`.
-void check_resumes_after_kill(const std::vector<std::string>& sets, int64_t at_step, std::mt19937& rng,
-                              const std::map<std::string, std::vector<float>>& expected) {
-  KeeldJob job;
-  auto keeld = job.start(sets);
-  const auto status =
-      job.wait_for([&](const nlohmann::json& s) { return s.at("state") == "running" && step_of(s) >= at_step; });
-  const int victim = kill_live_rank(status, rng);
-  INFO("killed rank " << victim);
-  REQUIRE_MESSAGE(victim >= 0, "every rank had finished before one could be killed");
-  const auto result = keeld->wait(300);
-  INFO(result.output);
-  REQUIRE(result.exit_code == 0);
-
-  const auto failures = job.events_of("rank_failed");
-  REQUIRE(failures.size() == 1);
-  CHECK(failures[0].at("rank") == victim);
-  CHECK(failures[0].at("cause").get<std::string>().find("SIGKILL") != std::string::npos);
-  CHECK(job.events_of("generation_started").size() == 2);
-  CHECK(job.events_of("job_finished").size() == 1);
-  require_identical(job.checkpoint_tensors(40), expected);
-}
-
 }  // namespace
 
 TEST_SUITE("integration") {

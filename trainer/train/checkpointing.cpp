@@ -34,6 +34,33 @@ constexpr const char* kExpAvgSq = "optim/exp_avg_sq";
 
 bool holds_weights(const std::string& group) { return group == kModel || group == kMaster; }
 
+// A snapshot holds what the rank holds, as it holds it: /model is the
+// float32 weights whatever the GEMMs take, so no /master beside it.
+const std::vector<std::string> kSnapshotGroups = {kModel, kExpAvg, kExpAvgSq};
+
+// A list of TrainLoop::StateBlock's pieces, and where each lives.
+template <class Blocks>
+std::vector<checkpoint::Piece> pieces_of(const Blocks& blocks) {
+  std::vector<checkpoint::Piece> pieces;
+  for (const auto& b : blocks) pieces.push_back(b.piece);
+  return pieces;
+}
+template <class Blocks>
+std::vector<float*> locals_of(const Blocks& blocks) {
+  std::vector<float*> local;
+  for (const auto& b : blocks) local.push_back(b.local);
+  return local;
+}
+size_t bytes_of(const std::vector<checkpoint::Piece>& pieces) {
+  size_t bytes = 0;
+  for (const auto& p : pieces) bytes += p.bytes();
+  return bytes;
+}
+
+std::string snapshot_report_key(int64_t generation, int rank) {
+  return fmt::format("ckpt/g{}/memory/{}", generation, rank);
+}
+
 }  // namespace
 
 std::vector<std::string> TrainLoop::saved_groups() const {
@@ -93,12 +120,8 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   const auto start = std::chrono::steady_clock::now();
   board_.set_phase(health::Phase::kCheckpoint);
   const auto blocks = state_blocks(true, saved_groups());
-  std::vector<checkpoint::Piece> pieces;
-  size_t bytes = 0;
-  for (const auto& b : blocks) {
-    pieces.push_back(b.piece);
-    bytes += b.piece.bytes();
-  }
+  auto pieces = pieces_of(blocks);
+  const size_t bytes = bytes_of(pieces);
   // Waits for the previous save; the copy below is all training pays.
   const auto staging = checkpointer_->stage(std::move(pieces));
   if (backend_.host_memory()) {
@@ -129,14 +152,76 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
              common::seconds_since(start) * 1e3);
 }
 
+void TrainLoop::save_snapshot(int64_t steps_done) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto blocks = state_blocks(false, kSnapshotGroups);
+  const auto pieces = pieces_of(blocks);
+  const size_t bytes = bytes_of(pieces);
+  MemorySnapshots::Faults faults{[&] { faults_.during_snapshot(steps_done); },
+                                 faults_.corrupts_snapshot(steps_done)};
+  try {
+    snapshots_->save(pieces, locals_of(blocks), steps_done,
+                     steps_done * config_.train.batch_size * config_.model.seq_len, faults);
+  } catch (const common::Error& e) {
+    stop_snapshots(steps_done, e.what());
+    return;
+  }
+  // All training waited, the first lay-out of the area included.
+  const double stall_s = common::seconds_since(start);
+  board_.snapshot_taken(steps_done, bytes, stall_s);
+  common::logger("checkpoint")
+      ->debug("in-memory snapshot of step {} ({:.1f} MB): training stalled {:.1f} ms", steps_done,
+              static_cast<double>(bytes) / 1e6, stall_s * 1e3);
+}
+
+void TrainLoop::stop_snapshots(int64_t step, const std::string& cause) {
+  common::logger("checkpoint")->error("in-memory snapshots stop on this rank: {}", cause);
+  common::append_event(config_.job.run_dir, "snapshots_stopped", rank_.generation, rank_.rank,
+                       {{"step", step}, {"cause", cause}});
+  snapshots_.reset();
+}
+
+std::vector<std::optional<SnapshotReport>> TrainLoop::gather_snapshot_reports(std::optional<SnapshotReport> own) {
+  std::vector<std::optional<SnapshotReport>> reports{std::move(own)};
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(config_.checkpoint.timeout_s));
+  for (int r = 1; r < rank_.world_size; ++r) {
+    const auto value = store::poll(*rank_.store, snapshot_report_key(rank_.generation, r), deadline);
+    if (!value) {
+      throw common::Error(common::ErrorCode::kPeerFailure,
+                          fmt::format("rank {} did not report its in-memory snapshots within {} s", r,
+                                      config_.checkpoint.timeout_s));
+    }
+    const auto json = nlohmann::json::parse(*value, nullptr, /*allow_exceptions=*/false);
+    if (json.is_null()) {
+      reports.emplace_back();
+    } else {
+      reports.push_back(SnapshotReport::from_json(json, r));
+    }
+  }
+  return reports;
+}
+
 void TrainLoop::resume() {
+  const auto start = std::chrono::steady_clock::now();
   const auto& c = config_.checkpoint;
   const std::string key = fmt::format("ckpt/g{}/resume", rank_.generation);
+  // With snapshots on, every rank says what it holds in memory (null: no
+  // area). keeld gives every rank an area or none, so rank 0 gathers the
+  // reports when it has one, and waits for nothing otherwise.
+  std::optional<SnapshotReport> own;
+  if (snapshots_) own = snapshots_->report(pieces_of(state_blocks(false, kSnapshotGroups)));
+  if (c.memory_every_steps != 0 && rank_.rank != 0 && rank_.store != nullptr) {
+    rank_.store->set(snapshot_report_key(rank_.generation, rank_.rank), own ? own->to_json().dump() : "null");
+  }
   // Rank 0 chooses and the others follow, so every rank loads the same
-  // checkpoint: {"dir": path or null, "verified": bool} or {"error": why}.
+  // state (choose_start() says what the choice holds).
   nlohmann::json choice;
   if (rank_.rank == 0) {
-    choice = choose_start();
+    std::optional<SnapshotChoice> newest_in_memory;
+    if (own) newest_in_memory = choose_snapshot(gather_snapshot_reports(std::move(own)));
+    choice = choose_start(newest_in_memory);
     if (rank_.store != nullptr) rank_.store->set(key, choice.dump());
   } else {
     const auto deadline = std::chrono::steady_clock::now() +
@@ -152,11 +237,76 @@ void TrainLoop::resume() {
   if (choice.contains("error")) {
     throw common::Error(common::ErrorCode::kCheckpointFailure, choice["error"].get<std::string>());
   }
-  if (choice["dir"].is_null()) return;
-  restore(choice["dir"].get<std::string>(), choice["verified"].get<bool>());
+  std::string from = "disk";
+  if (choice.value("from", "") == "memory") {
+    from = "memory";
+    restore_snapshot(choice["step"].get<int64_t>(), choice.value("saved", false));
+  } else if (!choice["dir"].is_null()) {
+    restore(choice["dir"].get<std::string>(), choice["verified"].get<bool>());
+  } else {
+    from = "start";
+  }
+  if (snapshots_) {
+    // Snapshots after the step resumed from belong to a history this run
+    // no longer follows: never restored, whatever the next choice finds.
+    snapshots_->discard_after(start_step_);
+    try {
+      snapshots_->reserve(pieces_of(state_blocks(false, kSnapshotGroups)));
+    } catch (const common::Error& e) {
+      // The area cannot hold the state (memory): training goes on without
+      // snapshots, and this rank's missing ones send the next resume to disk.
+      stop_snapshots(start_step_, e.what());
+    }
+  }
+  if (rank_.rank == 0) {
+    nlohmann::json fields = {{"from", from}, {"step", start_step_}, {"seconds", common::seconds_since(start)}};
+    if (choice.contains("why")) fields["why"] = choice["why"];
+    common::append_event(config_.job.run_dir, "state_restored", rank_.generation, rank_.rank, fields);
+  }
 }
 
-nlohmann::json TrainLoop::choose_start() {
+void TrainLoop::restore_snapshot(int64_t step, bool saved) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto blocks = state_blocks(false, kSnapshotGroups);
+  snapshots_->restore(step, locals_of(blocks));
+  // ZeRO-3's gathered copies predate the load.
+  storage_.publish_parameters();
+  start_step_ = step;
+  // A committed checkpoint of the same step is neither saved again nor
+  // pruned before a newer one commits.
+  if (saved) {
+    last_saved_step_ = step;
+    if (checkpointer_) checkpointer_->protect(step);
+  }
+  common::logger("checkpoint")
+      ->info("resuming from the in-memory snapshot of step {}: copied {:.1f} MB on this rank in {:.3f} s", step,
+             static_cast<double>(bytes_of(pieces_of(blocks))) / 1e6, common::seconds_since(start));
+}
+
+nlohmann::json TrainLoop::choose_start(const std::optional<SnapshotChoice>& memory) {
+  if (!memory) return choose_disk();
+  const auto listed = checkpoint::committed(config_.checkpoint_dir());
+  const int64_t newest_disk = listed.empty() ? -1 : listed.back().step;
+  auto from_memory = [&] {
+    nlohmann::json choice = {{"from", "memory"}, {"step", *memory->step}, {"saved", *memory->step == newest_disk}};
+    if (!memory->why.empty()) choice["why"] = memory->why;
+    return choice;
+  };
+  // The disk is not read when memory is as new: that is the point.
+  if (memory->step && *memory->step >= newest_disk) return from_memory();
+  nlohmann::json disk = choose_disk();
+  const bool own_checkpoint = disk.contains("step");
+  // Newer checkpoints that do not load leave the snapshot the newest state.
+  if (memory->step && (!own_checkpoint || disk["step"].get<int64_t>() < *memory->step)) return from_memory();
+  if (disk.contains("error")) return disk;
+  disk["why"] = memory->step ? fmt::format("the newest in-memory snapshot every rank holds, of step {}, is older "
+                                           "than the checkpoint of step {}",
+                                           *memory->step, disk["step"].get<int64_t>())
+                             : memory->why;
+  return disk;
+}
+
+nlohmann::json TrainLoop::choose_disk() {
   auto log = common::logger("checkpoint");
   const auto& c = config_.checkpoint;
   auto skipped = [&](const std::filesystem::path& dir, const std::string& why) {
@@ -173,7 +323,7 @@ nlohmann::json TrainLoop::choose_start() {
     const auto newest = checkpoint::choose_resume(
         config_.checkpoint_dir(),
         checkpoint::ResumeOptions{checksums ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes}, skipped);
-    if (newest) return {{"dir", newest->dir.string()}, {"verified", checksums}};
+    if (newest) return {{"dir", newest->dir.string()}, {"verified", checksums}, {"step", newest->step}};
     return fallback();
   } catch (const common::Error& e) {
     // The run's own checkpoints exist but none can be used: only an

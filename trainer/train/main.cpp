@@ -216,7 +216,8 @@ int main(int argc, char** argv) {
     }
     keel::trainer::TrainLoop loop(config, *backend, *groups,
                                   keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
-                                                             worker.generation, board ? &*board : nullptr});
+                                                             worker.generation, board ? &*board : nullptr,
+                                                             worker.snapshot_fd.value_or(-1)});
     // While the loop lives, a peer's failure also cancels its checkpoint
     // commit (the dead rank's report will never come), and its fault
     // injector reaches the communicators.

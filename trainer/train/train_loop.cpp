@@ -101,21 +101,19 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
   sdc_.compare_replicas(replicated_state());
+  const auto& c = config.checkpoint;
+  // What a checkpoint records of the layout, and what a snapshot must fit.
+  const nlohmann::json saved_layout{{"world_size", rank_.world_size}, {"dp", config.parallel.dp},
+                              {"tp", config.parallel.tp},       {"pp", config.parallel.pp},
+                              {"pp_virtual", config.parallel.pp_virtual}, {"cp", config.parallel.cp},
+                              {"ep", config.parallel.ep},       {"zero", config.parallel.zero}};
   if (checkpoints_enabled()) {
-    const auto& c = config.checkpoint;
     std::filesystem::create_directories(config.checkpoint_dir());
     checkpointer_.emplace(
         checkpoint::CheckpointerOptions{
             config.checkpoint_dir(), config.job.run_dir, c.o_direct, c.keep, c.keep_every, c.timeout_s,
             config.to_json(),
-            nlohmann::json{{"world_size", rank_.world_size},
-                           {"dp", config.parallel.dp},
-                           {"tp", config.parallel.tp},
-                           {"pp", config.parallel.pp},
-                           {"pp_virtual", config.parallel.pp_virtual},
-                           {"cp", config.parallel.cp},
-                           {"ep", config.parallel.ep},
-                           {"zero", config.parallel.zero}},
+            saved_layout,
             rank_.rank, rank_.world_size, rank_.generation,
             [this](int64_t step, uint64_t bytes, double write_s) {
               faults_.during_save(step);
@@ -127,6 +125,21 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
             checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
                                        [this](void* data) { backend_.unpin_host(data); }}},
         rank_.store);
+  }
+  if (c.memory_every_steps != 0 && rank_.snapshot_fd >= 0) {
+    // A snapshot is this rank's own state in this layout of this model.
+    const std::string fits = fmt::format("rank {} of {}; model {}", rank_.rank, saved_layout.dump(),
+                                         config.to_json().at("model").dump());
+    snapshots_.emplace(rank_.snapshot_fd,
+                       MemorySnapshots::Options{static_cast<int>(c.memory_keep), c.memory_every_steps,
+                                                c.memory_stall_budget, checkpoint::layout_hash(fits),
+                                                static_cast<unsigned>(config.train.threads)},
+                       backend_);
+  } else if (c.memory_every_steps > 0) {
+    common::logger("checkpoint")
+        ->warn("checkpoint.memory_every_steps is {} but keeld gave this rank no snapshot area "
+               "(KEEL_SNAPSHOT_FD): no in-memory snapshots are taken",
+               c.memory_every_steps);
   }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
   inputs_.resize(tokens);
@@ -327,8 +340,11 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     const bool save_requested = board_.take_checkpoint_request();
     const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
                                               seconds_since(last_save) >= config_.checkpoint.every_seconds);
-    float votes[3] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f};
-    groups_.sum_over_grid(votes, 3);
+    // And so is an in-memory snapshot, so that every rank holds the same steps.
+    const bool snapshot_due = snapshots_ && snapshots_->due(step + 1, stats.step_ms / 1e3);
+    float votes[4] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f,
+                      snapshot_due ? 1.0f : 0.0f};
+    groups_.sum_over_grid(votes, 4);
     if (votes[2] > 0.0f) sdc_.test_kernels(step + 1);
     const bool stop_now = votes[0] > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
@@ -375,6 +391,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
       window_ms = window_loss = 0;
       window_steps = 0;
     }
+    if (snapshots_ && votes[3] > 0.0f) save_snapshot(step + 1);
     const int64_t every = config_.checkpoint.every_steps;
     if (checkpointer_ && !last && (votes[1] > 0.0f || (every > 0 && (step + 1) % every == 0))) {
       save_checkpoint(step + 1);

@@ -19,6 +19,7 @@
 #include "trainer/parallel/schedule.h"
 #include "trainer/parallel/zero_storage.h"
 #include "trainer/train/fault_hooks.h"
+#include "trainer/train/memory_snapshots.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/sdc_guard.h"
 #include "trainer/train/stage_executor.h"
@@ -75,6 +76,9 @@ struct RankContext {
   int world_size = 1;
   int64_t generation = 0;
   health::BoardPublisher* board = nullptr;
+  // The in-memory snapshot area keeld holds for this rank
+  // (KEEL_SNAPSHOT_FD); -1: none, snapshots are not taken.
+  int snapshot_fd = -1;
 };
 
 class TrainLoop {
@@ -102,13 +106,16 @@ class TrainLoop {
   // more when it ends or stops.
   bool checkpoints_enabled() const;
   // Chooses where training starts and loads it (docs/architecture.md
-  // "Resume and retention"): the run's newest committed checkpoint that
+  // "Resume and retention"): the newest in-memory snapshot every rank holds
+  // ("In-memory snapshots"), when it is at least as new as the run's newest
+  // committed checkpoint; otherwise that checkpoint, the newest that
   // verifies (checkpoint.verify); when there is none, checkpoint.init_from
   // ("" or "none": step 0, or a checkpoint directory of any layout). When the
-  // run's checkpoints exist but none loads, only an explicit init_from
-  // starts it elsewhere; otherwise Error(kCheckpointFailure) names each one
-  // and why. Rank 0 decides and records skipped ones as events; the others
-  // follow through the Store.
+  // run's checkpoints exist but none loads, only a snapshot or an explicit
+  // init_from starts it elsewhere; otherwise Error(kCheckpointFailure) names
+  // each one and why. Every rank reports its snapshots through the Store,
+  // rank 0 decides and records the choice (state_restored) and skipped
+  // checkpoints as events; the others follow through the Store.
   void resume();
   // Loads the checkpoint in `dir`, whatever layout wrote it, and makes
   // run() continue from its step; `verified`: its checksums were checked
@@ -181,8 +188,23 @@ class TrainLoop {
   std::vector<std::string> saved_groups() const;
   std::vector<std::string> loaded_groups(const checkpoint::CheckpointReader& reader) const;
   void save_checkpoint(int64_t steps_done);
-  // Rank 0's choice for resume(): {"dir", "verified"} or {"error"}.
-  nlohmann::json choose_start();
+  // Copies this rank's state into its in-memory snapshot area.
+  void save_snapshot(int64_t steps_done);
+  // The area cannot hold the state (memory): training goes on without
+  // snapshots, and this rank's missing ones send the next resume to disk.
+  void stop_snapshots(int64_t step, const std::string& cause);
+  // Loads the in-memory snapshot of `step` rank 0 chose; `saved`: a
+  // committed checkpoint of that step exists.
+  void restore_snapshot(int64_t step, bool saved);
+  // Every rank's snapshot report, rank 0's own first (resume()).
+  std::vector<std::optional<SnapshotReport>> gather_snapshot_reports(std::optional<SnapshotReport> own);
+  // Rank 0's choice for resume(): {"from": "memory", "step"}, {"from":
+  // "disk", "dir", "verified"} (a null dir: step 0), or {"error"}; with
+  // snapshots on, "why" says why not memory. `memory`: nullopt when
+  // snapshots are off.
+  nlohmann::json choose_start(const std::optional<SnapshotChoice>& memory);
+  // The newest committed checkpoint that loads, as choose_start() says it.
+  nlohmann::json choose_disk();
   // Error(kBadConfig) unless the checkpoint holds exactly this model's
   // tensors at this model's global shapes.
   void check_shapes(const checkpoint::CheckpointReader& reader) const;
@@ -219,6 +241,7 @@ class TrainLoop {
   SdcGuard sdc_;
   CheckpointFaults checkpoint_faults_;
   std::optional<checkpoint::Checkpointer> checkpointer_;
+  std::optional<MemorySnapshots> snapshots_;
   int64_t start_step_ = 0;
   int64_t last_saved_step_ = -1;
   // Declared last: it registers hooks on storage_ and model_ and refers to
