@@ -7,6 +7,7 @@
 //
 // The short chaos run is in the default suite; the long one and the trials
 // carry the label chaos.
+#include "bench/goodput_model.h"
 #include "common/clock.h"
 #include "tests/daemon/health_job.h"
 
@@ -18,6 +19,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,6 +42,10 @@ std::vector<std::string> chaos_layout(int64_t steps) {
 struct ChaosResult {
   std::map<std::string, int> injected;  // per kind
   double wall_s = 0;
+  // Per fault that ended its generation: from the injection until the next
+  // generation is back at the step the fault found (detection, restart
+  // and the steps trained again).
+  std::vector<double> failure_cost_s;
 };
 
 // Runs `layout` under keeld and injects `kinds` in order, each at a random
@@ -74,8 +80,17 @@ ChaosResult run_chaos(const KeeldJob& job, const std::vector<std::string>& layou
     const auto injected = keelctl(job, args);
     INFO(kind << " at rank " << rank << ": " << injected.output);
     REQUIRE(injected.exit_code == 0);
+    const auto injected_at = std::chrono::steady_clock::now();
     out.injected[kind] += 1;
-    if (kind != "slow") ++generation;
+    if (kind == "slow") continue;
+    ++generation;
+    job.wait_for(
+        [&](const nlohmann::json& s) {
+          return s.at("generation").get<int64_t>() > generation ||
+                 (s.at("generation") == generation && s.at("state") == "running" && step_of(s) >= step_of(status));
+        },
+        300);
+    out.failure_cost_s.push_back(seconds_since(injected_at));
   }
   const auto result = keeld->wait(600);
   out.wall_s = seconds_since(start);
@@ -106,7 +121,16 @@ void check_and_report(const char* name, const KeeldJob& job, const ChaosResult& 
       {"fault_free_wall_s", reference_wall_s},
       // Useful tokens are the same in both runs: the ratio of tokens per
       // wall second is the ratio of wall times.
-      {"goodput", reference_wall_s / chaos.wall_s}};
+      {"goodput", reference_wall_s / chaos.wall_s},
+      // keel-bench-goodput's model at this run's failure rate and measured
+      // cost per failure (bench/README.md "keel-bench-goodput").
+      {"failure_cost_s", chaos.failure_cost_s},
+      {"projected_goodput",
+       bench::kept_share(0, static_cast<double>(chaos.failure_cost_s.size()) / chaos.wall_s,
+                         chaos.failure_cost_s.empty()
+                             ? 0.0
+                             : std::accumulate(chaos.failure_cost_s.begin(), chaos.failure_cost_s.end(), 0.0) /
+                                   static_cast<double>(chaos.failure_cost_s.size()))}};
   std::cout << figures.dump() << std::endl;
 }
 
