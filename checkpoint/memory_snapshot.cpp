@@ -163,21 +163,25 @@ void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
 
 unsigned char* SnapshotArea::slot_at(int slot) const { return base_ + kPage + static_cast<size_t>(slot) * slot_bytes_; }
 
-void SnapshotArea::reserve(const std::vector<Piece>& pieces) {
-  const size_t table_bytes = round_up(8 * pieces.size() + piece_table(pieces).dump().size(), kPage);
-  size_t data_bytes = 0;
-  data_offsets(pieces, data_bytes);
+void SnapshotArea::fit(size_t pieces, size_t json_bytes, size_t data_bytes) {
+  const size_t table_bytes = round_up(8 * pieces + json_bytes, kPage);
   if (base_ == nullptr || slots_ != keep_ + 1 || table_bytes > table_bytes_ ||
       kPage + table_bytes_ + data_bytes > slot_bytes_) {
     lay_out(table_bytes, data_bytes);
   }
 }
 
+void SnapshotArea::reserve(const std::vector<Piece>& pieces) {
+  size_t data_bytes = 0;
+  data_offsets(pieces, data_bytes);
+  fit(pieces.size(), piece_table(pieces).dump().size(), data_bytes);
+}
+
 std::vector<float*> SnapshotArea::begin(const std::vector<Piece>& pieces, uint64_t layout) {
-  reserve(pieces);
   const std::string json = piece_table(pieces).dump();
   size_t data_bytes = 0;
   std::vector<size_t> offsets = data_offsets(pieces, data_bytes);
+  fit(pieces.size(), json.size(), data_bytes);
   // The `keep` newest complete slots stay; the next snapshot takes another.
   const std::vector<Listed> complete = list();
   std::vector<bool> kept(static_cast<size_t>(slots_), false);

@@ -64,7 +64,7 @@ class SnapshotArea {
   // area is laid out afresh, its pages taken and touched, and what it held
   // is gone. Error(kCheckpointFailure) when the file cannot grow (memory).
   void reserve(const std::vector<Piece>& pieces);
-  // reserve(), then lays out the next snapshot for `pieces` and returns
+  // As reserve(), then lays out the next snapshot for `pieces` and returns
   // where each piece's floats go.
   std::vector<float*> begin(const std::vector<Piece>& pieces, uint64_t layout_hash);
   // Hashes the pieces begun and marks the slot complete as step `step`.
@@ -89,6 +89,9 @@ class SnapshotArea {
   size_t mapping_bytes() const { return mapped_; }
 
  private:
+  // Lays the area out afresh unless it holds `pieces` pieces whose table
+  // is `json_bytes` of JSON and whose floats take `data_bytes` a slot.
+  void fit(size_t pieces, size_t json_bytes, size_t data_bytes);
   // Maps what the file holds when its header adds up (false: nothing usable).
   bool map_existing();
   // Sizes and maps the file for keep + 1 slots of this much table and data,

@@ -3,7 +3,6 @@
 // checkpoint/ does the files; this maps the model onto them.
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
-#include "checkpoint/parallel_copy.h"
 #include "checkpoint/reader.h"
 #include "common/clock.h"
 #include "common/error.h"
@@ -124,15 +123,9 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   const size_t bytes = bytes_of(pieces);
   // Waits for the previous save; the copy below is all training pays.
   const auto staging = checkpointer_->stage(std::move(pieces));
-  if (backend_.host_memory()) {
-    std::vector<checkpoint::CopyJob> copies;
-    for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
-    checkpoint::parallel_copy(copies, static_cast<unsigned>(config_.train.threads));
-  } else {
-    std::vector<Backend::HostCopy> copies;
-    for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
-    backend_.snapshot_to_host(copies);
-  }
+  std::vector<Backend::HostCopy> copies;
+  for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
+  copy_state_to_host(backend_, copies, static_cast<unsigned>(config_.train.threads));
   if (backend_.gemm_inputs() == DType::kBF16) {
     // /model gets what the GEMMs multiply; /master keeps the float32 bits.
     for (size_t i = 0; i < blocks.size(); ++i) {

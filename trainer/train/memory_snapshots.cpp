@@ -70,6 +70,16 @@ SnapshotChoice choose_snapshot(const std::vector<std::optional<SnapshotReport>>&
   return {*common->rbegin(), why};
 }
 
+void copy_state_to_host(Backend& backend, const std::vector<Backend::HostCopy>& copies, unsigned threads) {
+  if (!backend.host_memory()) {
+    backend.snapshot_to_host(copies);
+    return;
+  }
+  std::vector<checkpoint::CopyJob> jobs;
+  for (const auto& c : copies) jobs.push_back({c.host, c.src, c.bytes});
+  checkpoint::parallel_copy(jobs, threads);
+}
+
 MemorySnapshots::MemorySnapshots(int fd, const Options& options, Backend& backend)
     : options_(options), area_(fd, options.keep), backend_(backend) {}
 
@@ -112,15 +122,9 @@ void MemorySnapshots::save(const std::vector<checkpoint::Piece>& pieces, const s
   // In two halves, so that a fault can land between them.
   const size_t half = pieces.size() / 2;
   for (const auto& [first, last] : {std::pair{size_t{0}, half}, std::pair{half, pieces.size()}}) {
-    if (backend_.host_memory()) {
-      std::vector<checkpoint::CopyJob> copies;
-      for (size_t i = first; i < last; ++i) copies.push_back({slot[i], local[i], pieces[i].bytes()});
-      checkpoint::parallel_copy(copies, options_.threads);
-    } else {
-      std::vector<Backend::HostCopy> copies;
-      for (size_t i = first; i < last; ++i) copies.push_back({slot[i], local[i], pieces[i].bytes()});
-      backend_.snapshot_to_host(copies);
-    }
+    std::vector<Backend::HostCopy> copies;
+    for (size_t i = first; i < last; ++i) copies.push_back({slot[i], local[i], pieces[i].bytes()});
+    copy_state_to_host(backend_, copies, options_.threads);
     if (first == 0 && faults.halfway) faults.halfway();
   }
   last_step_ = step;

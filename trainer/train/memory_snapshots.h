@@ -41,6 +41,11 @@ struct SnapshotChoice {
 };
 SnapshotChoice choose_snapshot(const std::vector<std::optional<SnapshotReport>>& reports);
 
+// Copies regions of backend memory to the host, as both a checkpoint's
+// staging and a snapshot do: on the CPU a memcpy over `threads` threads
+// (checkpoint::parallel_copy), elsewhere the backend's own snapshot copy.
+void copy_state_to_host(Backend& backend, const std::vector<Backend::HostCopy>& copies, unsigned threads);
+
 class MemorySnapshots {
  public:
   struct Options {
