@@ -59,6 +59,14 @@ struct SlotHeader {
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the state is shared between processes");
 static_assert(sizeof(AreaHeader) <= kPage && sizeof(SlotHeader) <= kPage);
 
+// Before a slot's header or data change: keeld's copy of a complete slot
+// (newest_image) reads the state again after its copy, and the fence keeps
+// the writes that follow from being seen before `writing` is.
+void mark_writing(SlotHeader& h) {
+  h.state.store(kWriting, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
 SlotHeader& header_of(unsigned char* slot) { return *reinterpret_cast<SlotHeader*>(slot); }
 const SlotHeader& header_of(const unsigned char* slot) { return *reinterpret_cast<const SlotHeader*>(slot); }
 
@@ -81,7 +89,78 @@ std::vector<size_t> data_offsets(const std::vector<Piece>& pieces, size_t& total
   return offsets;
 }
 
+// A slot's pieces, read from its table (`pieces` hashes, then
+// `json_size` bytes of JSON, within `table_capacity`) and checked against
+// their hashes over `data` (`data_capacity` bytes); or why they cannot be.
+struct CheckedPieces {
+  std::vector<Piece> pieces;
+  std::vector<size_t> offsets;  // of each piece's floats in the data
+  std::string problem;          // empty: every piece verified
+};
+
+CheckedPieces check_pieces(uint64_t pieces, const unsigned char* table, uint64_t json_size, size_t table_capacity,
+                           const unsigned char* data, size_t data_capacity, unsigned threads) {
+  CheckedPieces out;
+  if (pieces > kMaxPieces || json_size > table_capacity || 8 * pieces > table_capacity - json_size) {
+    out.problem = "has a piece table larger than its slot";
+    return out;
+  }
+  const char* json = reinterpret_cast<const char*>(table + 8 * pieces);
+  const auto parsed = nlohmann::json::parse(json, json + json_size, nullptr, /*allow_exceptions=*/false);
+  try {
+    if (!parsed.is_array() || parsed.size() != pieces) throw std::invalid_argument("not one entry a piece");
+    for (const auto& e : parsed) {
+      Piece p{e.at(0).get<std::string>(), e.at(1).get<std::string>(), e.at(2).get<std::vector<int64_t>>(),
+              e.at(3).get<int64_t>(),     e.at(4).get<int64_t>(),     e.at(5).get<int64_t>(),
+              e.at(6).get<int64_t>()};
+      // At most 2^40 floats a piece, so that no sum of sizes overflows.
+      constexpr int64_t kMaxNumel = int64_t{1} << 40;
+      if (p.rows < 0 || p.cols < 0 || (p.cols > 0 && p.rows > kMaxNumel / p.cols)) {
+        throw std::invalid_argument("a piece of negative or impossible size");
+      }
+      out.pieces.push_back(std::move(p));
+    }
+  } catch (const std::exception& e) {
+    out.pieces.clear();
+    out.problem = fmt::format("has a piece table that cannot be read ({})", e.what());
+    return out;
+  }
+  size_t data_bytes = 0;
+  out.offsets = data_offsets(out.pieces, data_bytes);
+  if (data_bytes > data_capacity) {
+    out.problem = "lists more data than its slot holds";
+    return out;
+  }
+  std::vector<char> matches(out.pieces.size());
+  parallel_each(out.pieces.size(), threads, [&](size_t i) {
+    uint64_t stored = 0;
+    std::memcpy(&stored, table + 8 * i, sizeof(stored));
+    matches[i] = XXH3_64bits(data + out.offsets[i], out.pieces[i].bytes()) == stored;
+  });
+  for (size_t i = 0; i < out.pieces.size(); ++i) {
+    if (matches[i]) continue;
+    out.problem = fmt::format("does not match its checksum in {}", out.pieces[i].tensor_path());
+    break;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::optional<std::string> SnapshotImage::check(unsigned threads) const {
+  const CheckedPieces checked =
+      check_pieces(pieces, reinterpret_cast<const unsigned char*>(table.data()),
+                   table.size() < 8 * static_cast<uint64_t>(pieces) ? table.size() + 1 : table.size() - 8 * pieces,
+                   table.size(), data.get(), data_bytes, threads);
+  if (!checked.problem.empty()) return fmt::format("the copy of the snapshot of step {} {}", step, checked.problem);
+  size_t expected = 0;
+  data_offsets(checked.pieces, expected);
+  if (expected != data_bytes) {
+    return fmt::format("the copy of the snapshot of step {} holds {} bytes of data where its table lists {}", step,
+                       data_bytes, expected);
+  }
+  return std::nullopt;
+}
 
 SnapshotArea::SnapshotArea(int fd, int keep) : fd_(fd), keep_(std::max(keep, 1)) { map_existing(); }
 
@@ -182,20 +261,10 @@ std::vector<float*> SnapshotArea::begin(const std::vector<Piece>& pieces, uint64
   size_t data_bytes = 0;
   std::vector<size_t> offsets = data_offsets(pieces, data_bytes);
   fit(pieces.size(), json.size(), data_bytes);
-  // The `keep` newest complete slots stay; the next snapshot takes another.
-  const std::vector<Listed> complete = list();
-  std::vector<bool> kept(static_cast<size_t>(slots_), false);
-  for (size_t i = 0; i < complete.size() && i < static_cast<size_t>(keep_); ++i) kept[complete[i].slot] = true;
-  int slot = -1;
-  for (int s = 0; s < slots_ && slot < 0; ++s) {
-    if (!kept[s] && header_of(slot_at(s)).state.load(std::memory_order_acquire) != kComplete) slot = s;
-  }
-  for (auto it = complete.rbegin(); it != complete.rend() && slot < 0; ++it) {
-    if (!kept[it->slot]) slot = it->slot;
-  }
+  const int slot = next_slot();
   unsigned char* at = slot_at(slot);
   SlotHeader& h = header_of(at);
-  h.state.store(kWriting, std::memory_order_release);
+  mark_writing(h);
   h.pieces = static_cast<uint32_t>(pieces.size());
   h.step = -1;
   h.tokens = 0;
@@ -229,6 +298,26 @@ std::optional<std::string> SnapshotArea::commit(int64_t step, int64_t tokens, un
     return fmt::format("the state of step {} holds a non-finite value ({} in {})", step, *non_finite[i],
                        begun_[i].tensor_path());
   }
+  complete(at, step, tokens);
+  writing_ = -1;
+  return std::nullopt;
+}
+
+int SnapshotArea::next_slot() const {
+  // The `keep` newest complete slots stay; the next snapshot takes another.
+  const std::vector<Listed> complete = list();
+  std::vector<bool> kept(static_cast<size_t>(slots_), false);
+  for (size_t i = 0; i < complete.size() && i < static_cast<size_t>(keep_); ++i) kept[complete[i].slot] = true;
+  for (int s = 0; s < slots_; ++s) {
+    if (!kept[s] && header_of(slot_at(s)).state.load(std::memory_order_acquire) != kComplete) return s;
+  }
+  for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
+    if (!kept[it->slot]) return it->slot;
+  }
+  return 0;  // unreachable: there are keep + 1 slots
+}
+
+void SnapshotArea::complete(unsigned char* at, int64_t step, int64_t tokens) {
   uint64_t sequence = 0;
   for (const Listed& l : list()) sequence = std::max(sequence, l.sequence);
   SlotHeader& h = header_of(at);
@@ -236,8 +325,50 @@ std::optional<std::string> SnapshotArea::commit(int64_t step, int64_t tokens, un
   h.tokens = tokens;
   h.sequence = sequence + 1;
   h.state.store(kComplete, std::memory_order_release);
-  writing_ = -1;
-  return std::nullopt;
+}
+
+std::optional<SnapshotImage> SnapshotArea::newest_image() const {
+  const std::vector<Listed> complete = list();
+  if (complete.empty()) return std::nullopt;
+  const unsigned char* at = slot_at(complete.front().slot);
+  const SlotHeader& h = header_of(at);
+  SnapshotImage image;
+  image.step = h.step;
+  image.tokens = h.tokens;
+  image.layout_hash = h.layout_hash;
+  image.pieces = h.pieces;
+  const uint64_t table_size = 8 * static_cast<uint64_t>(h.pieces) + h.table_size;
+  if (h.pieces > kMaxPieces || table_size > table_bytes_ || h.data_bytes > slot_bytes_ - kPage - table_bytes_) {
+    return std::nullopt;  // a header that does not add up: the copy would not check() anyway
+  }
+  image.table.assign(reinterpret_cast<const char*>(at + kPage), table_size);
+  image.data_bytes = h.data_bytes;
+  image.data.reset(new unsigned char[image.data_bytes]);
+  std::memcpy(image.data.get(), at + kPage + table_bytes_, image.data_bytes);
+  // The rank marks a slot writing before it touches it, and a slot it
+  // completes again gets a higher sequence: a slot still complete under the
+  // same sequence after the copy was not written during it.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (h.state.load(std::memory_order_acquire) != kComplete || h.sequence != complete.front().sequence) {
+    return std::nullopt;
+  }
+  return image;
+}
+
+void SnapshotArea::import(const SnapshotImage& image) {
+  const size_t json_bytes = image.table.size() - 8 * static_cast<size_t>(image.pieces);
+  fit(image.pieces, json_bytes, image.data_bytes);
+  const int slot = next_slot();
+  unsigned char* at = slot_at(slot);
+  SlotHeader& h = header_of(at);
+  mark_writing(h);
+  h.pieces = image.pieces;
+  h.layout_hash = image.layout_hash;
+  h.table_size = json_bytes;
+  h.data_bytes = image.data_bytes;
+  std::memcpy(at + kPage, image.table.data(), image.table.size());
+  parallel_copy({{at + kPage + table_bytes_, image.data.get(), image.data_bytes}}, 0);
+  complete(at, image.step, image.tokens);
 }
 
 std::vector<SnapshotArea::Listed> SnapshotArea::list() const {
@@ -263,52 +394,15 @@ SnapshotArea::Verified SnapshotArea::verified(uint64_t layout, unsigned threads)
       problem("is of another layout");
       continue;
     }
-    if (h.pieces > kMaxPieces || h.table_size > table_bytes_ ||
-        8 * static_cast<size_t>(h.pieces) > table_bytes_ - h.table_size) {
-      problem("has a piece table larger than its slot");
+    CheckedPieces checked = check_pieces(h.pieces, at + kPage, h.table_size, table_bytes_, at + kPage + table_bytes_,
+                                         slot_bytes_ - kPage - table_bytes_, threads);
+    if (!checked.problem.empty()) {
+      problem(checked.problem);
       continue;
     }
-    const char* json = reinterpret_cast<const char*>(at + kPage + 8 * static_cast<size_t>(h.pieces));
-    const auto table = nlohmann::json::parse(json, json + h.table_size, nullptr, /*allow_exceptions=*/false);
-    Snapshot snapshot{l, {}, {}};
-    try {
-      if (!table.is_array() || table.size() != h.pieces) throw std::invalid_argument("not one entry a piece");
-      for (const auto& e : table) {
-        Piece p{e.at(0).get<std::string>(), e.at(1).get<std::string>(), e.at(2).get<std::vector<int64_t>>(),
-                e.at(3).get<int64_t>(),     e.at(4).get<int64_t>(),     e.at(5).get<int64_t>(),
-                e.at(6).get<int64_t>()};
-        // At most 2^40 floats a piece, so that no sum of sizes overflows.
-        constexpr int64_t kMaxNumel = int64_t{1} << 40;
-        if (p.rows < 0 || p.cols < 0 || (p.cols > 0 && p.rows > kMaxNumel / p.cols)) {
-          throw std::invalid_argument("a piece of negative or impossible size");
-        }
-        snapshot.pieces.push_back(std::move(p));
-      }
-    } catch (const std::exception& e) {
-      problem(fmt::format("has a piece table that cannot be read ({})", e.what()));
-      continue;
-    }
-    size_t data_bytes = 0;
-    const std::vector<size_t> offsets = data_offsets(snapshot.pieces, data_bytes);
-    if (kPage + table_bytes_ + data_bytes > slot_bytes_) {
-      problem("lists more data than its slot holds");
-      continue;
-    }
-    const unsigned char* data = at + kPage + table_bytes_;
-    std::vector<char> matches(snapshot.pieces.size());
-    parallel_each(snapshot.pieces.size(), threads, [&](size_t i) {
-      uint64_t stored = 0;
-      std::memcpy(&stored, at + kPage + 8 * i, sizeof(stored));
-      matches[i] = XXH3_64bits(data + offsets[i], snapshot.pieces[i].bytes()) == stored;
-    });
-    std::string mismatch;
-    for (size_t i = 0; i < snapshot.pieces.size(); ++i) {
-      if (!matches[i] && mismatch.empty()) mismatch = snapshot.pieces[i].tensor_path();
-      snapshot.data.push_back(reinterpret_cast<const float*>(data + offsets[i]));
-    }
-    if (!mismatch.empty()) {
-      problem(fmt::format("does not match its checksum in {}", mismatch));
-      continue;
+    Snapshot snapshot{l, std::move(checked.pieces), {}};
+    for (size_t offset : checked.offsets) {
+      snapshot.data.push_back(reinterpret_cast<const float*>(at + kPage + table_bytes_ + offset));
     }
     out.snapshots.push_back(std::move(snapshot));
   }

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,6 +29,26 @@
 #include "checkpoint/piece.h"
 
 namespace keel::checkpoint {
+
+// One complete slot as bytes, to send to another node's keeld (the buddy
+// copy, docs/architecture.md "In-memory snapshots": "Many nodes") and to
+// write into an area there. Nothing in it is trusted until check() passes.
+struct SnapshotImage {
+  int64_t step = -1;
+  int64_t tokens = 0;
+  uint64_t layout_hash = 0;
+  uint32_t pieces = 0;
+  std::string table;  // each piece's XXH3-64 (8 bytes), then the piece table as JSON
+  std::unique_ptr<unsigned char[]> data;  // the pieces' floats as a slot lays them out
+  size_t data_bytes = 0;
+
+  // Why the image cannot be a snapshot (a table that does not parse, data
+  // of another size than the table says, a piece that fails its hash);
+  // nullopt when it can. `threads` share the hashing.
+  std::optional<std::string> check(unsigned threads = 1) const;
+  // Its pieces' floats (8 bytes each), for status lines.
+  uint64_t bytes() const { return data_bytes; }
+};
 
 class SnapshotArea {
  public:
@@ -83,6 +104,16 @@ class SnapshotArea {
   // read again); returns how many.
   int quarantine_after(int64_t step);
 
+  // A copy of the newest complete slot, taken while the rank may be
+  // writing another: nullopt when there is none, or when the rank began
+  // overwriting it during the copy.
+  std::optional<SnapshotImage> newest_image() const;
+  // Writes `image` (check()ed by the caller) into the area as its newest
+  // complete slot, laying the area out for it when its shape differs, as a
+  // rank's begin() and commit() would. Only while no rank uses the area.
+  // Error(kCheckpointFailure) when the file cannot grow.
+  void import(const SnapshotImage& image);
+
   // The file's mapping (null and 0 before the first snapshot), for a
   // backend that registers it for device copies. begin() may move it.
   void* mapping() const { return base_; }
@@ -99,6 +130,11 @@ class SnapshotArea {
   void lay_out(size_t table_bytes, size_t data_bytes);
   void unmap();
   unsigned char* slot_at(int slot) const;
+  // The slot the next snapshot goes into: not one of the `keep` newest
+  // complete ones.
+  int next_slot() const;
+  // Marks the slot complete as the newest one.
+  void complete(unsigned char* slot, int64_t step, int64_t tokens);
 
   int fd_;
   int keep_;

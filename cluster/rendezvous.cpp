@@ -150,6 +150,7 @@ void Rendezvous::take_name() {
   record_ = nlohmann::json{
       {"name", options_.node_name},
       {"address", options_.address},
+      {"snapshots", options_.snapshot_endpoint},
       {"ranks", options_.ranks_per_node},
       {"pid", static_cast<int64_t>(getpid())},
       {"nonce",
@@ -296,7 +297,7 @@ Membership Rendezvous::sealed_with_this_node(int64_t generation, std::vector<std
   m.generation = generation;
   m.node_rank = static_cast<int>(std::find(nodes.begin(), nodes.end(), options_.node_name) - nodes.begin());
   m.nodes = std::move(nodes);
-  m.addresses = join_addresses(generation, m.nodes);
+  read_join_records(generation, m);
   m.ranks_per_node = options_.ranks_per_node;
   m.revision = revision;
   cluster_log().info("generation {}: nodes {}; this node '{}' is node {}", generation, fmt::join(m.nodes, ", "),
@@ -304,23 +305,27 @@ Membership Rendezvous::sealed_with_this_node(int64_t generation, std::vector<std
   return m;
 }
 
-std::vector<std::string> Rendezvous::join_addresses(int64_t generation, const std::vector<std::string>& nodes) {
-  std::vector<std::string> addresses(nodes.size());
+void Rendezvous::read_join_records(int64_t generation, Membership& m) {
+  m.addresses.assign(m.nodes.size(), "");
+  m.snapshot_endpoints.assign(m.nodes.size(), "");
   const std::string prefix = join_prefix(generation);
+  auto text = [](const nlohmann::json& record, const char* key) {
+    return record.contains(key) && record[key].is_string() ? record[key].get<std::string>() : std::string();
+  };
   try {
     for (const auto& entry : store_.list(prefix).entries) {
-      const auto at = std::find(nodes.begin(), nodes.end(), entry.key.substr(prefix.size()));
+      const auto at = std::find(m.nodes.begin(), m.nodes.end(), entry.key.substr(prefix.size()));
       const auto record = nlohmann::json::parse(entry.value, nullptr, /*allow_exceptions=*/false);
-      if (at == nodes.end() || !record.is_object() || !record.contains("address") || !record["address"].is_string()) {
-        continue;
-      }
-      addresses[static_cast<size_t>(at - nodes.begin())] = record["address"].get<std::string>();
+      if (at == m.nodes.end() || !record.is_object()) continue;
+      const auto node = static_cast<size_t>(at - m.nodes.begin());
+      m.addresses[node] = text(record, "address");
+      m.snapshot_endpoints[node] = text(record, "snapshots");
     }
   } catch (const std::exception& e) {
-    // Only the status shows them: the membership stands without.
-    cluster_log().warn("generation {}: cannot read the nodes' addresses: {}", generation, e.what());
+    // The membership stands without them: the status shows no address, and
+    // the snapshots are not copied between nodes this generation.
+    cluster_log().warn("generation {}: cannot read the nodes' join records: {}", generation, e.what());
   }
-  return addresses;
 }
 
 void Rendezvous::watch_a_while(const std::string& prefix, int64_t revision, Clock::time_point until) {

@@ -35,6 +35,9 @@ namespace keel::cluster {
 struct RendezvousOptions {
   std::string node_name;  // unique in the job: the host name by default
   std::string address;    // what this node's ranks bind for Gloo and NCCL
+  // Where this node's keeld takes copies of another node's in-memory
+  // snapshots (daemon/snapshot_buddy.h), "address:port"; empty: it does not.
+  std::string snapshot_endpoint;
   int ranks_per_node = 1;
   int min_nodes = 1;
   int max_nodes = 1;
@@ -57,6 +60,9 @@ struct Membership {
   // Each node's [cluster] address, as its join record says; "" where it
   // could not be read. For operators; nothing is dialed by it.
   std::vector<std::string> addresses;
+  // Each node's snapshot endpoint (RendezvousOptions::snapshot_endpoint), as
+  // its join record says; "" where it has none or it could not be read.
+  std::vector<std::string> snapshot_endpoints;
   int node_rank = 0;               // this node's
   int ranks_per_node = 1;
   int64_t revision = 0;  // where watches of its events start: before its seal, then past each event read
@@ -166,8 +172,9 @@ class Rendezvous {
   // The membership of a sealed generation this node joined; `revision`
   // comes before the seal, so watches from it miss nothing after.
   Membership sealed_with_this_node(int64_t generation, std::vector<std::string> nodes, int64_t revision);
-  // The [cluster] address in each of `nodes`' join records of `generation`.
-  std::vector<std::string> join_addresses(int64_t generation, const std::vector<std::string>& nodes);
+  // Each member's [cluster] address and snapshot endpoint, from its join
+  // record of `generation`.
+  void read_join_records(int64_t generation, Membership& m);
   // Blocks until rdzv/generation moves past `generation` or `deadline`.
   void wait_for_generation_after(int64_t generation, std::chrono::steady_clock::time_point deadline);
   // A watch of `prefix` from `revision` until `until`, at most a second of

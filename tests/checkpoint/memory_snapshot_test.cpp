@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <limits>
 #include <string>
 #include <vector>
@@ -192,6 +194,66 @@ TEST_SUITE("unit") {
       // The next snapshot lays the area out afresh where it must, and serves.
       snapshot(next, 2);
       CHECK(steps_of(next.verified(kLayout)) == std::vector<int64_t>{2});
+    }
+  }
+
+  TEST_CASE("the newest snapshot copied out of one area and into an empty one reads back there whole") {
+    Memfd holder;
+    SnapshotArea rank(holder.fd, 2);
+    for (int64_t step = 1; step <= 3; ++step) snapshot(rank, step);
+    const auto image = rank.newest_image();
+    REQUIRE(image);
+    CHECK(image->step == 3);
+    CHECK(!image->check());
+    Memfd fresh;
+    SnapshotArea other(fresh.fd, 2);
+    other.import(*image);
+    const auto v = other.verified(kLayout);
+    CHECK(v.problems.empty());
+    REQUIRE(steps_of(v) == std::vector<int64_t>{3});
+    CHECK(v.snapshots[0].listed.tokens == 300);
+    CHECK(v.snapshots[0].pieces == rank.verified(kLayout).snapshots[0].pieces);
+    CHECK(v.snapshots[0].data[2][3] == doctest::Approx(3.2));
+    // A rank of that layout takes the area as it is and snapshots on in it.
+    snapshot(other, 4);
+    CHECK(steps_of(other.verified(kLayout)) == std::vector<int64_t>{4, 3});
+    // An area with nothing complete has nothing to copy.
+    Memfd empty;
+    CHECK(!SnapshotArea(empty.fd, 2).newest_image());
+  }
+
+  TEST_CASE("a copy that does not add up is refused by check with a sentence and never crashes") {
+    Memfd memfd;
+    SnapshotArea rank(memfd.fd, 2);
+    snapshot(rank, 5);
+    struct Row {
+      const char* name;
+      std::function<void(keel::checkpoint::SnapshotImage&)> spoil;
+      const char* said;
+    };
+    const Row rows[] = {
+        {"a flipped byte of data", [](auto& i) { i.data[5] ^= 0x10; }, "does not match its checksum in /model/wte"},
+        {"a flipped hash", [](auto& i) { i.table[9] ^= 0x01; }, "does not match its checksum in /optim/exp_avg/wte"},
+        {"a table cut short", [](auto& i) { i.table.resize(10); }, "piece table"},
+        {"more pieces than the table holds", [](auto& i) { i.pieces = 1 << 30; }, "larger than its slot"},
+        {"fewer pieces than the table lists", [](auto& i) { i.pieces = 2; }, "cannot be read"},
+        {"less data than the table lists", [](auto& i) { i.data_bytes = 64; }, "more data than its slot holds"},
+        {"more data than the table lists", [](auto& i) { i.data_bytes += 64; }, "bytes of data where its table lists"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(std::string(row.name));
+      auto image = rank.newest_image();
+      REQUIRE(image);
+      if (std::string(row.name) == "more data than the table lists") {
+        std::unique_ptr<unsigned char[]> bigger(new unsigned char[image->data_bytes + 64]());
+        std::memcpy(bigger.get(), image->data.get(), image->data_bytes);
+        image->data = std::move(bigger);
+      }
+      row.spoil(*image);
+      const auto said = image->check();
+      REQUIRE(said);
+      CHECK(said->find(row.said) != std::string::npos);
+      CHECK(said->find("step 5") != std::string::npos);
     }
   }
 }
