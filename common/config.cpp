@@ -319,6 +319,8 @@ void Config::validate() const {
   check(checkpoint.memory_stall_budget > 0 && checkpoint.memory_stall_budget < 1, "checkpoint.memory_stall_budget",
         fmt::format("must be above 0 and below 1, a share of the step time (got {})", checkpoint.memory_stall_budget));
   at_least(checkpoint.memory_keep, 1, "checkpoint.memory_keep");
+  check(checkpoint.memory_buddy_mb_per_s >= 0, "checkpoint.memory_buddy_mb_per_s",
+        fmt::format("must be 0 (unpaced) or a positive rate in MB/s (got {})", checkpoint.memory_buddy_mb_per_s));
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
         fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
   check(faults.crash_in == "step" || faults.crash_in == "save" || faults.crash_in == "snapshot", "faults.crash_in",
@@ -396,6 +398,8 @@ void Config::validate() const {
     at_least(cluster.min_nodes, 0, "cluster.min_nodes");
     check(cluster.min_nodes <= max_nodes(), "cluster.min_nodes",
           fmt::format("min_nodes={} exceeds the {} nodes of the full layout", cluster.min_nodes, max_nodes()));
+    check(cluster.snapshot_port >= 0 && cluster.snapshot_port <= 65535, "cluster.snapshot_port",
+          fmt::format("must be a TCP port, or 0 for any free port (got {})", cluster.snapshot_port));
     check(cluster.join_timeout_s > 0, "cluster.join_timeout_s",
           fmt::format("must be positive (got {})", cluster.join_timeout_s));
     // etcd grants no lease shorter than 2 s.

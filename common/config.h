@@ -178,6 +178,10 @@ struct CheckpointConfig {
   int64_t memory_every_steps = -1;
   int64_t memory_keep = 2;     // newest in-memory snapshots kept per rank
   double memory_stall_budget = 0.02;  // memory_every_steps = -1: the share of the step time snapshots may take
+  // With cluster.etcd: each rank's newest snapshot is also copied to the
+  // next node's keeld, so that a node lost restores from memory too.
+  bool memory_buddy = true;
+  double memory_buddy_mb_per_s = 1000;  // the pace of those copies, per node; 0 = unpaced
 
   template <class V> void visit(V& v) {
     v("dir", dir);
@@ -193,6 +197,8 @@ struct CheckpointConfig {
     v("memory_every_steps", memory_every_steps);
     v("memory_keep", memory_keep);
     v("memory_stall_budget", memory_stall_budget);
+    v("memory_buddy", memory_buddy);
+    v("memory_buddy_mb_per_s", memory_buddy_mb_per_s);
   }
 };
 
@@ -242,6 +248,7 @@ struct ClusterConfig {
   std::string etcd = "";           // etcd://h:p[,h:p...]/PREFIX, the job's own prefix; empty = one node, embedded store
   std::string node_name = "";      // this node's name in the job, unique among its nodes; empty = the host name
   std::string address = "127.0.0.1";  // what this node's ranks bind and advertise for Gloo and NCCL
+  int64_t snapshot_port = 0;        // keeld takes the snapshot copies of its buddy on address:PORT; 0 = any free port
   int64_t min_nodes = 0;           // fewest nodes the job trains on; 0 = max_nodes (no shrinking)
   int64_t max_nodes = 0;           // nodes of the full layout: dp x tp x pp x cp / daemon.ranks; 0 = that
   double join_timeout_s = 60;      // a rendezvous waits this long for max_nodes before sealing with fewer
@@ -261,6 +268,7 @@ struct ClusterConfig {
     v("etcd", etcd);
     v("node_name", node_name);
     v("address", address);
+    v("snapshot_port", snapshot_port);
     v("min_nodes", min_nodes);
     v("max_nodes", max_nodes);
     v("join_timeout_s", join_timeout_s);

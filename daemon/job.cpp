@@ -4,6 +4,7 @@
 #include "cluster/placement.h"
 #include "common/error.h"
 #include "common/events.h"
+#include "common/human_format.h"
 #include "common/log.h"
 #include "daemon/checkpoint_quarantine.h"
 #include "daemon/flight_dump.h"
@@ -33,6 +34,7 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.node_ranks())),
       started_at_ns_(clock.now_ns()) {
+  if (options_.buddy != nullptr) options_.buddy->attach_areas(ranks_.snapshot_area_fds());
   const auto& c = options_.config;
   if (c.health.hang_timeout_ceiling_s >= c.parallel.timeout_s) {
     common::logger("health")->warn(
@@ -115,6 +117,7 @@ void Job::start() {
 }
 
 void Job::start_generation(int64_t generation) {
+  fetching_for_.reset();
   if (options_.cluster == nullptr) {
     return spawn_generation(generation, RankSlice{0, static_cast<int>(options_.config.parallel.world_size()), {}});
   }
@@ -163,8 +166,85 @@ void Job::on_joined(const cluster::Membership& membership) {
                               {"world", membership.world_size()},
                               {"dp", placed.layout->dp},
                               {"micro_batches", placed.layout->micro_batches}});
-  spawn_generation(membership.generation,
-                   RankSlice{membership.rank_offset(), membership.world_size(), placed.layout->overrides()});
+  const RankSlice slice{membership.rank_offset(), membership.world_size(), placed.layout->overrides()};
+  if (fetch_snapshots(membership, slice)) return;
+  send_snapshots_on(membership, slice);
+  spawn_generation(membership.generation, slice);
+}
+
+bool Job::fetch_snapshots(const cluster::Membership& m, const RankSlice& slice) {
+  const auto lacking = ranks_.areas_lacking(slice);
+  if (options_.buddy == nullptr || m.nodes.size() < 2 || lacking.empty()) return false;
+  // The copies of this node's ranks are with the node after the one that
+  // ran them: this one's successor when the nodes are the same, another
+  // when the numbering moved. Asked in the ring's order, from the next.
+  std::vector<SnapshotBuddy::Holder> holders;
+  const size_t n = m.nodes.size();
+  for (size_t k = 1; k < n; ++k) {
+    const size_t i = (static_cast<size_t>(m.node_rank) + k) % n;
+    holders.push_back({m.nodes[i], m.snapshot_endpoints.size() == n ? m.snapshot_endpoints[i] : ""});
+  }
+  // The join goes on until the areas are filled: no board is read and no
+  // event of the generation acted on before its ranks exist.
+  joining_ = true;
+  fetching_for_ = m.generation;
+  ended_while_fetching_.reset();
+  // The peers' ranks wait parallel.timeout_s for this node's at their
+  // rendezvous; the copies must come well within it.
+  const auto within = std::chrono::milliseconds(static_cast<int64_t>(options_.config.parallel.timeout_s * 500));
+  options_.buddy->fetch(lacking, slice.first_rank, holders, within,
+                        [this, g = m.generation, slice](const FetchedCopies& got) { on_snapshots_fetched(g, slice, got); });
+  return true;
+}
+
+void Job::on_snapshots_fetched(int64_t generation, const RankSlice& slice, const FetchedCopies& got) {
+  auto log = common::logger("job");
+  nlohmann::json filled = nlohmann::json::array();
+  for (const auto& f : got.filled) {
+    filled.push_back({{"rank", f.rank},
+                      {"step", f.step},
+                      {"from", f.from},
+                      {"bytes", f.bytes},
+                      {"received_s", f.received_s},
+                      {"written_s", f.written_s}});
+    log->info("rank {}: its snapshot of step {} ({}) copied back from node '{}'", f.rank, f.step,
+              common::format_bytes(f.bytes), f.from);
+  }
+  if (!got.absent.empty()) {
+    log->info("no node holds a snapshot copy of ranks {} (a new job, or the copies went with their holder): they "
+              "resume as their areas allow",
+              fmt::join(got.absent, ", "));
+  }
+  for (const auto& why : got.problems) log->warn("a snapshot copy could not be had: {}", why);
+  common::append_event(run_dir_, "snapshots_fetched", generation, -1,
+                       {{"filled", filled}, {"absent", got.absent}, {"problems", got.problems}, {"seconds", got.seconds}});
+  if (fetching_for_ != generation) return;  // the job moved on meanwhile
+  fetching_for_.reset();
+  joining_ = false;
+  if (ended_while_fetching_) {
+    const auto e = *std::exchange(ended_while_fetching_, std::nullopt);
+    apply(machine_.ended_elsewhere(e.cause, false).actions);
+    end_generation_if_over();
+    return;
+  }
+  if (machine_.state() != JobState::kStarting) {
+    // Stopped meanwhile: the other nodes must not wait for ranks that will not come.
+    options_.cluster->fail(generation, {fmt::format("node '{}' stopped before its ranks started",
+                                                    options_.cluster->node_name()),
+                                        {}});
+    end_generation_if_over();
+    return;
+  }
+  send_snapshots_on(*membership_, slice);
+  spawn_generation(generation, slice);
+}
+
+void Job::send_snapshots_on(const cluster::Membership& m, const RankSlice& slice) {
+  if (options_.buddy == nullptr) return;
+  const size_t n = m.nodes.size();
+  const size_t next = (static_cast<size_t>(m.node_rank) + 1) % n;
+  if (n < 2 || m.snapshot_endpoints.size() != n) return options_.buddy->send_to("", "", 0);
+  options_.buddy->send_to(m.nodes[next], m.snapshot_endpoints[next], slice.first_rank);
 }
 
 void Job::on_join_failed(const std::string& why) {
@@ -182,6 +262,10 @@ void Job::on_cluster_event(int64_t generation, const cluster::GenerationEvent& e
     common::logger("job")->warn("generation {} had ended on another node before this node's ranks failed: {}",
                                 generation, e.cause);
     common::append_event(run_dir_, "generation_ended_elsewhere", generation, -1, {{"cause", e.cause}});
+    return;
+  }
+  if (fetching_for_ == generation && e.kind == cluster::GenerationEvent::kEnded) {
+    ended_while_fetching_ = e;  // on_snapshots_fetched() acts on it
     return;
   }
   // About a generation this node has left, or not yet started.
@@ -281,7 +365,9 @@ void Job::quarantine_suspect_checkpoints() {
   const auto root = options_.config.checkpoint_dir();
   const Quarantine q = quarantine_checkpoints(root, last_good, machine_.generation());
   // The in-memory snapshots of those steps too ("In-memory snapshots").
-  const int snapshots = ranks_.quarantine_snapshots_after(last_good);
+  // and the copies held of other nodes' ranks, which may be as corrupted.
+  const int snapshots = ranks_.quarantine_snapshots_after(last_good) +
+                        (options_.buddy != nullptr ? options_.buddy->drop_after(last_good) : 0);
   for (const auto& error : q.errors) common::logger("health")->error("{}", error);
   common::logger("health")->warn(
       "moved aside the checkpoints after step {}, the last known good: [{}]; {} in-memory snapshots quarantined",
@@ -607,6 +693,14 @@ JobReport Job::report() const {
     }
   }
   for (const auto& [step, row] : by_step) r.snapshots.push_back(row);
+  if (options_.buddy != nullptr) {
+    BuddyReport b;
+    b.held = options_.buddy->held();
+    for (const auto& sent : options_.buddy->sent()) {
+      if (sent) b.sent.push_back(*sent);
+    }
+    r.buddy = std::move(b);
+  }
   r.reason = machine_.reason();
   r.run_dir = run_dir_;
   r.checkpoint_dir = options_.config.checkpoint_dir();

@@ -31,6 +31,7 @@
 #include "daemon/job_views.h"
 #include "daemon/rank_set.h"
 #include "daemon/run_history.h"
+#include "daemon/snapshot_buddy.h"
 
 #include <nlohmann/json.hpp>
 #include <sys/types.h>
@@ -66,6 +67,10 @@ struct JobOptions {
   // On many nodes: the other nodes' boards, for detectors that see the
   // whole world (daemon/world_view.h). nullptr: this node's ranks only.
   HealthExchange* health_exchange = nullptr;
+  // On many nodes with in-memory snapshots: the buddy copy, which the job
+  // points at the next node each generation and fills this node's areas
+  // from before its ranks start. nullptr: none.
+  SnapshotBuddy* buddy = nullptr;
 };
 
 class Job {
@@ -123,6 +128,13 @@ class Job {
   void apply(const JobActions& actions);
   void start_generation(int64_t generation);
   void spawn_generation(int64_t generation, const RankSlice& slice);
+  // On many nodes: fetches the copies of the ranks whose areas lack their
+  // state, then spawns (on_snapshots_fetched). False when there is nothing
+  // to fetch: the caller spawns at once.
+  bool fetch_snapshots(const cluster::Membership& membership, const RankSlice& slice);
+  void on_snapshots_fetched(int64_t generation, const RankSlice& slice, const FetchedCopies& got);
+  // Points the buddy copy at the node after this one in `membership`.
+  void send_snapshots_on(const cluster::Membership& membership, const RankSlice& slice);
   // Once no rank runs: the generation's outcome goes to the state machine.
   void end_generation_if_over();
   // Takes in the boards and the events appended since the last look.
@@ -174,6 +186,10 @@ class Job {
   // On many nodes: the membership last joined, and whether a join is under way.
   std::optional<cluster::Membership> membership_;
   bool joining_ = false;
+  // The generation whose ranks wait for their snapshots' copies (a join
+  // goes on until they come), and what ended it meanwhile.
+  std::optional<int64_t> fetching_for_;
+  std::optional<cluster::GenerationEvent> ended_while_fetching_;
   std::string ended_cause_;  // why the last generation ended, for the rendezvous
   int64_t cause_recorded_for_ = -1;  // the last generation whose earlier cause (kEndedBefore) was recorded
   std::vector<std::string> cross_node_axes_;  // the membership's (cluster/placement.h)

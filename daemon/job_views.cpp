@@ -128,6 +128,16 @@ nlohmann::json status_json(const JobReport& report) {
     snapshots.push_back({{"step", row.step}, {"ranks", row.ranks}, {"bytes", row.bytes}});
   }
   out["snapshots"] = snapshots;
+  out["snapshot_copies"] = nullptr;
+  if (const auto& b = report.buddy) {
+    nlohmann::json held = nlohmann::json::array();
+    for (const HeldCopy& h : b->held) held.push_back({{"rank", h.rank}, {"step", h.step}, {"bytes", h.bytes}});
+    nlohmann::json sent = nlohmann::json::array();
+    for (const SentCopy& c : b->sent) {
+      sent.push_back({{"rank", c.rank}, {"step", c.step}, {"bytes", c.bytes}, {"seconds", c.seconds}, {"to", c.to}});
+    }
+    out["snapshot_copies"] = {{"held", held}, {"sent", sent}};
+  }
   out["cluster"] = nullptr;
   if (const auto& c = report.cluster) {
     nlohmann::json nodes = nlohmann::json::array();
@@ -231,6 +241,15 @@ std::string metrics_text(const JobReport& report) {
                 static_cast<double>(s.snapshot_bytes), labels);
       out.gauge("keel_snapshot_stall_seconds", "How long training waited for this rank's newest in-memory snapshot",
                 s.snapshot_stall_s, labels);
+      for (const SentCopy& sent : report.buddy ? report.buddy->sent : std::vector<SentCopy>{}) {
+        if (sent.rank != rank.rank) continue;
+        // The board was read up to a poll ago, the copy's answer just now.
+        out.gauge("keel_snapshot_copy_lag_steps",
+                  "Steps by which the next node's copy of this rank's snapshot trails its newest snapshot",
+                  static_cast<double>(std::max<int64_t>(0, s.snapshot_step - sent.step)), labels);
+        out.gauge("keel_snapshot_copy_seconds", "How long this rank's last snapshot copy took to reach the next node",
+                  sent.seconds, labels);
+      }
     }
     out.gauge("keel_rank_straggler_score",
               "This rank's newest straggler score: its compute over the median rank's, minus 1", rank.straggler_score,

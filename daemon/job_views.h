@@ -9,6 +9,7 @@
 #include "daemon/health_monitor.h"
 #include "daemon/job_state.h"
 #include "daemon/run_history.h"
+#include "daemon/snapshot_buddy.h"
 #include "health/progress_board.h"
 
 #include <nlohmann/json.hpp>
@@ -64,6 +65,13 @@ struct SnapshotRow {
   uint64_t bytes = 0;
 };
 
+// The buddy copy on this node (daemon/snapshot_buddy.h): the copies it
+// holds of the node before it, and what the node after it accepted.
+struct BuddyReport {
+  std::vector<HeldCopy> held;
+  std::vector<SentCopy> sent;
+};
+
 struct JobReport {
   int64_t now_ns = 0;            // when the report was taken (common/clock.h): ages are counted to it
   std::string job;
@@ -85,6 +93,7 @@ struct JobReport {
   StepTally skipped_steps;
   std::vector<RankReport> ranks; // rank 0 first (this node's first)
   std::vector<SnapshotRow> snapshots;  // newest first; empty when snapshots are off
+  std::optional<BuddyReport> buddy;    // nullopt: no buddy copy (one node, or snapshots off)
   std::optional<ClusterReport> cluster;  // nullopt: one node
 };
 

@@ -17,6 +17,7 @@
 #include "daemon/gpu_assignment.h"
 #include "daemon/job.h"
 #include "daemon/metrics_server.h"
+#include "daemon/snapshot_buddy.h"
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -140,6 +141,20 @@ keel::cluster::RendezvousOptions rendezvous_options(const keel::common::Config& 
   return o;
 }
 
+// The buddy copy of the in-memory snapshots (daemon/snapshot_buddy.h):
+// on many nodes, with snapshots and checkpoint.memory_buddy on.
+std::unique_ptr<keel::daemon::SnapshotBuddy> snapshot_buddy(const keel::common::Config& config,
+                                                            std::function<void(std::function<void()>)> post) {
+  const auto& c = config.checkpoint;
+  if (!config.multi_node() || c.memory_every_steps == 0 || !c.memory_buddy) return nullptr;
+  auto buddy = std::make_unique<keel::daemon::SnapshotBuddy>(keel::daemon::SnapshotBuddyOptions{
+      config.cluster.address, static_cast<uint16_t>(config.cluster.snapshot_port), static_cast<int>(c.memory_keep),
+      c.memory_buddy_mb_per_s, std::move(post)});
+  keel::common::logger("keeld")->info("snapshot copies taken on {}, sent at up to {} MB/s", buddy->endpoint(),
+                                      c.memory_buddy_mb_per_s);
+  return buddy;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -204,12 +219,17 @@ int main(int argc, char** argv) {
     options.config = config;
     // Set once the job exists; the link's callbacks run on the loop, after.
     keel::daemon::Job* linked_job = nullptr;
+    auto post = [&io](std::function<void()> f) { asio::post(io, std::move(f)); };
+    std::unique_ptr<keel::daemon::SnapshotBuddy> buddy = snapshot_buddy(config, post);
+    options.buddy = buddy.get();
     std::unique_ptr<keel::daemon::ClusterLink> cluster;
     std::unique_ptr<keel::daemon::HealthExchange> health_exchange;  // ends before the link whose lease it uses
     if (config.multi_node()) {
       auto& etcd = dynamic_cast<keel::store::ClusterStore&>(*store.client);
+      auto rendezvous = rendezvous_options(config);
+      if (buddy) rendezvous.snapshot_endpoint = buddy->endpoint();
       cluster = std::make_unique<keel::daemon::ClusterLink>(
-          etcd, rendezvous_options(config), [&io](std::function<void()> f) { asio::post(io, std::move(f)); },
+          etcd, rendezvous, post,
           keel::daemon::ClusterCallbacks{
               [&](keel::cluster::Membership m) { linked_job->on_joined(m); },
               [&](std::string why) { linked_job->on_join_failed(why); },

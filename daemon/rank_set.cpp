@@ -53,6 +53,7 @@ RankSet::RankSet(RankSetOptions options)
       }
       snapshot_areas_[static_cast<size_t>(r)] = std::move(area);
     }
+    area_ranks_.assign(static_cast<size_t>(options_.ranks), -1);
   }
   if (options_.pin_cpus) {
     const auto available = allowed_cpus();
@@ -114,6 +115,7 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const Ra
     }
     // Logs go by global rank, the number the events, verdicts and the other nodes use.
     const int global_rank = slice.first_rank + rank.rank;
+    if (!area_ranks_.empty()) area_ranks_[static_cast<size_t>(rank.rank)] = global_rank;
     launch.log = rank_log_path(options_.run_dir, global_rank);
     try {
       slot.emplace(health::ProgressBoard::create(board));
@@ -216,6 +218,20 @@ int RankSet::quarantine_snapshots_after(int64_t step) {
   int moved = 0;
   for (const auto& fd : snapshot_areas_) moved += checkpoint::SnapshotArea(fd.get(), 1).quarantine_after(step);
   return moved;
+}
+
+std::vector<int> RankSet::snapshot_area_fds() const {
+  std::vector<int> out;
+  for (const auto& fd : snapshot_areas_) out.push_back(fd.get());
+  return out;
+}
+
+std::vector<int> RankSet::areas_lacking(const RankSlice& slice) const {
+  std::vector<int> out;
+  for (size_t local = 0; local < area_ranks_.size(); ++local) {
+    if (area_ranks_[local] != slice.first_rank + static_cast<int64_t>(local)) out.push_back(static_cast<int>(local));
+  }
+  return out;
 }
 
 void RankSet::remove_boards() {

@@ -100,6 +100,13 @@ class RankSet {
   // (an SDC verdict's last good step); returns how many. Only while no
   // rank runs.
   int quarantine_snapshots_after(int64_t step);
+  // Each local rank's area (none without snapshot_areas), for the buddy
+  // copy (daemon/snapshot_buddy.h).
+  std::vector<int> snapshot_area_fds() const;
+  // The local ranks whose areas cannot hold their state in `slice`: no
+  // rank of theirs ran here as that global rank (keeld started since, or
+  // the numbering moved). None without snapshot_areas.
+  std::vector<int> areas_lacking(const RankSlice& slice) const;
 
   void remove_boards();
   // The boards of keelds that died (named after a pid that no longer exists).
@@ -114,6 +121,7 @@ class RankSet {
   // Per rank, a memfd held for the job's life: a rank's crash loses none of
   // its snapshots, keeld's exit all of them. Empty without snapshot_areas.
   std::vector<common::UniqueFd> snapshot_areas_;
+  std::vector<int64_t> area_ranks_;  // per area: the global rank it last served; -1: none yet
   size_t threads_per_rank_ = 1;
   std::optional<int64_t> kill_at_ns_;
 };

@@ -79,6 +79,18 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
     }
     out << fmt::format("in-memory snapshots on this node: {}\n", fmt::join(parts, ", "));
   }
+  if (const auto copies = s.value("snapshot_copies", nlohmann::json()); copies.is_object()) {
+    std::vector<std::string> parts;
+    for (const auto& c : copies.value("sent", nlohmann::json::array())) {
+      parts.push_back(fmt::format("rank {} step {} to '{}' ({:.2f} s)", c.value("rank", int64_t{0}),
+                                  c.value("step", int64_t{0}), c.value("to", ""), c.value("seconds", 0.0)));
+    }
+    for (const auto& c : copies.value("held", nlohmann::json::array())) {
+      parts.push_back(fmt::format("holds rank {} step {} ({})", c.value("rank", int64_t{0}),
+                                  c.value("step", int64_t{0}), common::format_bytes(c.value("bytes", uint64_t{0}))));
+    }
+    out << fmt::format("snapshot copies: {}\n", parts.empty() ? std::string("none yet") : fmt::format("{}", fmt::join(parts, ", ")));
+  }
   // Records, no alarms: what the operator may want to look at in events.
   const std::string spikes = tally(s, "loss_spikes", "loss spike", "loss spikes");
   const std::string skipped = tally(s, "skipped_steps", "step skipped", "steps skipped");

@@ -7,13 +7,17 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <sstream>
 
 #include "checkpoint/catalog.h"
 #include "daemon/protocol.h"
+#include "daemon/status_view.h"
 #include "tests/daemon/health_job.h"
 #include "tests/daemon/keeld_job.h"
+#include "tests/daemon/prometheus_scrape.h"
 #include "tests/support/etcd_test_cluster.h"
 #include "tests/support/network_namespace.h"
 
@@ -207,10 +211,10 @@ std::pair<int, int> two_nodes() {
   return {chosen, (chosen + 1) % 3};
 }
 
-// Every step's loss of the cluster's endless run within the resharding
-// tolerance of the uninterrupted run: one keeld alone, the same endless
-// job, stopped past the cluster's last step.
-void check_losses_close(const ClusterJob& job) {
+// Every step's loss of the cluster's endless run within `tolerance`
+// (relative; by default the resharding's) of the uninterrupted run: one
+// keeld alone, the same endless job, stopped past the cluster's last step.
+void check_losses_close(const ClusterJob& job, double tolerance = 1e-4) {
   const auto got = job.losses();
   REQUIRE(!got.empty());
   const int64_t last = got.rbegin()->first;
@@ -228,7 +232,7 @@ void check_losses_close(const ClusterJob& job) {
     worst = std::max(worst, std::fabs(loss - want) / std::fabs(want));
   }
   MESSAGE("largest relative loss difference from the uninterrupted run over " << last + 1 << " steps: " << worst);
-  CHECK(worst <= 1e-4);
+  CHECK(worst <= tolerance);
 }
 
 }  // namespace
@@ -437,6 +441,69 @@ TEST_SUITE("integration") {
     const auto resumed = job.events_of(other, "generation_resumed");
     for (size_t g = 1; g < resumed.size(); ++g) CHECK(resumed[g].at("step") > 0);
     check_losses_close(job);
+  }
+
+  TEST_CASE(
+      "a node lost and back takes its ranks' snapshots from its buddy's memory and the job resumes from memory to "
+      "the loss of the uninterrupted run") {
+    // The buddy of a node is the next one in the generation's order.
+    const auto [lost, buddy] = two_nodes();
+    INFO("the node lost: " << lost);
+    std::vector<std::string> sets = kEndless;
+    // Three nodes or none, so that the job waits for the lost one rather
+    // than reshard to two from disk; a snapshot every step.
+    sets.insert(sets.end(), {"cluster.min_nodes=3", "checkpoint.memory_every_steps=1", "daemon.metrics_port=0"});
+    ThreeNodes run;
+    if (!run.start(buddy, sets)) return;
+    auto& job = *run.job;
+    // The buddy holds copies of both of the lost node's ranks, newer than
+    // the first checkpoint.
+    int64_t copied = -1;
+    const auto holding = job.wait_for(buddy, [&](const nlohmann::json& s) {
+      const auto& copies = s.at("snapshot_copies");
+      std::vector<int64_t> steps;
+      for (const auto& held : copies.is_object() ? copies.at("held") : nlohmann::json::array()) {
+        if (held.at("rank").get<int>() / 2 == lost) steps.push_back(held.at("step").get<int64_t>());
+      }
+      if (steps.size() != 2 || copies.at("sent").size() != 2) return false;
+      copied = *std::min_element(steps.begin(), steps.end());
+      return copied > 10;
+    });
+    // keelctl status says so.
+    std::ostringstream text;
+    daemon::print_status(holding, text);
+    INFO(text.str());
+    CHECK(text.str().find(fmt::format("holds rank {} step", 2 * lost)) != std::string::npos);
+    CHECK(text.str().find(fmt::format("to '{}'", node_name((buddy + 1) % 3))) != std::string::npos);
+    // And /metrics, how far each copy trails its rank.
+    const auto page = scrape(holding.at("metrics_port").get<uint16_t>());
+    REQUIRE(page.count("keel_snapshot_copy_lag_steps") == 1);
+    CHECK(page.at("keel_snapshot_copy_lag_steps").size() == 2);
+    for (const auto& sample : page.at("keel_snapshot_copy_lag_steps")) CHECK(sample.value >= 0);
+    const size_t resumes_before = job.events_of(0, "generation_resumed").size();
+    // The node is gone with its keeld, its ranks and their snapshot areas,
+    // and comes back under its name with nothing in memory.
+    run.keelds[lost]->signal(SIGKILL);
+    run.keelds[lost]->wait(60);
+    run.keelds[lost] = job.start(lost);
+    // Rank 0 runs on node 0 and records where each generation resumed.
+    REQUIRE(wait_until([&] { return job.events_of(0, "generation_resumed").size() > resumes_before; }, 180));
+    const auto resumed = job.events_of(0, "generation_resumed").back();
+    INFO(resumed.dump());
+    CHECK(resumed.at("from") == "memory");
+    CHECK(resumed.at("step").get<int64_t>() >= copied);
+    const auto fetched = job.events_of(lost, "snapshots_fetched");
+    REQUIRE(!fetched.empty());
+    INFO(fetched.back().dump());
+    CHECK(fetched.back().at("problems").empty());
+    REQUIRE(fetched.back().at("filled").size() == 2);
+    for (const auto& filled : fetched.back().at("filled")) CHECK(filled.at("from") == node_name(buddy));
+    MESSAGE("the lost node's areas were filled from its buddy in " << fetched.back().at("seconds") << " s");
+    // Trained on past the step it resumed from, on every node.
+    const int64_t from = resumed.at("step").get<int64_t>();
+    job.wait_for(buddy, [&](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") > from + 5; });
+    run.stop();
+    check_losses_close(job, 0);
   }
 
   TEST_CASE(

@@ -1,0 +1,552 @@
+#include "daemon/snapshot_buddy.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <netinet/ip.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace keel::daemon {
+
+using common::Error;
+using common::ErrorCode;
+
+namespace {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using namespace buddy_wire;
+
+spdlog::logger& buddy_log() {
+  static const std::shared_ptr<spdlog::logger> instance = common::logger("snapshots");
+  return *instance;
+}
+
+// Bounds on what a frame may claim before anything is allocated for it.
+constexpr uint64_t kMaxTableBytes = 64ull << 20;
+constexpr uint32_t kMaxPieces = 1u << 20;
+constexpr uint64_t kMaxSentence = 4096;
+constexpr int kMaxConnections = 16;
+// A connection that says nothing this long is closed; a copy moves in
+// chunks, each of which must arrive within it.
+constexpr std::chrono::seconds kIoTimeout{60};
+constexpr size_t kChunk = 4u << 20;
+// How often the sender looks for a new commit: a look is a few system calls
+// a rank, and a copy that lags its rank by more than `keep` - 1 snapshots
+// is of no use, since the others keep only that many.
+constexpr auto kLook = std::chrono::milliseconds(10);
+
+Frame frame_of(FrameKind kind, int64_t rank) {
+  Frame f{};
+  std::memcpy(f.magic, kMagic, sizeof(kMagic));
+  f.kind = kind;
+  f.rank = rank;
+  return f;
+}
+
+Frame frame_of(FrameKind kind, int64_t rank, const checkpoint::SnapshotImage& image) {
+  Frame f = frame_of(kind, rank);
+  f.pieces = image.pieces;
+  f.step = image.step;
+  f.tokens = image.tokens;
+  f.layout_hash = image.layout_hash;
+  f.table_bytes = image.table.size();
+  f.data_bytes = image.data_bytes;
+  return f;
+}
+
+// Bytes of memory the kernel says it can give without swapping.
+uint64_t memory_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+// A TCP connection driven step by step, each step bounded by a deadline
+// and by `stop`, on an io_context of its own (so on whichever one thread
+// uses it).
+class Connection {
+ public:
+  explicit Connection(const std::atomic<bool>& stop) : stop_(stop), socket_(io_) {}
+  tcp::socket& socket() { return socket_; }
+  bool is_open() const { return socket_.is_open(); }
+  void close() {
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+  }
+
+  void connect(const std::string& endpoint, Clock::time_point deadline) {
+    const size_t colon = endpoint.rfind(':');
+    if (colon == std::string::npos) throw Error(ErrorCode::kPeerFailure, "no port in '" + endpoint + "'");
+    tcp::resolver resolver(io_);
+    boost::system::error_code ec;
+    const auto found = resolver.resolve(endpoint.substr(0, colon), endpoint.substr(colon + 1), ec);
+    if (ec) throw Error(ErrorCode::kPeerFailure, fmt::format("cannot resolve {}: {}", endpoint, ec.message()));
+    wait(deadline, "connect to " + endpoint, [&](auto handler) {
+      asio::async_connect(socket_, found, [handler](boost::system::error_code e, const tcp::endpoint&) { handler(e); });
+    });
+    socket_.set_option(tcp::no_delay(true));
+  }
+  void write(const void* data, size_t bytes, Clock::time_point deadline) {
+    wait(deadline, "send", [&](auto handler) {
+      asio::async_write(socket_, asio::buffer(data, bytes),
+                        [handler](boost::system::error_code e, size_t) { handler(e); });
+    });
+  }
+  void read(void* data, size_t bytes, Clock::time_point deadline) {
+    wait(deadline, "receive", [&](auto handler) {
+      asio::async_read(socket_, asio::buffer(data, bytes),
+                       [handler](boost::system::error_code e, size_t) { handler(e); });
+    });
+  }
+  // Reads a frame; false when the peer closed the connection between frames.
+  bool read_frame(Frame& f, Clock::time_point deadline) {
+    try {
+      read(&f, sizeof(f), deadline);
+    } catch (const Error&) {
+      if (eof_) return false;
+      throw;
+    }
+    if (std::memcmp(f.magic, kMagic, sizeof(kMagic)) != 0) {
+      throw Error(ErrorCode::kPeerFailure, "a frame that is not keel's snapshot protocol");
+    }
+    return true;
+  }
+
+ private:
+  template <class Start>
+  void wait(Clock::time_point deadline, const std::string& what, Start start) {
+    bool done = false;
+    boost::system::error_code result;
+    start([&](boost::system::error_code ec) {
+      done = true;
+      result = ec;
+    });
+    while (!done) {
+      const auto now = Clock::now();
+      if (stop_ || now >= deadline) {
+        close();
+        io_.restart();
+        io_.run();  // the cancelled operation's handler
+        throw Error(ErrorCode::kPeerFailure, fmt::format("{}: {}", what, stop_ ? "keeld is stopping" : "timed out"));
+      }
+      io_.restart();
+      io_.run_for(std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
+    }
+    eof_ = result == asio::error::eof;
+    if (result) {
+      close();
+      throw Error(ErrorCode::kPeerFailure, fmt::format("{}: {}", what, result.message()));
+    }
+  }
+
+  const std::atomic<bool>& stop_;
+  asio::io_context io_;
+  tcp::socket socket_;
+  bool eof_ = false;
+};
+
+Clock::time_point io_deadline() { return Clock::now() + kIoTimeout; }
+
+// Reads the table and data a frame announces into an image; the frame's
+// claims are bounded first.
+std::shared_ptr<checkpoint::SnapshotImage> read_image(Connection& c, const Frame& f) {
+  if (f.table_bytes > kMaxTableBytes || f.pieces > kMaxPieces) {
+    throw Error(
+        ErrorCode::kPeerFailure,
+        fmt::format("a copy with a piece table of {} bytes and {} pieces, past every bound", f.table_bytes, f.pieces));
+  }
+  // Half of what the node has to spare: a copy must never push keeld, or
+  // the ranks beside it, out of memory.
+  const uint64_t spare = memory_available() / 2;
+  if (f.data_bytes > spare) {
+    throw Error(ErrorCode::kPeerFailure,
+                fmt::format("a copy of {} bytes, more than half of the {} bytes this node has available", f.data_bytes,
+                            spare * 2));
+  }
+  auto image = std::make_shared<checkpoint::SnapshotImage>();
+  image->pieces = f.pieces;
+  image->step = f.step;
+  image->tokens = f.tokens;
+  image->layout_hash = f.layout_hash;
+  image->table.resize(f.table_bytes);
+  c.read(image->table.data(), image->table.size(), io_deadline());
+  image->data_bytes = f.data_bytes;
+  image->data.reset(new unsigned char[f.data_bytes]);
+  for (uint64_t at = 0; at < f.data_bytes; at += kChunk) {
+    c.read(image->data.get() + at, std::min<uint64_t>(kChunk, f.data_bytes - at), io_deadline());
+  }
+  return image;
+}
+
+void write_image(Connection& c, const Frame& f, const checkpoint::SnapshotImage& image, double max_mb_per_s) {
+  c.write(&f, sizeof(f), io_deadline());
+  c.write(image.table.data(), image.table.size(), io_deadline());
+  const auto began = Clock::now();
+  for (uint64_t at = 0; at < image.data_bytes; at += kChunk) {
+    const uint64_t n = std::min<uint64_t>(kChunk, image.data_bytes - at);
+    c.write(image.data.get() + at, n, io_deadline());
+    if (max_mb_per_s > 0) {
+      // Paced: never ahead of the rate since the first byte.
+      std::this_thread::sleep_until(began + std::chrono::duration<double>((at + n) / (max_mb_per_s * 1e6)));
+    }
+  }
+}
+
+}  // namespace
+
+struct SnapshotBuddy::Server {
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  std::thread thread;
+  std::atomic<bool> stop{false};
+
+  mutable std::mutex mutex;
+  std::condition_variable sessions_done;
+  int sessions = 0;
+  // Global rank -> the newest copy accepted.
+  std::map<int64_t, std::shared_ptr<const checkpoint::SnapshotImage>> copies;
+
+  std::shared_ptr<const checkpoint::SnapshotImage> copy_of(int64_t rank) const {
+    std::lock_guard lock(mutex);
+    const auto it = copies.find(rank);
+    return it == copies.end() ? nullptr : it->second;
+  }
+
+  void accept(const std::shared_ptr<Server>& self) {
+    auto connection = std::make_shared<Connection>(stop);
+    acceptor.async_accept(connection->socket(), [self, connection](boost::system::error_code ec) {
+      if (ec == asio::error::operation_aborted || self->stop) return;
+      if (!ec) self->start_session(self, connection);
+      self->accept(self);
+    });
+  }
+
+  void start_session(const std::shared_ptr<Server>& self, std::shared_ptr<Connection> connection) {
+    {
+      std::lock_guard lock(mutex);
+      if (sessions >= kMaxConnections) return;  // closed as it goes out of scope
+      ++sessions;
+    }
+    std::thread([self, connection] {
+      try {
+        self->serve(*connection);
+      } catch (const std::exception& e) {
+        if (!self->stop) buddy_log().warn("a snapshot copy connection ended: {}", e.what());
+      }
+      std::lock_guard lock(self->mutex);
+      --self->sessions;
+      self->sessions_done.notify_all();
+    }).detach();
+  }
+
+  // One peer's pushes and fetches, in turn, until it hangs up.
+  void serve(Connection& c) {
+    Frame f{};
+    while (c.read_frame(f, io_deadline())) {
+      if (f.kind == kPush) {
+        std::shared_ptr<checkpoint::SnapshotImage> image;
+        std::optional<std::string> refused;
+        try {
+          image = read_image(c, f);
+          refused = image->check(1);
+        } catch (const Error& e) {
+          refused = e.what();
+        }
+        if (refused) {
+          if (!c.is_open()) throw Error(ErrorCode::kPeerFailure, *refused);  // the peer went: nobody to tell
+          buddy_log().warn("refused the copy of rank {}'s snapshot of step {}: {}", f.rank, f.step, *refused);
+          Frame answer = frame_of(kRefused, f.rank);
+          const std::string said = refused->substr(0, kMaxSentence);
+          answer.data_bytes = said.size();
+          c.write(&answer, sizeof(answer), io_deadline());
+          c.write(said.data(), said.size(), io_deadline());
+          return;  // what is left of a push cut short cannot be told from a frame
+        }
+        {
+          std::lock_guard lock(mutex);
+          copies[f.rank] = std::move(image);
+        }
+        const Frame answer = frame_of(kAccepted, f.rank);
+        c.write(&answer, sizeof(answer), io_deadline());
+      } else if (f.kind == kFetch) {
+        const auto copy = copy_of(f.rank);
+        if (copy == nullptr) {
+          const Frame answer = frame_of(kNoCopy, f.rank);
+          c.write(&answer, sizeof(answer), io_deadline());
+        } else {
+          write_image(c, frame_of(kCopy, f.rank, *copy), *copy, 0);
+        }
+      } else {
+        throw Error(ErrorCode::kPeerFailure, fmt::format("a frame of unknown kind {}", f.kind));
+      }
+    }
+  }
+};
+
+SnapshotBuddy::SnapshotBuddy(SnapshotBuddyOptions options)
+    : options_(std::move(options)), server_(std::make_shared<Server>()) {
+  boost::system::error_code ec;
+  tcp::resolver resolver(server_->io);
+  const auto found = resolver.resolve(options_.address, std::to_string(options_.port), ec);
+  if (ec || found.empty()) {
+    throw Error(ErrorCode::kBadConfig, fmt::format("cluster.address '{}' names no address to take the snapshot "
+                                                   "copies on: {}",
+                                                   options_.address, ec.message()));
+  }
+  const tcp::endpoint at = found.begin()->endpoint();
+  server_->acceptor.open(at.protocol(), ec);
+  if (!ec) server_->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) server_->acceptor.bind(at, ec);
+  if (!ec) server_->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    throw Error(ErrorCode::kBadConfig,
+                fmt::format("cannot listen for snapshot copies on {}:{}: {}; set cluster.snapshot_port to a free port "
+                            "(0: any)",
+                            options_.address, options_.port, ec.message()));
+  }
+  server_->accept(server_);
+  server_->thread = std::thread([server = server_] { server->io.run(); });
+  sender_ = std::thread([this] { send_until_stopped(); });
+  fetcher_ = std::thread([this] { fetch_until_stopped(); });
+}
+
+SnapshotBuddy::~SnapshotBuddy() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  server_->stop = true;
+  asio::post(server_->io, [server = server_] {
+    boost::system::error_code ignored;
+    server->acceptor.close(ignored);
+  });
+  server_->thread.join();
+  sender_.join();
+  fetcher_.join();
+  std::unique_lock lock(server_->mutex);
+  server_->sessions_done.wait(lock, [&] { return server_->sessions == 0; });
+}
+
+std::string SnapshotBuddy::endpoint() const {
+  const auto at = server_->acceptor.local_endpoint();
+  return fmt::format("{}:{}", at.address().to_string(), at.port());
+}
+
+void SnapshotBuddy::attach_areas(const std::vector<int>& area_fds) {
+  std::lock_guard lock(mutex_);
+  seen_sequence_.assign(area_fds.size(), 0);
+  sent_.assign(area_fds.size(), std::nullopt);
+  for (int fd : area_fds) {
+    common::UniqueFd own(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (own.get() < 0) {
+      throw Error(ErrorCode::kInternal,
+                  fmt::format("cannot hold a snapshot area for its copies: {}", std::strerror(errno)));
+    }
+    areas_.push_back(std::move(own));
+  }
+}
+
+void SnapshotBuddy::send_to(const std::string& node, const std::string& endpoint, int64_t first_rank) {
+  std::lock_guard lock(mutex_);
+  buddy_node_ = node;
+  buddy_endpoint_ = endpoint;
+  first_rank_ = first_rank;
+  for (size_t local = 0; local < areas_.size(); ++local) {
+    const auto listed = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).list();
+    seen_sequence_[local] = listed.empty() ? 0 : listed.front().sequence;
+  }
+  wake_.notify_all();
+}
+
+void SnapshotBuddy::send_until_stopped() {
+  // The copies yield to everything else on the node: training's threads,
+  // keeld's loop, and (DSCP CS1 on the socket) the job's collectives. Nice
+  // 19 rather than SCHED_IDLE, which starved the copy whenever the holder's
+  // receiving thread shared its core (1.1 GB took 3x as long on the CI VM).
+  setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19);
+  std::unique_lock lock(mutex_);
+  while (!stop_) {
+    wake_.wait_for(lock, kLook);
+    if (stop_ || buddy_endpoint_.empty()) continue;
+    lock.unlock();
+    for (size_t local = 0; local < areas_.size(); ++local) send_newest(local);
+    lock.lock();
+  }
+}
+
+void SnapshotBuddy::send_newest(size_t local) {
+  checkpoint::SnapshotArea area(areas_[local].get(), options_.keep);
+  const auto listed = area.list();
+  std::string node, endpoint;
+  int64_t rank = 0;
+  {
+    std::lock_guard lock(mutex_);
+    if (listed.empty() || listed.front().sequence == seen_sequence_[local]) return;
+    node = buddy_node_;
+    endpoint = buddy_endpoint_;
+    rank = first_rank_ + static_cast<int64_t>(local);
+  }
+  const auto image = area.newest_image();
+  if (!image) return;  // overwritten as it was copied: the next look takes the next one
+  {
+    std::lock_guard lock(mutex_);
+    seen_sequence_[local] = listed.front().sequence;
+  }
+  // One connection per push: a push is seconds apart at the least, and a
+  // buddy that restarted is found again without keeping state here.
+  Connection c(server_->stop);
+  const auto began = Clock::now();
+  try {
+    c.connect(endpoint, io_deadline());
+    const int tos = 0x20;  // DSCP CS1, "lower effort" (RFC 8622)
+    setsockopt(c.socket().native_handle(), IPPROTO_IP, IP_TOS, &tos, sizeof(tos));
+    write_image(c, frame_of(kPush, rank, *image), *image, options_.max_mb_per_s);
+    Frame answer{};
+    if (!c.read_frame(answer, io_deadline())) throw Error(ErrorCode::kPeerFailure, "it hung up");
+    if (answer.kind == kRefused) {
+      std::string said(std::min<uint64_t>(answer.data_bytes, kMaxSentence), '\0');
+      c.read(said.data(), said.size(), io_deadline());
+      throw Error(ErrorCode::kPeerFailure, "it refused it: " + said);
+    }
+    if (answer.kind != kAccepted) throw Error(ErrorCode::kPeerFailure, "it answered with an unknown frame");
+    const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
+    std::lock_guard lock(mutex_);
+    sent_[local] = SentCopy{rank, image->step, image->bytes(), seconds, node};
+  } catch (const Error& e) {
+    if (!server_->stop) {
+      buddy_log().warn("could not copy rank {}'s snapshot of step {} to node '{}' ({}): {}", rank, image->step, node,
+                       endpoint, e.what());
+    }
+  }
+}
+
+void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vector<Holder> holders,
+                          std::chrono::milliseconds within, std::function<void(FetchedCopies)> done) {
+  std::lock_guard lock(mutex_);
+  fetches_.push_back(
+      [this, locals = std::move(locals), first_rank, holders = std::move(holders), within, done = std::move(done)] {
+        const auto began = Clock::now();
+        const auto deadline = began + within;
+        FetchedCopies out;
+        std::vector<int> missing;
+        // `received_s`: how long the copy took to come and verify.
+        auto fill = [&](int local, const checkpoint::SnapshotImage& image, const std::string& from, double received_s) {
+          const auto writing = Clock::now();
+          checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep).import(image);
+          out.filled.push_back({local, first_rank + local, image.step, image.bytes(), from, received_s,
+                                std::chrono::duration<double>(Clock::now() - writing).count()});
+        };
+        // This node's own copies first: its ranks may be the ones its buddy had.
+        for (int local : locals) {
+          const auto own = server_->copy_of(first_rank + local);
+          if (own == nullptr) {
+            missing.push_back(local);
+            continue;
+          }
+          try {
+            fill(local, *own, "this node", 0);
+          } catch (const Error& e) {
+            out.problems.push_back(fmt::format("rank {}: {}", first_rank + local, e.what()));
+          }
+        }
+        for (const Holder& holder : holders) {
+          if (missing.empty() || holder.endpoint.empty()) continue;
+          std::vector<int> still;
+          Connection c(server_->stop);
+          try {
+            c.connect(holder.endpoint, std::min(deadline, io_deadline()));
+            for (int local : missing) {
+              const int64_t rank = first_rank + local;
+              Frame ask = frame_of(kFetch, rank);
+              c.write(&ask, sizeof(ask), deadline);
+              Frame answer{};
+              if (!c.read_frame(answer, deadline)) throw Error(ErrorCode::kPeerFailure, "it hung up");
+              if (answer.kind == kNoCopy) {
+                still.push_back(local);
+                continue;
+              }
+              if (answer.kind != kCopy || answer.rank != rank) {
+                throw Error(ErrorCode::kPeerFailure, "it answered with a frame that is no copy of that rank");
+              }
+              const auto receiving = Clock::now();
+              const auto image = read_image(c, answer);
+              if (const auto why = image->check(0)) {
+                out.problems.push_back(
+                    fmt::format("rank {}: node '{}' held a copy that does not verify: {}", rank, holder.node, *why));
+                still.push_back(local);
+                continue;
+              }
+              fill(local, *image, holder.node, std::chrono::duration<double>(Clock::now() - receiving).count());
+            }
+          } catch (const Error& e) {
+            out.problems.push_back(fmt::format("node '{}' ({}): {}", holder.node, holder.endpoint, e.what()));
+            for (int local : missing) {
+              const bool filled = std::any_of(out.filled.begin(), out.filled.end(),
+                                              [&](const FetchedCopies::Filled& f) { return f.local == local; });
+              if (!filled && std::find(still.begin(), still.end(), local) == still.end()) still.push_back(local);
+            }
+          }
+          missing = std::move(still);
+        }
+        for (int local : missing) out.absent.push_back(first_rank + local);
+        out.seconds = std::chrono::duration<double>(Clock::now() - began).count();
+        options_.post([done, out = std::move(out)] { done(out); });
+      });
+  wake_.notify_all();
+}
+
+void SnapshotBuddy::fetch_until_stopped() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [&] { return stop_ || !fetches_.empty(); });
+    if (stop_) return;
+    auto next = std::move(fetches_.front());
+    fetches_.pop_front();
+    lock.unlock();
+    next();
+    lock.lock();
+  }
+}
+
+std::vector<HeldCopy> SnapshotBuddy::held() const {
+  std::lock_guard lock(server_->mutex);
+  std::vector<HeldCopy> out;
+  for (const auto& [rank, image] : server_->copies) out.push_back({rank, image->step, image->bytes()});
+  return out;
+}
+
+std::vector<std::optional<SentCopy>> SnapshotBuddy::sent() const {
+  std::lock_guard lock(mutex_);
+  return sent_;
+}
+
+int SnapshotBuddy::drop_after(int64_t step) {
+  std::lock_guard lock(server_->mutex);
+  return static_cast<int>(std::erase_if(server_->copies, [&](const auto& entry) { return entry.second->step > step; }));
+}
+
+}  // namespace keel::daemon
