@@ -358,6 +358,9 @@ std::optional<SnapshotImage> SnapshotArea::newest_image() const {
 void SnapshotArea::import(const SnapshotImage& image) {
   const size_t json_bytes = image.table.size() - 8 * static_cast<size_t>(image.pieces);
   fit(image.pieces, json_bytes, image.data_bytes);
+  // What the area held was another rank's (keeld imports only into an
+  // area whose rank numbering moved, or a fresh one).
+  for (const Listed& l : list()) header_of(slot_at(l.slot)).state.store(kEmpty, std::memory_order_release);
   const int slot = next_slot();
   unsigned char* at = slot_at(slot);
   SlotHeader& h = header_of(at);

@@ -108,9 +108,10 @@ class SnapshotArea {
   // writing another: nullopt when there is none, or when the rank began
   // overwriting it during the copy.
   std::optional<SnapshotImage> newest_image() const;
-  // Writes `image` (check()ed by the caller) into the area as its newest
-  // complete slot, laying the area out for it when its shape differs, as a
-  // rank's begin() and commit() would. Only while no rank uses the area.
+  // Writes `image` (check()ed by the caller) into the area as its only
+  // complete slot (what it held was another rank's), laying the area out
+  // for it when its shape differs, as a rank's begin() would. Only while no
+  // rank uses the area.
   // Error(kCheckpointFailure) when the file cannot grow.
   void import(const SnapshotImage& image);
 

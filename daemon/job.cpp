@@ -184,6 +184,10 @@ bool Job::fetch_snapshots(const cluster::Membership& m, const RankSlice& slice) 
     const size_t i = (static_cast<size_t>(m.node_rank) + k) % n;
     holders.push_back({m.nodes[i], m.snapshot_endpoints.size() == n ? m.snapshot_endpoints[i] : ""});
   }
+  // The copies written into the areas belong to the new numbering: the
+  // sender, still pointed at the last generation's buddy and numbering,
+  // must not take them for its ranks' commits.
+  options_.buddy->send_to("", "", 0);
   // The join goes on until the areas are filled: no board is read and no
   // event of the generation acted on before its ranks exist.
   joining_ = true;

@@ -217,6 +217,9 @@ TEST_SUITE("unit") {
     // A rank of that layout takes the area as it is and snapshots on in it.
     snapshot(other, 4);
     CHECK(steps_of(other.verified(kLayout)) == std::vector<int64_t>{4, 3});
+    // An area that held another rank's snapshots holds the copy alone.
+    rank.import(*other.newest_image());
+    CHECK(steps_of(rank.verified(kLayout)) == std::vector<int64_t>{4});
     // An area with nothing complete has nothing to copy.
     Memfd empty;
     CHECK(!SnapshotArea(empty.fd, 2).newest_image());

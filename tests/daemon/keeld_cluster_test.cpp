@@ -211,6 +211,24 @@ std::pair<int, int> two_nodes() {
   return {chosen, (chosen + 1) % 3};
 }
 
+// The oldest step of the copies a node's status says it holds of node
+// `node`'s two ranks; -1 until it holds both.
+int64_t oldest_copy_of(const nlohmann::json& status, int node) {
+  const auto& copies = status.at("snapshot_copies");
+  std::vector<int64_t> steps;
+  for (const auto& held : copies.is_object() ? copies.at("held") : nlohmann::json::array()) {
+    if (held.at("rank").get<int>() / 2 == node) steps.push_back(held.at("step").get<int64_t>());
+  }
+  return steps.size() == 2 ? *std::min_element(steps.begin(), steps.end()) : -1;
+}
+
+// Waits until node 0, rank 0's, records where a generation resumed after
+// the `before` it had recorded; returns that record.
+nlohmann::json next_resume(const ClusterJob& job, size_t before) {
+  REQUIRE(wait_until([&] { return job.events_of(0, "generation_resumed").size() > before; }, 180));
+  return job.events_of(0, "generation_resumed").back();
+}
+
 // Every step's loss of the cluster's endless run within `tolerance`
 // (relative; by default the resharding's) of the uninterrupted run: one
 // keeld alone, the same endless job, stopped past the cluster's last step.
@@ -460,14 +478,8 @@ TEST_SUITE("integration") {
     // the first checkpoint.
     int64_t copied = -1;
     const auto holding = job.wait_for(buddy, [&](const nlohmann::json& s) {
-      const auto& copies = s.at("snapshot_copies");
-      std::vector<int64_t> steps;
-      for (const auto& held : copies.is_object() ? copies.at("held") : nlohmann::json::array()) {
-        if (held.at("rank").get<int>() / 2 == lost) steps.push_back(held.at("step").get<int64_t>());
-      }
-      if (steps.size() != 2 || copies.at("sent").size() != 2) return false;
-      copied = *std::min_element(steps.begin(), steps.end());
-      return copied > 10;
+      copied = oldest_copy_of(s, lost);
+      return copied > 10 && s.at("snapshot_copies").at("sent").size() == 2;
     });
     // keelctl status says so.
     std::ostringstream text;
@@ -486,9 +498,7 @@ TEST_SUITE("integration") {
     run.keelds[lost]->signal(SIGKILL);
     run.keelds[lost]->wait(60);
     run.keelds[lost] = job.start(lost);
-    // Rank 0 runs on node 0 and records where each generation resumed.
-    REQUIRE(wait_until([&] { return job.events_of(0, "generation_resumed").size() > resumes_before; }, 180));
-    const auto resumed = job.events_of(0, "generation_resumed").back();
+    const auto resumed = next_resume(job, resumes_before);
     INFO(resumed.dump());
     CHECK(resumed.at("from") == "memory");
     CHECK(resumed.at("step").get<int64_t>() >= copied);
@@ -502,6 +512,43 @@ TEST_SUITE("integration") {
     // Trained on past the step it resumed from, on every node.
     const int64_t from = resumed.at("step").get<int64_t>();
     job.wait_for(buddy, [&](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") > from + 5; });
+    run.stop();
+    check_losses_close(job, 0);
+  }
+
+  TEST_CASE(
+      "a spare in a lost node's place and the node whose ranks it takes both fill their areas from the copies and "
+      "the job resumes from memory to the loss of the uninterrupted run") {
+    std::vector<std::string> sets = kEndless;
+    sets.insert(sets.end(), {"cluster.min_nodes=3", "checkpoint.memory_every_steps=1"});
+    ThreeNodes run;
+    if (!run.start(0, sets)) return;
+    auto& job = *run.job;
+    // node-1 is lost for good and node-3 comes instead. The order becomes
+    // node-0, node-2, node-3: node-2 runs the lost node's ranks 2 and 3,
+    // whose copies it holds as its buddy, and node-3 runs node-2's ranks 4
+    // and 5, whose copies node-0 holds.
+    job.wait_for(2, [](const nlohmann::json& s) { return oldest_copy_of(s, 1) > 10; });
+    job.wait_for(0, [](const nlohmann::json& s) { return oldest_copy_of(s, 2) > 10; });
+    const size_t resumes_before = job.events_of(0, "generation_resumed").size();
+    run.keelds[1]->signal(SIGKILL);
+    run.keelds[1]->wait(60);
+    run.keelds[1] = job.start(3);
+    const auto resumed = next_resume(job, resumes_before);
+    INFO(resumed.dump());
+    CHECK(resumed.at("from") == "memory");
+    // Nothing of the ranks' old numbering is left to look at.
+    CHECK(resumed.value("why", "").empty());
+    for (const auto& [node, from] : {std::pair{2, std::string("this node")}, {3, node_name(0)}}) {
+      const auto fetched = job.events_of(node, "snapshots_fetched");
+      REQUIRE(!fetched.empty());
+      INFO(fetched.back().dump());
+      CHECK(fetched.back().at("problems").empty());
+      REQUIRE(fetched.back().at("filled").size() == 2);
+      for (const auto& filled : fetched.back().at("filled")) CHECK(filled.at("from") == from);
+    }
+    const int64_t step = resumed.at("step").get<int64_t>();
+    job.wait_for(0, [&](const nlohmann::json& s) { return running_on(s, 3) && s.at("step") > step + 5; });
     run.stop();
     check_losses_close(job, 0);
   }

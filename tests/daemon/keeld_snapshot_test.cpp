@@ -127,8 +127,14 @@ TEST_SUITE("integration") {
     const auto listed = keelctl_json(job, {"checkpoint", "list", "--run-dir", job.run_dir().string()});
     REQUIRE(listed.at("snapshots").is_array());
     REQUIRE_FALSE(listed.at("snapshots").empty());
-    for (const auto& row : listed.at("snapshots")) CHECK(row.at("bytes").get<uint64_t>() > 0);
-    CHECK(listed.at("snapshots").back().at("ranks") == 4);
+    // Some step is held by every rank. Not necessarily the oldest listed:
+    // a rank that began its next snapshot has taken that one's slot.
+    bool on_every_rank = false;
+    for (const auto& row : listed.at("snapshots")) {
+      CHECK(row.at("bytes").get<uint64_t>() > 0);
+      on_every_rank = on_every_rank || row.at("ranks") == 4;
+    }
+    CHECK(on_every_rank);
     const auto text = keelctl(job, {"checkpoint", "list", "--run-dir", job.run_dir().string()});
     CHECK(text.output.find("in memory on 4 of 4 ranks") != std::string::npos);
     const auto page = scrape(status.at("metrics_port").get<uint16_t>());
