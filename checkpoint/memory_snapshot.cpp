@@ -327,10 +327,12 @@ void SnapshotArea::complete(unsigned char* at, int64_t step, int64_t tokens) {
   h.state.store(kComplete, std::memory_order_release);
 }
 
-std::optional<SnapshotImage> SnapshotArea::newest_image() const {
+std::optional<SnapshotImage> SnapshotArea::image_of(int64_t step) const {
   const std::vector<Listed> complete = list();
-  if (complete.empty()) return std::nullopt;
-  const unsigned char* at = slot_at(complete.front().slot);
+  const auto listed =
+      std::find_if(complete.begin(), complete.end(), [&](const Listed& l) { return l.step == step; });
+  if (listed == complete.end()) return std::nullopt;
+  const unsigned char* at = slot_at(listed->slot);
   const SlotHeader& h = header_of(at);
   SnapshotImage image;
   image.step = h.step;
@@ -349,29 +351,34 @@ std::optional<SnapshotImage> SnapshotArea::newest_image() const {
   // completes again gets a higher sequence: a slot still complete under the
   // same sequence after the copy was not written during it.
   std::atomic_thread_fence(std::memory_order_acquire);
-  if (h.state.load(std::memory_order_acquire) != kComplete || h.sequence != complete.front().sequence) {
+  if (h.state.load(std::memory_order_acquire) != kComplete || h.sequence != listed->sequence) {
     return std::nullopt;
   }
   return image;
 }
 
-void SnapshotArea::import(const SnapshotImage& image) {
-  const size_t json_bytes = image.table.size() - 8 * static_cast<size_t>(image.pieces);
-  fit(image.pieces, json_bytes, image.data_bytes);
-  // What the area held was another rank's (keeld imports only into an
-  // area whose rank numbering moved, or a fresh one).
-  for (const Listed& l : list()) header_of(slot_at(l.slot)).state.store(kEmpty, std::memory_order_release);
-  const int slot = next_slot();
-  unsigned char* at = slot_at(slot);
-  SlotHeader& h = header_of(at);
-  mark_writing(h);
-  h.pieces = image.pieces;
-  h.layout_hash = image.layout_hash;
-  h.table_size = json_bytes;
-  h.data_bytes = image.data_bytes;
-  std::memcpy(at + kPage, image.table.data(), image.table.size());
-  parallel_copy({{at + kPage + table_bytes_, image.data.get(), image.data_bytes}}, 0);
-  complete(at, image.step, image.tokens);
+void SnapshotArea::import(const std::vector<const SnapshotImage*>& images) {
+  bool cleared = false;
+  for (const SnapshotImage* image : images) {
+    const size_t json_bytes = image->table.size() - 8 * static_cast<size_t>(image->pieces);
+    fit(image->pieces, json_bytes, image->data_bytes);
+    if (!cleared) {
+      // What the area held was another rank's (keeld imports only into an
+      // area whose rank numbering moved, or a fresh one).
+      for (const Listed& l : list()) header_of(slot_at(l.slot)).state.store(kEmpty, std::memory_order_release);
+      cleared = true;
+    }
+    unsigned char* at = slot_at(next_slot());
+    SlotHeader& h = header_of(at);
+    mark_writing(h);
+    h.pieces = image->pieces;
+    h.layout_hash = image->layout_hash;
+    h.table_size = json_bytes;
+    h.data_bytes = image->data_bytes;
+    std::memcpy(at + kPage, image->table.data(), image->table.size());
+    parallel_copy({{at + kPage + table_bytes_, image->data.get(), image->data_bytes}}, 0);
+    complete(at, image->step, image->tokens);
+  }
 }
 
 std::vector<SnapshotArea::Listed> SnapshotArea::list() const {

@@ -104,16 +104,16 @@ class SnapshotArea {
   // read again); returns how many.
   int quarantine_after(int64_t step);
 
-  // A copy of the newest complete slot, taken while the rank may be
-  // writing another: nullopt when there is none, or when the rank began
+  // A copy of the newest complete slot of `step`, taken while the rank may
+  // be writing another: nullopt when there is none, or when the rank began
   // overwriting it during the copy.
-  std::optional<SnapshotImage> newest_image() const;
-  // Writes `image` (check()ed by the caller) into the area as its only
-  // complete slot (what it held was another rank's), laying the area out
-  // for it when its shape differs, as a rank's begin() would. Only while no
-  // rank uses the area.
+  std::optional<SnapshotImage> image_of(int64_t step) const;
+  // Writes `images` (check()ed by the caller; one rank's, oldest first, at
+  // most `keep`) into the area as its only complete slots (what it held was
+  // another rank's), laying the area out for them when its shape differs,
+  // as a rank's begin() would. Only while no rank uses the area.
   // Error(kCheckpointFailure) when the file cannot grow.
-  void import(const SnapshotImage& image);
+  void import(const std::vector<const SnapshotImage*>& images);
 
   // The file's mapping (null and 0 before the first snapshot), for a
   // backend that registers it for device copies. begin() may move it.

@@ -206,12 +206,12 @@ void Job::on_snapshots_fetched(int64_t generation, const RankSlice& slice, const
   nlohmann::json filled = nlohmann::json::array();
   for (const auto& f : got.filled) {
     filled.push_back({{"rank", f.rank},
-                      {"step", f.step},
+                      {"steps", f.steps},
                       {"from", f.from},
                       {"bytes", f.bytes},
                       {"received_s", f.received_s},
                       {"written_s", f.written_s}});
-    log->info("rank {}: its snapshot of step {} ({}) copied back from node '{}'", f.rank, f.step,
+    log->info("rank {}: its snapshots of steps {} ({}) copied back from node '{}'", f.rank, fmt::join(f.steps, ", "),
               common::format_bytes(f.bytes), f.from);
   }
   if (!got.absent.empty()) {

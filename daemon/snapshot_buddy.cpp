@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <utility>
 
 #include "common/error.h"
@@ -226,13 +227,14 @@ struct SnapshotBuddy::Server {
   mutable std::mutex mutex;
   std::condition_variable sessions_done;
   int sessions = 0;
-  // Global rank -> the newest copy accepted.
-  std::map<int64_t, std::shared_ptr<const checkpoint::SnapshotImage>> copies;
+  int keep = 1;  // copies held a rank
+  // Global rank -> the `keep` newest copies accepted, newest first.
+  std::map<int64_t, std::deque<std::shared_ptr<const checkpoint::SnapshotImage>>> copies;
 
-  std::shared_ptr<const checkpoint::SnapshotImage> copy_of(int64_t rank) const {
+  std::deque<std::shared_ptr<const checkpoint::SnapshotImage>> copies_of(int64_t rank) const {
     std::lock_guard lock(mutex);
     const auto it = copies.find(rank);
-    return it == copies.end() ? nullptr : it->second;
+    return it == copies.end() ? std::deque<std::shared_ptr<const checkpoint::SnapshotImage>>{} : it->second;
   }
 
   void accept(const std::shared_ptr<Server>& self) {
@@ -287,18 +289,18 @@ struct SnapshotBuddy::Server {
         }
         {
           std::lock_guard lock(mutex);
-          copies[f.rank] = std::move(image);
+          auto& held = copies[f.rank];
+          std::erase_if(held, [&](const auto& copy) { return copy->step == image->step; });
+          held.push_front(std::move(image));
+          while (static_cast<int>(held.size()) > keep) held.pop_back();
         }
         const Frame answer = frame_of(kAccepted, f.rank);
         c.write(&answer, sizeof(answer), io_deadline());
       } else if (f.kind == kFetch) {
-        const auto copy = copy_of(f.rank);
-        if (copy == nullptr) {
-          const Frame answer = frame_of(kNoCopy, f.rank);
-          c.write(&answer, sizeof(answer), io_deadline());
-        } else {
-          write_image(c, frame_of(kCopy, f.rank, *copy), *copy, 0);
-        }
+        // Every copy held of the rank, newest first, then kNoCopy.
+        for (const auto& copy : copies_of(f.rank)) write_image(c, frame_of(kCopy, f.rank, *copy), *copy, 0);
+        const Frame end = frame_of(kNoCopy, f.rank);
+        c.write(&end, sizeof(end), io_deadline());
       } else {
         throw Error(ErrorCode::kPeerFailure, fmt::format("a frame of unknown kind {}", f.kind));
       }
@@ -308,6 +310,7 @@ struct SnapshotBuddy::Server {
 
 SnapshotBuddy::SnapshotBuddy(SnapshotBuddyOptions options)
     : options_(std::move(options)), server_(std::make_shared<Server>()) {
+  server_->keep = std::max(options_.keep, 1);
   boost::system::error_code ec;
   tcp::resolver resolver(server_->io);
   const auto found = resolver.resolve(options_.address, std::to_string(options_.port), ec);
@@ -358,7 +361,6 @@ std::string SnapshotBuddy::endpoint() const {
 
 void SnapshotBuddy::attach_areas(const std::vector<int>& area_fds) {
   std::lock_guard lock(mutex_);
-  seen_sequence_.assign(area_fds.size(), 0);
   sent_.assign(area_fds.size(), std::nullopt);
   for (int fd : area_fds) {
     common::UniqueFd own(fcntl(fd, F_DUPFD_CLOEXEC, 0));
@@ -375,11 +377,23 @@ void SnapshotBuddy::send_to(const std::string& node, const std::string& endpoint
   buddy_node_ = node;
   buddy_endpoint_ = endpoint;
   first_rank_ = first_rank;
-  for (size_t local = 0; local < areas_.size(); ++local) {
-    const auto listed = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).list();
-    seen_sequence_[local] = listed.empty() ? 0 : listed.front().sequence;
-  }
+  sent_step_ = common_step();
   wake_.notify_all();
+}
+
+std::optional<int64_t> SnapshotBuddy::common_step() const {
+  std::optional<std::set<int64_t>> common;
+  for (const auto& area : areas_) {
+    std::set<int64_t> steps;
+    for (const auto& listed : checkpoint::SnapshotArea(area.get(), options_.keep).list()) steps.insert(listed.step);
+    if (common) {
+      std::erase_if(*common, [&](int64_t step) { return !steps.contains(step); });
+    } else {
+      common = std::move(steps);
+    }
+  }
+  if (!common || common->empty()) return std::nullopt;
+  return *common->rbegin();
 }
 
 void SnapshotBuddy::send_until_stopped() {
@@ -392,54 +406,54 @@ void SnapshotBuddy::send_until_stopped() {
   while (!stop_) {
     wake_.wait_for(lock, kLook);
     if (stop_ || buddy_endpoint_.empty()) continue;
+    const auto step = common_step();
+    if (!step || step == sent_step_) continue;
     lock.unlock();
-    for (size_t local = 0; local < areas_.size(); ++local) send_newest(local);
+    send_step(*step);
     lock.lock();
   }
 }
 
-void SnapshotBuddy::send_newest(size_t local) {
-  checkpoint::SnapshotArea area(areas_[local].get(), options_.keep);
-  const auto listed = area.list();
+void SnapshotBuddy::send_step(int64_t step) {
   std::string node, endpoint;
-  int64_t rank = 0;
+  int64_t first_rank = 0;
   {
     std::lock_guard lock(mutex_);
-    if (listed.empty() || listed.front().sequence == seen_sequence_[local]) return;
     node = buddy_node_;
     endpoint = buddy_endpoint_;
-    rank = first_rank_ + static_cast<int64_t>(local);
+    first_rank = first_rank_;
+    // Tried once: a buddy out of reach is tried again with the next step.
+    sent_step_ = step;
   }
-  const auto image = area.newest_image();
-  if (!image) return;  // overwritten as it was copied: the next look takes the next one
-  {
-    std::lock_guard lock(mutex_);
-    seen_sequence_[local] = listed.front().sequence;
-  }
-  // One connection per push: a push is seconds apart at the least, and a
-  // buddy that restarted is found again without keeping state here.
+  // One connection for the node's copies of the step; a buddy that
+  // restarted is found again at the next step, with no state kept here.
   Connection c(server_->stop);
-  const auto began = Clock::now();
   try {
     c.connect(endpoint, io_deadline());
     const int tos = 0x20;  // DSCP CS1, "lower effort" (RFC 8622)
     setsockopt(c.socket().native_handle(), IPPROTO_IP, IP_TOS, &tos, sizeof(tos));
-    write_image(c, frame_of(kPush, rank, *image), *image, options_.max_mb_per_s);
-    Frame answer{};
-    if (!c.read_frame(answer, io_deadline())) throw Error(ErrorCode::kPeerFailure, "it hung up");
-    if (answer.kind == kRefused) {
-      std::string said(std::min<uint64_t>(answer.data_bytes, kMaxSentence), '\0');
-      c.read(said.data(), said.size(), io_deadline());
-      throw Error(ErrorCode::kPeerFailure, "it refused it: " + said);
+    for (size_t local = 0; local < areas_.size(); ++local) {
+      const int64_t rank = first_rank + static_cast<int64_t>(local);
+      // One image at a time: each costs a rank's state in memory.
+      const auto image = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).image_of(step);
+      if (!image) continue;  // its rank took the slot meanwhile: the holder keeps the copies before
+      const auto began = Clock::now();
+      write_image(c, frame_of(kPush, rank, *image), *image, options_.max_mb_per_s);
+      Frame answer{};
+      if (!c.read_frame(answer, io_deadline())) throw Error(ErrorCode::kPeerFailure, "it hung up");
+      if (answer.kind == kRefused) {
+        std::string said(std::min<uint64_t>(answer.data_bytes, kMaxSentence), '\0');
+        c.read(said.data(), said.size(), io_deadline());
+        throw Error(ErrorCode::kPeerFailure, fmt::format("it refused rank {}'s: {}", rank, said));
+      }
+      if (answer.kind != kAccepted) throw Error(ErrorCode::kPeerFailure, "it answered with an unknown frame");
+      const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
+      std::lock_guard lock(mutex_);
+      sent_[local] = SentCopy{rank, step, image->bytes(), seconds, node};
     }
-    if (answer.kind != kAccepted) throw Error(ErrorCode::kPeerFailure, "it answered with an unknown frame");
-    const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
-    std::lock_guard lock(mutex_);
-    sent_[local] = SentCopy{rank, image->step, image->bytes(), seconds, node};
   } catch (const Error& e) {
     if (!server_->stop) {
-      buddy_log().warn("could not copy rank {}'s snapshot of step {} to node '{}' ({}): {}", rank, image->step, node,
-                       endpoint, e.what());
+      buddy_log().warn("could not copy the snapshots of step {} to node '{}' ({}): {}", step, node, endpoint, e.what());
     }
   }
 }
@@ -453,22 +467,32 @@ void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vect
         const auto deadline = began + within;
         FetchedCopies out;
         std::vector<int> missing;
-        // `received_s`: how long the copy took to come and verify.
-        auto fill = [&](int local, const checkpoint::SnapshotImage& image, const std::string& from, double received_s) {
+        // Writes a rank's copies (newest first) into its area; `received_s`:
+        // how long they took to come and verify.
+        using Copies = std::deque<std::shared_ptr<const checkpoint::SnapshotImage>>;
+        auto fill = [&](int local, const Copies& copies, const std::string& from, double received_s) {
           const auto writing = Clock::now();
-          checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep).import(image);
-          out.filled.push_back({local, first_rank + local, image.step, image.bytes(), from, received_s,
+          std::vector<const checkpoint::SnapshotImage*> oldest_first;
+          std::vector<int64_t> steps;
+          uint64_t bytes = 0;
+          for (auto it = copies.rbegin(); it != copies.rend(); ++it) {
+            oldest_first.push_back(it->get());
+            steps.insert(steps.begin(), (*it)->step);
+            bytes += (*it)->bytes();
+          }
+          checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep).import(oldest_first);
+          out.filled.push_back({local, first_rank + local, steps, bytes, from, received_s,
                                 std::chrono::duration<double>(Clock::now() - writing).count()});
         };
         // This node's own copies first: its ranks may be the ones its buddy had.
         for (int local : locals) {
-          const auto own = server_->copy_of(first_rank + local);
-          if (own == nullptr) {
+          const auto own = server_->copies_of(first_rank + local);
+          if (own.empty()) {
             missing.push_back(local);
             continue;
           }
           try {
-            fill(local, *own, "this node", 0);
+            fill(local, own, "this node", 0);
           } catch (const Error& e) {
             out.problems.push_back(fmt::format("rank {}: {}", first_rank + local, e.what()));
           }
@@ -481,26 +505,29 @@ void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vect
             c.connect(holder.endpoint, std::min(deadline, io_deadline()));
             for (int local : missing) {
               const int64_t rank = first_rank + local;
-              Frame ask = frame_of(kFetch, rank);
+              const Frame ask = frame_of(kFetch, rank);
               c.write(&ask, sizeof(ask), deadline);
-              Frame answer{};
-              if (!c.read_frame(answer, deadline)) throw Error(ErrorCode::kPeerFailure, "it hung up");
-              if (answer.kind == kNoCopy) {
-                still.push_back(local);
-                continue;
-              }
-              if (answer.kind != kCopy || answer.rank != rank) {
-                throw Error(ErrorCode::kPeerFailure, "it answered with a frame that is no copy of that rank");
-              }
               const auto receiving = Clock::now();
-              const auto image = read_image(c, answer);
-              if (const auto why = image->check(0)) {
-                out.problems.push_back(
-                    fmt::format("rank {}: node '{}' held a copy that does not verify: {}", rank, holder.node, *why));
+              Copies copies;  // newest first, as the holder sends them
+              for (Frame answer{}; true;) {
+                if (!c.read_frame(answer, deadline)) throw Error(ErrorCode::kPeerFailure, "it hung up");
+                if (answer.kind == kNoCopy) break;
+                if (answer.kind != kCopy || answer.rank != rank) {
+                  throw Error(ErrorCode::kPeerFailure, "it answered with a frame that is no copy of that rank");
+                }
+                auto image = read_image(c, answer);
+                if (const auto why = image->check(0)) {
+                  out.problems.push_back(
+                      fmt::format("rank {}: node '{}' held a copy that does not verify: {}", rank, holder.node, *why));
+                  continue;
+                }
+                copies.push_back(std::move(image));
+              }
+              if (copies.empty()) {
                 still.push_back(local);
                 continue;
               }
-              fill(local, *image, holder.node, std::chrono::duration<double>(Clock::now() - receiving).count());
+              fill(local, copies, holder.node, std::chrono::duration<double>(Clock::now() - receiving).count());
             }
           } catch (const Error& e) {
             out.problems.push_back(fmt::format("node '{}' ({}): {}", holder.node, holder.endpoint, e.what()));
@@ -535,7 +562,9 @@ void SnapshotBuddy::fetch_until_stopped() {
 std::vector<HeldCopy> SnapshotBuddy::held() const {
   std::lock_guard lock(server_->mutex);
   std::vector<HeldCopy> out;
-  for (const auto& [rank, image] : server_->copies) out.push_back({rank, image->step, image->bytes()});
+  for (const auto& [rank, copies] : server_->copies) {
+    for (const auto& image : copies) out.push_back({rank, image->step, image->bytes()});
+  }
   return out;
 }
 
@@ -546,7 +575,12 @@ std::vector<std::optional<SentCopy>> SnapshotBuddy::sent() const {
 
 int SnapshotBuddy::drop_after(int64_t step) {
   std::lock_guard lock(server_->mutex);
-  return static_cast<int>(std::erase_if(server_->copies, [&](const auto& entry) { return entry.second->step > step; }));
+  int dropped = 0;
+  for (auto& [rank, copies] : server_->copies) {
+    dropped += static_cast<int>(std::erase_if(copies, [&](const auto& copy) { return copy->step > step; }));
+  }
+  std::erase_if(server_->copies, [](const auto& entry) { return entry.second.empty(); });
+  return dropped;
 }
 
 }  // namespace keel::daemon

@@ -1,16 +1,18 @@
 // The buddy copy of the in-memory snapshots (docs/architecture.md
 // "In-memory snapshots", "Many nodes"). A node lost takes its keeld's
-// snapshot areas with it, so every keeld also holds a copy of the newest
-// snapshot of each rank of the node before it in the generation's order
-// (it is that node's buddy), and a keeld whose areas lack its ranks'
-// state (it restarted, or its node is a spare in a lost one's place) fetches
-// their copies into its areas before its ranks start: they resume from
-// memory with the others, as if the node had never gone.
+// snapshot areas with it, so every keeld also holds copies of the newest
+// snapshots (`keep` of them, as the areas keep) of each rank of the node
+// before it in the generation's order (it is that node's buddy), and a
+// keeld whose areas lack its ranks' state (it restarted, or its node is a
+// spare in a lost one's place) fetches their copies into its areas before
+// its ranks start: they resume from memory with the others, as if the node
+// had never gone.
 //
 // None of it runs on keeld's loop: a server thread takes the copies pushed
 // to it and answers fetches (a thread per connection, every read and write
-// bounded), a sender thread pushes each area's newest complete slot once
-// its rank commits it, at low priority (nice 19, DSCP CS1, paced), and
+// bounded), a sender thread pushes the newest step every local area holds
+// once the node's ranks have all committed it, at low priority (nice 19,
+// DSCP CS1, paced), and
 // fetches run in turn on a thread of their own and post their outcome to
 // the loop.
 //
@@ -97,11 +99,11 @@ struct SentCopy {
 struct FetchedCopies {
   struct Filled {
     int local = 0;
-    int64_t rank = 0;  // global
-    int64_t step = 0;
-    uint64_t bytes = 0;
-    std::string from;       // the node that held it
-    double received_s = 0;  // its copy's transfer and check
+    int64_t rank = 0;            // global
+    std::vector<int64_t> steps;  // of the copies written, newest first
+    uint64_t bytes = 0;          // of them all
+    std::string from;            // the node that held them
+    double received_s = 0;       // their transfer and check
     // Writing it into the area, which includes laying the area out afresh
     // (its pages taken and touched), as a rank does for a fresh area anyway.
     double written_s = 0;
@@ -163,9 +165,11 @@ class SnapshotBuddy {
  private:
   void send_until_stopped();
   void fetch_until_stopped();
-  // Sends local rank `local`'s newest snapshot when its rank committed a
-  // new one since the last look.
-  void send_newest(size_t local);
+  // The newest step every local area holds complete: the node's copies
+  // go in lockstep, so that the holder has one step of all of them.
+  std::optional<int64_t> common_step() const;
+  // Sends every local rank's snapshot of `step` to the buddy.
+  void send_step(int64_t step);
 
   SnapshotBuddyOptions options_;
   std::shared_ptr<Server> server_;
@@ -177,9 +181,9 @@ class SnapshotBuddy {
   std::string buddy_node_;
   std::string buddy_endpoint_;
   int64_t first_rank_ = 0;
-  // Per local rank: the sequence of the newest slot seen (sent or not to
-  // be), and what the buddy last accepted.
-  std::vector<uint64_t> seen_sequence_;
+  // The step last sent (or not to be: the one the areas held when the
+  // generation began); per local rank, what the buddy last accepted.
+  std::optional<int64_t> sent_step_;
   std::vector<std::optional<SentCopy>> sent_;
   std::deque<std::function<void()>> fetches_;  // asked for, not yet begun
   std::thread sender_;

@@ -201,13 +201,14 @@ TEST_SUITE("unit") {
     Memfd holder;
     SnapshotArea rank(holder.fd, 2);
     for (int64_t step = 1; step <= 3; ++step) snapshot(rank, step);
-    const auto image = rank.newest_image();
+    const auto image = rank.image_of(3);
     REQUIRE(image);
     CHECK(image->step == 3);
+    CHECK(!rank.image_of(9));  // no such step
     CHECK(!image->check());
     Memfd fresh;
     SnapshotArea other(fresh.fd, 2);
-    other.import(*image);
+    other.import({&*image});
     const auto v = other.verified(kLayout);
     CHECK(v.problems.empty());
     REQUIRE(steps_of(v) == std::vector<int64_t>{3});
@@ -218,11 +219,12 @@ TEST_SUITE("unit") {
     snapshot(other, 4);
     CHECK(steps_of(other.verified(kLayout)) == std::vector<int64_t>{4, 3});
     // An area that held another rank's snapshots holds the copy alone.
-    rank.import(*other.newest_image());
-    CHECK(steps_of(rank.verified(kLayout)) == std::vector<int64_t>{4});
+    const auto three = other.image_of(3), four = other.image_of(4);
+    rank.import({&*three, &*four});
+    CHECK(steps_of(rank.verified(kLayout)) == std::vector<int64_t>{4, 3});
     // An area with nothing complete has nothing to copy.
     Memfd empty;
-    CHECK(!SnapshotArea(empty.fd, 2).newest_image());
+    CHECK(!SnapshotArea(empty.fd, 2).image_of(1));
   }
 
   TEST_CASE("a copy that does not add up is refused by check with a sentence and never crashes") {
@@ -245,7 +247,7 @@ TEST_SUITE("unit") {
     };
     for (const Row& row : rows) {
       CAPTURE(std::string(row.name));
-      auto image = rank.newest_image();
+      auto image = rank.image_of(5);
       REQUIRE(image);
       if (std::string(row.name) == "more data than the table lists") {
         std::unique_ptr<unsigned char[]> bigger(new unsigned char[image->data_bytes + 64]());

@@ -211,15 +211,18 @@ std::pair<int, int> two_nodes() {
   return {chosen, (chosen + 1) % 3};
 }
 
-// The oldest step of the copies a node's status says it holds of node
-// `node`'s two ranks; -1 until it holds both.
-int64_t oldest_copy_of(const nlohmann::json& status, int node) {
+// The newest step of which a node's status says it holds copies of both
+// of node `node`'s ranks; -1 until it does.
+int64_t copied_step_of(const nlohmann::json& status, int node) {
   const auto& copies = status.at("snapshot_copies");
-  std::vector<int64_t> steps;
+  std::map<int64_t, int> ranks_of_step;
   for (const auto& held : copies.is_object() ? copies.at("held") : nlohmann::json::array()) {
-    if (held.at("rank").get<int>() / 2 == node) steps.push_back(held.at("step").get<int64_t>());
+    if (held.at("rank").get<int>() / 2 == node) ranks_of_step[held.at("step").get<int64_t>()] += 1;
   }
-  return steps.size() == 2 ? *std::min_element(steps.begin(), steps.end()) : -1;
+  for (auto it = ranks_of_step.rbegin(); it != ranks_of_step.rend(); ++it) {
+    if (it->second == 2) return it->first;
+  }
+  return -1;
 }
 
 // Waits until node 0, rank 0's, records where a generation resumed after
@@ -478,7 +481,7 @@ TEST_SUITE("integration") {
     // the first checkpoint.
     int64_t copied = -1;
     const auto holding = job.wait_for(buddy, [&](const nlohmann::json& s) {
-      copied = oldest_copy_of(s, lost);
+      copied = copied_step_of(s, lost);
       return copied > 10 && s.at("snapshot_copies").at("sent").size() == 2;
     });
     // keelctl status says so.
@@ -528,8 +531,8 @@ TEST_SUITE("integration") {
     // node-0, node-2, node-3: node-2 runs the lost node's ranks 2 and 3,
     // whose copies it holds as its buddy, and node-3 runs node-2's ranks 4
     // and 5, whose copies node-0 holds.
-    job.wait_for(2, [](const nlohmann::json& s) { return oldest_copy_of(s, 1) > 10; });
-    job.wait_for(0, [](const nlohmann::json& s) { return oldest_copy_of(s, 2) > 10; });
+    job.wait_for(2, [](const nlohmann::json& s) { return copied_step_of(s, 1) > 10; });
+    job.wait_for(0, [](const nlohmann::json& s) { return copied_step_of(s, 2) > 10; });
     const size_t resumes_before = job.events_of(0, "generation_resumed").size();
     run.keelds[1]->signal(SIGKILL);
     run.keelds[1]->wait(60);

@@ -123,8 +123,14 @@ TEST_SUITE("unit") {
     REQUIRE(wait_until([&] { return sender->sent()[1].has_value(); }, 30));
     CHECK(sender->sent()[1]->to == "node-1");
     CHECK(sender->sent()[1]->bytes == 2 * 64 * 16 * 4);
+    // A step goes once every rank of the node has it, and the holder keeps
+    // as many copies as the areas keep snapshots.
     snapshot(rank2.fd, 6);
-    REQUIRE(wait_until([&] { return held_step(*holder, 2) == 6; }, 30));
+    snapshot(rank2.fd, 7);
+    CHECK(held_step(*holder, 2) == 5);
+    snapshot(rank3.fd, 6);
+    REQUIRE(wait_until([&] { return held_step(*holder, 2) == 6 && held_step(*holder, 3) == 6; }, 30));
+    CHECK(holder->held().size() == 4);
 
     // The node comes back with fresh areas: the copies fill them, and a
     // rank reads them as its own.
@@ -133,16 +139,16 @@ TEST_SUITE("unit") {
     const auto got = fetch(*back, {0, 1}, 2, {{"node-2", "127.0.0.1:1"}, {"node-1", holder->endpoint()}});
     INFO(got.problems.size());
     REQUIRE(got.filled.size() == 2);
-    CHECK(got.filled[0].step == 6);
+    CHECK(got.filled[0].steps == std::vector<int64_t>{6, 5});
     CHECK(got.filled[0].from == "node-1");
-    CHECK(got.filled[1].step == 5);
+    CHECK(got.filled[1].steps == std::vector<int64_t>{6, 5});
     CHECK(got.absent.empty());
     // node-2 was out of reach, and said so before node-1 was asked.
     REQUIRE(got.problems.size() == 1);
     CHECK(got.problems[0].find("node 'node-2'") != std::string::npos);
     const SnapshotArea restored(fresh2.fd, 2);
     const auto v = restored.verified(kLayout);
-    REQUIRE(v.snapshots.size() == 1);
+    REQUIRE(v.snapshots.size() == 2);
     CHECK(v.snapshots[0].listed.step == 6);
     CHECK(v.snapshots[0].listed.tokens == 60);
     CHECK(v.snapshots[0].data[1][100] == 7.0f);
@@ -177,7 +183,7 @@ TEST_SUITE("unit") {
     sender->send_to("node-0", holder->endpoint(), 0);
     snapshot(area.fd, 3);
     REQUIRE(wait_until([&] { return held_step(*holder, 0) == 3; }, 30));
-    const auto image = SnapshotArea(area.fd, 2).newest_image();
+    const auto image = SnapshotArea(area.fd, 2).image_of(3);
     REQUIRE(image);
     auto push_of = [&](int64_t step) {
       wire::Frame f = frame(wire::kPush, 0);
