@@ -46,8 +46,6 @@ struct SnapshotImage {
   // of another size than the table says, a piece that fails its hash);
   // nullopt when it can. `threads` share the hashing.
   std::optional<std::string> check(unsigned threads = 1) const;
-  // Its pieces' floats (8 bytes each), for status lines.
-  uint64_t bytes() const { return data_bytes; }
 };
 
 class SnapshotArea {

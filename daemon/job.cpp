@@ -368,7 +368,7 @@ void Job::quarantine_suspect_checkpoints() {
   keep_through_step_.reset();
   const auto root = options_.config.checkpoint_dir();
   const Quarantine q = quarantine_checkpoints(root, last_good, machine_.generation());
-  // The in-memory snapshots of those steps too ("In-memory snapshots").
+  // The in-memory snapshots of those steps too ("In-memory snapshots"),
   // and the copies held of other nodes' ranks, which may be as corrupted.
   const int snapshots = ranks_.quarantine_snapshots_after(last_good) +
                         (options_.buddy != nullptr ? options_.buddy->drop_after(last_good) : 0);

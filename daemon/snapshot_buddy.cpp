@@ -14,9 +14,11 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -449,7 +451,7 @@ void SnapshotBuddy::send_step(int64_t step) {
       if (answer.kind != kAccepted) throw Error(ErrorCode::kPeerFailure, "it answered with an unknown frame");
       const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
       std::lock_guard lock(mutex_);
-      sent_[local] = SentCopy{rank, step, image->bytes(), seconds, node};
+      sent_[local] = SentCopy{rank, step, image->data_bytes, seconds, node};
     }
   } catch (const Error& e) {
     if (!server_->stop) {
@@ -478,7 +480,7 @@ void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vect
           for (auto it = copies.rbegin(); it != copies.rend(); ++it) {
             oldest_first.push_back(it->get());
             steps.insert(steps.begin(), (*it)->step);
-            bytes += (*it)->bytes();
+            bytes += (*it)->data_bytes;
           }
           checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep).import(oldest_first);
           out.filled.push_back({local, first_rank + local, steps, bytes, from, received_s,
@@ -563,7 +565,7 @@ std::vector<HeldCopy> SnapshotBuddy::held() const {
   std::lock_guard lock(server_->mutex);
   std::vector<HeldCopy> out;
   for (const auto& [rank, copies] : server_->copies) {
-    for (const auto& image : copies) out.push_back({rank, image->step, image->bytes()});
+    for (const auto& image : copies) out.push_back({rank, image->step, image->data_bytes});
   }
   return out;
 }
