@@ -189,7 +189,9 @@ TEST_SUITE("integration") {
                          fmt::format("faults.slow_phase={}", c.phase)});
       job.run(sets);
       CHECK(rank_log_holds(job, 2, fmt::format("{} stretched by", c.phase)));  // the fault landed
-      CHECK(job.events_of("hang_detected").empty());
+      std::string hangs;  // what the detector saw, should it fire
+      for (const auto& hang : job.events_of("hang_detected")) hangs += hang.dump() + "\n";
+      CHECK_MESSAGE(hangs.empty(), hangs);
       CHECK(job.events_of("generation_started").size() == 1);
       CHECK(job.events_of("job_finished").size() == 1);
     }
@@ -230,20 +232,22 @@ TEST_SUITE("integration") {
     require_only_straggler(job, 1);
   }
 
-  TEST_CASE("a rank stopped a tenth of the time from outside is flagged as the straggler and no other rank is") {
+  TEST_CASE("a rank stopped a fifth of the time from outside is flagged as the straggler and its peer is not") {
     KeeldJob job;
-    auto keeld = job.start(with(kFourComputeRanks, {"train.steps=200"}));
+    auto keeld = job.start(with(kTwoComputeRanks, {"train.steps=200"}));
     const auto status = job.wait_for([](const nlohmann::json& s) { return s.at("state") == "running"; });
-    const pid_t victim = status.at("ranks").at(2).at("pid").get<pid_t>();
-    // SIGSTOP for 2 ms of every 20 until keeld is done: a duty cycle, as a
+    const pid_t victim = status.at("ranks").at(1).at("pid").get<pid_t>();
+    // SIGSTOP for 4 ms of every 20 until keeld is done: a duty cycle, as a
     // throttled node would impose, shorter than a step so that every step
     // is slowed (the score's medians pass over a stall that hits a few).
+    // With two ranks the median is their mean, so the victim reads half its
+    // slowdown above it: 9-17% in seven runs here, flagged by step 27.
     std::atomic<bool> done{false};
     std::thread duty([&] {
       while (!done.load() && ::kill(victim, SIGSTOP) == 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        std::this_thread::sleep_for(std::chrono::milliseconds(4));
         ::kill(victim, SIGCONT);
-        std::this_thread::sleep_for(std::chrono::milliseconds(18));
+        std::this_thread::sleep_for(std::chrono::milliseconds(16));
       }
     });
     const auto result = keeld->wait(300);
@@ -251,7 +255,7 @@ TEST_SUITE("integration") {
     duty.join();
     INFO(result.output);
     REQUIRE(result.exit_code == 0);
-    require_only_straggler(job, 2);
+    require_only_straggler(job, 1);
   }
 
   TEST_CASE("keelctl inject hang names the rank as the culprit and keelctl diagnose shows it") {
