@@ -31,14 +31,14 @@ class OneWrongBit final : public keel::trainer::BackendWrapper {
   OneWrongBit(keel::trainer::Backend& target, std::string kernel)
       : BackendWrapper(target), kernel_(std::move(kernel)) {}
 
-  void matmul_forward(keel::trainer::Buffer out, keel::trainer::ConstBuffer inp, const float* weight, const float* bias,
-                      int N, int C, int OC) override {
+  void matmul_forward(keel::trainer::Buffer out, keel::trainer::ConstBuffer inp, keel::trainer::ConstBuffer weight,
+                      const float* bias, int N, int C, int OC) override {
     target_.matmul_forward(out, inp, weight, bias, N, C, OC);
     flip("matmul_forward", static_cast<float*>(out.data), static_cast<size_t>(N) * OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, keel::trainer::ConstBuffer dout,
-                       keel::trainer::ConstBuffer inp,
-                       const float* weight, int N, int C, int OC) override {
+                       keel::trainer::ConstBuffer inp, keel::trainer::ConstBuffer weight, int N, int C,
+                       int OC) override {
     target_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
     flip("matmul_backward", dweight, static_cast<size_t>(OC) * C);
   }

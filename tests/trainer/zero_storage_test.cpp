@@ -1,22 +1,25 @@
 // ZeroStorage's collectives in flight: a rank that fails mid-step must not
-// leave its DP group's thread writing into freed buffers.
-#include "common/config.h"
-#include "common/error.h"
-#include "trainer/comm/gloo_communicator.h"
-#include "trainer/kernels/cpu_backend.h"
-#include "trainer/params/parameters.h"
+// leave its DP group's thread writing into freed buffers. And its bf16 copy
+// of the weights for the GEMMs: never stale, and rounded once per change.
 #include "trainer/parallel/zero_storage.h"
-
-#include "tests/support/failure.h"
-#include "tests/support/memory_store.h"
 
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstring>
 #include <latch>
 #include <optional>
 #include <thread>
 #include <vector>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "tests/support/failure.h"
+#include "tests/support/memory_store.h"
+#include "trainer/comm/gloo_communicator.h"
+#include "trainer/kernels/backend_wrapper.h"
+#include "trainer/kernels/cpu_backend.h"
+#include "trainer/params/parameters.h"
 
 namespace {
 
@@ -25,9 +28,90 @@ using namespace std::chrono_literals;
 using keel::common::ErrorCode;
 using Clock = std::chrono::steady_clock;
 
+// A CPU backend whose GEMMs take bf16, counting the arrays it rounds.
+class CountingRounds : public BackendWrapper {
+ public:
+  CountingRounds() : BackendWrapper(cpu_) {}
+  void round_to_bf16(bf16* out, const float* in, size_t n) override {
+    ++rounds;
+    cpu_.round_to_bf16(out, in, n);
+  }
+  int rounds = 0;
+
+ private:
+  CpuBackend cpu_{1, DType::kBF16};
+};
+
+// Where the GEMM copy of any unit differs from its float32 parameters
+// rounded: "" when none does. Acquires every unit, in forward's order.
+std::string stale_gemm_copy(ZeroStorage& storage, const ParameterTable& table) {
+  for (int u = 0; u < table.unit_count(); ++u) {
+    const UnitParameters p = storage.acquire_parameters(u);
+    if (p.gemm == nullptr) return "unit " + std::to_string(u) + " has no GEMM copy";
+    for (size_t i = 0; i < table.unit_end(u) - table.unit_begin(u); ++i) {
+      if (p.gemm[i].bits != to_bf16(p.f32[i]).bits) {
+        return "unit " + std::to_string(u) + " element " + std::to_string(i) + ": " + std::to_string(p.f32[i]) +
+               " but the copy holds " + std::to_string(to_float(p.gemm[i]));
+      }
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST_SUITE("unit") {
+  TEST_CASE("the GEMMs' bf16 copy of the weights follows every change of the parameters at ZeRO 0 to 3") {
+    const keel::common::ModelConfig model{.vocab_size = 64, .seq_len = 8, .n_layer = 2, .n_head = 2, .n_embd = 16};
+    const ParameterTable table(model, 0, 1);
+    for (int stage = 0; stage <= 3; ++stage) {
+      CAPTURE(stage);
+      keel::test::MemoryStore store;
+      // Each check's result on both DP ranks, by rank.
+      std::vector<std::string> after_init(2), after_update(2), after_write(2);
+      std::vector<int> rounds_init(2), rounds_backward(2);
+      auto rank = [&](int r) {
+        GlooCommunicator comm(store, "dp", r, 2, 60s, nullptr);
+        CountingRounds backend;
+        ZeroStorage storage(backend, table, stage, ReduceGroups{&comm, &comm});
+        const auto memory = keel::trainer::lay_out(backend, storage);
+        storage.init(7);
+        after_init[r] = stale_gemm_copy(storage, table);
+        rounds_init[r] = backend.rounds;
+        // Backward acquires the units again, top down: nothing changed, so
+        // nothing is rounded again below ZeRO-3 (where only the gathers are).
+        for (int u = table.unit_count(); u-- > 0;) storage.acquire_parameters(u);
+        rounds_backward[r] = backend.rounds - rounds_init[r];
+        // The optimizer's write: every owned element moves by more than a
+        // bf16 step, then the update is published.
+        for (size_t t = 0; t < table.specs().size(); ++t) {
+          float* owned = storage.owned_parameters(t);
+          for (size_t i = 0; i < storage.owned_numel(t); ++i) owned[i] = owned[i] * 1.5f + 0.25f;
+        }
+        storage.publish_parameters();
+        after_update[r] = stale_gemm_copy(storage, table);
+        // A write through params() (a checkpoint load, a flipped bit) with no publish.
+        if (stage < 3) {
+          float* whole = storage.params();
+          for (size_t i = 0; i < table.total(); i += 3) whole[i] = -whole[i] - 1.0f;
+          after_write[r] = stale_gemm_copy(storage, table);
+        }
+      };
+      std::thread peer(rank, 1);
+      rank(0);
+      peer.join();
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        CHECK_MESSAGE(after_init[r].empty(), after_init[r]);
+        CHECK_MESSAGE(after_update[r].empty(), after_update[r]);
+        CHECK_MESSAGE(after_write[r].empty(), after_write[r]);
+        // Once per unit, not once per GEMM (at ZeRO-3 once per gather).
+        CHECK(rounds_init[r] == table.unit_count());
+        if (stage < 3) CHECK(rounds_backward[r] == 0);
+      }
+    }
+  }
+
   TEST_CASE("a storage destroyed with a gradient sum in flight aborts its group instead of waiting it out") {
     const keel::common::ModelConfig model{.vocab_size = 64, .seq_len = 8, .n_layer = 2, .n_head = 2, .n_embd = 16};
     const ParameterTable table(model, 0, 1);

@@ -445,6 +445,8 @@ void widen_into(float* to, const bf16* from, size_t n) {
 
 }  // namespace
 
+void CpuBackend::round_to_bf16(bf16* out, const float* in, size_t n) { round_into(out, in, n); }
+
 std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::pair<ConstBuffer, size_t>> operands) {
   size_t total = 0;
   for (const auto& [buffer, count] : operands) {
@@ -474,7 +476,7 @@ std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::p
   return out;
 }
 
-void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
                                 int OC) {
   const size_t n = static_cast<size_t>(N) * OC;
   float* linear = static_cast<float*>(out.data);
@@ -492,7 +494,7 @@ void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weight
 }
 
 void CpuBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float* dbias, ConstBuffer dout,
-                                              ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
+                                              ConstBuffer inp, ConstBuffer weight, ConstBuffer pre, int N, int C,
                                               int OC) {
   const size_t n = static_cast<size_t>(N) * C;
   if (dpre.data == nullptr) {
@@ -514,7 +516,7 @@ void CpuBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float
 }
 
 void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
-                                 const float* weight, int N, int C, int OC) {
+                                 ConstBuffer weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                   {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
                                   {dweight != nullptr ? inp : nullptr, static_cast<size_t>(N) * C}});

@@ -1,13 +1,13 @@
 #include "trainer/model/gpt.h"
 
-#include "common/error.h"
-#include "trainer/kernels/arena.h"
-#include "trainer/model/gpt_state.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <string>
+
+#include "common/error.h"
+#include "trainer/kernels/arena.h"
+#include "trainer/model/gpt_state.h"
 
 namespace keel::trainer {
 
@@ -292,7 +292,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   Backend& k = backend_;
   const OuterOffsets& outer = x.outer;
   const bool embeds = stage().embeds(chunk), scores = stage().scores(chunk);
-  const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
+  const UnitParameters p0 = embeds || scores ? storage_.acquire_parameters(0) : UnitParameters{};
   const int blocks = static_cast<int>(stage().chunk_blocks(chunk));
   const int first = static_cast<int>(stage().chunk_begin(chunk));
   storage_.prefetch_parameters(first + 1);
@@ -319,8 +319,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     const size_t chunk_rows = static_cast<size_t>(B) * Tc;
     for (int c = 0; c < context_.chunks(); ++c) {
       k.embedding_forward(
-          partial_or(s.input) + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, p0 + outer.wte, v_begin, Vl,
-          first_tp_rank ? p0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C : nullptr, B, Tc,
+          partial_or(s.input) + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, p0.at(outer.wte), v_begin, Vl,
+          first_tp_rank ? p0.at(outer.wpe) + static_cast<size_t>(context_.start(c, context_.rank)) * C : nullptr, B, Tc,
           C);
     }
     sum_into_positions(x.partial.data(), s.input.data(), NsC);
@@ -332,22 +332,22 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     Slot::Block& blk = s.blocks[static_cast<size_t>(i)];
     const BlockOffsets& o = x.offsets[static_cast<size_t>(first + i)];
     const int unit = first + i + 1;
-    const float* p = storage_.acquire_parameters(unit);
+    const UnitParameters p = storage_.acquire_parameters(unit);
     if (i + 1 < blocks) storage_.prefetch_parameters(unit + 1);
     // Attention branch.
-    k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p + o.ln1_w,
-                        p + o.ln1_b, Ns, C);
+    k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
+                        p.at(o.ln1_b), Ns, C);
     gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
-    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p + o.qkv_w, p + o.qkv_b, N, C, 3 * Cl);
+    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.at(o.qkv_b), N, C, 3 * Cl);
     attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
-    k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p + o.attproj_w,
-                     first_tp_rank ? p + o.attproj_b : nullptr, N, Cl, C);
+    k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p.weight(o.attproj_w),
+                     first_tp_rank ? p.at(o.attproj_b) : nullptr, N, Cl, C);
     sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
     // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
     // residual add. (The block's output add stays apart: the activation
     // hook must see it before the next block reads it.)
-    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(),
-                            blk.ln2_rstd.data(), p + o.ln2_w, p + o.ln2_b, Ns, C);
+    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(), blk.ln2_rstd.data(),
+                            p.at(o.ln2_w), p.at(o.ln2_b), Ns, C);
     if (config_.is_moe_layer(stage().layer(first + i))) {
       // Every TP rank routes all N tokens alike and runs its slice of each
       // expert, like the dense MLP; the row-parallel partials sum into the shards.
@@ -358,10 +358,10 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
       // The pre-activation is kept for GELU's backward; GELU reads it as
       // kept (rounded, when bf16), as the backward will.
-      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p + o.fc_w, p + o.fc_b, N, C, Fl);
+      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.at(o.fc_b), N, C, Fl);
       k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
-      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p + o.proj_w,
-                       first_tp_rank ? p + o.proj_b : nullptr, N, Fl, C);
+      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p.weight(o.proj_w),
+                       first_tp_rank ? p.at(o.proj_b) : nullptr, N, Fl, C);
       sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
     }
     k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
@@ -371,13 +371,13 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   if (!scores) return 0.0f;
 
   upload(targets, s.targets);
-  k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0 + outer.lnf_w,
-                      p0 + outer.lnf_b, Ns, C);
+  k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0.at(outer.lnf_w),
+                      p0.at(outer.lnf_b), Ns, C);
   gather_positions(s.lnf.buffer(), s.lnf_whole.buffer(), NsC);
   // The LM head is tied to the token embedding: each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
   const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-  k.matmul_forward(s.logits.buffer(), lnf_all, p0 + outer.wte, nullptr, N, C, Vl);
+  k.matmul_forward(s.logits.buffer(), lnf_all, p0.weight(outer.wte), nullptr, N, C, Vl);
   if (activation_hook_) {
     activation_hook_(static_cast<int>(config_.n_layer), s.logits.buffer(), static_cast<size_t>(N) * Vl);
   }
@@ -402,9 +402,9 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   Backend& k = backend_;
   const OuterOffsets& outer = x.outer;
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
-  const float* p0 = embeds || scores ? storage_.acquire_parameters(0) : nullptr;
+  const UnitParameters p0 = embeds || scores ? storage_.acquire_parameters(0) : UnitParameters{};
   s.weight_terms.clear();
-  auto term = [&](const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept) {
+  auto term = [&](const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept) {
     backward_term(s, weights, t, dinp, weight, kept);
   };
   using Kind = WeightTerm::Kind;
@@ -425,12 +425,12 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     k.zero(din_all, din_numel * sizeof(float));
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
     term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl},
-         din_all, p0 + outer.wte, nullptr);
+         din_all, p0.weight(outer.wte), nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
     term({Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(), s.blocks[blocks - 1].residual3.data(),
           s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C, C},
-         x.dresidual.data(), p0 + outer.lnf_w, s.dlnf.data());
+         x.dresidual.data(), p0.at(outer.lnf_w), s.dlnf.data());
   } else {
     k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
   }
@@ -441,7 +441,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     Slot::Block& blk = s.blocks[i];
     const BlockOffsets& o = x.offsets[static_cast<size_t>(first) + i];
     const int unit = first + static_cast<int>(i) + 1;
-    const float* p = storage_.acquire_parameters(unit);
+    const UnitParameters p = storage_.acquire_parameters(unit);
     if (i > 0) storage_.prefetch_parameters(unit - 1);
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
@@ -453,28 +453,28 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
       // The projection's input gradient through GELU's derivative: dfch,
       // in the GEMMs' input type, as fc's backward GEMMs take it.
       term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.buffer()},
-           x.dfch.buffer(), p + o.proj_w, blk.dproj.data());
+           x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.data());
       term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
-           p + o.fc_w, blk.dfch.buffer());
+           p.weight(o.fc_w), blk.dfch.buffer());
     }
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
           blk.ln2_rstd.data(), Ns, C, C},
-         x.dresidual.data(), p + o.ln2_w, blk.dln2.data());
+         x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
     x.datty.zero();
     term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C},
-         x.datty.data(), p + o.attproj_w, blk.dattproj.data());
+         x.datty.data(), p.weight(o.attproj_w), blk.dattproj.data());
     x.dqkv.zero();
     attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
     k.zero(din_all, din_numel * sizeof(float));
-    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
-         din_all, p + o.qkv_w, blk.dqkv.data());
+    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl}, din_all,
+         p.weight(o.qkv_w), blk.dqkv.data());
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
           Ns, C, C},
-         x.dresidual.data(), p + o.ln1_w, blk.dln1.data());
+         x.dresidual.data(), p.at(o.ln1_w), blk.dln1.data());
     term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
   }
   if (embeds) {
@@ -486,7 +486,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   if (weights) s.batch = 0;
 }
 
-void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept) {
+void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept) {
   run_term(s, t, dinp, weight, weights);
   if (weights) return;
   WeightTerm later = t;
@@ -502,7 +502,7 @@ void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, Buffer dinp,
   s.weight_terms.push_back(later);
 }
 
-void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, const float* weight, bool weight_grads) {
+void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer weight, bool weight_grads) {
   using Kind = WeightTerm::Kind;
   if (t.kind == Kind::kUnitReady) {
     if (weight_grads) storage_.gradients_ready(t.unit);
@@ -531,8 +531,8 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, const float*
       }
       break;
     case Kind::kLayerNorm:
-      backend_.layernorm_backward(dinp32, at(t.weight), at(t.bias), t.dout.f32(), t.inp.f32(), weight, t.mean, t.rstd,
-                                  t.rows, t.out);
+      backend_.layernorm_backward(dinp32, at(t.weight), at(t.bias), t.dout.f32(), t.inp.f32(), weight.f32(), t.mean,
+                                  t.rstd, t.rows, t.out);
       break;
     case Kind::kEmbedding:
       if (g != nullptr) embedding_backward(g, t.dout.f32(), s.inputs.data(), s.batch);

@@ -144,7 +144,7 @@ class Gpt {
   // [N, 3Cl] or, `packed`, k and v rows [N, 2Cl].
   void visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
                      const std::function<void(int, int, const Backend::AttentionInputs&)>& visit);
-  void moe_forward(Slot& slot, int block, const float* p, const float* inp, float* out, int N);
+  void moe_forward(Slot& slot, int block, const UnitParameters& p, const float* inp, float* out, int N);
   // The expert side's segments of a forward whose slots per expert are
   // `count`, and under EP the slots sent to and received from each EP rank.
   void plan_dispatch(MoeLayer& moe, const std::vector<int>& count);
@@ -155,15 +155,15 @@ class Gpt {
   // The embedding's gradients (unit 0's wte and wpe, g0) from the gradient
   // of its output, dout_all [N, C] of all positions.
   void embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B);
-  void moe_backward(Slot& slot, int block, const float* p, bool weights, float* dinp, const float* dout,
+  void moe_backward(Slot& slot, int block, const UnitParameters& p, bool weights, float* dinp, const float* dout,
                     float loss_scale, int N);
   // Backward's weight term `t` (gpt_state.h), with the input gradient
   // into `dinp` (nullptr: none) through `weight`: with `weights` both run
   // now and a kUnitReady hands the unit's gradients over; without, the
   // input gradient runs now and the term is kept in the slot, its output
   // gradient copied to `kept` (nullptr: the slot keeps it already).
-  void backward_term(Slot& slot, bool weights, const WeightTerm& t, Buffer dinp, const float* weight, Buffer kept);
-  void run_term(const Slot& slot, const WeightTerm& t, Buffer dinp, const float* weight, bool weight_grads);
+  void backward_term(Slot& slot, bool weights, const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept);
+  void run_term(const Slot& slot, const WeightTerm& t, Buffer dinp, ConstBuffer weight, bool weight_grads);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the

@@ -2,12 +2,12 @@
 // dropless top-k routing, one GEMM per expert over its tokens, and under
 // expert parallelism the all-to-all that carries tokens to their experts'
 // ranks and back.
-#include "trainer/model/gpt.h"
-#include "trainer/model/gpt_state.h"
-
 #include <algorithm>
 #include <numeric>
 #include <vector>
+
+#include "trainer/model/gpt.h"
+#include "trainer/model/gpt_state.h"
 
 namespace keel::trainer {
 
@@ -54,7 +54,7 @@ void Gpt::exchange_rows(const float* in, const std::vector<size_t>& in_rows, flo
 // Dropless top-k routing: every token reaches all k of its experts, each
 // expert runs one GEMM over the tokens routed to it, and the outputs are
 // combined with the renormalised gates.
-void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, float* out, int N) {
+void Gpt::moe_forward(Slot& s, int block, const UnitParameters& p, const float* inp, float* out, int N) {
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
   const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
@@ -64,7 +64,7 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
     throw common::Error(common::ErrorCode::kInternal, "an MoE block's LayerNorm output is not float32 (Gpt::lay_out)");
   }
 
-  k.matmul_forward(moe.router_logits.data(), inp, p + o.router_w, nullptr, N, C, E);
+  k.matmul_forward(moe.router_logits.data(), inp, p.weight(o.router_w), nullptr, N, C, E);
   k.softmax_forward(moe.probs.data(), moe.router_logits.data(), N, E);
   moe.probs_host.resize(static_cast<size_t>(N) * E);
   k.copy_to_host(moe.probs_host.data(), moe.probs.data(), moe.probs_host.size() * sizeof(float));
@@ -115,12 +115,12 @@ void Gpt::moe_forward(Slot& s, int block, const float* p, const float* inp, floa
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p + o.expert_fc_w[e], p + o.expert_fc_b[e],
+    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p.weight(o.expert_fc_w[e]), p.at(o.expert_fc_b[e]),
                      seg.rows, C, Fl);
     k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(seg.rows) * Fl);
     // The row-parallel bias once over the TP group, on its rank 0.
-    k.matmul_forward(expert_out + r * C, moe.ge.data() + r * Fl, p + o.expert_proj_w[e],
-                     tp_rank_ == 0 ? p + o.expert_proj_b[e] : nullptr, seg.rows, Fl, C);
+    k.matmul_forward(expert_out + r * C, moe.ge.data() + r * Fl, p.weight(o.expert_proj_w[e]),
+                     tp_rank_ == 0 ? p.at(o.expert_proj_b[e]) : nullptr, seg.rows, Fl, C);
   }
   if (ep_ != nullptr) exchange_rows(expert_out, moe.received, moe.ye.data(), moe.sent, C);
   k.zero(out, static_cast<size_t>(N) * C * sizeof(float));
@@ -161,7 +161,7 @@ std::vector<Gpt::ExpertTokens> Gpt::expert_tokens(int slot) const {
   return tokens;
 }
 
-void Gpt::moe_backward(Slot& s, int block, const float* p, bool weights, float* dinp, const float* dout,
+void Gpt::moe_backward(Slot& s, int block, const UnitParameters& p, bool weights, float* dinp, const float* dout,
                        float loss_scale, int N) {
   Scratch& x = *scratch_;
   MoeLayer& moe = *s.blocks[static_cast<size_t>(block)].moe;
@@ -196,13 +196,13 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, bool weights, float* 
     backward_term(s, weights,
                   {Kind::kLinear, unit, o.expert_proj_w[e], o.expert_proj_b[e], dy + r * C, moe.ge.data() + r * Fl,
                    nullptr, nullptr, seg.rows, Fl, C},
-                  x.dge.data() + r * Fl, p + o.expert_proj_w[e], kept(moe.dy, r * C));
+                  x.dge.data() + r * Fl, p.weight(o.expert_proj_w[e]), kept(moe.dy, r * C));
     k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
                     static_cast<size_t>(seg.rows) * Fl);
     backward_term(s, weights,
                   {Kind::kLinear, unit, o.expert_fc_w[e], o.expert_fc_b[e], x.dhe.data() + r * Fl,
                    moe.xe.data() + r * C, nullptr, nullptr, seg.rows, C, Fl},
-                  x.dxe.data() + r * C, p + o.expert_fc_w[e], kept(moe.dhe, r * Fl));
+                  x.dxe.data() + r * C, p.weight(o.expert_fc_w[e]), kept(moe.dhe, r * Fl));
   }
   const float* dxe = x.dxe.data();
   if (ep_ != nullptr) {
@@ -240,7 +240,7 @@ void Gpt::moe_backward(Slot& s, int block, const float* p, bool weights, float* 
   backward_term(s, weights,
                 {Kind::kLinear, unit, o.router_w, WeightTerm::kNone, x.drouter.data(),
                  s.blocks[static_cast<size_t>(block)].ln2_all(), nullptr, nullptr, N, C, E},
-                tp_rank_ == 0 ? dinp : nullptr, p + o.router_w, kept(moe.drouter, 0));
+                tp_rank_ == 0 ? dinp : nullptr, p.weight(o.router_w), kept(moe.drouter, 0));
 }
 
 }  // namespace keel::trainer

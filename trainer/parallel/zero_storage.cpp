@@ -1,9 +1,9 @@
 #include "trainer/parallel/zero_storage.h"
 
-#include "common/error.h"
-
 #include <algorithm>
 #include <exception>
+
+#include "common/error.h"
 
 namespace keel::trainer {
 namespace {
@@ -25,7 +25,8 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
       groups_(groups),
       stage_(effective_stage(stage, groups)),
       overlap_(overlap),
-      grads_open_(static_cast<size_t>(table.unit_count()), false) {
+      grads_open_(static_cast<size_t>(table.unit_count()), false),
+      gemm_fresh_(static_cast<size_t>(table.unit_count()), false) {
   if (stage < 0 || stage > 3) {
     throw common::Error(common::ErrorCode::kInternal, "ZeRO stage " + std::to_string(stage) + " outside 0-3");
   }
@@ -62,14 +63,17 @@ ZeroStorage::ZeroStorage(Backend& backend, const ParameterTable& table, int stag
 }
 
 void ZeroStorage::lay_out(Arena& arena) {
+  const bool gemm_copy = backend_.gemm_inputs() == DType::kBF16;
   if (stage_ == 0) {
     params_ = arena.take<float>(table_.total());
     grads_ = arena.take<float>(table_.total());
+    if (gemm_copy) gemm_params_ = arena.take<bf16>(table_.total());
     return;
   }
   const size_t shard = shards_->packed_numel(0, table_.specs().size());
   params_ = arena.take<float>(stage_ == 3 ? shard : table_.total());
   grads_ = arena.take<float>(stage_ >= 2 ? shard : table_.total());
+  if (gemm_copy && stage_ < 3) gemm_params_ = arena.take<bf16>(table_.total());
   // Stage 1 uses one slot, for its gathers; stages 2 and 3 alternate two
   // for the gradients' reduce-scatters.
   for (size_t slot = 0; slot < (stage_ >= 2 ? 2u : 1u); ++slot) {
@@ -85,6 +89,10 @@ void ZeroStorage::lay_out(Arena& arena) {
     gather_exchange_ = arena.take<float>(max_exchange_);
     unit0_params_ = arena.take<float>(unit0);
     block_params_ = arena.take<float>(max_block_);
+    if (gemm_copy) {
+      unit0_gemm_ = arena.take<bf16>(unit0);
+      block_gemm_ = arena.take<bf16>(max_block_);
+    }
   }
 }
 
@@ -108,6 +116,7 @@ ZeroStorage::~ZeroStorage() {
 }
 
 void ZeroStorage::init(uint64_t seed) {
+  gemm_copy_stale();
   std::vector<float> host(table_.total());
   init_parameters(table_, seed, host.data());
   if (stage_ < 3) {
@@ -127,6 +136,7 @@ void ZeroStorage::init(uint64_t seed) {
 
 float* ZeroStorage::params() {
   if (stage_ == 3) throw common::Error(common::ErrorCode::kInternal, "ZeRO-3 holds no whole parameter buffer");
+  gemm_copy_stale();
   return params_.data();
 }
 
@@ -186,6 +196,7 @@ size_t ZeroStorage::owned_numel(size_t t) const {
 }
 
 float* ZeroStorage::owned_parameters(size_t t) {
+  gemm_copy_stale();
   if (stage_ == 3) return params_.data() + packed_offset_[t];
   const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, rank_of(t));
   return params_.data() + table_.specs()[t].offset + begin;
@@ -198,6 +209,7 @@ float* ZeroStorage::owned_gradients(size_t t) {
 }
 
 void ZeroStorage::publish_parameters() {
+  gemm_copy_stale();
   if (stage_ == 3) {
     // A gather still in flight would read shards the optimizer just changed.
     for (CommWork& work : gather_) work.wait();
@@ -245,7 +257,7 @@ void ZeroStorage::start_gather(int unit) {
   }
 }
 
-void ZeroStorage::finish_gather(int unit, float* dst) {
+void ZeroStorage::finish_gather(int unit, float* dst, bf16* gemm) {
   // A prefetch of another unit (a caller that changed its mind) is wasted.
   if (gather_unit_ != unit) start_gather(unit);
   for (CommWork& work : gather_) work.wait();
@@ -254,20 +266,29 @@ void ZeroStorage::finish_gather(int unit, float* dst) {
     shards_->unpack(backend_, gather_exchange_.data() + run.exchange_at, run.first, run.last, dst,
                     table_.unit_begin(unit));
   }
+  if (gemm != nullptr) backend_.round_to_bf16(gemm, dst, table_.unit_end(unit) - table_.unit_begin(unit));
 }
 
-const float* ZeroStorage::acquire_parameters(int unit) {
-  if (stage_ < 3) return params_.data() + table_.unit_begin(unit);
+UnitParameters ZeroStorage::acquire_parameters(int unit) {
+  if (stage_ < 3) {
+    const size_t begin = table_.unit_begin(unit);
+    if (gemm_params_.size() == 0) return {params_.data() + begin, nullptr};
+    if (!gemm_fresh_[static_cast<size_t>(unit)]) {
+      backend_.round_to_bf16(gemm_params_.data() + begin, params_.data() + begin, table_.unit_end(unit) - begin);
+      gemm_fresh_[static_cast<size_t>(unit)] = true;
+    }
+    return {params_.data() + begin, gemm_params_.data() + begin};
+  }
   if (unit == 0) {
-    if (!unit0_params_valid_) finish_gather(0, unit0_params_.data());
+    if (!unit0_params_valid_) finish_gather(0, unit0_params_.data(), unit0_gemm_.data());
     unit0_params_valid_ = true;
-    return unit0_params_.data();
+    return {unit0_params_.data(), unit0_gemm_.data()};
   }
   // The blocks share one buffer; the block backward starts with is still
   // there from the end of forward, so it is not gathered twice.
-  if (block_params_unit_ != unit) finish_gather(unit, block_params_.data());
+  if (block_params_unit_ != unit) finish_gather(unit, block_params_.data(), block_gemm_.data());
   block_params_unit_ = unit;
-  return block_params_.data();
+  return {block_params_.data(), block_gemm_.data()};
 }
 
 void ZeroStorage::prefetch_parameters(int unit) {
@@ -287,8 +308,8 @@ float* ZeroStorage::unit_gradients(int unit) {
 }
 
 void ZeroStorage::gradients_ready(int unit) {
-  float* unit_grads = stage_ < 2 ? grads_.data() + table_.unit_begin(unit)
-                                 : (unit == 0 ? unit0_grads_.data() : block_grads_.data());
+  float* unit_grads =
+      stage_ < 2 ? grads_.data() + table_.unit_begin(unit) : (unit == 0 ? unit0_grads_.data() : block_grads_.data());
   if (gradient_hook_) gradient_hook_(unit, unit_grads, table_.unit_end(unit) - table_.unit_begin(unit));
   if (groups_.dense == nullptr) return;
   if (stage_ < 2) {
@@ -325,8 +346,8 @@ void ZeroStorage::finish_scatter(size_t slot) {
   if (pending.unit < 0) return;
   for (CommWork& work : pending.works) work.wait();
   pending.works.clear();
-  backend_.accumulate(grads_.data() + packed_offset_[table_.unit_first_tensor(pending.unit)],
-                      packed_unit_[slot].data(), unit_packed_numel(pending.unit));
+  backend_.accumulate(grads_.data() + packed_offset_[table_.unit_first_tensor(pending.unit)], packed_unit_[slot].data(),
+                      unit_packed_numel(pending.unit));
   pending.unit = -1;
 }
 

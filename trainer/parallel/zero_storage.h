@@ -28,6 +28,16 @@
 // issued. Both issue the same collectives in the same order, so they give
 // the same bits.
 //
+// Where the GEMMs multiply bf16 (Backend::gemm_inputs()), the storage keeps
+// a bf16 copy of the parameters beside the float32 masters: of the whole
+// flat buffer below stage 3, of the gathered unit 0 and block at stage 3. A
+// unit's copy is rounded when the unit is acquired after its parameters
+// may have changed: any call that hands out writable parameters (params(),
+// owned_parameters()), init() and publish_parameters() make every copy
+// stale. So the weights are rounded once a step (at stage 3 once a gather),
+// not at each of the GEMMs that read them, and no writer can leave the
+// GEMMs an old copy (docs/architecture.md "GPU step").
+//
 // Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
 // lays the tensors out in table order, so a unit's shard is a contiguous
 // run of it. Without a dp x cp group of two ranks or more every stage is stage 0;
@@ -85,6 +95,7 @@ class ZeroStorage final : public ModelStorage {
 
   // The whole flat buffers; only while the stage keeps them whole
   // (parameters below stage 3, gradients below stage 2). Throw otherwise.
+  // params() makes the GEMM copy stale, as owned_parameters() does.
   float* params();
   float* grads();
 
@@ -116,6 +127,8 @@ class ZeroStorage final : public ModelStorage {
   // Bytes held for the whole run (the quantities of the ZeRO formulas)
   // and the working buffers that carry units to and from the collectives.
   size_t parameter_bytes() const { return params_.bytes(); }
+  // The GEMMs' bf16 copy of the parameters (0 where they take float32).
+  size_t gemm_copy_bytes() const { return gemm_params_.bytes() + unit0_gemm_.bytes() + block_gemm_.bytes(); }
   size_t gradient_bytes() const { return grads_.bytes(); }
   size_t working_bytes() const;
 
@@ -128,7 +141,7 @@ class ZeroStorage final : public ModelStorage {
   using GradientHook = std::function<void(int unit, float* grads, size_t numel)>;
   void on_local_gradients(GradientHook hook) { gradient_hook_ = std::move(hook); }
 
-  const float* acquire_parameters(int unit) override;
+  UnitParameters acquire_parameters(int unit) override;
   void prefetch_parameters(int unit) override;
   float* unit_gradients(int unit) override;
   void gradients_ready(int unit) override;
@@ -167,8 +180,11 @@ class ZeroStorage final : public ModelStorage {
   // once the gather before it is done.
   void start_gather(int unit);
   // Waits for the gather in flight and unpacks it into `dst` (its unit's
-  // layout), or gathers `unit` now when none is in flight for it.
-  void finish_gather(int unit, float* dst);
+  // layout), or gathers `unit` now when none is in flight for it; then
+  // rounds it into `gemm`, the GEMM copy, when there is one.
+  void finish_gather(int unit, float* dst, bf16* gemm);
+  // Every unit's GEMM copy is to be rounded again before it is handed out.
+  void gemm_copy_stale() { gemm_fresh_.assign(gemm_fresh_.size(), false); }
 
   Backend& backend_;
   const ParameterTable& table_;
@@ -190,9 +206,13 @@ class ZeroStorage final : public ModelStorage {
   // pending gradients of unit 0 and of one block.
   ArenaArray<float> exchange_[2], packed_unit_[2], gather_exchange_;
   ArenaArray<float> unit0_params_, block_params_, unit0_grads_, block_grads_;
+  // The GEMM copies: of params_ (stages 0-2), of the gathered unit 0 and
+  // block (stage 3); empty where the GEMMs take float32.
+  ArenaArray<bf16> gemm_params_, unit0_gemm_, block_gemm_;
   bool unit0_params_valid_ = false;
   int block_params_unit_ = -1;  // the unit block_params_ holds, -1: none
   std::vector<bool> grads_open_;
+  std::vector<bool> gemm_fresh_;  // per unit, stages 0-2: its copy holds its parameters rounded
   GradientHook gradient_hook_;
   bool last_microbatch_ = true;
   std::vector<CommWork> pending_sums_;  // stages 0 and 1

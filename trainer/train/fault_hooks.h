@@ -4,6 +4,13 @@
 // asks the injector and returns.
 #pragma once
 
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
 #include "checkpoint/file_system.h"
 #include "common/config.h"
 #include "health/fault_injector.h"
@@ -11,13 +18,6 @@
 #include "trainer/kernels/backend_wrapper.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/zero_storage.h"
-
-#include <cstdint>
-#include <filesystem>
-#include <functional>
-#include <mutex>
-#include <string_view>
-#include <vector>
 
 namespace keel::trainer {
 
@@ -105,7 +105,7 @@ class CheckpointFaults final : public checkpoint::FileSystemWrapper {
 class GemmBitFlip final : public BackendWrapper {
  public:
   using BackendWrapper::BackendWrapper;
-  void matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+  void matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
                       int OC) override;
 };
 

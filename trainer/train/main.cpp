@@ -58,6 +58,7 @@ void print_summary(const keel::trainer::RunSummary& s, const std::optional<keel:
                             {"peak_alive", s.schedules.peak_alive}}},
                           {"memory",
                            {{"params_bytes", s.memory.params},
+                            {"gemm_copy_bytes", s.memory.gemm_copy},
                             {"grads_bytes", s.memory.grads},
                             {"optimizer_bytes", s.memory.optimizer},
                             {"total_bytes", s.memory.total},

@@ -174,7 +174,8 @@ ReplicatedState TrainLoop::replicated_state() {
 }
 
 MemoryUse TrainLoop::memory() const {
-  return MemoryUse{storage_.parameter_bytes(), storage_.gradient_bytes(), optimizer_.state_bytes(),
+  return MemoryUse{storage_.parameter_bytes(), storage_.gemm_copy_bytes(), storage_.gradient_bytes(),
+                   optimizer_.state_bytes(),
                    storage_.working_bytes() + step_.working_bytes(),
                    state_memory_->bytes(),
                    backend_.scratch_bytes()};

@@ -39,6 +39,7 @@ namespace keel::trainer {
 // count the first three; `working` carries units to and from collectives.
 struct MemoryUse {
   size_t params = 0;
+  size_t gemm_copy = 0;  // the GEMMs' bf16 copy of the parameters (ZeroStorage)
   size_t grads = 0;
   size_t optimizer = 0;
   size_t working = 0;

@@ -51,6 +51,10 @@ void launch_gelu_derivative_times(cudaStream_t stream, Out* out, const float* gr
   launch("gelu_derivative_times", gelu_derivative_times_kernel<Out, In>, n, stream, out, grad, inp);
 }
 
+__global__ void round_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(in[i]);
+}
+
 __global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
   for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
 }
@@ -98,6 +102,10 @@ void CudaBackend::gelu_derivative_times(Buffer out, const float* grad, ConstBuff
   with_type<__nv_bfloat16>(out, [&](auto* to) {
     with_type<__nv_bfloat16>(pre, [&](const auto* from) { launch_gelu_derivative_times(stream(), to, grad, from, n); });
   });
+}
+
+void CudaBackend::round_to_bf16(bf16* out, const float* in, size_t n) {
+  launch("round_to_bf16", round_to_bf16_kernel, n, stream(), reinterpret_cast<__nv_bfloat16*>(out), in);
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {

@@ -2,11 +2,12 @@
 // column-major [cols, rows] to cuBLAS, so each product below is written
 // transposed: out^T = W x^T and so on.
 //
-// With bf16 GEMM inputs (CudaBackend's gemm_inputs) each float32 operand is
-// rounded to bf16 (nearest, ties to even) into scratch just before its
-// GEMM, and a bf16 operand (an activation its producer wrote so) is taken
-// as it is: the float32 weights stay the only copy, so the optimizer, the
-// checkpoint and the gradient reduction never see bf16, and the product
+// With bf16 GEMM inputs (CudaBackend's gemm_inputs) a bf16 operand is taken
+// as it is: an activation its producer wrote so, or the weights' GEMM copy
+// that ZeroStorage rounds once after the float32 masters change (so the
+// optimizer, the checkpoint and the gradient reduction never see bf16). A
+// float32 operand (a gradient of the residual stream) is rounded to bf16
+// (nearest, ties to even) into scratch just before its GEMM. The product
 // accumulates in float32: into a float32 output, or one the caller keeps
 // as bf16 (the logits, the pre-activation and its gradient, qkv), rounded.
 #include "trainer/kernels/cuda/cuda_backend.h"
@@ -48,10 +49,6 @@ __global__ void add_chunk_sums_kernel(float* dst, const double* chunk_sums, int 
   dst[c] += static_cast<float>(add_in_order(0.0, chunk_sums + c, chunks, cols));
 }
 
-__global__ void round_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(in[i]);
-}
-
 size_t slot_bytes(size_t count) { return (count * sizeof(__nv_bfloat16) + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
 }  // namespace
@@ -77,15 +74,15 @@ std::vector<const void*> CudaBackend::gemm_operands(std::initializer_list<Operan
       out.push_back(op.data.data);
       continue;
     }
-    auto* copy = reinterpret_cast<__nv_bfloat16*>(slot);
-    launch("round_to_bf16", round_to_bf16_kernel, op.count, stream(), copy, op.data.f32());
+    auto* copy = reinterpret_cast<bf16*>(slot);
+    round_to_bf16(copy, op.data.f32(), op.count);
     out.push_back(copy);
     slot += slot_bytes(op.count);
   }
   return out;
 }
 
-void CudaBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weight, const float* bias, int N, int C,
+void CudaBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
                                  int OC) {
   const auto ops = gemm_operands({{weight, static_cast<size_t>(OC) * C}, {inp, static_cast<size_t>(N) * C}});
   // out^T[OC,N] = (W^T)^T[OC,C] x^T[C,N] + bias: W row-major [OC,C] is W^T to cuBLAS.
@@ -103,11 +100,11 @@ void CudaBackend::matmul_forward(Buffer out, ConstBuffer inp, const float* weigh
   const size_t n = static_cast<size_t>(N) * OC;
   auto* linear = static_cast<float*>(linear_out(n * sizeof(float)));
   product(linear);
-  launch("round_to_bf16", round_to_bf16_kernel, n, stream(), static_cast<__nv_bfloat16*>(out.data), linear);
+  round_to_bf16(static_cast<bf16*>(out.data), linear, n);
 }
 
 void CudaBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float* dbias, ConstBuffer dout,
-                                               ConstBuffer inp, const float* weight, ConstBuffer pre, int N, int C,
+                                               ConstBuffer inp, ConstBuffer weight, ConstBuffer pre, int N, int C,
                                                int OC) {
   if (dpre.data != nullptr && N > 0 && C > 0) {
     // grad^T[C,N] = W^T[C,OC] dout^T[OC,N] in float32 (beta 0: over dpre
@@ -127,7 +124,7 @@ void CudaBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, floa
 }
 
 void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
-                                  const float* weight, int N, int C, int OC) {
+                                  ConstBuffer weight, int N, int C, int OC) {
   if (dinp != nullptr || dweight != nullptr) {
     const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                     {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
