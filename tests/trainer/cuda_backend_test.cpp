@@ -245,6 +245,29 @@ std::vector<KernelCase> kernel_cases() {
                                             t.f("mean"), t.f("rstd"), N, C);
                      },
                      1e-4, 1e-2});
+  }
+  // LayerNorm's backward in a split backward's two passes (input, then
+  // parameters), over more channels than a block has threads.
+  {
+    const int N = 97, C = 1100;
+    const size_t n = static_cast<size_t>(N) * C;
+    cases.push_back({"layernorm_backward_split",
+                     {{"inp", random_vec(n, 14, -3.0f, 3.0f)}, {"w", random_vec(C, 15)}, {"b", random_vec(C, 16)},
+                      {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}, {"dout", random_vec(n, 17)},
+                      {"dinp", random_vec(n, 18)}, {"dw", random_vec(C, 19)}, {"db", random_vec(C, 20)}},
+                     {}, {"dinp", "dw", "db"},
+                     [=](Backend& k, Tensors& t) {
+                       k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
+                       k.layernorm_backward(t.f("dinp"), nullptr, nullptr, t.f("dout"), t.f("inp"), t.f("w"),
+                                            t.f("mean"), t.f("rstd"), N, C);
+                       k.layernorm_backward(nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                                            t.f("mean"), t.f("rstd"), N, C);
+                     },
+                     1e-4, 1e-2});
+  }
+  {
+    const int N = 97, C = 67;
+    const size_t n = static_cast<size_t>(N) * C;
     cases.push_back({"add_layernorm",
                      {{"sum", random_vec(n, 21, -3.0f, 3.0f)}, {"addend", random_vec(n, 22)}, {"w", random_vec(C, 15)},
                       {"b", random_vec(C, 16)}, {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}},

@@ -3,6 +3,11 @@
 // gradients sum over rows in the CPU backend's two levels: each chunk of
 // kRowChunk rows into a float partial, then the partials in chunk order in
 // double (launch.cuh's column_sum_accumulate), so both backends round alike.
+// The backward is one kernel per chunk of rows: its warps take the rows'
+// sums, then its threads walk the chunk's columns once for the input
+// gradient and the partials together, so dout and inp come from memory
+// once (the second read of a chunk, 196 KB at C = 768, hits L2) instead of
+// once per kernel of two.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/cuda/launch.cuh"
@@ -43,46 +48,57 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
   }
 }
 
-__global__ void layernorm_dinp_kernel(float* dinp, const float* dout, const float* inp, const float* weight,
-                                      const float* mean, const float* rstd, int N, int C) {
-  const size_t n = global_warp();
-  if (n >= static_cast<size_t>(N)) return;
-  const float* x = inp + n * C;
-  const float* dy = dout + n * C;
-  const float mu = mean[n];
-  const float rs = rstd[n];
-  float a = 0.0f, b = 0.0f;
-  for (int c = lane(); c < C; c += kWarp) {
-    const float g = dy[c] * weight[c];
-    a += g;
-    b += g * ((x[c] - mu) * rs);
+// Block `chunk` takes rows [chunk * kRowChunk, + kRowChunk): with dinp, each
+// warp first sums its rows' dy.w and dy.w.norm (lane by lane, then the warp's
+// tree, as the forward sums); then thread c walks column c down the rows in
+// order, adding the row's input gradient into dinp and, with partial_w
+// (and partial_b), summing the chunk's partials. Null dinp or partials:
+// that half is skipped (a split backward takes them in separate passes).
+__global__ void layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout,
+                                          const float* inp, const float* weight, const float* mean,
+                                          const float* rstd, int N, int C) {
+  __shared__ float dnorm_mean[kRowChunk], dnorm_norm_mean[kRowChunk];
+  const int first = static_cast<int>(blockIdx.x) * kRowChunk;
+  const int rows = min(kRowChunk, N - first);
+  if (dinp != nullptr) {
+    const int warps = static_cast<int>(blockDim.x) / kWarp;
+    for (int r = static_cast<int>(threadIdx.x) / kWarp; r < rows; r += warps) {
+      const size_t n = static_cast<size_t>(first + r);
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      const float mu = mean[n];
+      const float rs = rstd[n];
+      float a = 0.0f, b = 0.0f;
+      for (int c = lane(); c < C; c += kWarp) {
+        const float g = dy[c] * weight[c];
+        a += g;
+        b += g * ((x[c] - mu) * rs);
+      }
+      a = warp_sum(a);
+      b = warp_sum(b);
+      if (lane() == 0) {
+        dnorm_mean[r] = a / static_cast<float>(C);
+        dnorm_norm_mean[r] = b / static_cast<float>(C);
+      }
+    }
+    __syncthreads();
   }
-  const float dnorm_mean = warp_sum(a) / static_cast<float>(C);
-  const float dnorm_norm_mean = warp_sum(b) / static_cast<float>(C);
-  float* dx = dinp + n * C;
-  for (int c = lane(); c < C; c += kWarp) {
-    const float norm = (x[c] - mu) * rs;
-    dx[c] += rs * (dy[c] * weight[c] - dnorm_mean - norm * dnorm_norm_mean);
+  for (int c = static_cast<int>(threadIdx.x); c < C; c += static_cast<int>(blockDim.x)) {
+    float pw = 0.0f, pb = 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      const int n = first + r;
+      const size_t i = static_cast<size_t>(n) * C + c;
+      const float dy = dout[i];
+      const float norm = (inp[i] - mean[n]) * rstd[n];
+      pw += dy * norm;
+      pb += dy;
+      if (dinp != nullptr) dinp[i] += rstd[n] * (dy * weight[c] - dnorm_mean[r] - norm * dnorm_norm_mean[r]);
+    }
+    if (partial_w != nullptr) {
+      partial_w[static_cast<size_t>(blockIdx.x) * C + c] = pw;
+      partial_b[static_cast<size_t>(blockIdx.x) * C + c] = pb;
+    }
   }
-}
-
-// partial_w[chunk, c] and partial_b[chunk, c] over the chunk's rows in order.
-// Blocks run chunk after chunk along x (y would cap N at 65535 chunks).
-__global__ void layernorm_param_partials_kernel(float* partial_w, float* partial_b, const float* dout,
-                                                const float* inp, const float* mean, const float* rstd, int N, int C,
-                                                int column_blocks) {
-  const int chunk = blockIdx.x / column_blocks;
-  const int c = blockIdx.x % column_blocks * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float pw = 0.0f, pb = 0.0f;
-  const int end = min(N, (chunk + 1) * kRowChunk);
-  for (int n = chunk * kRowChunk; n < end; ++n) {
-    const size_t i = static_cast<size_t>(n) * C + c;
-    pw += dout[i] * ((inp[i] - mean[n]) * rstd[n]);
-    pb += dout[i];
-  }
-  partial_w[static_cast<size_t>(chunk) * C + c] = pw;
-  partial_b[static_cast<size_t>(chunk) * C + c] = pb;
 }
 
 // layernorm_forward_kernel for the dtype of `out`.
@@ -112,23 +128,20 @@ void CudaBackend::add_layernorm_forward(float* sum, const float* addend, Buffer 
 
 void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                      const float* weight, const float* mean, const float* rstd, int N, int C) {
-  if (N <= 0 || C <= 0) return;
-  if (dweight != nullptr || dbias != nullptr) {
-    const int chunks = (N + kRowChunk - 1) / kRowChunk;
-    const size_t partial = static_cast<size_t>(chunks) * C;
-    auto* partial_w = static_cast<float*>(scratch(2 * partial * sizeof(float)));
-    float* partial_b = partial_w + partial;
-    const int column_blocks = (C + kThreads - 1) / kThreads;
-    layernorm_param_partials_kernel<<<chunks * column_blocks, kThreads, 0, stream()>>>(
-        partial_w, partial_b, dout, inp, mean, rstd, N, C, column_blocks);
-    check_launch("layernorm_backward (parameters)");
-    if (dweight != nullptr) column_sum_accumulate(dweight, partial_w, chunks, C, stream());
-    if (dbias != nullptr) column_sum_accumulate(dbias, partial_b, chunks, C, stream());
-  }
-  if (dinp != nullptr) {
-    layernorm_dinp_kernel<<<grid_for_warps(N), kThreads, 0, stream()>>>(dinp, dout, inp, weight, mean, rstd, N, C);
-    check_launch("layernorm_backward (input)");
-  }
+  const bool params = dweight != nullptr || dbias != nullptr;
+  if (N <= 0 || C <= 0 || (!params && dinp == nullptr)) return;
+  const int chunks = (N + kRowChunk - 1) / kRowChunk;
+  const size_t partial = static_cast<size_t>(chunks) * C;
+  auto* partial_w = params ? static_cast<float*>(scratch(2 * partial * sizeof(float))) : nullptr;
+  float* partial_b = params ? partial_w + partial : nullptr;
+  // A thread a column, up to a full block: at GPT-2's C = 768, 24 warps for
+  // the chunk's 32 rows, and N / 32 blocks (256 at batch 8) of them.
+  const int threads = std::min(1024, (C + kWarp - 1) / kWarp * kWarp);
+  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, partial_w, partial_b, dout, inp, weight, mean,
+                                                              rstd, N, C);
+  check_launch("layernorm_backward");
+  if (dweight != nullptr) column_sum_accumulate(dweight, partial_w, chunks, C, stream());
+  if (dbias != nullptr) column_sum_accumulate(dbias, partial_b, chunks, C, stream());
 }
 
 }  // namespace keel::trainer::cuda
