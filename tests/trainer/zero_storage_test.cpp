@@ -19,6 +19,7 @@
 #include "trainer/comm/gloo_communicator.h"
 #include "trainer/kernels/backend_wrapper.h"
 #include "trainer/kernels/cpu_backend.h"
+#include "trainer/optim/adamw.h"
 #include "trainer/params/parameters.h"
 
 namespace {
@@ -68,8 +69,8 @@ TEST_SUITE("unit") {
       CAPTURE(stage);
       keel::test::MemoryStore store;
       // Each check's result on both DP ranks, by rank.
-      std::vector<std::string> after_init(2), after_update(2), after_write(2);
-      std::vector<int> rounds_init(2), rounds_backward(2);
+      std::vector<std::string> after_init(2), after_update(2), after_write(2), after_adamw(2);
+      std::vector<int> rounds_init(2), rounds_backward(2), rounds_adamw(2);
       auto rank = [&](int r) {
         GlooCommunicator comm(store, "dp", r, 2, 60s, nullptr);
         CountingRounds backend;
@@ -96,6 +97,22 @@ TEST_SUITE("unit") {
           for (size_t i = 0; i < table.total(); i += 3) whole[i] = -whole[i] - 1.0f;
           after_write[r] = stale_gemm_copy(storage, table);
         }
+        // At stage 0 AdamW writes the copy as it updates: nothing is rounded apart.
+        if (stage == 0) {
+          AdamW optimizer(backend, table, keel::common::TrainConfig{});
+          const auto state = keel::trainer::lay_out(backend, optimizer);
+          float* grads = storage.grads();
+          for (size_t i = 0; i < table.total(); ++i) grads[i] = 0.01f * static_cast<float>(i % 7) - 0.03f;
+          std::vector<AdamW::Part> parts;
+          for (size_t t = 0; t < table.specs().size(); ++t) {
+            parts.push_back({t, storage.owned_parameters(t), storage.owned_gradients(t), storage.owned_gemm_copy(t)});
+          }
+          const int before = backend.rounds;
+          optimizer.update(parts, 0.05f, 1.0f, 0);
+          storage.publish_parameters(/*gemm_copy_written=*/true);
+          after_adamw[r] = stale_gemm_copy(storage, table);
+          rounds_adamw[r] = backend.rounds - before;
+        }
       };
       std::thread peer(rank, 1);
       rank(0);
@@ -105,6 +122,8 @@ TEST_SUITE("unit") {
         CHECK_MESSAGE(after_init[r].empty(), after_init[r]);
         CHECK_MESSAGE(after_update[r].empty(), after_update[r]);
         CHECK_MESSAGE(after_write[r].empty(), after_write[r]);
+        CHECK_MESSAGE(after_adamw[r].empty(), after_adamw[r]);
+        CHECK(rounds_adamw[r] == 0);
         // Once per unit, not once per GEMM (at ZeRO-3 once per gather).
         CHECK(rounds_init[r] == table.unit_count());
         if (stage < 3) CHECK(rounds_backward[r] == 0);

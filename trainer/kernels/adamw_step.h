@@ -40,8 +40,9 @@ struct AdamwStep {
             grad_scale};
   }
 
-  // Updates element i of the parameters and both moments.
-  KEEL_HOST_DEVICE void apply(float* params, const float* grads, float* m, float* v, size_t i) const {
+  // Updates element i of the parameters and both moments; returns the new
+  // parameter (which the caller may also round into the GEMMs' bf16 copy).
+  KEEL_HOST_DEVICE float apply(float* params, const float* grads, float* m, float* v, size_t i) const {
     const float g = grads[i] * grad_scale;
     const float p = params[i] * decay;
     const float mi = m[i] + one_minus_beta1 * (g - m[i]);  // torch's lerp
@@ -50,6 +51,7 @@ struct AdamwStep {
     m[i] = mi;
     v[i] = vi;
     params[i] = p - step_size * (mi / denom);
+    return params[i];
   }
 };
 

@@ -41,6 +41,9 @@ struct AdamwTensor {
   float* v = nullptr;
   size_t n = 0;
   float weight_decay = 0.0f;
+  // Non-null: the updated parameters rounded to bf16 are written here too
+  // (the GEMMs' copy, ZeroStorage::owned_gemm_copy), in the same pass.
+  bf16* copy = nullptr;
 };
 
 class Backend {

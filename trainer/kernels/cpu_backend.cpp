@@ -956,6 +956,11 @@ void CpuBackend::adamw_update(const std::vector<AdamwTensor>& tensors, float lr,
                               float grad_scale, int64_t t) {
   for (const AdamwTensor& x : tensors) {
     const AdamwStep step = AdamwStep::at(lr, beta1, beta2, eps, x.weight_decay, grad_scale, t);
+    if (x.copy != nullptr) {
+#pragma omp parallel for schedule(static) if (x.n > kParallelMin)
+      for (size_t i = 0; i < x.n; ++i) x.copy[i] = to_bf16(step.apply(x.params, x.grads, x.m, x.v, i));
+      continue;
+    }
 #pragma omp parallel for simd schedule(static) if (parallel : x.n > kParallelMin)
     for (size_t i = 0; i < x.n; ++i) step.apply(x.params, x.grads, x.m, x.v, i);
   }

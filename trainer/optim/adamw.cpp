@@ -55,8 +55,8 @@ void AdamW::update(const std::vector<Part>& parts, float lr, float grad_scale, i
     const size_t n = owned_numel_[part.t];
     if (n == 0) continue;
     const float decay = table_.specs()[part.t].weight_decay() ? static_cast<float>(train_.weight_decay) : 0.0f;
-    tensors.push_back(
-        {part.params, part.grads, m_.data() + state_offset_[part.t], v_.data() + state_offset_[part.t], n, decay});
+    tensors.push_back({part.params, part.grads, m_.data() + state_offset_[part.t], v_.data() + state_offset_[part.t], n,
+                       decay, part.gemm_copy});
   }
   backend_.adamw_update(tensors, lr, static_cast<float>(train_.beta1), static_cast<float>(train_.beta2),
                         static_cast<float>(train_.eps), grad_scale, step + 1);

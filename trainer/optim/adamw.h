@@ -29,11 +29,14 @@ class AdamW {
   // train.grad_clip, as torch.nn.utils.clip_grad_norm_ computes it.
   float clip_scale(double norm) const;
 
-  // The owned part of tensor t: params and grads point at its first element.
+  // The owned part of tensor t: params and grads point at its first
+  // element; gemm_copy, when not null, at where the updated parameters go
+  // rounded to bf16 as well (ZeroStorage::owned_gemm_copy).
   struct Part {
     size_t t;
     float* params;
     const float* grads;
+    bf16* gemm_copy = nullptr;
   };
   // One AdamW update at `lr` as optimizer step `step` (0-based) of each
   // part, in one backend call; grads are multiplied by grad_scale first.

@@ -208,7 +208,15 @@ float* ZeroStorage::owned_gradients(size_t t) {
   return grads_.data() + table_.specs()[t].offset + begin;
 }
 
-void ZeroStorage::publish_parameters() {
+bf16* ZeroStorage::owned_gemm_copy(size_t t) {
+  return stage_ == 0 && gemm_params_.size() > 0 ? gemm_params_.data() + table_.specs()[t].offset : nullptr;
+}
+
+void ZeroStorage::publish_parameters(bool gemm_copy_written) {
+  if (gemm_copy_written && stage_ == 0 && gemm_params_.size() > 0) {
+    gemm_fresh_.assign(gemm_fresh_.size(), true);
+    return;
+  }
   gemm_copy_stale();
   if (stage_ == 3) {
     // A gather still in flight would read shards the optimizer just changed.

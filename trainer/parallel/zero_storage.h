@@ -36,7 +36,9 @@
 // owned_parameters()), init() and publish_parameters() make every copy
 // stale. So the weights are rounded once a step (at stage 3 once a gather),
 // not at each of the GEMMs that read them, and no writer can leave the
-// GEMMs an old copy (docs/architecture.md "GPU step").
+// GEMMs an old copy (docs/architecture.md "GPU step"). At stage 0 the
+// optimizer writes the copy itself as it updates (owned_gemm_copy), and
+// says so to publish_parameters, so nothing is rounded apart.
 //
 // Shards are ShardLayout's (dim 0, FSDP2 style); every packed shard buffer
 // lays the tensors out in table order, so a unit's shard is a contiguous
@@ -119,10 +121,15 @@ class ZeroStorage final : public ModelStorage {
   float* owned_parameters(size_t t);
   float* owned_gradients(size_t t);
 
+  // Where the optimizer may write owned_parameters(t) rounded to bf16 as it
+  // updates them: the GEMM copy, where this rank owns tensor t whole and
+  // the copy is of the flat buffer (stage 0); null otherwise.
+  bf16* owned_gemm_copy(size_t t);
   // After the optimizer has updated the owned parameters: stages 1 and 2
   // all-gather them so every rank holds the whole model again; stage 3
-  // marks its gathered copies stale.
-  void publish_parameters();
+  // marks its gathered copies stale. `gemm_copy_written`: the update wrote
+  // every tensor's owned_gemm_copy too, so the copies are current.
+  void publish_parameters(bool gemm_copy_written = false);
 
   // Bytes held for the whole run (the quantities of the ZeRO formulas)
   // and the working buffers that carry units to and from the collectives.

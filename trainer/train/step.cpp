@@ -1,14 +1,14 @@
 #include "trainer/train/step.h"
 
-#include "common/clock.h"
-#include "common/error.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
+
+#include "common/clock.h"
+#include "common/error.h"
 
 namespace keel::trainer {
 namespace {
@@ -332,11 +332,13 @@ Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
 void Step::apply_update(float lr, double norm, int64_t step) {
   const float scale = p_.optimizer.clip_scale(norm);
   std::vector<AdamW::Part> parts;
+  bool copies = true;  // whether the update writes every tensor's GEMM copy too
   for (size_t t = 0; t < table_.specs().size(); ++t) {
-    parts.push_back({t, p_.storage.owned_parameters(t), p_.storage.owned_gradients(t)});
+    parts.push_back({t, p_.storage.owned_parameters(t), p_.storage.owned_gradients(t), p_.storage.owned_gemm_copy(t)});
+    copies = copies && parts.back().gemm_copy != nullptr;
   }
   p_.optimizer.update(parts, lr, scale, step);
-  p_.storage.publish_parameters();
+  p_.storage.publish_parameters(copies);
 }
 
 void Step::write_gradients(int64_t step) {

@@ -68,7 +68,7 @@ __global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* s
 }
 
 // AdamW over up to kMax tensors a launch, passed by value (kernel
-// parameters, about 1.8 KB): a block updates one chunk of kChunk elements
+// parameters, about 2 KB): a block updates one chunk of kChunk elements
 // of its tensor.
 struct AdamwBatch {
   static constexpr int kMax = 24;
@@ -83,7 +83,11 @@ __global__ void adamw_kernel(AdamwBatch batch) {
   const AdamwTensor& x = batch.tensors[s];
   const size_t begin = batch.split.chunk(s) * AdamwBatch::kChunk;
   const size_t end = min(x.n, begin + AdamwBatch::kChunk);
-  for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) batch.steps[s].apply(x.params, x.grads, x.m, x.v, i);
+  auto* copy = reinterpret_cast<__nv_bfloat16*>(x.copy);
+  for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float p = batch.steps[s].apply(x.params, x.grads, x.m, x.v, i);
+    if (copy != nullptr) copy[i] = __float2bfloat16_rn(p);
+  }
 }
 
 }  // namespace
