@@ -1,26 +1,25 @@
 // ZeroStorage's collectives in flight: a rank that fails mid-step must not
 // leave its DP group's thread writing into freed buffers. And its bf16 copy
 // of the weights for the GEMMs: never stale, and rounded once per change.
-#include "trainer/parallel/zero_storage.h"
-
-#include <doctest/doctest.h>
-
-#include <chrono>
-#include <cstring>
-#include <latch>
-#include <optional>
-#include <thread>
-#include <vector>
-
 #include "common/config.h"
 #include "common/error.h"
-#include "tests/support/failure.h"
-#include "tests/support/memory_store.h"
 #include "trainer/comm/gloo_communicator.h"
 #include "trainer/kernels/backend_wrapper.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/params/parameters.h"
+#include "trainer/parallel/zero_storage.h"
+
+#include "tests/support/failure.h"
+#include "tests/support/memory_store.h"
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <latch>
+#include <optional>
+#include <thread>
+#include <vector>
 
 namespace {
 

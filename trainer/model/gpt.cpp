@@ -1,13 +1,13 @@
 #include "trainer/model/gpt.h"
 
+#include "common/error.h"
+#include "trainer/kernels/arena.h"
+#include "trainer/model/gpt_state.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <string>
-
-#include "common/error.h"
-#include "trainer/kernels/arena.h"
-#include "trainer/model/gpt_state.h"
 
 namespace keel::trainer {
 

@@ -2,12 +2,12 @@
 // dropless top-k routing, one GEMM per expert over its tokens, and under
 // expert parallelism the all-to-all that carries tokens to their experts'
 // ranks and back.
+#include "trainer/model/gpt.h"
+#include "trainer/model/gpt_state.h"
+
 #include <algorithm>
 #include <numeric>
 #include <vector>
-
-#include "trainer/model/gpt.h"
-#include "trainer/model/gpt_state.h"
 
 namespace keel::trainer {
 

@@ -1,9 +1,9 @@
 #include "trainer/parallel/zero_storage.h"
 
+#include "common/error.h"
+
 #include <algorithm>
 #include <exception>
-
-#include "common/error.h"
 
 namespace keel::trainer {
 namespace {

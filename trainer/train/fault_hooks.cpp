@@ -1,5 +1,10 @@
 #include "trainer/train/fault_hooks.h"
 
+#include "checkpoint/paths.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/unique_fd.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -8,11 +13,6 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-
-#include "checkpoint/paths.h"
-#include "common/error.h"
-#include "common/log.h"
-#include "common/unique_fd.h"
 
 namespace keel::trainer {
 

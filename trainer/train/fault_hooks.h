@@ -4,13 +4,6 @@
 // asks the injector and returns.
 #pragma once
 
-#include <cstdint>
-#include <filesystem>
-#include <functional>
-#include <mutex>
-#include <string_view>
-#include <vector>
-
 #include "checkpoint/file_system.h"
 #include "common/config.h"
 #include "health/fault_injector.h"
@@ -18,6 +11,13 @@
 #include "trainer/kernels/backend_wrapper.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/zero_storage.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <string_view>
+#include <vector>
 
 namespace keel::trainer {
 

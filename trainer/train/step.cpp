@@ -1,14 +1,14 @@
 #include "trainer/train/step.h"
 
+#include "common/clock.h"
+#include "common/error.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
-
-#include "common/clock.h"
-#include "common/error.h"
 
 namespace keel::trainer {
 namespace {
