@@ -1,8 +1,14 @@
-// keel-bench-gemm: GPT-2 124M's GEMMs (batch 8 x 1024 tokens) three ways,
+// keel-bench-gemm: GPT-2 124M's GEMMs (batch 8 x 1024 tokens) four ways,
 // side by side in one run:
-//   backend     CudaBackend's matmuls as the trainer runs them today with
-//               bf16 GEMM inputs: each float32 operand rounded into a bf16
-//               copy by a kernel of keel's, then a bf16 GEMM;
+//   model       CudaBackend's matmuls on the operands the trainer hands them
+//               now with bf16 GEMM inputs: the weights' bf16 copy
+//               (ZeroStorage), the activations kept as bf16, each output in
+//               the type the model keeps it and each output gradient in the
+//               type it has (the residual stream's and qkv's float32,
+//               rounded by the backend; fc's and the logits' bf16);
+//   backend     the same matmuls on float32 operands only: each rounded
+//               into a bf16 copy by a kernel of keel's, then a bf16 GEMM
+//               (how the trainer ran them before its arrays became bf16);
 //   cublas_fast the same float32 operands given to cuBLASLt with
 //               CUBLAS_COMPUTE_32F_FAST_16BF, which rounds them itself;
 //   bf16_only   the bf16 GEMM alone on operands rounded beforehand: what
@@ -38,7 +44,13 @@ using keel::trainer::cuda::GemmInputs;
 struct Linear {
   int N, C, OC;
   float *x = nullptr, *w = nullptr, *bias = nullptr, *out = nullptr, *dout = nullptr, *dx = nullptr, *dw = nullptr;
-  void *x16 = nullptr, *w16 = nullptr, *dout16 = nullptr;
+  void *x16 = nullptr, *w16 = nullptr, *dout16 = nullptr, *out16 = nullptr;
+};
+
+// What the model keeps a linear's output and output gradient as (Gpt, docs/architecture.md "Dtypes").
+struct Kept {
+  bool out_bf16;   // qkv, the MLP's pre-activation and the logits are kept as bf16
+  bool dout_bf16;  // the pre-activation's gradient and the logits' are bf16
 };
 
 class Operands {
@@ -77,6 +89,7 @@ class Operands {
     l.dout16 = bf16(dout);
     l.bias = f32(random(OC));
     l.out = zeros(n * OC);
+    l.out16 = upload(nullptr, n * OC * sizeof(keel::trainer::bf16));
     l.dx = zeros(n * C);
     l.dw = zeros(static_cast<size_t>(OC) * C);
     return l;
@@ -106,14 +119,18 @@ void backward(CublasLtGemm& gemm, cudaStream_t s, GemmInputs in, const Linear& l
   gemm.run(s, false, true, l.C, l.OC, l.N, in, x, l.C, dout, l.OC, 1.0f, l.dw, l.C, nullptr);
 }
 
-nlohmann::json measure(CudaBackend& gpu, CublasLtGemm& gemm, const Linear& l, int warmup, int iterations) {
+nlohmann::json measure(CudaBackend& gpu, CublasLtGemm& gemm, const Linear& l, Kept kept, int warmup, int iterations) {
+  using keel::trainer::Buffer;
+  using keel::trainer::ConstBuffer;
   const cudaStream_t s = gpu.stream();
-  auto three_ways = [&](const std::function<void()>& backend, const std::function<void()>& fast,
-                        const std::function<void()>& bf16_only, double flops) {
+  auto four_ways = [&](const std::function<void()>& model, const std::function<void()>& backend,
+                       const std::function<void()>& fast, const std::function<void()>& bf16_only, double flops) {
+    const double model_ms = time_ms(s, model, warmup, iterations);
     const double backend_ms = time_ms(s, backend, warmup, iterations);
     const double fast_ms = time_ms(s, fast, warmup, iterations);
     const double bf16_ms = time_ms(s, bf16_only, warmup, iterations);
-    return nlohmann::json{{"backend_ms", backend_ms},
+    return nlohmann::json{{"model_ms", model_ms},
+                          {"backend_ms", backend_ms},
                           {"cublas_fast_ms", fast_ms},
                           {"bf16_only_ms", bf16_ms},
                           {"cublas_fast_speedup", backend_ms / fast_ms},
@@ -121,14 +138,18 @@ nlohmann::json measure(CudaBackend& gpu, CublasLtGemm& gemm, const Linear& l, in
                           {"cublas_fast_tflops", flops / (fast_ms * 1e-3) / 1e12}};
   };
   const double flops = 2.0 * l.N * l.C * l.OC;
-  return {
-      {"shape", {{"N", l.N}, {"C", l.C}, {"OC", l.OC}}},
-      {"forward", three_ways([&] { gpu.matmul_forward(l.out, l.x, l.w, l.bias, l.N, l.C, l.OC); },
-                             [&] { forward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w); },
-                             [&] { forward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16); }, flops)},
-      {"backward", three_ways([&] { gpu.matmul_backward(l.dx, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
-                              [&] { backward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w, l.dout); },
-                              [&] { backward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16, l.dout16); }, 2 * flops)}};
+  const ConstBuffer x16(l.x16, DType::kBF16), w16(l.w16, DType::kBF16);
+  const Buffer out = kept.out_bf16 ? Buffer(l.out16, DType::kBF16) : Buffer(l.out);
+  const ConstBuffer dout = kept.dout_bf16 ? ConstBuffer(l.dout16, DType::kBF16) : ConstBuffer(l.dout);
+  return {{"shape", {{"N", l.N}, {"C", l.C}, {"OC", l.OC}}},
+          {"forward", four_ways([&] { gpu.matmul_forward(out, x16, w16, l.bias, l.N, l.C, l.OC); },
+                                [&] { gpu.matmul_forward(l.out, l.x, l.w, l.bias, l.N, l.C, l.OC); },
+                                [&] { forward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w); },
+                                [&] { forward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16); }, flops)},
+          {"backward", four_ways([&] { gpu.matmul_backward(l.dx, l.dw, nullptr, dout, x16, w16, l.N, l.C, l.OC); },
+                                 [&] { gpu.matmul_backward(l.dx, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
+                                 [&] { backward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w, l.dout); },
+                                 [&] { backward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16, l.dout16); }, 2 * flops)}};
 }
 
 }  // namespace
@@ -147,25 +168,27 @@ int main(int argc, char** argv) {
   CudaBackend gpu(0, DType::kBF16);
   CublasLtGemm gemm;
   nlohmann::json layers = nlohmann::json::object();
-  double backend_ms = 0, fast_ms = 0, bf16_ms = 0;
+  double model_ms = 0, backend_ms = 0, fast_ms = 0, bf16_ms = 0;
   // Per block: qkv, attention projection, MLP up, MLP down; then the
   // classifier over the padded vocabulary (once per step).
   const struct {
     const char* name;
     int C, OC, per_step;
-  } shapes[] = {{"qkv", 768, 2304, 12},
-                {"attention_proj", 768, 768, 12},
-                {"mlp_fc", 768, 3072, 12},
-                {"mlp_proj", 3072, 768, 12},
-                {"classifier", 768, 50304, 1}};
+    Kept kept;
+  } shapes[] = {{"qkv", 768, 2304, 12, {true, false}},
+                {"attention_proj", 768, 768, 12, {false, false}},
+                {"mlp_fc", 768, 3072, 12, {true, true}},
+                {"mlp_proj", 3072, 768, 12, {false, false}},
+                {"classifier", 768, 50304, 1, {true, true}}};
   for (const auto& shape : shapes) {
     nlohmann::json m;
     {
       Operands operands(gpu);
-      m = measure(gpu, gemm, operands.linear(tokens, shape.C, shape.OC), warmup, iterations);
+      m = measure(gpu, gemm, operands.linear(tokens, shape.C, shape.OC), shape.kept, warmup, iterations);
       check(cudaStreamSynchronize(gpu.stream()), "cudaStreamSynchronize");
     }
     for (const char* pass : {"forward", "backward"}) {
+      model_ms += shape.per_step * m[pass]["model_ms"].get<double>();
       backend_ms += shape.per_step * m[pass]["backend_ms"].get<double>();
       fast_ms += shape.per_step * m[pass]["cublas_fast_ms"].get<double>();
       bf16_ms += shape.per_step * m[pass]["bf16_only_ms"].get<double>();
@@ -176,7 +199,8 @@ int main(int argc, char** argv) {
                                  {"tokens", tokens},
                                  {"shapes", layers},
                                  {"step_ms",
-                                  {{"backend", backend_ms},
+                                  {{"model", model_ms},
+                                   {"backend", backend_ms},
                                    {"cublas_fast", fast_ms},
                                    {"bf16_only", bf16_ms},
                                    {"cublas_fast_speedup", backend_ms / fast_ms}}}};
