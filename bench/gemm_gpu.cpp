@@ -5,7 +5,9 @@
 //               (ZeroStorage), the activations kept as bf16, each output in
 //               the type the model keeps it and each output gradient in the
 //               type it has (the residual stream's and qkv's float32,
-//               rounded by the backend; fc's and the logits' bf16);
+//               rounded by the backend; fc's and the logits' bf16), the
+//               MLP's projection taken on through GELU's derivative into a
+//               bf16 dpre as Gpt's backward does;
 //   backend     the same matmuls on float32 operands only: each rounded
 //               into a bf16 copy by a kernel of keel's, then a bf16 GEMM
 //               (how the trainer ran them before its arrays became bf16);
@@ -44,13 +46,14 @@ using keel::trainer::cuda::GemmInputs;
 struct Linear {
   int N, C, OC;
   float *x = nullptr, *w = nullptr, *bias = nullptr, *out = nullptr, *dout = nullptr, *dx = nullptr, *dw = nullptr;
-  void *x16 = nullptr, *w16 = nullptr, *dout16 = nullptr, *out16 = nullptr;
+  void *x16 = nullptr, *w16 = nullptr, *dout16 = nullptr, *out16 = nullptr, *dx16 = nullptr;
 };
 
 // What the model keeps a linear's output and output gradient as (Gpt, docs/architecture.md "Dtypes").
 struct Kept {
-  bool out_bf16;   // qkv, the MLP's pre-activation and the logits are kept as bf16
-  bool dout_bf16;  // the pre-activation's gradient and the logits' are bf16
+  bool out_bf16;      // qkv, the MLP's pre-activation and the logits are kept as bf16
+  bool dout_bf16;     // the pre-activation's gradient and the logits' are bf16
+  bool through_gelu;  // the MLP's projection: its input gradient goes on through GELU into a bf16 dpre
 };
 
 class Operands {
@@ -90,6 +93,7 @@ class Operands {
     l.bias = f32(random(OC));
     l.out = zeros(n * OC);
     l.out16 = upload(nullptr, n * OC * sizeof(keel::trainer::bf16));
+    l.dx16 = upload(nullptr, n * C * sizeof(keel::trainer::bf16));
     l.dx = zeros(n * C);
     l.dw = zeros(static_cast<size_t>(OC) * C);
     return l;
@@ -146,10 +150,19 @@ nlohmann::json measure(CudaBackend& gpu, CublasLtGemm& gemm, const Linear& l, Ke
                                 [&] { gpu.matmul_forward(l.out, l.x, l.w, l.bias, l.N, l.C, l.OC); },
                                 [&] { forward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w); },
                                 [&] { forward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16); }, flops)},
-          {"backward", four_ways([&] { gpu.matmul_backward(l.dx, l.dw, nullptr, dout, x16, w16, l.N, l.C, l.OC); },
-                                 [&] { gpu.matmul_backward(l.dx, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
-                                 [&] { backward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w, l.dout); },
-                                 [&] { backward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16, l.dout16); }, 2 * flops)}};
+          {"backward", four_ways(
+                           [&] {
+                             // The input x16 stands for GELU's output and for the pre-activation it came from.
+                             if (kept.through_gelu) {
+                               gpu.matmul_backward_through_gelu(Buffer(l.dx16, DType::kBF16), l.dw, nullptr, dout, x16,
+                                                                w16, x16, l.N, l.C, l.OC);
+                             } else {
+                               gpu.matmul_backward(l.dx, l.dw, nullptr, dout, x16, w16, l.N, l.C, l.OC);
+                             }
+                           },
+                           [&] { gpu.matmul_backward(l.dx, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
+                           [&] { backward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w, l.dout); },
+                           [&] { backward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16, l.dout16); }, 2 * flops)}};
 }
 
 }  // namespace
@@ -175,11 +188,11 @@ int main(int argc, char** argv) {
     const char* name;
     int C, OC, per_step;
     Kept kept;
-  } shapes[] = {{"qkv", 768, 2304, 12, {true, false}},
-                {"attention_proj", 768, 768, 12, {false, false}},
-                {"mlp_fc", 768, 3072, 12, {true, true}},
-                {"mlp_proj", 3072, 768, 12, {false, false}},
-                {"classifier", 768, 50304, 1, {true, true}}};
+  } shapes[] = {{"qkv", 768, 2304, 12, {true, false, false}},
+                {"attention_proj", 768, 768, 12, {false, false, false}},
+                {"mlp_fc", 768, 3072, 12, {true, true, false}},
+                {"mlp_proj", 3072, 768, 12, {false, false, true}},
+                {"classifier", 768, 50304, 1, {true, true, false}}};
   for (const auto& shape : shapes) {
     nlohmann::json m;
     {

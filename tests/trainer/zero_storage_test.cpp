@@ -69,7 +69,7 @@ TEST_SUITE("unit") {
       keel::test::MemoryStore store;
       // Each check's result on both DP ranks, by rank.
       std::vector<std::string> after_init(2), after_update(2), after_write(2), after_adamw(2);
-      std::vector<int> rounds_init(2), rounds_backward(2), rounds_adamw(2);
+      std::vector<int> rounds_init(2), rounds_backward(2), rounds_adamw(2), rounds_after_save(2);
       auto rank = [&](int r) {
         GlooCommunicator comm(store, "dp", r, 2, 60s, nullptr);
         CountingRounds backend;
@@ -111,6 +111,12 @@ TEST_SUITE("unit") {
           storage.publish_parameters(/*gemm_copy_written=*/true);
           after_adamw[r] = stale_gemm_copy(storage, table);
           rounds_adamw[r] = backend.rounds - before;
+          // A save reads the parameters and leaves the copy current.
+          const int before_save = backend.rounds;
+          storage.params_for_io();
+          for (size_t t = 0; t < table.specs().size(); ++t) storage.owned_parameters_for_io(t);
+          for (int u = 0; u < table.unit_count(); ++u) storage.acquire_parameters(u);
+          rounds_after_save[r] = backend.rounds - before_save;
         }
       };
       std::thread peer(rank, 1);
@@ -123,6 +129,7 @@ TEST_SUITE("unit") {
         CHECK_MESSAGE(after_write[r].empty(), after_write[r]);
         CHECK_MESSAGE(after_adamw[r].empty(), after_adamw[r]);
         CHECK(rounds_adamw[r] == 0);
+        CHECK(rounds_after_save[r] == 0);
         // Once per unit, not once per GEMM (at ZeRO-3 once per gather).
         CHECK(rounds_init[r] == table.unit_count());
         if (stage < 3) CHECK(rounds_backward[r] == 0);

@@ -135,8 +135,12 @@ void ZeroStorage::init(uint64_t seed) {
 }
 
 float* ZeroStorage::params() {
-  if (stage_ == 3) throw common::Error(common::ErrorCode::kInternal, "ZeRO-3 holds no whole parameter buffer");
   gemm_copy_stale();
+  return params_for_io();
+}
+
+float* ZeroStorage::params_for_io() {
+  if (stage_ == 3) throw common::Error(common::ErrorCode::kInternal, "ZeRO-3 holds no whole parameter buffer");
   return params_.data();
 }
 
@@ -197,6 +201,10 @@ size_t ZeroStorage::owned_numel(size_t t) const {
 
 float* ZeroStorage::owned_parameters(size_t t) {
   gemm_copy_stale();
+  return owned_parameters_for_io(t);
+}
+
+float* ZeroStorage::owned_parameters_for_io(size_t t) {
   if (stage_ == 3) return params_.data() + packed_offset_[t];
   const size_t begin = stage_ == 0 ? 0 : shards_->shard_begin(t, rank_of(t));
   return params_.data() + table_.specs()[t].offset + begin;

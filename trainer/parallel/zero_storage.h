@@ -36,7 +36,10 @@
 // owned_parameters()), init() and publish_parameters() make every copy
 // stale. So the weights are rounded once a step (at stage 3 once a gather),
 // not at each of the GEMMs that read them, and no writer can leave the
-// GEMMs an old copy (docs/architecture.md "GPU step"). At stage 0 the
+// GEMMs an old copy (docs/architecture.md "GPU step"), provided it writes
+// before the next acquire_parameters: a pointer kept across steps and
+// written later would escape the mark. Readers (saves, digests) take the
+// *_for_io accessors, which leave the copy as it is. At stage 0 the
 // optimizer writes the copy itself as it updates (owned_gemm_copy), and
 // says so to publish_parameters, so nothing is rounded apart.
 //
@@ -99,6 +102,12 @@ class ZeroStorage final : public ModelStorage {
   // (parameters below stage 3, gradients below stage 2). Throw otherwise.
   // params() makes the GEMM copy stale, as owned_parameters() does.
   float* params();
+  // The same memory as params() and owned_parameters(t), leaving the GEMM
+  // copy as it is: for readers (checkpoint and snapshot saves, the replica
+  // digest) and for a loader that calls publish_parameters() once it has
+  // written, which makes the copy stale then.
+  float* params_for_io();
+  float* owned_parameters_for_io(size_t t);
   float* grads();
 
   // Starts a step's gradient accumulation from zero.

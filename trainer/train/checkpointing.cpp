@@ -97,12 +97,14 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std
         end = begin + storage_.owned_rows(t);
       }
       // Where local row `begin` lives: parameters are whole below ZeRO-3,
-      // everything else starts at the first owned row.
+      // everything else starts at the first owned row. (The loads that
+      // write through these call publish_parameters() after, which makes
+      // the GEMMs' copy stale; a save leaves it current.)
       float* base = nullptr;
       if (model && storage_.stage() < 3) {
-        base = storage_.params() + spec.offset + begin * row_numel;
+        base = storage_.params_for_io() + spec.offset + begin * row_numel;
       } else {
-        float* owned = model ? storage_.owned_parameters(t)
+        float* owned = model ? storage_.owned_parameters_for_io(t)
                              : (group == kExpAvg ? optimizer_.exp_avg(t) : optimizer_.exp_avg_sq(t));
         base = owned + (begin - owned_begin) * row_numel;
       }
@@ -440,9 +442,9 @@ std::string TrainLoop::parameter_digest() {
   std::vector<FloatSpan> spans;
   for (size_t t = 0; t < table_.specs().size(); ++t) {
     if (storage_.stage() == 3) {
-      spans.push_back({storage_.owned_parameters(t), storage_.owned_numel(t)});
+      spans.push_back({storage_.owned_parameters_for_io(t), storage_.owned_numel(t)});
     } else {
-      spans.push_back({storage_.params() + table_.specs()[t].offset, table_.specs()[t].numel});
+      spans.push_back({storage_.params_for_io() + table_.specs()[t].offset, table_.specs()[t].numel});
     }
   }
   return fmt::format("{:016x}", digest_of(backend_, spans));

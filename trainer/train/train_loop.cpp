@@ -159,7 +159,7 @@ ReplicatedState TrainLoop::replicated_state() {
   // every DP rank of one EP rank; at ZeRO-0 so are the optimizer moments, so a flip there
   // shows at once rather than after it reaches the parameters.
   const size_t params = storage_.parameter_bytes() / sizeof(float);
-  std::vector<FloatSpan> spans = {{storage_.params(), params}};
+  std::vector<FloatSpan> spans = {{storage_.params_for_io(), params}};
   if (storage_.stage() == 0) {
     spans.push_back({optimizer_.exp_avg(0), params});
     spans.push_back({optimizer_.exp_avg_sq(0), params});

@@ -36,7 +36,7 @@
 namespace keel::trainer {
 
 // Bytes this rank holds for the model's state: docs/architecture.md "Parallel layout and communication"'s ZeRO formulas
-// count the first three; `working` carries units to and from collectives.
+// count params, grads and optimizer; `working` carries units to and from collectives.
 struct MemoryUse {
   size_t params = 0;
   size_t gemm_copy = 0;  // the GEMMs' bf16 copy of the parameters (ZeroStorage)

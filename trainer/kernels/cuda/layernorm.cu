@@ -54,7 +54,7 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
 // order, adding the row's input gradient into dinp and, with partial_w
 // (and partial_b), summing the chunk's partials. Null dinp or partials:
 // that half is skipped (a split backward takes them in separate passes).
-__global__ void layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout,
+__global__ void __launch_bounds__(1024) layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout,
                                           const float* inp, const float* weight, const float* mean,
                                           const float* rstd, int N, int C) {
   __shared__ float dnorm_mean[kRowChunk], dnorm_norm_mean[kRowChunk];
