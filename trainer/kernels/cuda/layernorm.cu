@@ -54,9 +54,9 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
 // order, adding the row's input gradient into dinp and, with partial_w
 // (and partial_b), summing the chunk's partials. Null dinp or partials:
 // that half is skipped (a split backward takes them in separate passes).
-__global__ void __launch_bounds__(1024) layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout,
-                                          const float* inp, const float* weight, const float* mean,
-                                          const float* rstd, int N, int C) {
+__global__ void __launch_bounds__(1024)
+    layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout, const float* inp,
+                              const float* weight, const float* mean, const float* rstd, int N, int C) {
   __shared__ float dnorm_mean[kRowChunk], dnorm_norm_mean[kRowChunk];
   const int first = static_cast<int>(blockIdx.x) * kRowChunk;
   const int rows = min(kRowChunk, N - first);
@@ -137,8 +137,8 @@ void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, 
   // A thread a column, up to a full block: at GPT-2's C = 768, 24 warps for
   // the chunk's 32 rows, and N / 32 blocks (256 at batch 8) of them.
   const int threads = std::min(1024, (C + kWarp - 1) / kWarp * kWarp);
-  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, partial_w, partial_b, dout, inp, weight, mean,
-                                                              rstd, N, C);
+  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, partial_w, partial_b, dout, inp, weight, mean, rstd,
+                                                              N, C);
   check_launch("layernorm_backward");
   if (dweight != nullptr) column_sum_accumulate(dweight, partial_w, chunks, C, stream());
   if (dbias != nullptr) column_sum_accumulate(dbias, partial_b, chunks, C, stream());
