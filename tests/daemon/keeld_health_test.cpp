@@ -241,7 +241,8 @@ TEST_SUITE("integration") {
     // throttled node would impose, shorter than a step so that every step
     // is slowed (the score's medians pass over a stall that hits a few).
     // With two ranks the median is their mean, so the victim reads half its
-    // slowdown above it: 9-17% in seven runs here, flagged by step 27.
+    // slowdown above it: scores of 0.10-0.38 in seven runs here (0.38 beside
+    // another job), flagged by step 27.
     std::atomic<bool> done{false};
     std::thread duty([&] {
       while (!done.load() && ::kill(victim, SIGSTOP) == 0) {
