@@ -3,7 +3,9 @@
 // emulator and launched as attention_tc.cu launches them, held to the CPU
 // backend's bf16 attention within the bound the gpu test holds the real
 // ones to. This runs on every CI machine: it proves the lane addressing,
-// fragment bookkeeping, masks, offsets and accumulation of the kernels;
+// fragment bookkeeping, masks, offsets and accumulation of the kernels,
+// and that every tile a cp.async brings is waited for before it is read
+// and read by every warp before the next one is copied over it;
 // speed and the hardware's own rounding are left to the gpu tests.
 #include "tests/trainer/warp_emulator.h"
 // After the emulator: the kernels use what it declares.
@@ -44,17 +46,17 @@ void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& g
   keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kForwardSharedBytes<D>,
                          [&] { tc::attention_forward_tc_kernel<D, T, float>(out, lse, in, scale * tc::kLog2e); });
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
-  Vec row_dots(rows, NAN);
+  Vec lse2(rows, NAN), dots(rows, NAN);
+  std::vector<__nv_bfloat16> dout16(static_cast<size_t>(in.B) * in.Tq * in.C, __nv_bfloat16{0xffff});
+  const tc::RowStats stats{lse2.data(), dots.data(), dout16.data()};
   const unsigned warps_per_block = keel::trainer::cuda::kThreads / keel::trainer::cuda::kWarp;
   keel::emulator::launch(static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), 1,
                          keel::trainer::cuda::kThreads, 0,
-                         [&] { tc::attention_row_dots_kernel(row_dots.data(), dout, out, in); });
-  keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
-    tc::attention_backward_keys_tc_kernel<D, T>(grads, dout, lse, row_dots.data(), in, scale);
-  });
-  keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardSharedBytes<D>, [&] {
-    tc::attention_backward_queries_tc_kernel<D, T>(grads, dout, lse, row_dots.data(), in, scale);
-  });
+                         [&] { tc::attention_row_stats_kernel(stats, dout, out, lse, in); });
+  keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardKeysSharedBytes<D>,
+                         [&] { tc::attention_backward_keys_tc_kernel<D, T>(grads, stats, in, scale); });
+  keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardQueriesSharedBytes<D>,
+                         [&] { tc::attention_backward_queries_tc_kernel<D, T>(grads, stats, in, scale); });
 }
 
 struct Shape {

@@ -10,9 +10,11 @@
 // that a kernel's lane addressing and fragment bookkeeping are right, the
 // part a GPU run would otherwise be the first to test. It also stops on
 // what the hardware would fault on or silently misread: an ldmatrix row
-// not 16-byte aligned, a float4 or 16-byte load not 16-byte aligned, shared memory
-// outside the block's dynamic allocation. Shared memory starts as NaN
-// bytes, so reading what no thread wrote shows in the results. Sums
+// not 16-byte aligned, a float4 load or a cp.async not aligned to its
+// size, shared memory outside the block's dynamic allocation, cp.async
+// copies a thread never waited for. Shared memory starts as NaN bytes, so
+// reading what no thread wrote shows in the results, and so does reading
+// what a cp.async has not yet brought (see AsyncCopies). Sums
 // inside one mma run in double, the hardware's order being unspecified.
 //
 // Include it before the kernel header, outside any namespace.
@@ -25,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -85,6 +88,31 @@ struct Warp {
   float value[32] = {};
 };
 
+inline void fail(const char* what) {
+  // A thread of the emulated block cannot throw to the test: stop loudly.
+  std::fprintf(stderr, "warp emulator: %s\n", what);
+  std::abort();
+}
+
+// The cp.async copies a thread has in flight: each destination is
+// poisoned (NaN bytes) when the copy is issued and written when a wait
+// covers its group, so a kernel that reads a tile before waiting for it,
+// or issues a copy over one another warp still reads, shows it in its
+// results.
+struct AsyncCopy {
+  unsigned char* to;
+  const void* from;
+  size_t bytes;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;                   // issued since the last commit
+  std::deque<std::vector<AsyncCopy>> committed;  // oldest first
+};
+inline AsyncCopies& async_copies() {
+  thread_local AsyncCopies copies;
+  return copies;
+}
+
 // The block being emulated.
 struct Block {
   std::vector<unsigned char> shared;
@@ -118,17 +146,13 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, size_t sh
           threadIdx = {t, 0, 0};
           blockIdx = {bx, by, 0};
           body();
+          const AsyncCopies& copies = async_copies();
+          if (!copies.open.empty() || !copies.committed.empty()) fail("cp.async copies never waited for");
         });
       }
       for (std::thread& t : running) t.join();
     }
   }
-}
-
-inline void fail(const char* what) {
-  // A thread of the emulated block cannot throw to the test: stop loudly.
-  std::fprintf(stderr, "warp emulator: %s\n", what);
-  std::abort();
 }
 
 }  // namespace keel::emulator
@@ -161,7 +185,8 @@ inline void store(__nv_bfloat16* to, float value) { to->bits = emulator::to_bf16
 inline float load(const float* from) { return *from; }
 inline float load(const __nv_bfloat16* from) { return emulator::from_bf16(from->bits); }
 inline size_t global_warp() { return (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) / kWarp; }
-template <typename T> inline T warp_sum(T x) {
+template <typename T>
+inline T warp_sum(T x) {
   for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
@@ -239,16 +264,35 @@ inline uint32_t bf16_pair(float lo, float hi) {
   return emulator::to_bf16(lo) | (static_cast<uint32_t>(emulator::to_bf16(hi)) << 16);
 }
 
+inline void emulated_copy_async(void* shared, const void* global, size_t bytes) {
+  const uint32_t at = shared_address(shared);
+  if (at % bytes != 0 || reinterpret_cast<uintptr_t>(global) % bytes != 0) {
+    emulator::fail("cp.async address not aligned to its size");
+  }
+  if (at + bytes > emulator::block().shared.size()) emulator::fail("cp.async writes past shared memory");
+  auto* to = static_cast<unsigned char*>(shared);
+  std::memset(to, 0xff, bytes);
+  emulator::async_copies().open.push_back({to, global, bytes});
+}
+inline void copy_16_bytes_async(void* shared, const void* global) { emulated_copy_async(shared, global, 16); }
+inline void copy_4_bytes_async(void* shared, const void* global) { emulated_copy_async(shared, global, 4); }
+inline void commit_async_copies() {
+  auto& copies = emulator::async_copies();
+  copies.committed.push_back(std::move(copies.open));
+  copies.open.clear();
+}
+template <int N>
+inline void wait_async_copies() {
+  auto& copies = emulator::async_copies();
+  while (copies.committed.size() > static_cast<size_t>(N)) {
+    for (const auto& c : copies.committed.front()) std::memcpy(c.to, c.from, c.bytes);
+    copies.committed.pop_front();
+  }
+}
+
 inline float4 load_float4(const float* p) {
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) emulator::fail("float4 load not 16-byte aligned");
   return {p[0], p[1], p[2], p[3]};
-}
-
-inline uint4 load_16_bytes(const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) emulator::fail("16-byte load not 16-byte aligned");
-  uint4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
 }
 
 }  // namespace keel::trainer::cuda

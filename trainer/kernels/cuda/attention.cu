@@ -294,11 +294,12 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
   check_views(in, gemm_inputs_);
   if (query_rows == 0 || key_rows == 0) return;
-  auto* row_dots = static_cast<float*>(scratch(query_rows * sizeof(float)));
-  if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in, dout)) {
-    tensor_core_attention_backward(stream(), grads, dout, out, lse, in, row_dots);
+  if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in)) {
+    tensor_core_attention_backward(stream(), grads, dout, out, lse, in,
+                                   scratch(tensor_core_attention_scratch_bytes(in)));
     return;
   }
+  auto* row_dots = static_cast<float*>(scratch(query_rows * sizeof(float)));
   check_head_dim(in.C, in.NH);
   const float scale = attention_scale(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {

@@ -5,14 +5,17 @@
 // float32 accumulators, which Hopper runs at full tensor-core rate):
 // * a block of 4 warps takes a tile of 64 rows, each warp 16 of them, and
 //   walks the other side's tiles of 64; tiles are read from the views into
-//   shared memory as bf16 (float32 views rounded, bf16 ones copied; rows
-//   16 bytes longer than the head, so ldmatrix's eight rows fall on
-//   different banks);
+//   shared memory as bf16 (float32 views rounded, bf16 ones copied by
+//   cp.async, the next tile on its way while the warps multiply the
+//   current one; rows 16 bytes longer than the head, so ldmatrix's eight
+//   rows fall on different banks);
 // * forward, per query tile: S = Q K^T, an online softmax in base 2 kept
 //   per row (the 4 lanes of a quad hold a row's columns), P rounded to
 //   bf16 straight from S's accumulators into the A operand of O += P V;
 //   the log-sum-exp is written in natural log, as the interface says;
-// * backward: D_t = dO_t . O_t per row first; then per key tile dK and dV
+//   only tile pairs the causal diagonal or an edge cuts are masked;
+// * backward: per row first D_t = dO_t . O_t, the log-sum-exp in base 2
+//   and dO rounded to bf16 (scratch the backend lends); then per key tile dK and dV
 //   over the query tiles that see it (S^T = K Q^T, dP^T = V dO^T, P^T and
 //   dS^T, then dV += P^T dO and dK += dS^T Q), and per query tile dQ over
 //   its key tiles (dQ += dS K). Every output row has one writer and every
@@ -81,13 +84,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-bool tensor_core_attention_fits(const Inputs& in, const float* dout) {
+bool tensor_core_attention_fits(const Inputs& in) {
   const int d = in.NH > 0 && in.C % in.NH == 0 ? in.C / in.NH : 0;
   // Rows of whole 16-byte vectors: 4 floats or 8 bf16.
   const int vector = static_cast<int>(16 / dtype_bytes(in.dtype));
   return (d == 64 || d == 128) && in.ld_q % vector == 0 && in.ld_kv % vector == 0 && aligned16(in.q) &&
-         aligned16(in.k) && aligned16(in.v) && (dout == nullptr || aligned16(dout)) && in.Tq > 0 && in.Tk > 0 &&
-         static_cast<long>(in.B) * in.NH <= 65535;
+         aligned16(in.k) && aligned16(in.v) && in.Tq > 0 && in.Tk > 0 && static_cast<long>(in.B) * in.NH <= 65535;
+}
+
+size_t tensor_core_attention_scratch_bytes(const Inputs& in) {
+  const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
+  return static_cast<size_t>(in.B) * in.Tq * in.C * sizeof(__nv_bfloat16) + 2 * rows * sizeof(float);
 }
 
 void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, const Inputs& in) {
@@ -96,8 +103,7 @@ void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, 
       constexpr int D = decltype(dim)::value;
       using T = decltype(element);
       using O = std::remove_pointer_t<decltype(to)>;
-      static const bool allowed =
-          allow_shared_memory(attention_forward_tc_kernel<D, T, O>, kForwardSharedBytes<D>);
+      static const bool allowed = allow_shared_memory(attention_forward_tc_kernel<D, T, O>, kForwardSharedBytes<D>);
       (void)allowed;
       launch_tiles("attention_forward (tensor cores)", attention_forward_tc_kernel<D, T, O>, tiles_of(in.Tq), in,
                    kForwardSharedBytes<D>, stream, to, lse, in, attention_scale(D) * kLog2e);
@@ -106,25 +112,28 @@ void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, 
 }
 
 void tensor_core_attention_backward(cudaStream_t stream, const Backend::AttentionGrads& grads, const float* dout,
-                                    ConstBuffer out, const float* lse, const Inputs& in, float* row_dots) {
+                                    ConstBuffer out, const float* lse, const Inputs& in, void* scratch) {
   const size_t rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
+  // dO's bf16 copy first: cudaMalloc's alignment is what its 16-byte copies need.
+  RowStats stats;
+  stats.dout = static_cast<__nv_bfloat16*>(scratch);
+  stats.lse2 = reinterpret_cast<float*>(stats.dout + static_cast<size_t>(in.B) * in.Tq * in.C);
+  stats.dots = stats.lse2 + rows;
   with_type<__nv_bfloat16>(out, [&](const auto* o) {
-    attention_row_dots_kernel<<<grid_for_warps(rows), kThreads, 0, stream>>>(row_dots, dout, o, in);
+    attention_row_stats_kernel<<<grid_for_warps(rows), kThreads, 0, stream>>>(stats, dout, o, lse, in);
   });
-  check_launch("attention_backward (row dots)");
+  check_launch("attention_backward (row statistics)");
   with_head_dim(in, [&](auto dim, auto element) {
     constexpr int D = decltype(dim)::value;
     using T = decltype(element);
-    const size_t shared_bytes = kBackwardSharedBytes<D>;
-    static const bool allowed = allow_shared_memory(attention_backward_keys_tc_kernel<D, T>, shared_bytes) &&
-                                allow_shared_memory(attention_backward_queries_tc_kernel<D, T>, shared_bytes);
+    static const bool allowed =
+        allow_shared_memory(attention_backward_keys_tc_kernel<D, T>, kBackwardKeysSharedBytes<D>) &&
+        allow_shared_memory(attention_backward_queries_tc_kernel<D, T>, kBackwardQueriesSharedBytes<D>);
     (void)allowed;
-    launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D, T>,
-                 tiles_of(in.Tk), in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
-                 attention_scale(D));
+    launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D, T>, tiles_of(in.Tk),
+                 in, kBackwardKeysSharedBytes<D>, stream, grads, stats, in, attention_scale(D));
     launch_tiles("attention_backward (queries, tensor cores)", attention_backward_queries_tc_kernel<D, T>,
-                 tiles_of(in.Tq), in, shared_bytes, stream, grads, dout, lse, static_cast<const float*>(row_dots), in,
-                 attention_scale(D));
+                 tiles_of(in.Tq), in, kBackwardQueriesSharedBytes<D>, stream, grads, stats, in, attention_scale(D));
   });
 }
 

@@ -7,19 +7,22 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 namespace keel::trainer::cuda {
 
 // Whether the tensor-core kernels take these views: head dimension 64 or
-// 128, rows of whole float4s on 16-byte boundaries (and dout's, when
-// given), at most 65535 (batch, head) pairs. Otherwise the float32
-// kernels of attention.cu serve.
-bool tensor_core_attention_fits(const Backend::AttentionInputs& in, const float* dout = nullptr);
+// 128, rows of whole 16-byte vectors on 16-byte boundaries, at most 65535
+// (batch, head) pairs. Otherwise the float32 kernels of attention.cu serve.
+bool tensor_core_attention_fits(const Backend::AttentionInputs& in);
 
 void tensor_core_attention_forward(cudaStream_t stream, Buffer out, float* lse, const Backend::AttentionInputs& in);
 
-// row_dots: device scratch of B * NH * Tq floats (D_t = dO_t . O_t).
+// scratch: device memory of tensor_core_attention_scratch_bytes(in), at
+// least 16-byte aligned (the rows' statistics and dO as bf16).
+size_t tensor_core_attention_scratch_bytes(const Backend::AttentionInputs& in);
 void tensor_core_attention_backward(cudaStream_t stream, const Backend::AttentionGrads& grads, const float* dout,
                                     ConstBuffer out, const float* lse, const Backend::AttentionInputs& in,
-                                    float* row_dots);
+                                    void* scratch);
 
 }  // namespace keel::trainer::cuda

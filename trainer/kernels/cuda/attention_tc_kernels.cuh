@@ -6,6 +6,7 @@
 #pragma once
 
 #include "trainer/kernels/backend.h"
+#include "trainer/kernels/host_device.h"
 
 #include <cmath>
 #include <cstddef>
@@ -32,15 +33,46 @@ constexpr int kRowStride = D + 8;
 template <int D>
 constexpr size_t kTileBytes = static_cast<size_t>(kTile) * kRowStride<D> * sizeof(__nv_bfloat16);
 
+// What a block keeps in shared memory of a tile of keys (K and V) and of
+// a tile of queries in the backward (Q, dO and the rows' statistics).
+// Each kernel keeps its own tile once and two of the tiles it walks, the
+// next one arriving while it works on the current one (double_buffered).
+template <int D>
+struct KeyTiles {
+  static constexpr size_t kBytes = 2 * kTileBytes<D>;
+  __nv_bfloat16 *k, *v;
+  __device__ explicit KeyTiles(unsigned char* at)
+      : k(reinterpret_cast<__nv_bfloat16*>(at)), v(k + kTile * kRowStride<D>) {}
+};
+template <int D>
+struct QueryTiles {
+  static constexpr size_t kBytes = 2 * kTileBytes<D> + 2 * kTile * sizeof(float);
+  __nv_bfloat16 *q, *dout;
+  float *lse2, *dots;  // the log-sum-exp in base-2 units and D_t
+  __device__ explicit QueryTiles(unsigned char* at)
+      : q(reinterpret_cast<__nv_bfloat16*>(at)),
+        dout(q + kTile * kRowStride<D>),
+        lse2(reinterpret_cast<float*>(dout + kTile * kRowStride<D>)),
+        dots(lse2 + kTile) {}
+};
+
 // Launch geometry: a block of kTileThreads per tile of 64 rows (grid x)
 // and (batch, head) pair (grid y), with this much dynamic shared memory;
-// the row dots a warp per query row in blocks of kThreads.
-inline int tiles_of(int rows) { return (rows + kTile - 1) / kTile; }
+// the row statistics a warp per query row in blocks of kThreads.
+KEEL_HOST_DEVICE inline int tiles_of(int rows) { return (rows + kTile - 1) / kTile; }
 template <int D>
-constexpr size_t kForwardSharedBytes = 3 * kTileBytes<D>;
+constexpr size_t kForwardSharedBytes = kTileBytes<D> + 2 * KeyTiles<D>::kBytes;
 template <int D>
-constexpr size_t kBackwardSharedBytes = 4 * kTileBytes<D> + 2 * kTile * sizeof(float);
+constexpr size_t kBackwardKeysSharedBytes = KeyTiles<D>::kBytes + 2 * QueryTiles<D>::kBytes;
+template <int D>
+constexpr size_t kBackwardQueriesSharedBytes = QueryTiles<D>::kBytes + 2 * KeyTiles<D>::kBytes;
 
+// What attention_row_stats_kernel leaves the backward kernels per query
+// row: lse2 and dots [B, NH, Tq], and dO rounded to bf16 [B, Tq, C].
+struct RowStats {
+  float *lse2, *dots;
+  __nv_bfloat16* dout;
+};
 
 // The A operand of a 16x16 product from the accumulators of two 16x8
 // tiles side by side (columns 16j .. 16j + 15 of a 16-row result): the
@@ -118,7 +150,8 @@ KEEL_UNROLL
 }
 
 // Rows [0, 64) of a view (row r at src + r * ld) into `tile` as bf16: a
-// float32 view rounded, a bf16 one copied 16 bytes at a time; rows at or
+// float32 view rounded as it is read, a bf16 one copied 16 bytes at a time
+// by cp.async (in flight until the caller waits for its group); rows at or
 // past `valid` are zeros.
 template <int D>
 __device__ inline void load_tile(__nv_bfloat16* tile, const float* src, int ld, int valid) {
@@ -137,10 +170,32 @@ __device__ inline void load_tile(__nv_bfloat16* tile, const __nv_bfloat16* src, 
   constexpr int kVectors = D / 8;
   for (int i = static_cast<int>(threadIdx.x); i < kTile * kVectors; i += kTileThreads) {
     const int r = i / kVectors, c = i % kVectors * 8;
-    uint4 v{0u, 0u, 0u, 0u};
-    if (r < valid) v = load_16_bytes(src + static_cast<size_t>(r) * ld + c);
-    *reinterpret_cast<uint4*>(tile + r * kRowStride<D> + c) = v;
+    __nv_bfloat16* dst = tile + r * kRowStride<D> + c;
+    if (r < valid) {
+      copy_16_bytes_async(dst, src + static_cast<size_t>(r) * ld + c);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u};
+    }
   }
+}
+
+// Runs work(i, stage) for tiles i in [0, count), tile i in buffer
+// stage = i % 2, while tile i + 1's copies (issued by load(i + 1, stage ^ 1))
+// are on their way. Copies the caller issued before the call arrive with
+// tile 0's; all have arrived when it returns.
+template <class Load, class Work>
+__device__ inline void double_buffered(int count, Load&& load, Work&& work) {
+  if (count > 0) load(0, 0);
+  commit_async_copies();
+  for (int i = 0; i < count; ++i) {
+    if (i + 1 < count) load(i + 1, (i + 1) % 2);
+    commit_async_copies();
+    wait_async_copies<1>();  // every group but the newest: tile i's
+    __syncthreads();         // tile i, as every thread copied or stored it, is in place
+    work(i, i % 2);
+    __syncthreads();  // every warp is done with buffer i % 2 before tile i + 2 is copied into it
+  }
+  wait_async_copies<0>();
 }
 
 // Where head h of batch b starts in a view: in q, k and v (of element
@@ -179,24 +234,17 @@ struct TileLane {
   __device__ TileLane() : warp(static_cast<int>(threadIdx.x) / kWarp), g(lane() / 4), quad(lane() % 4) {}
 };
 
-// The backward kernels' shared memory: the four tiles of a key tile and a
-// query tile, and the query tile's statistics (lse in base-2 units, D_t).
-template <int D>
-struct BackwardShared {
-  __nv_bfloat16 *q, *dout, *k, *v;
-  float *lse2, *dots;
-  __device__ explicit BackwardShared(unsigned char* shared)
-      : q(reinterpret_cast<__nv_bfloat16*>(shared)),
-        dout(q + kTile * kRowStride<D>),
-        k(dout + kTile * kRowStride<D>),
-        v(k + kTile * kRowStride<D>),
-        lse2(reinterpret_cast<float*>(v + kTile * kRowStride<D>)),
-        dots(lse2 + kTile) {}
-};
-
 // Whether query t sees key s: the causal mask at the views' offsets.
 __device__ inline bool sees(const Inputs& in, int t, int s) {
   return t < in.Tq && s < in.Tk && in.k_offset + s <= in.q_offset + t;
+}
+
+// Whether every query of the tile at t0 sees every key of the tile at s0:
+// then the forward skips the mask (most pairs lie below the diagonal). The
+// backward kernels mask every pair: skipping it there cost the key kernel
+// 244 registers against 170 in ptxas (sm_90, head 64), a block less per SM.
+__device__ inline bool all_seen(const Inputs& in, int t0, int s0) {
+  return t0 + kTile <= in.Tq && s0 + kTile <= in.Tk && in.k_offset + s0 + kTile - 1 <= in.q_offset + t0;
 }
 
 // Keys [0, result) hold every key some query of [t0, t0 + 64) sees.
@@ -205,13 +253,35 @@ __device__ inline int keys_seen_by_tile(const Inputs& in, int t0) {
   return max(0, min(in.q_offset + last - in.k_offset + 1, in.Tk));
 }
 
+// The copies of a key tile, and of a query tile of the backward (its
+// statistics 4 bytes at a time, 0 past the last query).
+template <int D, typename T>
+__device__ inline void load_keys(const KeyTiles<D>& to, const Inputs& in, const Head& head, int s0) {
+  load_tile<D>(to.k, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
+  load_tile<D>(to.v, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
+}
+template <int D, typename T>
+__device__ inline void load_queries(const QueryTiles<D>& to, const RowStats& stats, const Inputs& in, const Head& head,
+                                    int t0) {
+  load_tile<D>(to.q, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
+  load_tile<D>(to.dout, stats.dout + head.dense(in, t0), in.C, in.Tq - t0);
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * kTile; i += kTileThreads) {
+    const int r = i % kTile;
+    float* dst = (i < kTile ? to.lse2 : to.dots) + r;
+    if (t0 + r < in.Tq) {
+      copy_4_bytes_async(dst, (i < kTile ? stats.lse2 : stats.dots) + head.stat(in, t0 + r));
+    } else {
+      *dst = 0.0f;
+    }
+  }
+}
+
 template <int D, typename T, typename O>
 __global__ void __launch_bounds__(kTileThreads)
     attention_forward_tc_kernel(O* out, float* lse, Inputs in, float scale_log2) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
   auto* q_tile = reinterpret_cast<__nv_bfloat16*>(shared);
-  auto* k_tile = q_tile + kTile * kRowStride<D>;
-  auto* v_tile = k_tile + kTile * kRowStride<D>;
+  auto keys_in = [&](int stage) { return KeyTiles<D>(shared + kTileBytes<D> + stage * KeyTiles<D>::kBytes); };
   // Tiles of later queries see more keys: they start first.
   const int t0 = (gridDim.x - 1 - blockIdx.x) * kTile;
   const Head head = block_head(in);
@@ -220,59 +290,57 @@ __global__ void __launch_bounds__(kTileThreads)
   const int row[2] = {t0 + warp * 16 + at.g, t0 + warp * 16 + at.g + 8};
 
   load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
-  __syncthreads();
   uint32_t q_frag[D / 16][4];
-  load_rows_as_a<D>(q_frag, q_tile, warp);
-
   float o[D / 8][4] = {};
   // Per row: the running maximum of the scores (base-2 units) and this
   // lane's part of the running sum of exp2(score - maximum).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  const int keys = keys_seen_by_tile(in, t0);
-  for (int s0 = 0; s0 < keys; s0 += kTile) {
-    __syncthreads();  // every warp is done with the previous K and V
-    load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
-    load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
-    __syncthreads();
-
-    float s[kTile / 8][4] = {};
-    multiply_by_rows<D>(s, q_frag, k_tile);
-    float tile_max[2] = {row_max[0], row_max[1]};
+  double_buffered(
+      tiles_of(keys_seen_by_tile(in, t0)),
+      [&](int j, int stage) { load_keys<D, T>(keys_in(stage), in, head, j * kTile); },
+      [&](int j, int stage) {
+        if (j == 0) load_rows_as_a<D>(q_frag, q_tile, warp);
+        const KeyTiles<D> kv = keys_in(stage);
+        const int s0 = j * kTile;
+        const bool masked = !all_seen(in, t0, s0);
+        float s[kTile / 8][4] = {};
+        multiply_by_rows<D>(s, q_frag, kv.k);
+        float tile_max[2] = {row_max[0], row_max[1]};
 KEEL_UNROLL
-    for (int n = 0; n < kTile / 8; ++n) {
+        for (int n = 0; n < kTile / 8; ++n) {
 KEEL_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int key = s0 + n * 8 + quad * 2 + e % 2;
-        s[n][e] = sees(in, row[e / 2], key) ? s[n][e] * scale_log2 : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-      }
-    }
-    float base[2];
+          for (int e = 0; e < 4; ++e) {
+            const int key = s0 + n * 8 + quad * 2 + e % 2;
+            s[n][e] = !masked || sees(in, row[e / 2], key) ? s[n][e] * scale_log2 : -INFINITY;
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+          }
+        }
+        float base[2];
 KEEL_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kAllLanes, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kAllLanes, tile_max[r], 2));
-      // A row that has seen no key yet keeps maximum -inf and sum 0.
-      base[r] = tile_max[r] == -INFINITY ? 0.0f : tile_max[r];
-      const float correction = exp2f(row_max[r] - base[r]);
-      row_sum[r] *= correction;
+        for (int r = 0; r < 2; ++r) {
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kAllLanes, tile_max[r], 1));
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kAllLanes, tile_max[r], 2));
+          // A row that has seen no key yet keeps maximum -inf and sum 0.
+          base[r] = tile_max[r] == -INFINITY ? 0.0f : tile_max[r];
+          const float correction = exp2f(row_max[r] - base[r]);
+          row_sum[r] *= correction;
 KEEL_UNROLL
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * r] *= correction;
-        o[n][2 * r + 1] *= correction;
-      }
-      row_max[r] = tile_max[r];
-    }
+          for (int n = 0; n < D / 8; ++n) {
+            o[n][2 * r] *= correction;
+            o[n][2 * r + 1] *= correction;
+          }
+          row_max[r] = tile_max[r];
+        }
 KEEL_UNROLL
-    for (int n = 0; n < kTile / 8; ++n) {
+        for (int n = 0; n < kTile / 8; ++n) {
 KEEL_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2f(s[n][e] - base[e / 2]);
-        row_sum[e / 2] += s[n][e];
-      }
-    }
-    add_product<D>(o, s, v_tile);
-  }
+          for (int e = 0; e < 4; ++e) {
+            s[n][e] = exp2f(s[n][e] - base[e / 2]);
+            row_sum[e / 2] += s[n][e];
+          }
+        }
+        add_product<D>(o, s, kv.v);
+      });
 
 KEEL_UNROLL
   for (int r = 0; r < 2; ++r) {
@@ -293,40 +361,40 @@ KEEL_UNROLL
   }
 }
 
-// D_t = dO_t . O_t, a warp per query row (the backward's row sums of P dP).
+// What the backward kernels read of each query row, a warp a row: D_t =
+// dO_t . O_t (the row sums of P dP), the log-sum-exp in base-2 units, and
+// dO_t rounded to bf16 once, so that the tiles copy it as they copy q, k
+// and v instead of rounding it at every tile pair.
 template <typename O>
-__global__ void attention_row_dots_kernel(float* row_dots, const float* dout, const O* out, Inputs in) {
+__global__ void attention_row_stats_kernel(RowStats stats, const float* dout, const O* out, const float* lse,
+                                           Inputs in) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
   const int t = static_cast<int>(row % in.Tq);
   const Head head{static_cast<int>(row / in.Tq / in.NH), static_cast<int>(row / in.Tq % in.NH)};
   const size_t at = head.dense(in, t);
   float partial = 0.0f;
-  for (int j = lane(); j < in.C / in.NH; j += kWarp) partial += dout[at + j] * load(out + at + j);
+  for (int j = lane(); j < in.C / in.NH; j += kWarp) {
+    const float dy = dout[at + j];
+    partial += dy * load(out + at + j);
+    store(stats.dout + at + j, dy);
+  }
   const float total = warp_sum(partial);
-  if (lane() == 0) row_dots[row] = total;
-}
-
-// The statistics of query rows [t0, t0 + 64) in shared memory: the
-// log-sum-exp in base-2 units and D_t; 0 past the last query.
-__device__ inline void load_row_stats(float* lse2, float* dots, const float* lse, const float* row_dots,
-                                      const Inputs& in, const Head& head, int t0) {
-  for (int i = static_cast<int>(threadIdx.x); i < kTile; i += kTileThreads) {
-    const bool valid = t0 + i < in.Tq;
-    lse2[i] = valid ? lse[head.stat(in, t0 + i)] * kLog2e : 0.0f;
-    dots[i] = valid ? row_dots[head.stat(in, t0 + i)] : 0.0f;
+  if (lane() == 0) {
+    stats.dots[row] = total;
+    stats.lse2[row] = lse[row] * kLog2e;
   }
 }
 
 // dK and dV of one key tile over every query tile that sees it.
 template <int D, typename T>
 __global__ void __launch_bounds__(kTileThreads)
-    attention_backward_keys_tc_kernel(Backend::AttentionGrads grads, const float* dout, const float* lse,
-                                      const float* row_dots, Inputs in, float scale) {
+    attention_backward_keys_tc_kernel(Backend::AttentionGrads grads, RowStats stats, Inputs in, float scale) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
-  const BackwardShared<D> tiles(shared);
-  __nv_bfloat16 *q_tile = tiles.q, *do_tile = tiles.dout, *k_tile = tiles.k, *v_tile = tiles.v;
-  float *lse2 = tiles.lse2, *dots = tiles.dots;
+  const KeyTiles<D> kv(shared);
+  auto queries_in = [&](int stage) {
+    return QueryTiles<D>(shared + KeyTiles<D>::kBytes + stage * QueryTiles<D>::kBytes);
+  };
   // Earlier keys are seen by more queries: they start first.
   const int s0 = static_cast<int>(blockIdx.x) * kTile;
   const Head head = block_head(in);
@@ -335,42 +403,40 @@ __global__ void __launch_bounds__(kTileThreads)
   const int key[2] = {s0 + warp * 16 + at.g, s0 + warp * 16 + at.g + 8};
   const float scale_log2 = scale * kLog2e;
 
-  load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
-  load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
+  load_keys<D, T>(kv, in, head, s0);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // The first query that sees the tile's first key.
   const int first = max(0, in.k_offset + s0 - in.q_offset);
-  for (int t0 = first; t0 < in.Tq; t0 += kTile) {
-    __syncthreads();  // K and V are in place; every warp is done with the last Q and dO
-    load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
-    load_tile<D>(do_tile, dout + head.dense(in, t0), in.C, in.Tq - t0);
-    load_row_stats(lse2, dots, lse, row_dots, in, head, t0);
-    __syncthreads();
-
-    // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries a warp.
-    float st[kTile / 8][4] = {}, dpt[kTile / 8][4] = {};
-    {
-      uint32_t a[D / 16][4];
-      load_rows_as_a<D>(a, k_tile, warp);
-      multiply_by_rows<D>(st, a, q_tile);
-      load_rows_as_a<D>(a, v_tile, warp);
-      multiply_by_rows<D>(dpt, a, do_tile);
-    }
-    // P^T from the saved log-sum-exp, and dS^T = P^T (dP^T - D) scale.
+  double_buffered(
+      first < in.Tq ? tiles_of(in.Tq - first) : 0,
+      [&](int j, int stage) { load_queries<D, T>(queries_in(stage), stats, in, head, first + j * kTile); },
+      [&](int j, int stage) {
+        const QueryTiles<D> qd = queries_in(stage);
+        const int t0 = first + j * kTile;
+        // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries a warp.
+        float st[kTile / 8][4] = {}, dpt[kTile / 8][4] = {};
+        {
+          uint32_t a[D / 16][4];
+          load_rows_as_a<D>(a, kv.k, warp);
+          multiply_by_rows<D>(st, a, qd.q);
+          load_rows_as_a<D>(a, kv.v, warp);
+          multiply_by_rows<D>(dpt, a, qd.dout);
+        }
+        // P^T from the saved log-sum-exp, and dS^T = P^T (dP^T - D) scale.
 KEEL_UNROLL
-    for (int n = 0; n < kTile / 8; ++n) {
+        for (int n = 0; n < kTile / 8; ++n) {
 KEEL_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int i = n * 8 + quad * 2 + e % 2;  // the query's row in the tile
-        const float p = sees(in, t0 + i, key[e / 2]) ? exp2f(st[n][e] * scale_log2 - lse2[i]) : 0.0f;
-        st[n][e] = p;
-        dpt[n][e] = p * (dpt[n][e] - dots[i]) * scale;
-      }
-    }
-    // dV += P^T dO and dK += dS^T Q.
-    add_product<D>(dv, st, do_tile);
-    add_product<D>(dk, dpt, q_tile);
-  }
+          for (int e = 0; e < 4; ++e) {
+            const int i = n * 8 + quad * 2 + e % 2;  // the query's row in the tile
+            const float p = sees(in, t0 + i, key[e / 2]) ? exp2f(st[n][e] * scale_log2 - qd.lse2[i]) : 0.0f;
+            st[n][e] = p;
+            dpt[n][e] = p * (dpt[n][e] - qd.dots[i]) * scale;
+          }
+        }
+        // dV += P^T dO and dK += dS^T Q.
+        add_product<D>(dv, st, qd.dout);
+        add_product<D>(dk, dpt, qd.q);
+      });
 KEEL_UNROLL
   for (int r = 0; r < 2; ++r) {
     if (key[r] >= in.Tk) continue;
@@ -389,51 +455,47 @@ KEEL_UNROLL
 // dQ of one query tile over every key tile it sees.
 template <int D, typename T>
 __global__ void __launch_bounds__(kTileThreads)
-    attention_backward_queries_tc_kernel(Backend::AttentionGrads grads, const float* dout, const float* lse,
-                                         const float* row_dots, Inputs in, float scale) {
+    attention_backward_queries_tc_kernel(Backend::AttentionGrads grads, RowStats stats, Inputs in, float scale) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
-  const BackwardShared<D> tiles(shared);
-  __nv_bfloat16 *q_tile = tiles.q, *do_tile = tiles.dout, *k_tile = tiles.k, *v_tile = tiles.v;
-  float *lse2 = tiles.lse2, *dots = tiles.dots;
+  const QueryTiles<D> qd(shared);
+  auto keys_in = [&](int stage) { return KeyTiles<D>(shared + QueryTiles<D>::kBytes + stage * KeyTiles<D>::kBytes); };
   const int t0 = (gridDim.x - 1 - blockIdx.x) * kTile;
   const Head head = block_head(in);
   const TileLane at;
   const int warp = at.warp, quad = at.quad;
   const int row[2] = {t0 + warp * 16 + at.g, t0 + warp * 16 + at.g + 8};
+  const int local[2] = {warp * 16 + at.g, warp * 16 + at.g + 8};
   const float scale_log2 = scale * kLog2e;
 
-  load_tile<D>(q_tile, head.q<T>(in, t0), in.ld_q, in.Tq - t0);
-  load_tile<D>(do_tile, dout + head.dense(in, t0), in.C, in.Tq - t0);
-  load_row_stats(lse2, dots, lse, row_dots, in, head, t0);
-  __syncthreads();
+  load_queries<D, T>(qd, stats, in, head, t0);
   uint32_t q_frag[D / 16][4], do_frag[D / 16][4];
-  load_rows_as_a<D>(q_frag, q_tile, warp);
-  load_rows_as_a<D>(do_frag, do_tile, warp);
-  const int local[2] = {warp * 16 + at.g, warp * 16 + at.g + 8};
-
   float dq[D / 8][4] = {};
-  const int keys = keys_seen_by_tile(in, t0);
-  for (int s0 = 0; s0 < keys; s0 += kTile) {
-    __syncthreads();
-    load_tile<D>(k_tile, head.k<T>(in, s0), in.ld_kv, in.Tk - s0);
-    load_tile<D>(v_tile, head.v<T>(in, s0), in.ld_kv, in.Tk - s0);
-    __syncthreads();
-    // S = Q K^T and dP = dO V^T: 16 queries x 64 keys a warp.
-    float s[kTile / 8][4] = {}, dp[kTile / 8][4] = {};
-    multiply_by_rows<D>(s, q_frag, k_tile);
-    multiply_by_rows<D>(dp, do_frag, v_tile);
+  double_buffered(
+      tiles_of(keys_seen_by_tile(in, t0)),
+      [&](int j, int stage) { load_keys<D, T>(keys_in(stage), in, head, j * kTile); },
+      [&](int j, int stage) {
+        if (j == 0) {
+          load_rows_as_a<D>(q_frag, qd.q, warp);
+          load_rows_as_a<D>(do_frag, qd.dout, warp);
+        }
+        const KeyTiles<D> kv = keys_in(stage);
+        const int s0 = j * kTile;
+        // S = Q K^T and dP = dO V^T: 16 queries x 64 keys a warp.
+        float s[kTile / 8][4] = {}, dp[kTile / 8][4] = {};
+        multiply_by_rows<D>(s, q_frag, kv.k);
+        multiply_by_rows<D>(dp, do_frag, kv.v);
 KEEL_UNROLL
-    for (int n = 0; n < kTile / 8; ++n) {
+        for (int n = 0; n < kTile / 8; ++n) {
 KEEL_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2, k = s0 + n * 8 + quad * 2 + e % 2;
-        const float p = sees(in, row[r], k) ? exp2f(s[n][e] * scale_log2 - lse2[local[r]]) : 0.0f;
-        dp[n][e] = p * (dp[n][e] - dots[local[r]]) * scale;
-      }
-    }
-    // dQ += dS K.
-    add_product<D>(dq, dp, k_tile);
-  }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2, k = s0 + n * 8 + quad * 2 + e % 2;
+            const float p = sees(in, row[r], k) ? exp2f(s[n][e] * scale_log2 - qd.lse2[local[r]]) : 0.0f;
+            dp[n][e] = p * (dp[n][e] - qd.dots[local[r]]) * scale;
+          }
+        }
+        // dQ += dS K.
+        add_product<D>(dq, dp, kv.k);
+      });
 KEEL_UNROLL
   for (int r = 0; r < 2; ++r) {
     if (row[r] >= in.Tq) continue;

@@ -20,9 +20,7 @@
 
 namespace keel::trainer::cuda {
 
-__device__ inline uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+__device__ inline uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // Four 8x8 bf16 matrices from shared memory; lane l gives the address of
 // row l % 8 of matrix l / 8, and receives row l / 4, columns 2(l % 4) and
@@ -57,10 +55,32 @@ __device__ inline uint32_t bf16_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Asynchronous copies from global into shared memory (cp.async, sm_80
+// and later): a tile of the next step is on its way while the warps
+// multiply the current one. Copies are grouped by commit_async_copies;
+// wait_async_copies<N>() returns once no more than the N newest groups are
+// in flight. Until its group has landed, neither a copy's source nor its
+// destination may be touched. Both addresses 16-byte (copy_4_bytes_async:
+// 4-byte) aligned.
+__device__ inline void copy_16_bytes_async(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(__cvta_generic_to_global(global))
+               : "memory");
+}
+__device__ inline void copy_4_bytes_async(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(shared)),
+               "l"(__cvta_generic_to_global(global))
+               : "memory");
+}
+// Closes the group of the copies issued since the last commit (an empty
+// group when none were).
+__device__ inline void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ inline void wait_async_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four floats from a 16-byte aligned address.
 __device__ inline float4 load_float4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-// Sixteen bytes (eight bf16) from a 16-byte aligned address.
-__device__ inline uint4 load_16_bytes(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
 }  // namespace keel::trainer::cuda
