@@ -112,6 +112,12 @@ class CudaBackend final : public Backend {
   std::vector<const void*> gemm_operands(std::initializer_list<Operand> operands);
   // How the GEMMs take those operands (cublaslt_gemm.h). matmul.cu.
   GemmInputs gemm_type() const;
+  // out[rows[m] - row_offset, :] += weights[m] * inp[m, :] for m < M, in
+  // increasing m for each destination row, skipping rows outside
+  // [0, limit) (weights nullable: 1): the embedding's backward over a
+  // vocabulary shard and the MoE combine. rows.cu.
+  void scatter_columns(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
+                       const float* weights, int M, int C);
 
   int device_;
   DType gemm_inputs_;

@@ -1,13 +1,16 @@
 // Row gathers and scatters: the embedding lookup and the MoE dispatch and
 // combine. Gathers run one thread per element. Scatters may hit the same
-// destination row many times, and determinism forbids atomics, so each
-// thread owns one column and walks the source rows in order, as the CPU
-// backend does. That bounds their parallelism by the channel count: enough
-// for correctness, a known cost for [GPU performance] to remove (a sort of
-// the positions by destination row would lift it).
+// destination row many times, and determinism forbids atomics: the
+// positions are sorted by destination row (CUB's radix sort, which is
+// stable, so a row's positions stay in order), then a warp per row adds
+// its terms in position order, as the CPU backend does.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/cuda/launch.cuh"
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cstdint>
 
 namespace keel::trainer::cuda {
 namespace {
@@ -35,26 +38,35 @@ __global__ void embedding_position_backward_kernel(float* dwpe, const float* dou
   }
 }
 
-// Destination rows are split over this many blocks (grid y) by row %
-// kScatterGroups, so a scatter fills the device while each destination
-// element keeps one writer.
-constexpr int kScatterGroups = 64;
+// The sort's input: each position's destination row, or `limit` (after
+// every real row) for one outside [0, limit), and the position itself.
+__global__ void scatter_keys_kernel(uint32_t* keys, int32_t* positions, const int32_t* rows, int row_offset, int limit,
+                                    size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const int row = rows[i] - row_offset;
+    keys[i] = static_cast<uint32_t>(row >= 0 && row < limit ? row : limit);
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
 
-// out[rows[m], c] += weights[m] * inp[m, c] for m in order: a thread per
-// column and group of destination rows, so each destination element sums
-// its terms in m order, as the CPU backend does. `rows` may be a token
-// list offset by -v_begin and filtered to [0, limit); other rows are
-// skipped (the embedding of a vocabulary shard).
-__global__ void scatter_columns_kernel(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
-                                       const float* weights, int M, int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const int group = static_cast<int>(blockIdx.y);
-  for (int m = 0; m < M; ++m) {
-    const int row = rows[m] - row_offset;
-    if (row < 0 || row >= limit || row % kScatterGroups != group) continue;
-    const float x = inp[static_cast<size_t>(m) * C + c];
-    out[static_cast<size_t>(row) * C + c] += weights != nullptr ? weights[m] * x : x;
+// A warp per run of equal destination rows, taken by the warp of its first
+// element: out[row, c] += weights[m] * inp[m, c] over the run's positions
+// m, in increasing order (weights nullable: 1).
+__global__ void scatter_runs_kernel(float* out, const float* inp, const uint32_t* keys, const int32_t* positions,
+                                    const float* weights, uint32_t limit, int M, int C) {
+  const size_t i = global_warp();
+  if (i >= static_cast<size_t>(M)) return;
+  const uint32_t row = keys[i];
+  if (row >= limit || (i > 0 && keys[i - 1] == row)) return;
+  float* dst = out + static_cast<size_t>(row) * C;
+  for (int c = lane(); c < C; c += kWarp) {
+    float acc = dst[c];
+    for (size_t j = i; j < static_cast<size_t>(M) && keys[j] == row; ++j) {
+      const int32_t m = positions[j];
+      const float x = inp[static_cast<size_t>(m) * C + c];
+      acc += weights != nullptr ? weights[m] * x : x;
+    }
+    dst[c] = acc;
   }
 }
 
@@ -80,15 +92,35 @@ __global__ void gathered_row_dot_kernel(float* out, const float* a, const int32_
   if (lane() == 0) out[m] = acc;
 }
 
-void scatter_columns(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
-                     const float* weights, int M, int C, cudaStream_t stream) {
-  if (M <= 0 || C <= 0) return;
-  const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), kScatterGroups);
-  scatter_columns_kernel<<<grid, kThreads, 0, stream>>>(out, inp, rows, row_offset, limit, weights, M, C);
-  check_launch("scatter_columns");
-}
-
 }  // namespace
+
+void CudaBackend::scatter_columns(float* out, const float* inp, const int32_t* rows, int row_offset, int limit,
+                                  const float* weights, int M, int C) {
+  if (M <= 0 || C <= 0 || limit <= 0) return;
+  const size_t n = static_cast<size_t>(M);
+  // Keys and positions in and out, then the sort's own working memory,
+  // all in scratch: a count of 32-bit words, CUB's rounded up to them.
+  int end_bit = 0;  // the sort reads the bits that hold `limit`, the largest key
+  while (end_bit < 32 && (uint64_t{1} << end_bit) <= static_cast<uint64_t>(limit)) ++end_bit;
+  size_t sort_bytes = 0;
+  check(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                        static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                        static_cast<int32_t*>(nullptr), M, 0, end_bit, stream()),
+        "cub::DeviceRadixSort::SortPairs (size)");
+  const size_t words = 4 * n + (sort_bytes + sizeof(uint32_t) - 1) / sizeof(uint32_t);
+  auto* keys_in = static_cast<uint32_t*>(scratch(words * sizeof(uint32_t)));
+  uint32_t* keys = keys_in + n;
+  auto* positions_in = reinterpret_cast<int32_t*>(keys + n);
+  int32_t* positions = positions_in + n;
+  void* sort_memory = positions + n;
+  launch("scatter (keys)", scatter_keys_kernel, n, stream(), keys_in, positions_in, rows, row_offset, limit);
+  check(cub::DeviceRadixSort::SortPairs(sort_memory, sort_bytes, keys_in, keys, positions_in, positions, M, 0, end_bit,
+                                        stream()),
+        "cub::DeviceRadixSort::SortPairs");
+  scatter_runs_kernel<<<grid_for_warps(n), kThreads, 0, stream()>>>(out, inp, keys, positions, weights,
+                                                                    static_cast<uint32_t>(limit), M, C);
+  check_launch("scatter (rows)");
+}
 
 void CudaBackend::embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl,
                                     const float* wpe, int B, int T, int C) {
@@ -103,7 +135,7 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const float* dout
                                                                                                         B, T, C);
     check_launch("embedding_backward (positions)");
   }
-  if (dwte != nullptr) scatter_columns(dwte, dout, tokens, v_begin, Vl, nullptr, B * T, C, stream());
+  if (dwte != nullptr) scatter_columns(dwte, dout, tokens, v_begin, Vl, nullptr, B * T, C);
 }
 
 void CudaBackend::gather_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M, int C) {
@@ -112,7 +144,7 @@ void CudaBackend::gather_rows(float* out, const float* inp, const int32_t* rows,
 
 void CudaBackend::scatter_add_rows(float* out, const float* inp, const int32_t* rows, const float* weights, int M,
                                    int C) {
-  scatter_columns(out, inp, rows, 0, INT32_MAX, weights, M, C, stream());
+  scatter_columns(out, inp, rows, 0, INT32_MAX, weights, M, C);
 }
 
 void CudaBackend::gathered_row_dot(float* out, const float* a, const int32_t* rows, const float* b, int M, int C) {
