@@ -18,12 +18,14 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -53,10 +55,20 @@ void emulated_attention(float* out, float* lse, const Backend::AttentionGrads& g
   keel::emulator::launch(static_cast<unsigned>((rows + warps_per_block - 1) / warps_per_block), 1,
                          keel::trainer::cuda::kThreads, 0,
                          [&] { tc::attention_row_stats_kernel(stats, dout, out, lse, in); });
-  keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardKeysSharedBytes<D>,
-                         [&] { tc::attention_backward_keys_tc_kernel<D, T>(grads, stats, in, scale); });
-  keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardQueriesSharedBytes<D>,
-                         [&] { tc::attention_backward_queries_tc_kernel<D, T>(grads, stats, in, scale); });
+  auto backward = [&](auto* dq) {
+    using G = std::remove_pointer_t<decltype(dq)>;
+    auto* dk = static_cast<G*>(grads.dk);
+    auto* dv = static_cast<G*>(grads.dv);
+    keel::emulator::launch(tc::tiles_of(in.Tk), heads, tc::kTileThreads, tc::kBackwardKeysSharedBytes<D>,
+                           [&] { tc::attention_backward_keys_tc_kernel<D, T, G>(dk, dv, stats, in, scale); });
+    keel::emulator::launch(tc::tiles_of(in.Tq), heads, tc::kTileThreads, tc::kBackwardQueriesSharedBytes<D>,
+                           [&] { tc::attention_backward_queries_tc_kernel<D, T, G>(dq, stats, in, scale); });
+  };
+  if (grads.dtype == keel::trainer::DType::kBF16) {
+    backward(static_cast<__nv_bfloat16*>(grads.dq));
+  } else {
+    backward(static_cast<float*>(grads.dq));
+  }
 }
 
 struct Shape {
@@ -85,9 +97,13 @@ void check_against_cpu(const Shape& s) {
     return r;
   };
   const std::vector<keel::trainer::bf16> q16 = rounded(q), k16 = rounded(kv_k), v16 = rounded(kv_v);
-  auto run = [&](auto&& attention, keel::trainer::DType dtype = keel::trainer::DType::kF32) {
+  // The gradients start as dq0, dk0 and dv0, or at zero.
+  auto run = [&](auto&& attention, keel::trainer::DType dtype = keel::trainer::DType::kF32, bool from_zero = false) {
     Result r{Vec(static_cast<size_t>(s.B) * s.Tq * C, NAN), Vec(static_cast<size_t>(s.B) * s.NH * s.Tq, NAN), dq0,
              packed ? dq0 : dk0, packed ? dq0 : dv0};
+    if (from_zero) {
+      for (Vec* grad : {&r.dq, &r.dk, &r.dv}) std::fill(grad->begin(), grad->end(), 0.0f);
+    }
     const bool bf16 = dtype == keel::trainer::DType::kBF16;
     const size_t width = static_cast<size_t>(C) * keel::trainer::dtype_bytes(dtype);
     const auto* qs = bf16 ? static_cast<const void*>(q16.data()) : q.data();
@@ -131,6 +147,35 @@ void check_against_cpu(const Shape& s) {
     for (size_t i = 0; i < got.out.size(); ++i) mismatches += out16[i].bits != keel::emulator::to_bf16(got.out[i]);
     CHECK(mismatches == 0);
     CHECK(std::memcmp(lse.data(), got.lse.data(), lse.size() * sizeof(float)) == 0);
+  }
+  {
+    // bf16 gradients (the dqkv only the qkv linear's GEMMs read) are
+    // overwritten with the float32 ones, summed from zero, rounded.
+    const keel::trainer::DType kBF16 = keel::trainer::DType::kBF16;
+    const Result from_zero = run(emulated_attention<D, __nv_bfloat16>, kBF16, true);
+    std::vector<__nv_bfloat16> dq16(q_n, __nv_bfloat16{0xffff}), dk16(kv_n, __nv_bfloat16{0xffff}),
+        dv16(kv_n, __nv_bfloat16{0xffff});
+    run(
+        [&](float* out, float* lse, const Backend::AttentionGrads&, const float* dy,
+            const Backend::AttentionInputs& in) {
+          const Backend::AttentionGrads grads16 =
+              packed ? Backend::AttentionGrads{dq16.data(), dq16.data() + C, dq16.data() + 2 * C, kBF16}
+                     : Backend::AttentionGrads{dq16.data(), dk16.data(), dv16.data(), kBF16};
+          emulated_attention<D, __nv_bfloat16>(out, lse, grads16, dy, in);
+        },
+        kBF16);
+    auto rounding_mismatches = [](const std::vector<__nv_bfloat16>& got, const Vec& want) {
+      size_t mismatches = got.size() == want.size() ? 0 : 1;
+      for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+        mismatches += got[i].bits != keel::emulator::to_bf16(want[i]);
+      }
+      return mismatches;
+    };
+    CHECK(rounding_mismatches(dq16, from_zero.dq) == 0);
+    if (!packed) {
+      CHECK(rounding_mismatches(dk16, from_zero.dk) == 0);
+      CHECK(rounding_mismatches(dv16, from_zero.dv) == 0);
+    }
   }
   auto same_bits = [](const Vec& a, const Vec& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;

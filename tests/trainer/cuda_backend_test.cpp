@@ -977,6 +977,20 @@ TEST_SUITE("gpu") {
       gpu.attention_backward(Backend::self_attention_grads(widened.f("dqkv"), C), kept.f("dout"), widened.f("out"),
                              kept.f("lse"), in);
       CHECK(kept.read("dqkv") == widened.read("dqkv"));
+      // dqkv kept as bf16 (the qkv linear's GEMMs read only that): the
+      // float32 gradients summed from zero, rounded, bit for bit, over
+      // whatever it held.
+      Tensors from_zero(gpu, {{"dqkv", Vec(qkv_n, 0.0f)}}, {});
+      from_zero.add_bf16("dqkv16", qkv_n);
+      const std::vector<keel::trainer::bf16> garbage(qkv_n, keel::trainer::bf16{0xffff});
+      gpu.copy_from_host(from_zero.h("dqkv16"), garbage.data(), qkv_n * sizeof(keel::trainer::bf16));
+      gpu.attention_backward(Backend::self_attention_grads(from_zero.f("dqkv"), C), kept.f("dout"), on_f32.f("out"),
+                             on_f32.f("lse"), in);
+      gpu.attention_backward(Backend::self_attention_grads(from_zero.h("dqkv16"), C), kept.f("dout"),
+                             on_f32.f("out"), on_f32.f("lse"), in);
+      Vec summed = from_zero.read("dqkv");
+      for (float& x : summed) x = keel::trainer::bf16_rounded(x);
+      CHECK(from_zero.read_bf16("dqkv16") == summed);
     }
   }
 

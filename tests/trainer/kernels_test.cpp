@@ -691,7 +691,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("attention's output kept as bf16 is the float32 one rounded, and the backward reads it widened") {
+  TEST_CASE("attention's output and dqkv kept as bf16 are the float32 ones rounded, and the backward reads out widened") {
     using keel::trainer::bf16;
     const AttentionShape s{2, 150, 32, 2};
     CpuBackend cpu(0, keel::trainer::DType::kBF16);
@@ -715,6 +715,22 @@ TEST_SUITE("unit") {
     cpu.attention_backward(CpuBackend::self_attention_grads(dqkv16.data(), s.C), dout.data(), out16.data(), lse.data(),
                            in);
     CHECK(dqkv16 == dqkv);
+    // dqkv kept as bf16 is overwritten, whatever it held (NaN bits here),
+    // with the float32 gradients summed from zero, rounded, in qkv's
+    // strided layout.
+    Vec from_zero(s.qkv(), 0.0f);
+    std::vector<bf16> kept(s.qkv(), bf16{0xffff});
+    cpu.attention_backward(CpuBackend::self_attention_grads(from_zero.data(), s.C), dout.data(), out.data(),
+                           lse.data(), in);
+    cpu.attention_backward(CpuBackend::self_attention_grads(kept.data(), s.C), dout.data(), out.data(), lse.data(), in);
+    mismatches = 0;
+    for (size_t i = 0; i < kept.size(); ++i) mismatches += kept[i].bits != keel::trainer::to_bf16(from_zero[i]).bits;
+    CHECK(mismatches == 0);
+    // Only a backend whose GEMMs take bf16 keeps them so.
+    CpuBackend fp32;
+    CHECK_THROWS_AS(fp32.attention_backward(CpuBackend::self_attention_grads(kept.data(), s.C), dout.data(),
+                                            out.data(), lse.data(), in),
+                    keel::common::Error);
   }
 
   TEST_CASE("attention backward matches finite differences") {

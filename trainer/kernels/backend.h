@@ -122,11 +122,17 @@ class Backend {
     int q_offset = 0, k_offset = 0;
     DType dtype = DType::kF32;
   };
-  // The gradients of q, k and v, laid out as the inputs.
+  // The gradients of q, k and v, laid out as the inputs, of `dtype`:
+  // float32 ones are summed into (ring attention adds each chunk of keys'
+  // share); bf16 ones, only where gemm_inputs() is kBF16 (self-attention's
+  // dqkv, which only the qkv linear's GEMMs read), are overwritten with
+  // each float32 gradient rounded, so nothing zeroes them first or rounds
+  // them after (kInternal on a float32 backend).
   struct AttentionGrads {
-    float* dq;
-    float* dk;
-    float* dv;
+    void* dq;
+    void* dk;
+    void* dv;
+    DType dtype = DType::kF32;
   };
   // Self-attention over qkv[B, T, 3C]: q, then k, then v at every position.
   static AttentionInputs self_attention(ConstBuffer qkv, int B, int T, int C, int NH) {
@@ -134,7 +140,11 @@ class Backend {
     const size_t width = static_cast<size_t>(C) * dtype_bytes(qkv.dtype);
     return {base, base + width, base + 2 * width, 3 * C, 3 * C, B, T, T, C, NH, 0, 0, qkv.dtype};
   }
-  static AttentionGrads self_attention_grads(float* dqkv, int C) { return {dqkv, dqkv + C, dqkv + 2 * C}; }
+  static AttentionGrads self_attention_grads(Buffer dqkv, int C) {
+    auto* base = static_cast<std::byte*>(dqkv.data);
+    const size_t width = static_cast<size_t>(C) * dtype_bytes(dqkv.dtype);
+    return {base, base + width, base + 2 * width, dqkv.dtype};
+  }
 
   // ---- the kernels (backend_kernels.def: every kernel with its contract) ----
 #define KEEL_BACKEND_KERNEL(ret, name, params, args) virtual ret name params = 0;

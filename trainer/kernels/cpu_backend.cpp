@@ -653,6 +653,22 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
     round_rows_to_bf16(dout_rounded.data(), B * Tq, C, C);
   }
   const float* dout_operand = bf16 ? dout_rounded.data() : dout;
+  // bf16 gradients: the float32 ones summed from zero in dense arrays
+  // here, each rounded into them at the end (they are overwritten).
+  const bool overwrite = grads.dtype == DType::kBF16;
+  if (overwrite && !bf16) {
+    throw common::Error(common::ErrorCode::kInternal, "bf16 attention gradients on a backend with float32 GEMM inputs");
+  }
+  std::vector<float> dq_wide, dk_wide, dv_wide;
+  if (overwrite) {
+    dq_wide.assign(static_cast<size_t>(B) * Tq * C, 0.0f);
+    dk_wide.assign(static_cast<size_t>(B) * Tk * C, 0.0f);
+    dv_wide.assign(static_cast<size_t>(B) * Tk * C, 0.0f);
+  }
+  float* const dq_base = overwrite ? dq_wide.data() : static_cast<float*>(grads.dq);
+  float* const dk_base = overwrite ? dk_wide.data() : static_cast<float*>(grads.dk);
+  float* const dv_base = overwrite ? dv_wide.data() : static_cast<float*>(grads.dv);
+  const int ld_dq = overwrite ? C : views.ld_q, ld_dkv = overwrite ? C : views.ld_kv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
   // One (batch, head) per work item: dK and dV gather from every query
@@ -668,10 +684,9 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
       const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
       const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
       const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      // The gradients are laid out as the caller's views.
-      float* dq = grads.dq + static_cast<size_t>(b) * Tq * views.ld_q + h * d;
-      float* dk = grads.dk + static_cast<size_t>(b) * Tk * views.ld_kv + h * d;
-      float* dv = grads.dv + static_cast<size_t>(b) * Tk * views.ld_kv + h * d;
+      float* dq = dq_base + static_cast<size_t>(b) * Tq * ld_dq + h * d;
+      float* dk = dk_base + static_cast<size_t>(b) * Tk * ld_dkv + h * d;
+      float* dv = dv_base + static_cast<size_t>(b) * Tk * ld_dkv + h * d;
       for (int blk = 0; blk < blocks; ++blk) {
         const int r0 = blk * kQueryBlock;
         const int r1 = std::min(Tq, r0 + kQueryBlock);
@@ -714,13 +729,25 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
         }
         // dV += P^T dO, dQ += dS K, dK += dS^T Q.
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy_operand, C, 1.0f, dv,
-                    views.ld_kv);
+                    ld_dkv);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, ds, Tk, k, in.ld_kv, 1.0f,
-                    dq + static_cast<size_t>(r0) * views.ld_q, views.ld_q);
+                    dq + static_cast<size_t>(r0) * ld_dq, ld_dq);
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, ds, Tk,
-                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, views.ld_kv);
+                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, ld_dkv);
       }
     }
+  }
+  if (overwrite) {
+    // Into the caller's views, C of each of their rows.
+    auto round_rows = [C](void* to, int ld, const std::vector<float>& from) {
+      auto* dst = static_cast<trainer::bf16*>(to);
+      const size_t rows = from.size() / static_cast<size_t>(C);
+#pragma omp parallel for schedule(static) if (from.size() > kParallelMin)
+      for (size_t r = 0; r < rows; ++r) round_into(dst + r * static_cast<size_t>(ld), from.data() + r * C, C);
+    };
+    round_rows(grads.dq, views.ld_q, dq_wide);
+    round_rows(grads.dk, views.ld_kv, dk_wide);
+    round_rows(grads.dv, views.ld_kv, dv_wide);
   }
 }
 

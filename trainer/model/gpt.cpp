@@ -122,6 +122,11 @@ void Gpt::lay_out(Arena& arena) {
       (moe ? moe_at : dense_at)[static_cast<size_t>(i)] = true;
     }
   }
+  // qkv (read by attention only), attention's output (read by the
+  // projection's GEMMs and attention's backward) and dqkv (read by the qkv
+  // linear's GEMMs only) in the GEMMs' input type where no ring passes keys
+  // around and merges outputs (the ring carries, merges and sums float32).
+  const DType attention_type = cp_ == nullptr ? gemm_in : DType::kF32;
   bool any_moe = false;
   for (Slot& s : slots_) {
     s.blocks.clear();
@@ -136,11 +141,6 @@ void Gpt::lay_out(Arena& arena) {
       blk.ln1_mean = take(Ns);
       blk.ln1_rstd = take(Ns);
       blk.ln1_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
-      // qkv (read by attention only) and attention's output (read by the
-      // projection's GEMMs and attention's backward) in the GEMMs' input
-      // type where no ring passes keys around and merges outputs (the ring
-      // carries and merges float32).
-      const DType attention_type = cp_ == nullptr ? gemm_in : DType::kF32;
       blk.qkv = arena.take_buffer(attention_type, N * 3 * Cl);
       blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
       blk.atty = arena.take_buffer(attention_type, N * Cl);
@@ -177,7 +177,7 @@ void Gpt::lay_out(Arena& arena) {
         blk.dproj = take(dense_at[i] ? N * C : 0);
         blk.dfch = arena.take_buffer(gemm_in, dense_at[i] ? N * Fl : 0);
         blk.dattproj = take(N * C);
-        blk.dqkv = take(N * 3 * Cl);
+        blk.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
         blk.dln2 = take(Ns * C);
         blk.dln1 = take(Ns * C);
       }
@@ -204,7 +204,7 @@ void Gpt::lay_out(Arena& arena) {
   x.dresidual = take(Ns * C);
   x.dln = take(Ns * C);
   x.datty = take(N * Cl);
-  x.dqkv = take(N * 3 * Cl);
+  x.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
   x.dfch = arena.take_buffer(gemm_in, N * Fl);
   x.fch_gelu = arena.take_buffer(backend_.gemm_inputs(),
                                  std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
@@ -466,11 +466,10 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     x.datty.zero();
     term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C},
          x.datty.data(), p.weight(o.attproj_w), blk.dattproj.data());
-    x.dqkv.zero();
     attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
     k.zero(din_all, din_numel * sizeof(float));
-    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.data(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl}, din_all,
-         p.weight(o.qkv_w), blk.dqkv.data());
+    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
+         din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
           Ns, C, C},

@@ -7,6 +7,7 @@
 #include "common/error.h"
 
 #include <functional>
+#include <initializer_list>
 
 namespace keel::trainer {
 
@@ -37,11 +38,13 @@ const float* Gpt::packed_keys(const float* qkv, int B) {
 
 namespace {
 
-// The ring passes float32 keys and merges float32 outputs: Gpt::lay_out
-// keeps qkv and attention's output so under CP.
-void require_float32(DType qkv, DType out) {
-  if (qkv != DType::kF32 || out != DType::kF32) {
-    throw common::Error(common::ErrorCode::kInternal, "a bf16 qkv or attention output for ring attention");
+// The ring passes float32 keys, merges float32 outputs and sums float32
+// gradients: Gpt::lay_out keeps qkv, attention's output and dqkv so under CP.
+void require_float32(std::initializer_list<DType> arrays) {
+  for (DType dtype : arrays) {
+    if (dtype != DType::kF32) {
+      throw common::Error(common::ErrorCode::kInternal, "a bf16 qkv, attention output or dqkv for ring attention");
+    }
   }
 }
 
@@ -54,7 +57,7 @@ void Gpt::attend(ConstBuffer qkv_buffer, Buffer out_buffer, float* lse, int B) {
     k.attention_forward(out_buffer, lse, Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
     return;
   }
-  require_float32(qkv_buffer.dtype, out_buffer.dtype);
+  require_float32({qkv_buffer.dtype, out_buffer.dtype});
   const float* qkv = qkv_buffer.f32();
   auto* out = static_cast<float*>(out_buffer.data);
   // Ring attention: step t holds the k and v of CP rank r - t and passes
@@ -94,14 +97,20 @@ void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const 
   const int Cl = sizes().Cl, NHl = sizes().NHl;
   Backend& k = backend_;
   Scratch& x = *scratch_;
+  const Buffer dqkv_buffer = x.dqkv.buffer();
+  const size_t dqkv_numel = x.dqkv.size();
   if (cp_ == nullptr) {
-    k.attention_backward(Backend::self_attention_grads(x.dqkv.data(), Cl), x.datty.data(), out_buffer, lse,
+    // float32 gradients are added to, bf16 ones overwritten.
+    if (dqkv_buffer.dtype == DType::kF32) k.zero(dqkv_buffer.data, dqkv_numel * sizeof(float));
+    k.attention_backward(Backend::self_attention_grads(dqkv_buffer, Cl), x.datty.data(), out_buffer, lse,
                          Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
     return;
   }
-  require_float32(qkv_buffer.dtype, out_buffer.dtype);
+  require_float32({qkv_buffer.dtype, out_buffer.dtype, dqkv_buffer.dtype});
   const float* qkv = qkv_buffer.f32();
   const float* out = out_buffer.f32();
+  auto* dqkv = static_cast<float*>(dqkv_buffer.data);
+  k.zero(dqkv, dqkv_numel * sizeof(float));
   // The ring again. At step 0 this rank's own keys' gradients go straight
   // into dqkv; from step 1 each rank's packed k and v travel with an
   // accumulator of their gradients, which starts at zero where they first
@@ -127,15 +136,15 @@ void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const 
     }
     visible_pairs(
         qkv, held, step > 0, (rank + cp - step) % cp, B, [&](int qc, int kc, const Backend::AttentionInputs& in) {
-          float* key_grads = step == 0 ? x.dqkv.data() + kc * rows * 3 * Cl + Cl : held_grads + kc * rows * 2 * Cl;
-          k.attention_backward({x.dqkv.data() + qc * rows * 3 * Cl, key_grads, key_grads + Cl},
+          float* key_grads = step == 0 ? dqkv + kc * rows * 3 * Cl + Cl : held_grads + kc * rows * 2 * Cl;
+          k.attention_backward({dqkv + qc * rows * 3 * Cl, key_grads, key_grads + Cl},
                                x.datty.data() + qc * rows * Cl, out + qc * rows * Cl, lse + qc * rows * NHl, in);
         });
   }
   // Step cp - 1 held rank r + 1's gradients: they go home.
   float* home = x.ring_grads[cp % 2].data();
   cp_->exchange({{held_grads, numel, to}}, {{home, numel, from}});
-  k.accumulate_columns(x.dqkv.data() + Cl, 3 * Cl, home, 2 * Cl, static_cast<int>(2 * rows), 2 * Cl);
+  k.accumulate_columns(dqkv + Cl, 3 * Cl, home, 2 * Cl, static_cast<int>(2 * rows), 2 * Cl);
 }
 
 }  // namespace keel::trainer

@@ -152,9 +152,9 @@ struct Gpt::Slot {
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
     // all positions) and of the two LayerNorms ([Ns, C]), which the weight
     // pass reads; an MoE block keeps its experts' in its MoeLayer. dfch
-    // is in the GEMMs' input type, as the backward writes it.
-    ArenaArray<float> dproj, dattproj, dqkv, dln2, dln1;
-    ArenaBuffer dfch;
+    // and dqkv are in the types the backward writes them in (Scratch).
+    ArenaArray<float> dproj, dattproj, dln2, dln1;
+    ArenaBuffer dfch, dqkv;
     ConstBuffer ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.buffer() : ln1.buffer(); }
     ConstBuffer ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.buffer() : ln2.buffer(); }
   };
@@ -188,9 +188,10 @@ struct Gpt::Scratch {
   // Gradient scratch, reused by every block. dresidual ends a backward as
   // the gradient of the stage's input.
   // dfch, the MLP's pre-activation gradient that only fc's GEMMs read, is
-  // in their input type.
-  ArenaArray<float> dresidual, dln, datty, dqkv;
-  ArenaBuffer dfch;
+  // in their input type; so is dqkv without CP, which attention's backward
+  // overwrites instead of adding to (Backend::AttentionGrads).
+  ArenaArray<float> dresidual, dln, datty;
+  ArenaBuffer dfch, dqkv;
   // GELU(fch) of the block running now: made by the forward for the MLP's
   // projection, remade by the backward for its weight gradient. Only those
   // GEMMs read it, so it is kept in their input type: bf16 on the GPU's

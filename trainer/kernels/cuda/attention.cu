@@ -127,9 +127,13 @@ __device__ inline Probability probability(const T* q, const float* dy, const T* 
   return {expf(dot(q, k, d) * scale - lse), dot(dy, v, d)};
 }
 
-template <int kSlots, typename T, typename O>
-__global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, float* row_dots, const float* dout,
-                                                const O* out, const float* lse, Inputs in, float scale) {
+// Gradients G: float32 ones are added to, bf16 ones overwritten (AttentionGrads).
+template <typename G>
+constexpr bool kAddsInto = std::is_same_v<G, float>;
+
+template <int kSlots, typename T, typename O, typename G>
+__global__ void attention_backward_query_kernel(G* dq, float* row_dots, const float* dout, const O* out,
+                                                const float* lse, Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tq) return;
   const Row<T> r(row, in.Tq, in);
@@ -156,12 +160,12 @@ __global__ void attention_backward_query_kernel(Backend::AttentionGrads grads, f
     const int count = min(kWarp, len - base);
     for (int k = 0; k < count; ++k) add_scaled(acc, __shfl_sync(kFullWarp, ds, k), r.k(in, base + k), d);
   }
-  write_lanes(grads.dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, true);
+  write_lanes(dq + (r.b * in.Tq + r.t) * in.ld_q + r.h * d, acc, 1.0f, d, kAddsInto<G>);
 }
 
-template <int kSlots, typename T>
-__global__ void attention_backward_key_kernel(Backend::AttentionGrads grads, const float* row_dots, const float* dout,
-                                              const float* lse, Inputs in, float scale) {
+template <int kSlots, typename T, typename G>
+__global__ void attention_backward_key_kernel(G* dk, G* dv, const float* row_dots, const float* dout, const float* lse,
+                                              Inputs in, float scale) {
   const size_t row = global_warp();
   if (row >= static_cast<size_t>(in.B) * in.NH * in.Tk) return;
   const Row<T> r(row, in.Tk, in);
@@ -189,8 +193,8 @@ __global__ void attention_backward_key_kernel(Backend::AttentionGrads grads, con
     }
   }
   const size_t at = (r.b * in.Tk + s) * in.ld_kv + r.h * d;
-  write_lanes(grads.dk + at, acc_k, 1.0f, d, true);
-  write_lanes(grads.dv + at, acc_v, 1.0f, d, true);
+  write_lanes(dk + at, acc_k, 1.0f, d, kAddsInto<G>);
+  write_lanes(dv + at, acc_v, 1.0f, d, kAddsInto<G>);
 }
 
 // The weights of (out, lse) and of (part_out, part_lse) in their merge, and
@@ -293,6 +297,9 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
   const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
   check_views(in, gemm_inputs_);
+  if (grads.dtype == DType::kBF16 && gemm_inputs_ != DType::kBF16) {
+    throw common::Error(common::ErrorCode::kInternal, "bf16 attention gradients on a backend with float32 GEMM inputs");
+  }
   if (query_rows == 0 || key_rows == 0) return;
   if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in)) {
     tensor_core_attention_backward(stream(), grads, dout, out, lse, in,
@@ -304,17 +311,20 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   const float scale = attention_scale(in.C, in.NH);
   with_slots(in.C / in.NH, [&](auto slots) {
     with_element(in, [&](auto element) {
-      constexpr int kSlots = decltype(slots)::value;
-      using T = decltype(element);
-      with_type<__nv_bfloat16>(out, [&](const auto* o) {
-        using O = std::remove_const_t<std::remove_pointer_t<decltype(o)>>;
-        attention_backward_query_kernel<kSlots, T, O>
-            <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, o, lse, in, scale);
+      with_type<__nv_bfloat16>(Buffer(grads.dq, grads.dtype), [&](auto* dq) {
+        constexpr int kSlots = decltype(slots)::value;
+        using T = decltype(element);
+        using G = std::remove_pointer_t<decltype(dq)>;
+        with_type<__nv_bfloat16>(out, [&](const auto* o) {
+          using O = std::remove_const_t<std::remove_pointer_t<decltype(o)>>;
+          attention_backward_query_kernel<kSlots, T, O, G>
+              <<<grid_for_warps(query_rows), kThreads, 0, stream()>>>(dq, row_dots, dout, o, lse, in, scale);
+        });
+        check_launch("attention_backward (queries)");
+        attention_backward_key_kernel<kSlots, T, G><<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(
+            static_cast<G*>(grads.dk), static_cast<G*>(grads.dv), row_dots, dout, lse, in, scale);
+        check_launch("attention_backward (keys)");
       });
-      check_launch("attention_backward (queries)");
-      attention_backward_key_kernel<kSlots, T>
-          <<<grid_for_warps(key_rows), kThreads, 0, stream()>>>(grads, row_dots, dout, lse, in, scale);
-      check_launch("attention_backward (keys)");
     });
   });
 }

@@ -20,7 +20,8 @@
 //   dS^T, then dV += P^T dO and dK += dS^T Q), and per query tile dQ over
 //   its key tiles (dQ += dS K). Every output row has one writer and every
 //   sum runs in a fixed order: no atomics, the same bits run after run,
-//   which the SDC rerun and bit-identical resume need.
+//   which the SDC rerun and bit-identical resume need. One writer is also
+//   what lets a bf16 dqkv be written, rounded, instead of added to.
 // The CPU reference rounds the same operands (cpu_backend.cpp, attention
 // with bf16 GEMM inputs); the two differ by summation order and by where
 // P is rounded (before normalisation here, after on the CPU). The kernels
@@ -124,16 +125,20 @@ void tensor_core_attention_backward(cudaStream_t stream, const Backend::Attentio
   });
   check_launch("attention_backward (row statistics)");
   with_head_dim(in, [&](auto dim, auto element) {
-    constexpr int D = decltype(dim)::value;
-    using T = decltype(element);
-    static const bool allowed =
-        allow_shared_memory(attention_backward_keys_tc_kernel<D, T>, kBackwardKeysSharedBytes<D>) &&
-        allow_shared_memory(attention_backward_queries_tc_kernel<D, T>, kBackwardQueriesSharedBytes<D>);
-    (void)allowed;
-    launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D, T>, tiles_of(in.Tk),
-                 in, kBackwardKeysSharedBytes<D>, stream, grads, stats, in, attention_scale(D));
-    launch_tiles("attention_backward (queries, tensor cores)", attention_backward_queries_tc_kernel<D, T>,
-                 tiles_of(in.Tq), in, kBackwardQueriesSharedBytes<D>, stream, grads, stats, in, attention_scale(D));
+    with_type<__nv_bfloat16>(Buffer(grads.dq, grads.dtype), [&](auto* dq) {
+      constexpr int D = decltype(dim)::value;
+      using T = decltype(element);
+      using G = std::remove_pointer_t<decltype(dq)>;
+      static const bool allowed =
+          allow_shared_memory(attention_backward_keys_tc_kernel<D, T, G>, kBackwardKeysSharedBytes<D>) &&
+          allow_shared_memory(attention_backward_queries_tc_kernel<D, T, G>, kBackwardQueriesSharedBytes<D>);
+      (void)allowed;
+      launch_tiles("attention_backward (keys, tensor cores)", attention_backward_keys_tc_kernel<D, T, G>,
+                   tiles_of(in.Tk), in, kBackwardKeysSharedBytes<D>, stream, static_cast<G*>(grads.dk),
+                   static_cast<G*>(grads.dv), stats, in, attention_scale(D));
+      launch_tiles("attention_backward (queries, tensor cores)", attention_backward_queries_tc_kernel<D, T, G>,
+                   tiles_of(in.Tq), in, kBackwardQueriesSharedBytes<D>, stream, dq, stats, in, attention_scale(D));
+    });
   });
 }
 

@@ -386,10 +386,15 @@ __global__ void attention_row_stats_kernel(RowStats stats, const float* dout, co
   }
 }
 
+// A gradient element: a float32 one is added to, a bf16 one overwritten
+// with the value rounded (Backend::AttentionGrads).
+__device__ inline void put_gradient(float* to, float value) { *to += value; }
+__device__ inline void put_gradient(__nv_bfloat16* to, float value) { store(to, value); }
+
 // dK and dV of one key tile over every query tile that sees it.
-template <int D, typename T>
+template <int D, typename T, typename G>
 __global__ void __launch_bounds__(kTileThreads)
-    attention_backward_keys_tc_kernel(Backend::AttentionGrads grads, RowStats stats, Inputs in, float scale) {
+    attention_backward_keys_tc_kernel(G* dk_out, G* dv_out, RowStats stats, Inputs in, float scale) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
   const KeyTiles<D> kv(shared);
   auto queries_in = [&](int stage) {
@@ -444,18 +449,18 @@ KEEL_UNROLL
 KEEL_UNROLL
     for (int n = 0; n < D / 8; ++n) {
       const int c = n * 8 + quad * 2;
-      grads.dk[at + c] += dk[n][2 * r];
-      grads.dk[at + c + 1] += dk[n][2 * r + 1];
-      grads.dv[at + c] += dv[n][2 * r];
-      grads.dv[at + c + 1] += dv[n][2 * r + 1];
+      put_gradient(dk_out + at + c, dk[n][2 * r]);
+      put_gradient(dk_out + at + c + 1, dk[n][2 * r + 1]);
+      put_gradient(dv_out + at + c, dv[n][2 * r]);
+      put_gradient(dv_out + at + c + 1, dv[n][2 * r + 1]);
     }
   }
 }
 
 // dQ of one query tile over every key tile it sees.
-template <int D, typename T>
+template <int D, typename T, typename G>
 __global__ void __launch_bounds__(kTileThreads)
-    attention_backward_queries_tc_kernel(Backend::AttentionGrads grads, RowStats stats, Inputs in, float scale) {
+    attention_backward_queries_tc_kernel(G* dq_out, RowStats stats, Inputs in, float scale) {
   KEEL_DYNAMIC_SHARED_MEMORY(shared);
   const QueryTiles<D> qd(shared);
   auto keys_in = [&](int stage) { return KeyTiles<D>(shared + QueryTiles<D>::kBytes + stage * KeyTiles<D>::kBytes); };
@@ -499,11 +504,11 @@ KEEL_UNROLL
 KEEL_UNROLL
   for (int r = 0; r < 2; ++r) {
     if (row[r] >= in.Tq) continue;
-    float* dst = grads.dq + (static_cast<size_t>(head.b) * in.Tq + row[r]) * in.ld_q + head.h * D;
+    G* dst = dq_out + (static_cast<size_t>(head.b) * in.Tq + row[r]) * in.ld_q + head.h * D;
 KEEL_UNROLL
     for (int n = 0; n < D / 8; ++n) {
-      dst[n * 8 + quad * 2] += dq[n][2 * r];
-      dst[n * 8 + quad * 2 + 1] += dq[n][2 * r + 1];
+      put_gradient(dst + n * 8 + quad * 2, dq[n][2 * r]);
+      put_gradient(dst + n * 8 + quad * 2 + 1, dq[n][2 * r + 1]);
     }
   }
 }
