@@ -157,10 +157,10 @@ nlohmann::json measure(CudaBackend& gpu, CublasLtGemm& gemm, const Linear& l, Ke
                                gpu.matmul_backward_through_gelu(Buffer(l.dx16, DType::kBF16), l.dw, nullptr, dout, x16,
                                                                 w16, x16, l.N, l.C, l.OC);
                              } else {
-                               gpu.matmul_backward(l.dx, l.dw, nullptr, dout, x16, w16, l.N, l.C, l.OC);
+                               gpu.matmul_backward(l.dx, keel::trainer::Into::kWrite, l.dw, nullptr, dout, x16, w16, l.N, l.C, l.OC);
                              }
                            },
-                           [&] { gpu.matmul_backward(l.dx, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
+                           [&] { gpu.matmul_backward(l.dx, keel::trainer::Into::kWrite, l.dw, nullptr, l.dout, l.x, l.w, l.N, l.C, l.OC); },
                            [&] { backward(gemm, s, GemmInputs::kF32RoundedToBF16, l, l.x, l.w, l.dout); },
                            [&] { backward(gemm, s, GemmInputs::kBF16, l, l.x16, l.w16, l.dout16); }, 2 * flops)}};
 }

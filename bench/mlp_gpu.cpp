@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
       [&] {
         gpu.gelu_forward(hidden16, pre16, n * H);
         gpu.zero(dhidden, n * H * sizeof(float));
-        gpu.matmul_backward(dhidden, dw_proj, db_proj, dout, hidden16, w_proj, N, H, C);
+        gpu.matmul_backward(dhidden, keel::trainer::Into::kWrite, dw_proj, db_proj, dout, hidden16, w_proj, N, H, C);
         gpu.zero(dpre, n * H * sizeof(float));
         gpu.gelu_backward(dpre, pre16, dhidden, n * H);
       },

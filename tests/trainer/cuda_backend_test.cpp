@@ -279,18 +279,21 @@ std::vector<KernelCase> kernel_cases() {
                      1e-4, 1e-2});
   }
   // Matmul, with and without bias, and a weight at an odd offset (the
-  // parameters are offsets into one buffer).
+  // parameters are offsets into one buffer); the input gradient added to
+  // (with bias) or written over NaN (without).
   for (const bool bias : {true, false}) {
     const int N = 97, C = 67, OC = 131;
-    cases.push_back({std::string("matmul ") + (bias ? "with" : "without") + " bias",
+    const keel::trainer::Into into = bias ? keel::trainer::Into::kAdd : keel::trainer::Into::kWrite;
+    cases.push_back({std::string("matmul ") + (bias ? "with bias, dinp added to" : "without bias, dinp written over"),
                      {{"inp", random_vec(N * C, 21)}, {"w", random_vec(OC * C + 1, 22)}, {"bias", random_vec(OC, 23)},
-                      {"out", Vec(N * OC, nan)}, {"dout", random_vec(N * OC, 24)}, {"dinp", random_vec(N * C, 25)},
+                      {"out", Vec(N * OC, nan)}, {"dout", random_vec(N * OC, 24)},
+                      {"dinp", bias ? random_vec(N * C, 25) : Vec(N * C, nan)},
                       {"dw", random_vec(OC * C + 1, 26)}, {"dbias", random_vec(OC, 27)}},
                      {}, {"out", "dinp", "dw", "dbias"},
                      [=](Backend& k, Tensors& t) {
                        // +1: a weight aligned to 4 bytes only.
                        k.matmul_forward(t.f("out"), t.f("inp"), t.f("w") + 1, bias ? t.f("bias") : nullptr, N, C, OC);
-                       k.matmul_backward(t.f("dinp"), t.f("dw") + 1, bias ? t.f("dbias") : nullptr, t.f("dout"),
+                       k.matmul_backward(t.f("dinp"), into, t.f("dw") + 1, bias ? t.f("dbias") : nullptr, t.f("dout"),
                                          t.f("inp"), t.f("w") + 1, N, C, OC);
                      },
                      1e-4, 1e-1});
@@ -662,7 +665,7 @@ TEST_SUITE("gpu") {
     Tensors on_cpu(cpu, floats, {}), on_cpu_bf16(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu}, {&on_cpu_bf16, &cpu_bf16}, {&on_gpu, &gpu}}) {
       k->matmul_forward(t->f("out"), t->f("inp"), t->f("w"), t->f("bias"), N, C, OC);
-      k->matmul_backward(t->f("dinp"), t->f("dw"), t->f("dbias"), t->f("dout"), t->f("inp"), t->f("w"), N, C, OC);
+      k->matmul_backward(t->f("dinp"), keel::trainer::Into::kAdd, t->f("dw"), t->f("dbias"), t->f("dout"), t->f("inp"), t->f("w"), N, C, OC);
     }
     // Inputs rounded to 8 significant bits: about 2^-9 relative each, and
     // the errors of a dot product's terms partly cancel. Against the CPU's
@@ -771,7 +774,7 @@ TEST_SUITE("gpu") {
       float* d_lse = static_cast<float*>(k->alloc(N * sizeof(float)));
       k->copy_from_host(d_lse, lse.data(), N * sizeof(float));
       k->crossentropy_backward(t->h("logits"), t->h("logits"), d_lse, t->i("targets"), 0.5f, N, v_begin, Vl, V);
-      k->matmul_backward(t->f("dinp"), t->f("dw"), t->f("db"), t->h("logits"), t->f("inp"), t->f("w"), N, C, Vl);
+      k->matmul_backward(t->f("dinp"), keel::trainer::Into::kAdd, t->f("dw"), t->f("db"), t->h("logits"), t->f("inp"), t->f("w"), N, C, Vl);
       k->copy_to_host(lse.data(), d_lse, N * sizeof(float));  // waits for the kernels
       k->free(d_lse);
     }

@@ -404,26 +404,34 @@ TEST_SUITE("unit") {
     Vec dinp(inp.size(), 0.0f);
     Vec dw(w.size(), 0.0f);
     Vec db(OC, 0.0f);
-    cpu.matmul_backward(dinp.data(), dw.data(), db.data(), r.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(dinp.data(), keel::trainer::Into::kAdd, dw.data(), db.data(), r.data(), inp.data(), w.data(), N, C, OC);
     check_gradient("dinp", inp, dinp, loss);
     check_gradient("dweight", w, dw, loss);
     check_gradient("dbias", bias, db, loss);
   }
 
-  TEST_CASE("matmul backward leaves null gradients alone and fills the others") {
+  TEST_CASE("matmul backward leaves null gradients alone, adds to the others, and writes dinp over when told to") {
     CpuBackend cpu;
     const int N = 6, C = 4, OC = 3;
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 19);
     const Vec w = random_vec(static_cast<size_t>(OC) * C, 20);
     const Vec r = random_vec(static_cast<size_t>(N) * OC, 21);
     Vec dinp_all(inp.size(), 0.0f), dw_all(w.size(), 0.0f), db_all(OC, 0.0f);
-    cpu.matmul_backward(dinp_all.data(), dw_all.data(), db_all.data(), r.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(dinp_all.data(), keel::trainer::Into::kAdd, dw_all.data(), db_all.data(), r.data(), inp.data(), w.data(), N, C, OC);
     Vec dw_only(w.size(), 0.0f);
-    cpu.matmul_backward(nullptr, dw_only.data(), nullptr, r.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(nullptr, keel::trainer::Into::kAdd, dw_only.data(), nullptr, r.data(), inp.data(), w.data(), N, C, OC);
     CHECK(dw_only == dw_all);
     Vec dinp_only(inp.size(), 0.0f);
-    cpu.matmul_backward(dinp_only.data(), nullptr, nullptr, r.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(dinp_only.data(), keel::trainer::Into::kAdd, nullptr, nullptr, r.data(), inp.data(), w.data(), N, C, OC);
     CHECK(dinp_only == dinp_all);
+    // Written over, what it held (NaN) is gone; added to, it stays.
+    Vec written = nan_vec(inp.size()), added(inp.size(), 1.0f);
+    cpu.matmul_backward(written.data(), keel::trainer::Into::kWrite, nullptr, nullptr, r.data(), inp.data(), w.data(),
+                        N, C, OC);
+    CHECK(written == dinp_all);
+    cpu.matmul_backward(added.data(), keel::trainer::Into::kAdd, nullptr, nullptr, r.data(), inp.data(), w.data(), N,
+                        C, OC);
+    for (size_t i = 0; i < added.size(); ++i) CHECK(added[i] == doctest::Approx(1.0f + dinp_all[i]));
   }
 
   TEST_CASE("matmul with bf16 inputs is the float32 matmul of the operands rounded to bf16") {
@@ -445,7 +453,7 @@ TEST_SUITE("unit") {
       auto run = [&](CpuBackend& cpu, const Vec& x, const Vec& weight, const Vec& dy) {
         Result r{nan_vec(dout.size()), Vec(inp.size(), 0.5f), Vec(w.size(), 0.25f), Vec(OC, 0.0f)};
         cpu.matmul_forward(r.out.data(), x.data(), weight.data(), bias.data(), N, C, OC);
-        cpu.matmul_backward(r.dinp.data(), r.dw.data(), r.db.data(), dy.data(), x.data(), weight.data(), N, C, OC);
+        cpu.matmul_backward(r.dinp.data(), keel::trainer::Into::kAdd, r.dw.data(), r.db.data(), dy.data(), x.data(), weight.data(), N, C, OC);
         return r;
       };
       const Result got = run(bf16, inp, w, dout);
@@ -470,8 +478,8 @@ TEST_SUITE("unit") {
     Vec dw(w.size(), 0.25f), dw16(w.size(), 0.25f);
     cpu.matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
     cpu.matmul_forward(out16.data(), inp16.data(), w.data(), nullptr, N, C, OC);
-    cpu.matmul_backward(nullptr, dw.data(), nullptr, dout.data(), inp.data(), w.data(), N, C, OC);
-    cpu.matmul_backward(nullptr, dw16.data(), nullptr, dout.data(), inp16.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(nullptr, keel::trainer::Into::kAdd, dw.data(), nullptr, dout.data(), inp.data(), w.data(), N, C, OC);
+    cpu.matmul_backward(nullptr, keel::trainer::Into::kAdd, dw16.data(), nullptr, dout.data(), inp16.data(), w.data(), N, C, OC);
     CHECK(out16 == out);
     CHECK(dw16 == dw);
   }
@@ -1130,8 +1138,8 @@ TEST_SUITE("unit") {
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 72), w = random_vec(static_cast<size_t>(Vl) * C, 73);
     Vec dinp(inp.size(), 0.0f), dw(w.size(), 0.0f), db(Vl, 0.0f);
     Vec dinp16 = dinp, dw16 = dw, db16 = db;
-    cpu.matmul_backward(dinp.data(), dw.data(), db.data(), dwide.data(), inp.data(), w.data(), N, C, Vl);
-    cpu.matmul_backward(dinp16.data(), dw16.data(), db16.data(), logits16.data(), inp.data(), w.data(), N, C, Vl);
+    cpu.matmul_backward(dinp.data(), keel::trainer::Into::kAdd, dw.data(), db.data(), dwide.data(), inp.data(), w.data(), N, C, Vl);
+    cpu.matmul_backward(dinp16.data(), keel::trainer::Into::kAdd, dw16.data(), db16.data(), logits16.data(), inp.data(), w.data(), N, C, Vl);
     CHECK(dinp16 == dinp);
     CHECK(dw16 == dw);
     CHECK(db16 == db);
@@ -1200,7 +1208,7 @@ TEST_SUITE("unit") {
     const Vec mw = random_vec(static_cast<size_t>(OC) * C, 61);
     const Vec mdy = random_vec(static_cast<size_t>(N) * OC, 62);
     auto mm_backward = [&](float* dinp, float* dw, float* db) {
-      cpu.matmul_backward(dinp, dw, db, mdy.data(), x.data(), mw.data(), N, C, OC);
+      cpu.matmul_backward(dinp, keel::trainer::Into::kAdd, dw, db, mdy.data(), x.data(), mw.data(), N, C, OC);
     };
     check_doubles("matmul dinp", [&](float* g) { mm_backward(g, nullptr, nullptr); }, x.size());
     check_doubles("matmul dweight", [&](float* g) { mm_backward(nullptr, g, nullptr); }, mw.size());
@@ -1300,7 +1308,7 @@ TEST_SUITE("unit") {
 
       Vec out(dy_wide.size()), mm_dinp(mm_x.size(), 0.0f), mm_dw(w.size(), 0.0f), mm_db(OC, 0.0f);
       cpu.matmul_forward(out.data(), mm_x.data(), w.data(), nullptr, N, mm_in, OC);
-      cpu.matmul_backward(mm_dinp.data(), mm_dw.data(), mm_db.data(), dy_wide.data(), mm_x.data(), w.data(), N, mm_in,
+      cpu.matmul_backward(mm_dinp.data(), keel::trainer::Into::kAdd, mm_dw.data(), mm_db.data(), dy_wide.data(), mm_x.data(), w.data(), N, mm_in,
                           OC);
       results.insert(results.end(), {out, mm_dinp, mm_dw, mm_db});
 

@@ -36,10 +36,10 @@ class OneWrongBit final : public keel::trainer::BackendWrapper {
     target_.matmul_forward(out, inp, weight, bias, N, C, OC);
     flip("matmul_forward", static_cast<float*>(out.data), static_cast<size_t>(N) * OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, keel::trainer::ConstBuffer dout,
-                       keel::trainer::ConstBuffer inp, keel::trainer::ConstBuffer weight, int N, int C,
-                       int OC) override {
-    target_.matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  void matmul_backward(float* dinp, keel::trainer::Into dinp_into, float* dweight, float* dbias,
+                       keel::trainer::ConstBuffer dout, keel::trainer::ConstBuffer inp,
+                       keel::trainer::ConstBuffer weight, int N, int C, int OC) override {
+    target_.matmul_backward(dinp, dinp_into, dweight, dbias, dout, inp, weight, N, C, OC);
     flip("matmul_backward", dweight, static_cast<size_t>(OC) * C);
   }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl, const float* wpe,

@@ -32,6 +32,12 @@ struct FloatSpan {
   size_t numel = 0;
 };
 
+// How a backward kernel puts an input gradient: added to what the array
+// holds (a gradient with several sources: the residual stream's, the MoE
+// router's beside its experts'), or written over it (one source, so
+// nothing zeroes the array first and the GEMM does not read it back).
+enum class Into { kAdd, kWrite };
+
 // One tensor of an AdamW step (Backend::adamw_update): n elements of its
 // parameters, their gradients and both moments, and its weight decay.
 struct AdamwTensor {

@@ -498,13 +498,12 @@ void CpuBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float
                                               int OC) {
   const size_t n = static_cast<size_t>(N) * C;
   if (dpre.data == nullptr) {
-    matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
+    matmul_backward(nullptr, Into::kWrite, dweight, dbias, dout, inp, weight, N, C, OC);
     return;
   }
   if (gelu_input_grad_.size() < n) gelu_input_grad_.resize(n);
   float* dgelu = gelu_input_grad_.data();
-  zero(dgelu, n * sizeof(float));
-  matmul_backward(dgelu, dweight, dbias, dout, inp, weight, N, C, OC);
+  matmul_backward(dgelu, Into::kWrite, dweight, dbias, dout, inp, weight, N, C, OC);
   float* wide = static_cast<float*>(dpre.data);
   if (dpre.dtype == DType::kBF16) {
     if (linear_out_.size() < n) linear_out_.resize(n);
@@ -515,12 +514,14 @@ void CpuBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, float
   if (dpre.dtype == DType::kBF16) round_into(static_cast<bf16*>(dpre.data), wide, n);
 }
 
-void CpuBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
-                                 ConstBuffer weight, int N, int C, int OC) {
+void CpuBackend::matmul_backward(float* dinp, Into dinp_into, float* dweight, float* dbias, ConstBuffer dout,
+                                 ConstBuffer inp, ConstBuffer weight, int N, int C, int OC) {
   const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                   {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
                                   {dweight != nullptr ? inp : nullptr, static_cast<size_t>(N) * C}});
-  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, ops[0], OC, ops[1], C, 1.0f, dinp, C);
+  if (dinp != nullptr) {
+    gemm(false, false, N, C, OC, 1.0f, ops[0], OC, ops[1], C, dinp_into == Into::kAdd ? 1.0f : 0.0f, dinp, C);
+  }
   if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, ops[0], OC, ops[2], C, 1.0f, dweight, C);
   if (dbias != nullptr) with_type<bf16>(dout, [&](const auto* d) { column_sum_accumulate(dbias, d, N, OC); });
 }

@@ -94,7 +94,7 @@ void matmuls(Checker& checker, Backend& k) {
   float* dinp = checker.upload(dinp0);
   float* dweight = checker.upload(dweight0);
   float* dbias = checker.upload(dbias0);
-  k.matmul_backward(dinp, dweight, dbias, checker.upload(dout), checker.upload(inp), checker.upload(weight), kN, kC,
+  k.matmul_backward(dinp, Into::kAdd, dweight, dbias, checker.upload(dout), checker.upload(inp), checker.upload(weight), kN, kC,
                     kOC);
   std::vector<float> want_dinp(dinp0), want_dweight(dweight0), want_dbias(dbias0);
   for (int n = 0; n < kN; ++n) {

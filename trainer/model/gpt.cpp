@@ -422,9 +422,9 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     // (the slot keeps them, so the weight pass reads them there).
     k.crossentropy_backward(s.logits.buffer(), s.logits.buffer(), s.lse.data(), s.targets.data(),
                             loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
-    k.zero(din_all, din_numel * sizeof(float));
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl},
+    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl,
+          Into::kWrite},
          din_all, p0.weight(outer.wte), nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
@@ -445,17 +445,20 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     if (i > 0) storage_.prefetch_parameters(unit - 1);
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
-    k.zero(din_all, din_numel * sizeof(float));
     gather_positions(x.dresidual.data(), dout_all, NsC);
     if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
+      // The experts' and the router's input gradients sum into it.
+      k.zero(din_all, din_numel * sizeof(float));
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
     } else {
       // The projection's input gradient through GELU's derivative: dfch,
       // in the GEMMs' input type, as fc's backward GEMMs take it.
-      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, blk.fch.buffer()},
+      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
+            blk.fch.buffer()},
            x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.data());
-      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl}, din_all,
-           p.weight(o.fc_w), blk.dfch.buffer());
+      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl,
+            Into::kWrite},
+           din_all, p.weight(o.fc_w), blk.dfch.buffer());
     }
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
@@ -463,12 +466,12 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
          x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    x.datty.zero();
-    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C},
+    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C,
+          Into::kWrite},
          x.datty.data(), p.weight(o.attproj_w), blk.dattproj.data());
     attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
-    k.zero(din_all, din_numel * sizeof(float));
-    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl},
+    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl,
+          Into::kWrite},
          din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
@@ -512,13 +515,19 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer 
   if (dinp.dtype != DType::kF32 && t.gelu_of.data == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "a bf16 input gradient for a term that sums into it");
   }
+  // Only a linear's GEMM can write its input gradient over dinp; GELU's
+  // backward always does.
+  if (t.dinp_into == Into::kWrite ? t.kind != Kind::kLinear : t.gelu_of.data != nullptr) {
+    throw common::Error(common::ErrorCode::kInternal, "an input gradient to be put as its kernel cannot put it");
+  }
   float* dinp32 = static_cast<float*>(dinp.data);
   float* g = weight_grads ? storage_.unit_gradients(t.unit) : nullptr;
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
     case Kind::kLinear:
       if (t.gelu_of.data == nullptr) {
-        backend_.matmul_backward(dinp32, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in, t.out);
+        backend_.matmul_backward(dinp32, t.dinp_into, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in,
+                                 t.out);
       } else {
         ConstBuffer inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
         if (g != nullptr) {

@@ -55,6 +55,10 @@ struct Gpt::WeightTerm {
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
   int rows = 0, in = 0, out = 0;
+  // How a linear's input gradient is put into the dinp its run gets:
+  // written over where the linear is its only source (nothing then zeroes
+  // the array first), else added to. A LayerNorm's is always added to.
+  Into dinp_into = Into::kAdd;
   // A linear whose input was GELU(gelu_of) (the MLP's projection): its
   // input gradient is taken on through GELU's derivative, the gradient of
   // gelu_of overwriting dinp (Backend::matmul_backward_through_gelu); its

@@ -137,18 +137,20 @@ void CudaBackend::matmul_backward_through_gelu(Buffer dpre, float* dweight, floa
     gemm_->run(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC, 0.0f, grad, C, nullptr);
     gelu_derivative_times(dpre, grad, pre, n);
   }
-  matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC);
+  matmul_backward(nullptr, Into::kWrite, dweight, dbias, dout, inp, weight, N, C, OC);
 }
 
-void CudaBackend::matmul_backward(float* dinp, float* dweight, float* dbias, ConstBuffer dout, ConstBuffer inp,
-                                  ConstBuffer weight, int N, int C, int OC) {
+void CudaBackend::matmul_backward(float* dinp, Into dinp_into, float* dweight, float* dbias, ConstBuffer dout,
+                                  ConstBuffer inp, ConstBuffer weight, int N, int C, int OC) {
   if (dinp != nullptr || dweight != nullptr) {
     const auto ops = gemm_operands({{dout, static_cast<size_t>(N) * OC},
                                     {dinp != nullptr ? weight : nullptr, static_cast<size_t>(OC) * C},
                                     {dweight != nullptr ? inp : nullptr, static_cast<size_t>(N) * C}});
-    // dinp^T[C,N] += W^T[C,OC] dout^T[OC,N].
-    if (dinp != nullptr)
-      gemm_->run(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC, 1.0f, dinp, C, nullptr);
+    // dinp^T[C,N] (+)= W^T[C,OC] dout^T[OC,N].
+    if (dinp != nullptr) {
+      gemm_->run(stream(), false, false, C, N, OC, gemm_type(), ops[1], C, ops[0], OC,
+                 dinp_into == Into::kAdd ? 1.0f : 0.0f, dinp, C, nullptr);
+    }
     // dW^T[C,OC] += x^T[C,N] dout[N,OC].
     if (dweight != nullptr) {
       gemm_->run(stream(), false, true, C, OC, N, gemm_type(), ops[2], C, ops[0], OC, 1.0f, dweight, C, nullptr);
