@@ -300,7 +300,24 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
   if (grads.dtype == DType::kBF16 && gemm_inputs_ != DType::kBF16) {
     throw common::Error(common::ErrorCode::kInternal, "bf16 attention gradients on a backend with float32 GEMM inputs");
   }
-  if (query_rows == 0 || key_rows == 0) return;
+  if (query_rows == 0 || key_rows == 0) {
+    // bf16 gradients are written over: with nothing on one side, the other
+    // side's are zero, as the CPU leaves them.
+    if (grads.dtype == DType::kBF16) {
+      auto zero_rows = [&](void* grad, int ld, size_t rows) {
+        const size_t element = dtype_bytes(DType::kBF16);
+        check(cudaMemset2DAsync(grad, static_cast<size_t>(ld) * element, 0, static_cast<size_t>(in.C) * element,
+                                rows, stream()),
+              "cudaMemset2DAsync (attention gradients)");
+      };
+      if (key_rows == 0 && query_rows > 0) zero_rows(grads.dq, in.ld_q, static_cast<size_t>(in.B) * in.Tq);
+      if (query_rows == 0 && key_rows > 0) {
+        zero_rows(grads.dk, in.ld_kv, static_cast<size_t>(in.B) * in.Tk);
+        zero_rows(grads.dv, in.ld_kv, static_cast<size_t>(in.B) * in.Tk);
+      }
+    }
+    return;
+  }
   if (gemm_inputs_ == DType::kBF16 && tensor_core_attention_fits(in)) {
     tensor_core_attention_backward(stream(), grads, dout, out, lse, in,
                                    scratch(tensor_core_attention_scratch_bytes(in)));

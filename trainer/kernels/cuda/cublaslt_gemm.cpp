@@ -96,10 +96,18 @@ void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, i
   }
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating
-    // backward GEMMs (a batch that routed no token to an expert).
+    // backward GEMMs (a batch that routed no token to an expert) and zero
+    // for one written over (beta 0), as cblas leaves it on the CPU.
     if (beta == 1.0f && bias == nullptr) return;
+    if (beta == 0.0f && bias == nullptr) {
+      const size_t element = dtype_bytes(c.dtype);
+      check(cudaMemset2DAsync(c.data, static_cast<size_t>(ldc) * element, 0, static_cast<size_t>(m) * element,
+                              static_cast<size_t>(n), stream),
+            "cudaMemset2DAsync (an empty GEMM written over)");
+      return;
+    }
     throw common::Error(common::ErrorCode::kInternal,
-                        fmt::format("a {}x{} GEMM over an empty inner dimension that is not an accumulation", m, n));
+                        fmt::format("a {}x{} GEMM over an empty inner dimension with beta {}", m, n, beta));
   }
   OpDesc op;
   const cublasComputeType_t compute =

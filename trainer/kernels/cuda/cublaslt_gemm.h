@@ -51,8 +51,8 @@ class CublasLtGemm {
 
   // Throws common::Error (kInternal) when cuBLASLt fails or finds no
   // algorithm for the shape, or for a bf16 C beside a bias or inputs that
-  // are not kBF16. k = 0 is allowed for accumulations (beta 1, no bias),
-  // which leave C as it is.
+  // are not kBF16. k = 0 is allowed without a bias for beta 1, which leaves
+  // C as it is, and beta 0, which zeroes it.
   void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
            const void* a, int lda, const void* b, int ldb, float beta, Buffer c, int ldc, const float* bias);
 
