@@ -40,7 +40,11 @@ class OneWrongBit final : public keel::trainer::BackendWrapper {
                        keel::trainer::ConstBuffer dout, keel::trainer::ConstBuffer inp,
                        keel::trainer::ConstBuffer weight, int N, int C, int OC) override {
     target_.matmul_backward(dinp, dinp_into, dweight, dbias, dout, inp, weight, N, C, OC);
-    flip("matmul_backward", dweight, static_cast<size_t>(OC) * C);
+    if (dinp_into == keel::trainer::Into::kWrite) {
+      flip("matmul_backward written over", dinp, static_cast<size_t>(N) * C);
+    } else {
+      flip("matmul_backward", dweight, static_cast<size_t>(OC) * C);
+    }
   }
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, int v_begin, int Vl, const float* wpe,
                          int B, int T, int C) override {
@@ -96,6 +100,7 @@ TEST_SUITE("unit") {
     const std::vector<std::pair<std::string, std::string>> rows = {
         {"matmul_forward", "matmul_forward"},
         {"matmul_backward", "matmul_backward (weight gradient)"},
+        {"matmul_backward written over", "matmul_backward (input gradient written over)"},
         {"embedding_forward", "embedding_forward"},
         {"scatter_add_rows", "scatter_add_rows"},
         {"accumulate", "accumulate"},

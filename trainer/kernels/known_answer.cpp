@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -96,13 +97,19 @@ void matmuls(Checker& checker, Backend& k) {
   float* dbias = checker.upload(dbias0);
   k.matmul_backward(dinp, Into::kAdd, dweight, dbias, checker.upload(dout), checker.upload(inp), checker.upload(weight), kN, kC,
                     kOC);
-  std::vector<float> want_dinp(dinp0), want_dweight(dweight0), want_dbias(dbias0);
+  // A dense block's linears write their input gradients over (Into::kWrite):
+  // over NaN here, with no weight or bias gradient asked for.
+  float* written = checker.upload(std::vector<float>(size_t{kN} * kC, std::nanf("")));
+  k.matmul_backward(written, Into::kWrite, nullptr, nullptr, checker.upload(dout), checker.upload(inp),
+                    checker.upload(weight), kN, kC, kOC);
+  std::vector<float> want_dinp(dinp0), want_written(dinp0.size()), want_dweight(dweight0), want_dbias(dbias0);
   for (int n = 0; n < kN; ++n) {
     for (int c = 0; c < kC; ++c) {
       int64_t s = 0;
       for (int o = 0; o < kOC; ++o)
         s += static_cast<int64_t>(dout[n * kOC + o]) * static_cast<int64_t>(weight[o * kC + c]);
       want_dinp[static_cast<size_t>(n) * kC + c] += static_cast<float>(s);
+      want_written[static_cast<size_t>(n) * kC + c] = static_cast<float>(s);
     }
   }
   for (int o = 0; o < kOC; ++o) {
@@ -116,6 +123,8 @@ void matmuls(Checker& checker, Backend& k) {
     }
   }
   checker.check("matmul_backward (input gradient)", checker.download(dinp, want_dinp.size()), want_dinp);
+  checker.check("matmul_backward (input gradient written over)", checker.download(written, want_written.size()),
+                want_written);
   checker.check("matmul_backward (weight gradient)", checker.download(dweight, want_dweight.size()), want_dweight);
   checker.check("matmul_backward (bias gradient)", checker.download(dbias, want_dbias.size()), want_dbias);
 }
