@@ -1,6 +1,7 @@
 // keel-bench-attention: causal attention forward + backward on the GPU at
 // GPT-2 124M's shape (batch 8, 12 heads, T 1024, head 64), the tensor-core
-// kernels (bf16 GEMM inputs) against the float32 ones, side by side in one
+// kernels (bf16 GEMM inputs, on qkv, output and dqkv kept as bf16, as a
+// training step keeps them) against the float32 ones, side by side in one
 // run. FLOPs as issue 27 counts them: 4·B·H·T²·d/2 forward (the causal
 // half of two T x T x d products) and 2.5 times that backward. Prints one
 // JSON object; scripts/gpu-check puts it beside torch's SDPA at the same
@@ -52,7 +53,21 @@ nlohmann::json measure(DType precision, const Shape& s, int warmup, int iteratio
   float* lse = device_array(static_cast<size_t>(s.B) * s.NH * s.T, false);
   float* dout = device_array(n * C, true);
   float* dqkv = device_array(n * 3 * C, false);
-  const auto in = Backend::self_attention(qkv, s.B, s.T, s.C(), s.NH);
+  // With bf16 GEMM inputs, qkv, the output and dqkv as the trainer keeps
+  // them without CP (Gpt::lay_out): bf16, so the kernels take the path a
+  // training step takes (tiles copied by cp.async, dqkv written over).
+  const DType kept = precision;
+  auto as_kept = [&](float* f32, size_t count) -> void* {
+    if (kept == DType::kF32) return f32;
+    void* copy = gpu.alloc(count * keel::trainer::dtype_bytes(kept));
+    gpu.round_to_bf16(static_cast<keel::trainer::bf16*>(copy), f32, count);
+    return copy;
+  };
+  void* qkv_kept = as_kept(qkv, n * 3 * C);
+  void* out_kept = as_kept(out, n * C);
+  void* dqkv_kept = as_kept(dqkv, n * 3 * C);
+  const keel::trainer::Buffer out_buffer(out_kept, kept);
+  const auto in = Backend::self_attention(keel::trainer::ConstBuffer(qkv_kept, kept), s.B, s.T, s.C(), s.NH);
   cudaEvent_t start, forwarded, done;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&forwarded), "cudaEventCreate");
@@ -60,9 +75,10 @@ nlohmann::json measure(DType precision, const Shape& s, int warmup, int iteratio
   float forward_ms = 0, backward_ms = 0;
   for (int i = 0; i < warmup + iterations; ++i) {
     check(cudaEventRecord(start, gpu.stream()), "cudaEventRecord");
-    gpu.attention_forward(out, lse, in);
+    gpu.attention_forward(out_buffer, lse, in);
     check(cudaEventRecord(forwarded, gpu.stream()), "cudaEventRecord");
-    gpu.attention_backward(Backend::self_attention_grads(dqkv, s.C()), dout, out, lse, in);
+    gpu.attention_backward(Backend::self_attention_grads(keel::trainer::Buffer(dqkv_kept, kept), s.C()), dout,
+                           out_buffer, lse, in);
     check(cudaEventRecord(done, gpu.stream()), "cudaEventRecord");
     check(cudaEventSynchronize(done), "cudaEventSynchronize");
     if (i < warmup) continue;
@@ -73,6 +89,9 @@ nlohmann::json measure(DType precision, const Shape& s, int warmup, int iteratio
     backward_ms += b / iterations;
   }
   for (float* ptr : {qkv, out, lse, dout, dqkv}) gpu.free(ptr);
+  if (kept != DType::kF32) {
+    for (void* ptr : {qkv_kept, out_kept, dqkv_kept}) gpu.free(ptr);
+  }
   const double flops = s.forward_flops();
   return {{"precision", keel::trainer::dtype_name(precision)},
           {"forward_ms", forward_ms},
