@@ -393,6 +393,13 @@ TEST_SUITE("integration") {
     // Another client's change reaches the watch over the members left.
     connect(*cluster, "job", 20s)->set("nodes/b", "joined");
     const auto changes = store->watch("nodes/", before, 30s);
+    // Failed once in a clean clone with 2 changes: say which, so that the
+    // next failure tells a retried put from another key's change.
+    std::string seen;
+    for (const auto& change : changes) {
+      seen += change.key + "=" + change.value.value_or("(deleted)") + "@" + std::to_string(change.revision) + " ";
+    }
+    INFO("changes after revision " << before << ": " << seen);
     REQUIRE(changes.size() == 1);
     CHECK(changes[0].key == "nodes/b");
     CHECK(store->add("count", 1) == 1);
