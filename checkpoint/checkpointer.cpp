@@ -80,6 +80,11 @@ Checkpointer::~Checkpointer() {
   thread_.join();
 }
 
+void Checkpointer::reserve(std::vector<Piece> pieces) {
+  wait();
+  writer_.prepare(std::move(pieces));
+}
+
 std::vector<float*> Checkpointer::stage(std::vector<Piece> pieces) {
   wait();
   writer_.prepare(std::move(pieces));

@@ -100,7 +100,7 @@ void ShardWriter::prepare(std::vector<Piece> pieces) {
     total += align_up(p.bytes());
   }
   total = std::max(total, kAlign);
-  if (total == staging_bytes_) return;
+  if (total <= staging_bytes_) return;
   if (ring_ && ring_->registered) {
     io_uring_unregister_buffers(&ring_->ring);
     ring_->registered = false;

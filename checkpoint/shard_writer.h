@@ -54,8 +54,8 @@ class ShardWriter {
   ShardWriter& operator=(const ShardWriter&) = delete;
 
   // Lays the staging buffer out for `pieces`. It is reallocated (and
-  // registered and pinned again) only when the total size changes, so the
-  // saves of one run reuse a single buffer.
+  // registered and pinned again) only when it grows, so the saves of one
+  // run, and the load before them, reuse a single buffer.
   void prepare(std::vector<Piece> pieces);
   const std::vector<Piece>& pieces() const { return pieces_; }
   // Where piece i's floats go before write().

@@ -3,6 +3,7 @@
 // checkpoint/ does the files; this maps the model onto them.
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/parallel_copy.h"
 #include "checkpoint/reader.h"
 #include "common/clock.h"
 #include "common/error.h"
@@ -16,8 +17,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <set>
-
+#include <span>
 
 namespace keel::trainer {
 namespace {
@@ -50,6 +52,19 @@ std::vector<float*> locals_of(const Blocks& blocks) {
   for (const auto& b : blocks) local.push_back(b.local);
   return local;
 }
+// Rounds every span to bf16 in place, in 1 Mi-float chunks over `threads`
+// threads: one core would hold training up for the whole model.
+void round_to_bf16_in_place(const std::vector<std::span<float>>& spans, unsigned threads) {
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::vector<std::span<float>> chunks;
+  for (const auto& s : spans) {
+    for (size_t at = 0; at < s.size(); at += kChunk) chunks.push_back(s.subspan(at, std::min(kChunk, s.size() - at)));
+  }
+  checkpoint::parallel_each(chunks.size(), threads, [&](size_t i) {
+    for (float& value : chunks[i]) value = bf16_rounded(value);
+  });
+}
+
 size_t bytes_of(const std::vector<checkpoint::Piece>& pieces) {
   size_t bytes = 0;
   for (const auto& p : pieces) bytes += p.bytes();
@@ -123,28 +138,31 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
   const auto blocks = state_blocks(true, saved_groups());
   auto pieces = pieces_of(blocks);
   const size_t bytes = bytes_of(pieces);
-  // Waits for the previous save; the copy below is all training pays.
+  // Back-pressure: a save still writing is never overwritten. Timed apart
+  // from the copy, which is what a save itself costs training.
+  checkpointer_->wait();
+  const double waited_s = common::seconds_since(start);
   const auto staging = checkpointer_->stage(std::move(pieces));
   std::vector<Backend::HostCopy> copies;
   for (size_t i = 0; i < blocks.size(); ++i) copies.push_back({staging[i], blocks[i].local, blocks[i].piece.bytes()});
-  copy_state_to_host(backend_, copies, static_cast<unsigned>(config_.train.threads));
+  const auto threads = static_cast<unsigned>(config_.train.threads);
+  copy_state_to_host(backend_, copies, threads);
   if (backend_.gemm_inputs() == DType::kBF16) {
     // /model gets what the GEMMs multiply; /master keeps the float32 bits.
+    std::vector<std::span<float>> model;
     for (size_t i = 0; i < blocks.size(); ++i) {
-      if (blocks[i].piece.group != kModel) continue;
-      auto* values = static_cast<float*>(staging[i]);
-      for (size_t j = 0; j < blocks[i].piece.numel(); ++j) values[j] = bf16_rounded(values[j]);
+      if (blocks[i].piece.group == kModel) model.push_back({staging[i], blocks[i].piece.numel()});
     }
+    round_to_bf16_in_place(model, threads);
   }
   faults_.stall("checkpoint");
   checkpointer_->save_async(steps_done, steps_done * config_.train.batch_size * config_.model.seq_len);
   last_saved_step_ = steps_done;
-  // All a save costs training: waiting for the previous one, the snapshot
-  // into the staging buffer and handing it to the writer.
   common::logger("checkpoint")
-      ->info("checkpoint of step {} staged ({:.1f} MB on this rank): training stalled {:.1f} ms", steps_done,
-             static_cast<double>(bytes) / 1e6,
-             common::seconds_since(start) * 1e3);
+      ->info(
+          "checkpoint of step {} staged ({:.1f} MB on this rank): training stalled {:.1f} ms ({:.1f} ms of it "
+          "waiting for the previous save)",
+          steps_done, static_cast<double>(bytes) / 1e6, common::seconds_since(start) * 1e3, waited_s * 1e3);
 }
 
 void TrainLoop::save_snapshot(int64_t steps_done) {
@@ -241,6 +259,14 @@ void TrainLoop::resume() {
   } else {
     from = "start";
   }
+  if (checkpointer_) {
+    const auto laid_out = std::chrono::steady_clock::now();
+    const auto pieces = pieces_of(state_blocks(true, saved_groups()));
+    checkpointer_->reserve(pieces);
+    common::logger("checkpoint")
+        ->info("checkpoint staging buffer of {:.1f} MB laid out in {:.2f} s",
+               static_cast<double>(bytes_of(pieces)) / 1e6, common::seconds_since(laid_out));
+  }
   if (snapshots_) {
     // Snapshots after the step resumed from belong to a history this run
     // no longer follows: never restored, whatever the next choice finds.
@@ -315,10 +341,16 @@ nlohmann::json TrainLoop::choose_disk() {
     return {{"dir", c.init_from}, {"verified", false}};
   };
   try {
+    const auto start = std::chrono::steady_clock::now();
     const auto newest = checkpoint::choose_resume(
         config_.checkpoint_dir(),
         checkpoint::ResumeOptions{checksums ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes}, skipped);
-    if (newest) return {{"dir", newest->dir.string()}, {"verified", checksums}, {"step", newest->step}};
+    if (newest) {
+      // Part of what a resume costs: checksums read every file whole.
+      log->info("chose {} in {:.2f} s ({})", newest->dir.string(), common::seconds_since(start),
+                checksums ? "every file's checksum checked" : "every file's size checked");
+      return {{"dir", newest->dir.string()}, {"verified", checksums}, {"step", newest->step}};
+    }
     return fallback();
   } catch (const common::Error& e) {
     // The run's own checkpoints exist but none can be used: only an
@@ -399,22 +431,32 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
                           fmt::format("checkpoint {} does not verify: {}", dir.string(), problems.front()));
     }
   }
-  // Host memory is read into directly; other backends through a host copy.
+  // Host memory is read into directly. Device memory is read through host
+  // memory: the checkpoint staging buffer, pinned (so each piece crosses
+  // at DMA speed) and laid out for the saves to come anyway; without
+  // checkpoints, pageable memory.
   const auto blocks = state_blocks(false, loaded_groups(reader));
-  std::vector<std::vector<float>> host(backend_.host_memory() ? 0 : blocks.size());
+  const double opened_s = common::seconds_since(start);
+  std::vector<float*> host = locals_of(blocks);
+  std::vector<std::unique_ptr<float[]>> pageable;
+  if (!backend_.host_memory() && checkpointer_) {
+    host = checkpointer_->stage(pieces_of(blocks));
+  } else if (!backend_.host_memory()) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      pageable.emplace_back(new float[blocks[i].piece.numel()]);
+      host[i] = pageable.back().get();
+    }
+  }
   std::vector<checkpoint::CheckpointReader::Request> requests;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const auto& p = blocks[i].piece;
-    float* dst = blocks[i].local;
-    if (!backend_.host_memory()) {
-      host[i].resize(p.numel());
-      dst = host[i].data();
-    }
-    requests.push_back({p.tensor_path(), p.row, p.col, p.rows, p.cols, dst});
+    requests.push_back({p.tensor_path(), p.row, p.col, p.rows, p.cols, host[i]});
   }
   reader.read_all(requests);
+  const double read_s = common::seconds_since(start) - opened_s;
   if (!backend_.host_memory()) {
-    for (size_t i = 0; i < blocks.size(); ++i) backend_.copy_from_host(blocks[i].local, host[i].data(), blocks[i].piece.bytes());
+    for (size_t i = 0; i < blocks.size(); ++i)
+      backend_.copy_from_host(blocks[i].local, host[i], blocks[i].piece.bytes());
   }
   // ZeRO-3's gathered copies predate the load.
   storage_.publish_parameters();
@@ -429,9 +471,12 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
   }
   size_t bytes = 0;
   for (const auto& b : blocks) bytes += b.piece.bytes();
-  log->info("resuming from {} at step {} (saved as {}): loaded {:.1f} MB on this rank in {:.2f} s", dir.string(),
-            start_step_, reader.manifest().layout.dump(), static_cast<double>(bytes) / 1e6,
-            common::seconds_since(start));
+  const double load_s = common::seconds_since(start);
+  log->info(
+      "resuming from {} at step {} (saved as {}): loaded {:.1f} MB on this rank in {:.2f} s (open {:.2f} s, "
+      "read {:.2f} s, into place {:.2f} s)",
+      dir.string(), start_step_, reader.manifest().layout.dump(), static_cast<double>(bytes) / 1e6, load_s, opened_s,
+      read_s, load_s - opened_s - read_s);
 }
 
 void TrainLoop::cancel_checkpoint(const std::string& cause) {
