@@ -373,14 +373,15 @@ std::vector<KernelCase> kernel_cases() {
                        1e-4, 1e-4});
     }
     // A row 16 blocks wide whose logits climb along it: the running max of
-    // the one-pass statistics moves at nearly every element.
-    {
-      const int Nw = 5, Vw = 4099;
+    // the one-pass statistics moves at nearly every element, read one at a
+    // time (4099 columns) and as whole 16-byte vectors (4096).
+    for (const int Vw : {4099, 4096}) {
+      const int Nw = 5;
       Vec logits = random_vec(Nw * Vw, 35, -6.0f, 6.0f);
       for (int n = 0; n < Nw; ++n) {
         for (int c = 0; c < Vw; ++c) logits[n * Vw + c] += 0.01f * c;
       }
-      cases.push_back({"cross-entropy statistics, a wide row with climbing logits",
+      cases.push_back({"cross-entropy statistics, a wide row with climbing logits, " + std::to_string(Vw) + " columns",
                        {{"logits", logits}, {"stats", Vec(Nw * 3, nan)}},
                        {{"targets", random_ints(Nw, Vw, 36)}},
                        {"stats"},

@@ -1,8 +1,8 @@
 // Elementwise kernels and AdamW. Each is memory-bound, so a grid-stride loop
-// with coalesced accesses and just enough blocks to fill the device is all
-// the speed there is to get. The math is cpu_backend.cpp's (AdamW's and
-// GELU's shared with it: adamw_step.h, gelu.h) so the tests can compare the
-// two elementwise.
+// with coalesced 16-byte accesses (launch.cuh's map) and just enough blocks
+// to fill the device is all the speed there is to get. The math is
+// cpu_backend.cpp's (AdamW's and GELU's shared with it: adamw_step.h,
+// gelu.h) so the tests can compare the two elementwise.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/adamw_step.h"
@@ -19,45 +19,23 @@ struct ClampedExp {
   __device__ float operator()(float x) const { return expf(fminf(fmaxf(x, -87.0f), 88.0f)); }
 };
 
-template <typename Out, typename In> __global__ void gelu_forward_kernel(Out* out, const In* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) store(out + i, gelu(load(inp + i), ClampedExp{}));
-}
-
-template <typename In>
-__global__ void gelu_backward_kernel(float* dinp, const In* inp, const float* dout, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) {
-    dinp[i] += gelu_grad(load(inp + i), ClampedExp{}) * dout[i];
-  }
-}
-
-// out may be grad: each element is read, then written, by one thread.
-template <typename Out, typename In>
-__global__ void gelu_derivative_times_kernel(Out* out, const float* grad, const In* inp, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) {
-    store(out + i, gelu_grad(load(inp + i), ClampedExp{}) * grad[i]);
-  }
-}
-
-// The GELU kernels for the element types of their buffers.
-template <typename Out, typename In> void launch_gelu_forward(cudaStream_t stream, Out* out, const In* inp, size_t n) {
-  launch("gelu_forward", gelu_forward_kernel<Out, In>, n, stream, out, inp);
-}
-template <typename In>
-void launch_gelu_backward(cudaStream_t stream, float* dinp, const In* inp, const float* dout, size_t n) {
-  launch("gelu_backward", gelu_backward_kernel<In>, n, stream, dinp, inp, dout);
-}
-template <typename Out, typename In>
-void launch_gelu_derivative_times(cudaStream_t stream, Out* out, const float* grad, const In* inp, size_t n) {
-  launch("gelu_derivative_times", gelu_derivative_times_kernel<Out, In>, n, stream, out, grad, inp);
-}
-
-__global__ void round_to_bf16_kernel(__nv_bfloat16* out, const float* in, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) out[i] = __float2bfloat16_rn(in[i]);
-}
-
-__global__ void accumulate_kernel(float* dst, const float* src, size_t n) {
-  for (size_t i = first_index(); i < n; i += grid_stride()) dst[i] += src[i];
-}
+// The per-element functions map() applies (launch.cuh).
+struct Gelu {
+  __device__ float operator()(float x) const { return gelu(x, ClampedExp{}); }
+};
+// dinp + GELU'(x) dout: the gradient added to dinp.
+struct GeluGradAdded {
+  __device__ float operator()(float dinp, float x, float dout) const { return dinp + gelu_grad(x, ClampedExp{}) * dout; }
+};
+struct GeluGradTimes {
+  __device__ float operator()(float grad, float x) const { return gelu_grad(x, ClampedExp{}) * grad; }
+};
+struct Identity {
+  __device__ float operator()(float x) const { return x; }
+};
+struct Sum {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
 
 // Element i of the rows x cols block: row i / cols, column i % cols.
 __global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* src, int src_ld, int cols, size_t n) {
@@ -94,26 +72,31 @@ __global__ void adamw_kernel(AdamwBatch batch) {
 
 void CudaBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
   with_type<__nv_bfloat16>(out, [&](auto* to) {
-    with_type<__nv_bfloat16>(inp, [&](const auto* from) { launch_gelu_forward(stream(), to, from, n); });
+    with_type<__nv_bfloat16>(inp, [&](const auto* from) { map("gelu_forward", stream(), Gelu{}, n, to, from); });
   });
 }
 
 void CudaBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, size_t n) {
-  with_type<__nv_bfloat16>(inp, [&](const auto* from) { launch_gelu_backward(stream(), dinp, from, dout, n); });
+  with_type<__nv_bfloat16>(inp, [&](const auto* from) {
+    map("gelu_backward", stream(), GeluGradAdded{}, n, dinp, static_cast<const float*>(dinp), from, dout);
+  });
 }
 
+// out may be grad (map_kernel's aliasing rule).
 void CudaBackend::gelu_derivative_times(Buffer out, const float* grad, ConstBuffer pre, size_t n) {
   with_type<__nv_bfloat16>(out, [&](auto* to) {
-    with_type<__nv_bfloat16>(pre, [&](const auto* from) { launch_gelu_derivative_times(stream(), to, grad, from, n); });
+    with_type<__nv_bfloat16>(pre, [&](const auto* from) {
+      map("gelu_derivative_times", stream(), GeluGradTimes{}, n, to, grad, from);
+    });
   });
 }
 
 void CudaBackend::round_to_bf16(bf16* out, const float* in, size_t n) {
-  launch("round_to_bf16", round_to_bf16_kernel, n, stream(), reinterpret_cast<__nv_bfloat16*>(out), in);
+  map("round_to_bf16", stream(), Identity{}, n, reinterpret_cast<__nv_bfloat16*>(out), in);
 }
 
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {
-  launch("accumulate", accumulate_kernel, n, stream(), dst, src);
+  map("accumulate", stream(), Sum{}, n, dst, static_cast<const float*>(dst), src);
 }
 
 void CudaBackend::copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols) {
