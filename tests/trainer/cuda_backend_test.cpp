@@ -717,26 +717,37 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {
     if (!device_or_skip()) return;
-    // cuBLASLt writes bf16 itself without a bias and with rows of whole
-    // 16-byte vectors (OC 136); with a bias, or OC 137, keel rounds the
-    // float32 output after the GEMM.
+    // cuBLASLt writes bf16 itself with rows of whole 16-byte vectors (OC
+    // 136) and no bias or a bf16 one (its bias takes the output's type);
+    // with a float32 bias, or OC 137, keel rounds the float32 output after
+    // the GEMM, a bf16 bias widened into it.
     const int N = 97, C = 72;
     CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
     CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    enum class Bias { kNone, kF32, kBF16 };
     for (const int OC : {136, 137}) {
-      for (const bool bias : {false, true}) {
+      for (const Bias bias : {Bias::kNone, Bias::kF32, Bias::kBF16}) {
         CAPTURE(OC);
-        CAPTURE(bias);
+        CAPTURE(static_cast<int>(bias));
+        Vec bias_values = random_vec(OC, 70);
+        // The float32 product adds the bias the bf16 one adds, widened.
+        if (bias == Bias::kBF16) {
+          for (float& b : bias_values) b = keel::trainer::bf16_rounded(b);
+        }
         const std::map<std::string, Vec> floats = {{"inp", random_vec(N * C, 68, -2.0f, 2.0f)},
                                                    {"w", random_vec(OC * C, 69)},
-                                                   {"bias", random_vec(OC, 70)},
+                                                   {"bias", bias_values},
                                                    {"out", Vec(N * OC, NAN)}};
         Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
         for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
           t->add_bf16("out16", static_cast<size_t>(N) * OC);
-          const float* b = bias ? t->f("bias") : nullptr;
+          t->add_bf16("bias16", static_cast<size_t>(OC));
+          k->round_to_bf16(t->h("bias16"), t->f("bias"), static_cast<size_t>(OC));
+          const float* b = bias == Bias::kNone ? nullptr : t->f("bias");
+          const keel::trainer::ConstBuffer b16 =
+              bias == Bias::kBF16 ? keel::trainer::ConstBuffer(t->h("bias16")) : keel::trainer::ConstBuffer(b);
           k->matmul_forward(t->f("out"), t->f("inp"), t->f("w"), b, N, C, OC);
-          k->matmul_forward(t->h("out16"), t->f("inp"), t->f("w"), b, N, C, OC);
+          k->matmul_forward(t->h("out16"), t->f("inp"), t->f("w"), b16, N, C, OC);
         }
         // Within one bf16 step of the GPU's own float32 output (cuBLASLt
         // may sum in another order for a bf16 output) and of the CPU's.

@@ -537,6 +537,26 @@ TEST_SUITE("unit") {
       for (size_t i = 0; i < n; ++i) mismatches += linear16[i].bits != keel::trainer::to_bf16(linear[i]).bits;
       CHECK(mismatches == 0);
     }
+    // A bf16 bias (the GEMM copy's) adds the values it holds: the float32
+    // bias of the same values gives the same bits; one beside a float32
+    // output is refused.
+    {
+      std::vector<bf16> bias16(OC);
+      Vec bias_widened(OC);
+      for (int c = 0; c < OC; ++c) {
+        bias16[c] = keel::trainer::to_bf16(bias[c]);
+        bias_widened[c] = keel::trainer::to_float(bias16[c]);
+      }
+      std::vector<bf16> from_bf16(n, bf16{0xffff}), from_f32(n, bf16{0xffff});
+      cpu.matmul_forward(from_bf16.data(), inp.data(), w.data(), bias16.data(), N, C, OC);
+      cpu.matmul_forward(from_f32.data(), inp.data(), w.data(), bias_widened.data(), N, C, OC);
+      size_t mismatches = 0;
+      for (size_t i = 0; i < n; ++i) mismatches += from_bf16[i].bits != from_f32[i].bits;
+      CHECK(mismatches == 0);
+      Vec linear = nan_vec(n);
+      CHECK_THROWS_AS(cpu.matmul_forward(linear.data(), inp.data(), w.data(), bias16.data(), N, C, OC),
+                      keel::common::Error);
+    }
     // As float32, then rounded by hand.
     Vec pre = nan_vec(n), out = nan_vec(n);
     cpu.matmul_forward(pre.data(), inp.data(), w.data(), bias.data(), N, C, OC);

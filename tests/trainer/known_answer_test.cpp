@@ -32,7 +32,7 @@ class OneWrongBit final : public keel::trainer::BackendWrapper {
       : BackendWrapper(target), kernel_(std::move(kernel)) {}
 
   void matmul_forward(keel::trainer::Buffer out, keel::trainer::ConstBuffer inp, keel::trainer::ConstBuffer weight,
-                      const float* bias, int N, int C, int OC) override {
+                      keel::trainer::ConstBuffer bias, int N, int C, int OC) override {
     target_.matmul_forward(out, inp, weight, bias, N, C, OC);
     flip("matmul_forward", static_cast<float*>(out.data), static_cast<size_t>(N) * OC);
   }

@@ -476,20 +476,30 @@ std::vector<const float*> CpuBackend::gemm_operands(std::initializer_list<std::p
   return out;
 }
 
-void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
+void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, ConstBuffer bias, int N, int C,
                                 int OC) {
+  if (bias.dtype == DType::kBF16 && out.dtype != DType::kBF16) {
+    throw common::Error(common::ErrorCode::kInternal, "a bf16 bias beside a float32 linear output");
+  }
   const size_t n = static_cast<size_t>(N) * OC;
   float* linear = static_cast<float*>(out.data);
   if (out.dtype == DType::kBF16) {
     if (linear_out_.size() < n) linear_out_.resize(n);
     linear = linear_out_.data();
   }
-  if (bias != nullptr) {
+  if (bias.data != nullptr) {
+    const float* row = bias.f32();
+    if (row == nullptr) {
+      if (bias_widened_.size() < static_cast<size_t>(OC)) bias_widened_.resize(OC);
+      const auto* b = static_cast<const bf16*>(bias.data);
+      for (int c = 0; c < OC; ++c) bias_widened_[c] = to_float(b[c]);
+      row = bias_widened_.data();
+    }
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
-    for (int r = 0; r < N; ++r) std::memcpy(linear + static_cast<size_t>(r) * OC, bias, sizeof(float) * OC);
+    for (int r = 0; r < N; ++r) std::memcpy(linear + static_cast<size_t>(r) * OC, row, sizeof(float) * OC);
   }
   const auto ops = gemm_operands({{inp, static_cast<size_t>(N) * C}, {weight, static_cast<size_t>(OC) * C}});
-  gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias != nullptr ? 1.0f : 0.0f, linear, OC);
+  gemm(false, true, N, OC, C, 1.0f, ops[0], C, ops[1], C, bias.data != nullptr ? 1.0f : 0.0f, linear, OC);
   if (out.dtype == DType::kBF16) round_into(static_cast<bf16*>(out.data), linear, n);
 }
 

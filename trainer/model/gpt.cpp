@@ -338,7 +338,8 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
                         p.at(o.ln1_b), Ns, C);
     gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
-    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.at(o.qkv_b), N, C, 3 * Cl);
+    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.bias(o.qkv_b, blk.qkv.buffer()), N, C,
+                     3 * Cl);
     attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
     k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p.weight(o.attproj_w),
                      first_tp_rank ? p.at(o.attproj_b) : nullptr, N, Cl, C);
@@ -358,7 +359,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
       gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
       // The pre-activation is kept for GELU's backward; GELU reads it as
       // kept (rounded, when bf16), as the backward will.
-      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.at(o.fc_b), N, C, Fl);
+      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.bias(o.fc_b, blk.fch.buffer()), N, C, Fl);
       k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
       k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p.weight(o.proj_w),
                        first_tp_rank ? p.at(o.proj_b) : nullptr, N, Fl, C);

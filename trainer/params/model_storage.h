@@ -25,6 +25,12 @@ struct UnitParameters {
   ConstBuffer weight(size_t offset) const {
     return gemm != nullptr ? ConstBuffer(gemm + offset) : ConstBuffer(f32 + offset);
   }
+  // The bias at `offset` as a linear writing `out` adds it: the GEMM copy
+  // into a bf16 output, as torch's autocast adds a bf16 bias (and cuBLASLt
+  // can then write the output itself), the float32 master otherwise.
+  ConstBuffer bias(size_t offset, Buffer out) const {
+    return gemm != nullptr && out.dtype == DType::kBF16 ? ConstBuffer(gemm + offset) : ConstBuffer(f32 + offset);
+  }
 };
 
 class ModelStorage {

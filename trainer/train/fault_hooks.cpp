@@ -171,7 +171,7 @@ void CheckpointFaults::written(int64_t step) {
   if (::pwrite(fd.get(), &flipped, 1, offset) != 1 || ::fsync(fd.get()) != 0) fail("write");
 }
 
-void GemmBitFlip::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
+void GemmBitFlip::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, ConstBuffer bias, int N, int C,
                                  int OC) {
   target_.matmul_forward(out, inp, weight, bias, N, C, OC);
   flip_bit(*this, out, 0, 0);

@@ -105,8 +105,7 @@ class CheckpointFaults final : public checkpoint::FileSystemWrapper {
 class GemmBitFlip final : public BackendWrapper {
  public:
   using BackendWrapper::BackendWrapper;
-  void matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, const float* bias, int N, int C,
-                      int OC) override;
+  void matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight, ConstBuffer bias, int N, int C, int OC) override;
 };
 
 }  // namespace keel::trainer

@@ -84,15 +84,15 @@ CublasLtGemm::~CublasLtGemm() {
 
 void CublasLtGemm::run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
                        const void* a, int lda, const void* b, int ldb, float beta, Buffer c, int ldc,
-                       const float* bias) {
+                       ConstBuffer bias_buffer) {
   if (m <= 0 || n <= 0) return;
   const bool bf16_c = c.dtype == DType::kBF16;
-  if (bf16_c && (bias != nullptr || inputs != GemmInputs::kBF16)) {
-    // cuBLASLt would want a bf16 bias (cublasLt.h: the bias takes C's
-    // type), which would change the sum the CPU reference rounds.
-    throw common::Error(common::ErrorCode::kInternal,
-                        fmt::format("a bf16 GEMM output with {} inputs{}", gemm_inputs_name(inputs),
-                                    bias != nullptr ? " and a bias" : ""));
+  const void* bias = bias_buffer.data;
+  if ((bf16_c && inputs != GemmInputs::kBF16) || (bias != nullptr && bias_buffer.dtype != c.dtype)) {
+    throw common::Error(
+        common::ErrorCode::kInternal,
+        fmt::format("a {} GEMM output with {} inputs{}", dtype_name(c.dtype), gemm_inputs_name(inputs),
+                    bias != nullptr ? fmt::format(" and a {} bias", dtype_name(bias_buffer.dtype)) : std::string()));
   }
   if (k <= 0) {
     // An empty sum: C stays beta C, which is all of C for the accumulating

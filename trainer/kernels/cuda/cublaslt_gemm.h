@@ -1,10 +1,11 @@
 // One GEMM through cuBLASLt, for the CUDA backend's matmuls. Column-major,
 // as cuBLAS sees memory: C[m,n] = op(A) op(B) + beta C, plus bias[m] on
 // every column when bias is non-null (the BIAS epilogue). A and B are
-// stored and multiplied as GemmInputs says; the bias and the scalars are
-// float32, and so is C, but for a product of bf16 inputs without bias,
-// which cuBLASLt can write as bf16 (its float32 result rounded to nearest)
-// instead of keel writing float32 and rounding it in a pass of its own.
+// stored and multiplied as GemmInputs says; the scalars are float32, and so
+// is C, but for a product of bf16 inputs, which cuBLASLt can write as bf16
+// (its float32 result, bias added, rounded to nearest) instead of keel
+// writing float32 and rounding it in a pass of its own. The bias is in C's
+// type (cublasLt.h, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE).
 //
 // Determinism: the algorithm comes from cuBLASLt's heuristic once per shape
 // and is then reused, so a shape always runs the same code. cuBLAS
@@ -50,11 +51,11 @@ class CublasLtGemm {
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
   // Throws common::Error (kInternal) when cuBLASLt fails or finds no
-  // algorithm for the shape, or for a bf16 C beside a bias or inputs that
-  // are not kBF16. k = 0 is allowed without a bias for beta 1, which leaves
-  // C as it is, and beta 0, which zeroes it.
-  void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs,
-           const void* a, int lda, const void* b, int ldb, float beta, Buffer c, int ldc, const float* bias);
+  // algorithm for the shape, or for a bf16 C beside inputs that are not
+  // kBF16, or a bias not of C's type. k = 0 is allowed without a bias for
+  // beta 1, which leaves C as it is, and beta 0, which zeroes it.
+  void run(cudaStream_t stream, bool trans_a, bool trans_b, int m, int n, int k, GemmInputs inputs, const void* a,
+           int lda, const void* b, int ldb, float beta, Buffer c, int ldc, ConstBuffer bias);
 
  private:
   // What the heuristic sees: operations, sizes, leading dimensions, bias,

@@ -91,6 +91,8 @@ class CudaBackend final : public Backend {
   // may be grad itself (elementwise.cu): the last step of
   // matmul_backward_through_gelu.
   void gelu_derivative_times(Buffer out, const float* grad, ConstBuffer pre, size_t n);
+  // out = in widened to float32, exactly (elementwise.cu).
+  void widen_from_bf16(float* out, const bf16* in, size_t n);
   // A float32 GEMM output to be kept as bf16 (matmul_forward's where
   // cuBLASLt cannot write bf16 itself, matmul_backward_through_gelu's):
   // it must outlive the GEMM operands scratch holds meanwhile.

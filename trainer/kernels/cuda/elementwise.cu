@@ -95,6 +95,10 @@ void CudaBackend::round_to_bf16(bf16* out, const float* in, size_t n) {
   map("round_to_bf16", stream(), Identity{}, n, reinterpret_cast<__nv_bfloat16*>(out), in);
 }
 
+void CudaBackend::widen_from_bf16(float* out, const bf16* in, size_t n) {
+  map("widen_from_bf16", stream(), Identity{}, n, out, reinterpret_cast<const __nv_bfloat16*>(in));
+}
+
 void CudaBackend::accumulate(float* dst, const float* src, size_t n) {
   map("accumulate", stream(), Sum{}, n, dst, static_cast<const float*>(dst), src);
 }
