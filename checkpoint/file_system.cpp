@@ -1,5 +1,7 @@
 #include "checkpoint/file_system.h"
 
+#include "checkpoint/ordered_read.h"
+
 #include "common/error.h"
 #include "common/unique_fd.h"
 
@@ -55,18 +57,9 @@ class RealFileSystem final : public FileSystem {
   }
 
   std::string checksum(const std::filesystem::path& file) override {
-    common::UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) fail(fmt::format("cannot open {}: {}", file.string(), std::strerror(errno)));
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
     XXH3_64bits_reset(state.get());
-    std::vector<char> buffer(size_t{4} << 20);
-    for (;;) {
-      const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail(fmt::format("cannot read {}: {}", file.string(), std::strerror(errno)));
-      if (n == 0) break;
-      XXH3_64bits_update(state.get(), buffer.data(), static_cast<size_t>(n));
-    }
+    read_in_order(file, [&](const std::byte* data, size_t bytes) { XXH3_64bits_update(state.get(), data, bytes); });
     return fmt::format("{:016x}", XXH3_64bits_digest(state.get()));
   }
 };
