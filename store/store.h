@@ -81,7 +81,10 @@ class ClusterStore : public Store {
                                                             const std::string& desired, LeaseId lease) = 0;
   virtual Listing list(const std::string& prefix) = 0;
   // The changes under `prefix` made after `after_revision`, as soon as there
-  // is at least one; empty when `timeout` passes without any.
+  // is at least one; empty when `timeout` passes without any. A set() sent
+  // again after its answer was lost (the member died mid-call; etcd's puts
+  // are retried, EtcdGateway::Retry::kIdempotent) may show as two changes
+  // of the same value.
   // HistoryCompacted when the store no longer keeps the changes after
   // `after_revision`: the caller reads the present with list() instead.
   virtual std::vector<Change> watch(const std::string& prefix, int64_t after_revision,

@@ -393,15 +393,20 @@ TEST_SUITE("integration") {
     // Another client's change reaches the watch over the members left.
     connect(*cluster, "job", 20s)->set("nodes/b", "joined");
     const auto changes = store->watch("nodes/", before, 30s);
-    // Failed once in a clean clone with 2 changes: say which, so that the
-    // next failure tells a retried put from another key's change.
+    // The put may land twice when the member it went to died before
+    // answering and it was sent again (the watch contract, store.h); a
+    // clean clone saw 2 changes once. Nothing but that put is a change.
     std::string seen;
     for (const auto& change : changes) {
       seen += change.key + "=" + change.value.value_or("(deleted)") + "@" + std::to_string(change.revision) + " ";
     }
     INFO("changes after revision " << before << ": " << seen);
-    REQUIRE(changes.size() == 1);
-    CHECK(changes[0].key == "nodes/b");
+    REQUIRE(!changes.empty());
+    CHECK(changes.size() <= 2);
+    for (const auto& change : changes) {
+      CHECK(change.key == "nodes/b");
+      CHECK(change.value == std::optional<std::string>("joined"));
+    }
     CHECK(store->add("count", 1) == 1);
     CHECK(store->get("a") == "2");
     store->revoke(lease);
