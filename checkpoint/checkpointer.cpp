@@ -86,8 +86,7 @@ void Checkpointer::reserve(std::vector<Piece> pieces) {
 }
 
 std::vector<float*> Checkpointer::stage(std::vector<Piece> pieces) {
-  wait();
-  writer_.prepare(std::move(pieces));
+  reserve(std::move(pieces));
   std::vector<float*> staging;
   for (size_t i = 0; i < writer_.pieces().size(); ++i) staging.push_back(writer_.staging(i));
   return staging;

@@ -491,8 +491,7 @@ void CpuBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight,
     const float* row = bias.f32();
     if (row == nullptr) {
       if (bias_widened_.size() < static_cast<size_t>(OC)) bias_widened_.resize(OC);
-      const auto* b = static_cast<const bf16*>(bias.data);
-      for (int c = 0; c < OC; ++c) bias_widened_[c] = to_float(b[c]);
+      widen_into(bias_widened_.data(), static_cast<const bf16*>(bias.data), static_cast<size_t>(OC));
       row = bias_widened_.data();
     }
 #pragma omp parallel for schedule(static) if (n > kParallelMin)

@@ -116,13 +116,12 @@ void CudaBackend::matmul_forward(Buffer out, ConstBuffer inp, ConstBuffer weight
   // and rounded, 1.3 ms a step of rounding at 124M.
   if (out.dtype == DType::kF32 ||
       (gemm_type() == GemmInputs::kBF16 && OC % 8 == 0 &&
-       (bias.data == nullptr || (bias.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(bias.data) % 16 == 0)))) {
+       (bias.data == nullptr || (bias.dtype == DType::kBF16 && aligned_16(bias.data))))) {
     product(out, bias);
     return;
   }
-  // Otherwise float32 into linear_out, the bias added widened, rounded
-  // after, as the CPU does.
-  // A bf16 bias is widened behind the output: scratch holds the operands.
+  // Otherwise float32 into linear_out, rounded after, as the CPU does; a
+  // bf16 bias is widened behind the output (scratch holds the operands).
   const size_t n = static_cast<size_t>(N) * OC;
   auto* linear = static_cast<float*>(linear_out((n + static_cast<size_t>(OC)) * sizeof(float)));
   const float* widened = bias.f32();
