@@ -24,7 +24,7 @@ using common::ErrorCode;
 namespace {
 
 constexpr char kMagic[8] = {'K', 'E', 'E', 'L', 'S', 'N', 'A', 'P'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kPage = 4096;
 constexpr size_t kPieceAlign = 64;
 // Bounds on what a header may claim, so that a garbage one cannot make a
@@ -55,8 +55,14 @@ struct SlotHeader {
   uint64_t layout_hash;
   uint64_t table_size;  // bytes of the JSON after the hashes
   uint64_t data_bytes;
+  uint32_t copy_step;  // 1: the ranks agreed to copy this snapshot to the buddy
+  uint32_t unused;
+  // The sequence of the snapshot the buddy accepted a copy of, stored by
+  // keeld; it counts only while it is the slot's own sequence.
+  std::atomic<uint64_t> copied;
 };
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "the state is shared between processes");
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "the state is shared between processes");
 static_assert(sizeof(AreaHeader) <= kPage && sizeof(SlotHeader) <= kPage);
 
 // Before a slot's header or data change: keeld's copy of a complete slot
@@ -162,7 +168,10 @@ std::optional<std::string> SnapshotImage::check(unsigned threads) const {
   return std::nullopt;
 }
 
-SnapshotArea::SnapshotArea(int fd, int keep) : fd_(fd), keep_(std::max(keep, 1)) { map_existing(); }
+SnapshotArea::SnapshotArea(int fd, int keep, bool copied)
+    : fd_(fd), keep_(std::max(keep, 1)), copy_steps_kept_(copied ? 2 : 0) {
+  map_existing();
+}
 
 SnapshotArea::~SnapshotArea() { unmap(); }
 
@@ -199,7 +208,7 @@ bool SnapshotArea::map_existing() {
 
 void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
   unmap();
-  const int slots = keep_ + 1;
+  const int slots = slot_count();
   const size_t slot_bytes = kPage + table_bytes + round_up(data_bytes, kPage);
   const size_t needed = kPage + static_cast<size_t>(slots) * slot_bytes;
   struct stat st {};
@@ -230,7 +239,12 @@ void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
   slots_ = slots;
   slot_bytes_ = slot_bytes;
   table_bytes_ = table_bytes;
-  for (int s = 0; s < slots; ++s) header_of(slot_at(s)).state.store(kEmpty, std::memory_order_release);
+  for (int s = 0; s < slots; ++s) {
+    SlotHeader& h = header_of(slot_at(s));
+    h.sequence = 0;
+    h.copied.store(0, std::memory_order_relaxed);
+    h.state.store(kEmpty, std::memory_order_release);
+  }
   AreaHeader h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.version = kVersion;
@@ -244,7 +258,7 @@ unsigned char* SnapshotArea::slot_at(int slot) const { return base_ + kPage + st
 
 void SnapshotArea::fit(size_t pieces, size_t json_bytes, size_t data_bytes) {
   const size_t table_bytes = round_up(8 * pieces + json_bytes, kPage);
-  if (base_ == nullptr || slots_ != keep_ + 1 || table_bytes > table_bytes_ ||
+  if (base_ == nullptr || slots_ != slot_count() || table_bytes > table_bytes_ ||
       kPage + table_bytes_ + data_bytes > slot_bytes_) {
     lay_out(table_bytes, data_bytes);
   }
@@ -256,7 +270,7 @@ void SnapshotArea::reserve(const std::vector<Piece>& pieces) {
   fit(pieces.size(), piece_table(pieces).dump().size(), data_bytes);
 }
 
-std::vector<float*> SnapshotArea::begin(const std::vector<Piece>& pieces, uint64_t layout) {
+std::vector<float*> SnapshotArea::begin(const std::vector<Piece>& pieces, uint64_t layout, bool copy_step) {
   const std::string json = piece_table(pieces).dump();
   size_t data_bytes = 0;
   std::vector<size_t> offsets = data_offsets(pieces, data_bytes);
@@ -271,6 +285,8 @@ std::vector<float*> SnapshotArea::begin(const std::vector<Piece>& pieces, uint64
   h.layout_hash = layout;
   h.table_size = json.size();
   h.data_bytes = data_bytes;
+  h.copy_step = copy_step ? 1 : 0;
+  h.copied.store(0, std::memory_order_relaxed);
   std::memset(at + kPage, 0, 8 * pieces.size());
   std::memcpy(at + kPage + 8 * pieces.size(), json.data(), json.size());
   writing_ = slot;
@@ -304,22 +320,31 @@ std::optional<std::string> SnapshotArea::commit(int64_t step, int64_t tokens, un
 }
 
 int SnapshotArea::next_slot() const {
-  // The `keep` newest complete slots stay; the next snapshot takes another.
+  // The `keep` newest complete slots stay, and so do the newest copy steps
+  // (the buddy's copies are of them); the next snapshot takes another.
   const std::vector<Listed> complete = list();
   std::vector<bool> kept(static_cast<size_t>(slots_), false);
   for (size_t i = 0; i < complete.size() && i < static_cast<size_t>(keep_); ++i) kept[complete[i].slot] = true;
+  int copy_steps = 0;
+  for (size_t i = 0; i < complete.size() && copy_steps < copy_steps_kept_; ++i) {
+    if (!complete[i].copy_step) continue;
+    kept[complete[i].slot] = true;
+    ++copy_steps;
+  }
   for (int s = 0; s < slots_; ++s) {
     if (!kept[s] && header_of(slot_at(s)).state.load(std::memory_order_acquire) != kComplete) return s;
   }
   for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
     if (!kept[it->slot]) return it->slot;
   }
-  return 0;  // unreachable: there are keep + 1 slots
+  return 0;  // unreachable: there are more slots than kept ones
 }
 
 void SnapshotArea::complete(unsigned char* at, int64_t step, int64_t tokens) {
+  // Above every slot's, complete or not, so that no snapshot of this
+  // layout repeats a step and sequence that keeld may still mark copied.
   uint64_t sequence = 0;
-  for (const Listed& l : list()) sequence = std::max(sequence, l.sequence);
+  for (int s = 0; s < slots_; ++s) sequence = std::max(sequence, header_of(slot_at(s)).sequence);
   SlotHeader& h = header_of(at);
   h.step = step;
   h.tokens = tokens;
@@ -335,6 +360,7 @@ std::optional<SnapshotImage> SnapshotArea::image_of(int64_t step) const {
   const unsigned char* at = slot_at(listed->slot);
   const SlotHeader& h = header_of(at);
   SnapshotImage image;
+  image.sequence = listed->sequence;
   image.step = h.step;
   image.tokens = h.tokens;
   image.layout_hash = h.layout_hash;
@@ -357,6 +383,15 @@ std::optional<SnapshotImage> SnapshotArea::image_of(int64_t step) const {
   return image;
 }
 
+bool SnapshotArea::mark_copied(int64_t step, uint64_t sequence) {
+  for (const Listed& l : list()) {
+    if (l.step != step || l.sequence != sequence) continue;
+    header_of(slot_at(l.slot)).copied.store(sequence, std::memory_order_release);
+    return true;
+  }
+  return false;
+}
+
 void SnapshotArea::import(const std::vector<const SnapshotImage*>& images) {
   bool cleared = false;
   for (const SnapshotImage* image : images) {
@@ -375,9 +410,11 @@ void SnapshotArea::import(const std::vector<const SnapshotImage*>& images) {
     h.layout_hash = image->layout_hash;
     h.table_size = json_bytes;
     h.data_bytes = image->data_bytes;
+    h.copy_step = 1;
     std::memcpy(at + kPage, image->table.data(), image->table.size());
     parallel_copy({{at + kPage + table_bytes_, image->data.get(), image->data_bytes}}, 0);
     complete(at, image->step, image->tokens);
+    h.copied.store(h.sequence, std::memory_order_release);
   }
 }
 
@@ -386,7 +423,8 @@ std::vector<SnapshotArea::Listed> SnapshotArea::list() const {
   for (int s = 0; base_ != nullptr && s < slots_; ++s) {
     const SlotHeader& h = header_of(slot_at(s));
     if (h.state.load(std::memory_order_acquire) != kComplete) continue;
-    out.push_back({s, h.step, h.tokens, h.sequence, h.data_bytes});
+    out.push_back({s, h.step, h.tokens, h.sequence, h.data_bytes, h.copy_step != 0,
+                   h.copied.load(std::memory_order_acquire) == h.sequence});
   }
   std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) { return a.sequence > b.sequence; });
   return out;

@@ -10,6 +10,12 @@
 // two leaves that slot writing, never read, and the others whole. A slot is
 // read only after every piece's hash is checked again.
 //
+// An area whose snapshots keeld copies to another node (`copied`, the
+// buddy copy) holds two more slots: the ranks agree on which snapshots are
+// copy steps, keeld copies only those and marks each slot its buddy
+// accepted, and the two newest copy steps stay beside the `keep` newest, so
+// that every node still holds the steps the copies are of.
+//
 // keeld opens the same file to list the slots (keelctl checkpoint) and to
 // quarantine those after an SDC verdict's last good step; an area is a view
 // of the file as it was when made (or at its last begin()), so keeld makes
@@ -41,6 +47,7 @@ struct SnapshotImage {
   std::string table;  // each piece's XXH3-64 (8 bytes), then the piece table as JSON
   std::unique_ptr<unsigned char[]> data;  // the pieces' floats as a slot lays them out
   size_t data_bytes = 0;
+  uint64_t sequence = 0;  // of the slot it was copied from, for mark_copied(); never sent
 
   // Why the image cannot be a snapshot (a table that does not parse, data
   // of another size than the table says, a piece that fails its hash);
@@ -57,6 +64,8 @@ class SnapshotArea {
     int64_t tokens = 0;
     uint64_t sequence = 0;  // higher: committed later
     uint64_t bytes = 0;     // of its pieces
+    bool copy_step = false;  // the ranks agreed to copy it to the buddy
+    bool copied = false;     // and the buddy accepted it
   };
   // A complete slot whose every piece verified.
   struct Snapshot {
@@ -72,8 +81,9 @@ class SnapshotArea {
   };
 
   // Over `fd` (not owned; a memfd keeld made, empty until the first
-  // snapshot), keeping the `keep` newest snapshots (at least 1).
-  SnapshotArea(int fd, int keep);
+  // snapshot), keeping the `keep` newest snapshots (at least 1), and with
+  // `copied` the two newest copy steps as well.
+  SnapshotArea(int fd, int keep, bool copied = false);
   ~SnapshotArea();
   SnapshotArea(const SnapshotArea&) = delete;
   SnapshotArea& operator=(const SnapshotArea&) = delete;
@@ -84,8 +94,8 @@ class SnapshotArea {
   // is gone. Error(kCheckpointFailure) when the file cannot grow (memory).
   void reserve(const std::vector<Piece>& pieces);
   // As reserve(), then lays out the next snapshot for `pieces` and returns
-  // where each piece's floats go.
-  std::vector<float*> begin(const std::vector<Piece>& pieces, uint64_t layout_hash);
+  // where each piece's floats go. `copy_step`: the ranks agreed to copy it.
+  std::vector<float*> begin(const std::vector<Piece>& pieces, uint64_t layout_hash, bool copy_step = false);
   // Hashes the pieces begun and marks the slot complete as step `step`.
   // A piece holding a non-finite value leaves the slot unfinished (never
   // read) and is named in the sentence returned: no snapshot holds
@@ -106,10 +116,14 @@ class SnapshotArea {
   // be writing another: nullopt when there is none, or when the rank began
   // overwriting it during the copy.
   std::optional<SnapshotImage> image_of(int64_t step) const;
+  // Marks the slot an image_of() came from (its step and sequence) copied:
+  // the buddy holds it. False when the slot holds another snapshot by now.
+  bool mark_copied(int64_t step, uint64_t sequence);
   // Writes `images` (check()ed by the caller; one rank's, oldest first, at
   // most `keep`) into the area as its only complete slots (what it held was
   // another rank's), laying the area out for them when its shape differs,
-  // as a rank's begin() would. Only while no rank uses the area.
+  // as a rank's begin() would; they are copy steps, and copied. Only while
+  // no rank uses the area.
   // Error(kCheckpointFailure) when the file cannot grow.
   void import(const std::vector<const SnapshotImage*>& images);
 
@@ -124,19 +138,22 @@ class SnapshotArea {
   void fit(size_t pieces, size_t json_bytes, size_t data_bytes);
   // Maps what the file holds when its header adds up (false: nothing usable).
   bool map_existing();
-  // Sizes and maps the file for keep + 1 slots of this much table and data,
-  // every slot empty.
+  // Sizes and maps the file for slot_count() slots of this much table and
+  // data, every slot empty.
   void lay_out(size_t table_bytes, size_t data_bytes);
   void unmap();
   unsigned char* slot_at(int slot) const;
   // The slot the next snapshot goes into: not one of the `keep` newest
-  // complete ones.
+  // complete ones, nor of the two newest copy steps.
   int next_slot() const;
   // Marks the slot complete as the newest one.
   void complete(unsigned char* slot, int64_t step, int64_t tokens);
+  // What a rank lays the area out with.
+  int slot_count() const { return keep_ + 1 + copy_steps_kept_; }
 
   int fd_;
   int keep_;
+  int copy_steps_kept_;            // 2 when copied, else 0
   unsigned char* base_ = nullptr;  // the mapping, or null
   size_t mapped_ = 0;
   int slots_ = 0;  // as the area's header says

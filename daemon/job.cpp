@@ -27,10 +27,10 @@ Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const c
       clock_(clock),
       run_dir_(options_.config.job.run_dir),
       machine_(options_.config.job.name, options_.config.daemon),
-      ranks_(RankSetOptions{static_cast<int>(options_.config.node_ranks()), options_.trainer, options_.config_path, options_.overrides,
-                            options_.store_address, options_.store_secret, options_.config.cluster.address, run_dir_,
-                            options_.config.daemon.pin_cpus, options_.gpus,
-                            options_.config.checkpoint.memory_every_steps != 0}),
+      ranks_(RankSetOptions{static_cast<int>(options_.config.node_ranks()), options_.trainer, options_.config_path,
+                            options_.overrides, options_.store_address, options_.store_secret,
+                            options_.config.cluster.address, run_dir_, options_.config.daemon.pin_cpus, options_.gpus,
+                            options_.config.checkpoint.memory_every_steps != 0, options_.buddy != nullptr}),
       history_(run_dir_),
       health_(options_.config.health, static_cast<int>(options_.config.node_ranks())),
       started_at_ns_(clock.now_ns()) {
@@ -703,6 +703,7 @@ JobReport Job::report() const {
     for (const auto& sent : options_.buddy->sent()) {
       if (sent) b.sent.push_back(*sent);
     }
+    b.failing = options_.buddy->failing();
     r.buddy = std::move(b);
   }
   r.reason = machine_.reason();

@@ -136,7 +136,9 @@ nlohmann::json status_json(const JobReport& report) {
     for (const SentCopy& c : b->sent) {
       sent.push_back({{"rank", c.rank}, {"step", c.step}, {"bytes", c.bytes}, {"seconds", c.seconds}, {"to", c.to}});
     }
-    out["snapshot_copies"] = {{"held", held}, {"sent", sent}};
+    nlohmann::json failing;  // null: every copy step sent is held
+    if (const auto& f = b->failing) failing = {{"step", f->step}, {"tries", f->tries}, {"why", f->why}};
+    out["snapshot_copies"] = {{"held", held}, {"sent", sent}, {"failing", failing}};
   }
   out["cluster"] = nullptr;
   if (const auto& c = report.cluster) {

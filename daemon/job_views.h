@@ -70,6 +70,7 @@ struct SnapshotRow {
 struct BuddyReport {
   std::vector<HeldCopy> held;
   std::vector<SentCopy> sent;
+  std::optional<CopyFailure> failing;  // a copy step not held yet
 };
 
 struct JobReport {

@@ -112,6 +112,7 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const Ra
     if (!snapshot_areas_.empty()) {
       launch.snapshot_fd = snapshot_areas_[static_cast<size_t>(rank.rank)].get();
       launch.env["KEEL_SNAPSHOT_FD"] = std::to_string(kSnapshotFd);
+      if (options_.snapshot_buddy) launch.env["KEEL_SNAPSHOT_BUDDY"] = "1";
     }
     // Logs go by global rank, the number the events, verdicts and the other nodes use.
     const int global_rank = slice.first_rank + rank.rank;

@@ -34,6 +34,8 @@ struct RankSetOptions {
   // Give each rank an in-memory snapshot area that outlives it
   // (checkpoint.memory_every_steps not 0; checkpoint/memory_snapshot.h).
   bool snapshot_areas = false;
+  // And keeld copies them to another node (KEEL_SNAPSHOT_BUDDY; daemon/snapshot_buddy.h).
+  bool snapshot_buddy = false;
 };
 
 // Where a generation puts this node's ranks (docs/architecture.md

@@ -51,10 +51,13 @@ constexpr int kMaxConnections = 16;
 // chunks, each of which must arrive within it.
 constexpr std::chrono::seconds kIoTimeout{60};
 constexpr size_t kChunk = 4u << 20;
-// How often the sender looks for a new commit: a look is a few system calls
-// a rank, and a copy that lags its rank by more than `keep` - 1 snapshots
-// is of no use, since the others keep only that many.
+// How often the sender looks for a new copy step: a look is a few system
+// calls a rank, and the ranks take no copy step after it until it is sent.
 constexpr auto kLook = std::chrono::milliseconds(10);
+// So a copy that failed is sent again, after a wait that doubles up to a
+// minute with each failure.
+constexpr auto kFirstRetry = std::chrono::seconds(1);
+constexpr auto kLastRetry = std::chrono::seconds(60);
 
 Frame frame_of(FrameKind kind, int64_t rank) {
   Frame f{};
@@ -380,6 +383,9 @@ void SnapshotBuddy::send_to(const std::string& node, const std::string& endpoint
   buddy_endpoint_ = endpoint;
   first_rank_ = first_rank;
   sent_step_ = common_step();
+  retry_at_.reset();
+  failing_.reset();
+  ++pointed_;
   wake_.notify_all();
 }
 
@@ -387,7 +393,9 @@ std::optional<int64_t> SnapshotBuddy::common_step() const {
   std::optional<std::set<int64_t>> common;
   for (const auto& area : areas_) {
     std::set<int64_t> steps;
-    for (const auto& listed : checkpoint::SnapshotArea(area.get(), options_.keep).list()) steps.insert(listed.step);
+    for (const auto& listed : checkpoint::SnapshotArea(area.get(), options_.keep).list()) {
+      if (listed.copy_step) steps.insert(listed.step);
+    }
     if (common) {
       std::erase_if(*common, [&](int64_t step) { return !steps.contains(step); });
     } else {
@@ -409,36 +417,55 @@ void SnapshotBuddy::send_until_stopped() {
     wake_.wait_for(lock, kLook);
     if (stop_ || buddy_endpoint_.empty()) continue;
     const auto step = common_step();
-    if (!step || step == sent_step_) continue;
+    if (!step || (step == sent_step_ && (!retry_at_ || Clock::now() < *retry_at_))) continue;
+    const bool again = step == sent_step_;
+    retry_wait_ = again ? std::min(2 * retry_wait_, Clock::duration(kLastRetry)) : kFirstRetry;
     lock.unlock();
-    send_step(*step);
+    auto why = send_step(*step);
     lock.lock();
+    // The ranks take no copy step after this one until it is held.
+    if (!why) {
+      retry_at_.reset();
+      failing_.reset();
+      continue;
+    }
+    retry_at_ = Clock::now() + retry_wait_;
+    failing_ = CopyFailure{*step, again && failing_ ? failing_->tries + 1 : 1, std::move(*why)};
   }
 }
 
-void SnapshotBuddy::send_step(int64_t step) {
+std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
   std::string node, endpoint;
   int64_t first_rank = 0;
+  uint64_t pointed = 0;
   {
     std::lock_guard lock(mutex_);
     node = buddy_node_;
     endpoint = buddy_endpoint_;
     first_rank = first_rank_;
-    // Tried once: a buddy out of reach is tried again with the next step.
+    pointed = pointed_;
     sent_step_ = step;
   }
   // One connection for the node's copies of the step; a buddy that
-  // restarted is found again at the next step, with no state kept here.
+  // restarted is found again at the next try, with no state kept here.
   Connection c(server_->stop);
+  size_t held = 0;
+  std::string why;
   try {
     c.connect(endpoint, io_deadline());
     const int tos = 0x20;  // DSCP CS1, "lower effort" (RFC 8622)
     setsockopt(c.socket().native_handle(), IPPROTO_IP, IP_TOS, &tos, sizeof(tos));
     for (size_t local = 0; local < areas_.size(); ++local) {
       const int64_t rank = first_rank + static_cast<int64_t>(local);
+      const auto listed = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).list();
+      if (std::any_of(listed.begin(), listed.end(),
+                      [&](const checkpoint::SnapshotArea::Listed& l) { return l.step == step && l.copied; })) {
+        ++held;  // by an earlier try
+        continue;
+      }
       // One image at a time: each costs a rank's state in memory.
       const auto image = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).image_of(step);
-      if (!image) continue;  // its rank took the slot meanwhile: the holder keeps the copies before
+      if (!image) continue;  // quarantined meanwhile: the holder keeps the copies before
       const auto began = Clock::now();
       write_image(c, frame_of(kPush, rank, *image), *image, options_.max_mb_per_s);
       Frame answer{};
@@ -452,12 +479,27 @@ void SnapshotBuddy::send_step(int64_t step) {
       const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
       std::lock_guard lock(mutex_);
       sent_[local] = SentCopy{rank, step, image->data_bytes, seconds, node};
+      // The rank votes for its next copy step once this one is held. Not
+      // after the sender was pointed anew: the next generation's ranks
+      // must not count a copy of the last one's.
+      if (pointed == pointed_ &&
+          checkpoint::SnapshotArea(areas_[local].get(), options_.keep).mark_copied(step, image->sequence)) {
+        ++held;
+      }
     }
   } catch (const Error& e) {
+    why = e.what();
     if (!server_->stop) {
       buddy_log().warn("could not copy the snapshots of step {} to node '{}' ({}): {}", step, node, endpoint, e.what());
     }
   }
+  if (held == areas_.size()) return std::nullopt;
+  return why.empty() ? "a rank's snapshot of the step is no longer in its area" : why;
+}
+
+std::optional<CopyFailure> SnapshotBuddy::failing() const {
+  std::lock_guard lock(mutex_);
+  return failing_;
 }
 
 void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vector<Holder> holders,
@@ -482,7 +524,8 @@ void SnapshotBuddy::fetch(std::vector<int> locals, int64_t first_rank, std::vect
             steps.insert(steps.begin(), (*it)->step);
             bytes += (*it)->data_bytes;
           }
-          checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep).import(oldest_first);
+          checkpoint::SnapshotArea(areas_[static_cast<size_t>(local)].get(), options_.keep, /*copied=*/true)
+              .import(oldest_first);
           out.filled.push_back({local, first_rank + local, steps, bytes, from, received_s,
                                 std::chrono::duration<double>(Clock::now() - writing).count()});
         };

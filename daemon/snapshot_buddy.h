@@ -1,8 +1,9 @@
 // The buddy copy of the in-memory snapshots (docs/architecture.md
 // "In-memory snapshots", "Many nodes"). A node lost takes its keeld's
 // snapshot areas with it, so every keeld also holds copies of the newest
-// snapshots (`keep` of them, as the areas keep) of each rank of the node
-// before it in the generation's order (it is that node's buddy), and a
+// copy steps (`keep` of them, as the areas keep; the ranks agree on which
+// snapshots are copy steps, checkpoint/memory_snapshot.h) of each rank of
+// the node before it in the generation's order (it is that node's buddy), and a
 // keeld whose areas lack its ranks' state (it restarted, or its node is a
 // spare in a lost one's place) fetches their copies into its areas before
 // its ranks start: they resume from memory with the others, as if the node
@@ -14,7 +15,8 @@
 // once the node's ranks have all committed it, at low priority (nice 19,
 // DSCP CS1, paced), and
 // fetches run in turn on a thread of their own and post their outcome to
-// the loop.
+// the loop. Each copy the buddy accepted is marked in its slot, which the
+// rank waits for before it votes for the next copy step.
 //
 // A copy is checked (every piece's XXH3) where it arrives, and again by
 // the rank that restores it; one that does not verify is refused and the
@@ -91,6 +93,14 @@ struct SentCopy {
   std::string to;      // the buddy's node name
 };
 
+// A copy step the buddy does not hold yet: the ranks take no copy step
+// after it until it does, and it is sent again at growing intervals.
+struct CopyFailure {
+  int64_t step = 0;
+  int tries = 0;
+  std::string why;  // the last try's
+};
+
 // A fetch's outcome: each local rank's area filled from a copy, and a
 // sentence for each that could not be.
 struct FetchedCopies {
@@ -130,8 +140,8 @@ class SnapshotBuddy {
   // job that makes them exists.
   void attach_areas(const std::vector<int>& area_fds);
 
-  // From now on, every snapshot a local rank commits goes to the keeld at
-  // `endpoint` (node `node`) as global rank `first_rank` + local. A
+  // From now on, every copy step the local ranks commit goes to the keeld
+  // at `endpoint` (node `node`) as global rank `first_rank` + local. A
   // snapshot already in an area when this is called is not sent: it may
   // belong to another rank numbering. An empty endpoint stops the sending.
   void send_to(const std::string& node, const std::string& endpoint, int64_t first_rank);
@@ -152,6 +162,8 @@ class SnapshotBuddy {
   // each local rank (absent: nothing yet).
   std::vector<HeldCopy> held() const;
   std::vector<std::optional<SentCopy>> sent() const;
+  // The copy step the buddy could not take yet (nullopt: none).
+  std::optional<CopyFailure> failing() const;
   // Drops the copies held of steps after `step` (an SDC verdict's last good
   // step); returns how many.
   int drop_after(int64_t step);
@@ -162,11 +174,12 @@ class SnapshotBuddy {
  private:
   void send_until_stopped();
   void fetch_until_stopped();
-  // The newest step every local area holds complete: the node's copies
-  // go in lockstep, so that the holder has one step of all of them.
+  // The newest copy step every local area holds complete: the node's
+  // copies go in lockstep, so that the holder has one step of all of them.
   std::optional<int64_t> common_step() const;
-  // Sends every local rank's snapshot of `step` to the buddy.
-  void send_step(int64_t step);
+  // Sends every local rank's snapshot of `step` to the buddy, but those it
+  // holds already; nullopt when it holds them all, else why not.
+  std::optional<std::string> send_step(int64_t step);
 
   SnapshotBuddyOptions options_;
   std::shared_ptr<Server> server_;
@@ -178,10 +191,16 @@ class SnapshotBuddy {
   std::string buddy_node_;
   std::string buddy_endpoint_;
   int64_t first_rank_ = 0;
+  uint64_t pointed_ = 0;  // how many times send_to() was called
   // The step last sent (or not to be: the one the areas held when the
   // generation began); per local rank, what the buddy last accepted.
   std::optional<int64_t> sent_step_;
   std::vector<std::optional<SentCopy>> sent_;
+  // When the step last sent is not held by the buddy: when to send it again,
+  // and how long the wait before that was.
+  std::optional<std::chrono::steady_clock::time_point> retry_at_;
+  std::chrono::steady_clock::duration retry_wait_{};
+  std::optional<CopyFailure> failing_;
   std::deque<std::function<void()>> fetches_;  // asked for, not yet begun
   std::thread sender_;
   std::thread fetcher_;

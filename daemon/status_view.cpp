@@ -89,6 +89,10 @@ void print_status(const nlohmann::json& s, std::ostream& out) {
       parts.push_back(fmt::format("holds rank {} step {} ({})", c.value("rank", int64_t{0}),
                                   c.value("step", int64_t{0}), common::format_bytes(c.value("bytes", uint64_t{0}))));
     }
+    if (const auto f = copies.value("failing", nlohmann::json()); f.is_object()) {
+      parts.push_back(fmt::format("step {} not yet held by its buddy after {} tries, no later copy until it is: {}",
+                                  f.value("step", int64_t{0}), f.value("tries", 0), f.value("why", "")));
+    }
     out << fmt::format("snapshot copies: {}\n", parts.empty() ? std::string("none yet") : fmt::format("{}", fmt::join(parts, ", ")));
   }
   // Records, no alarms: what the operator may want to look at in events.

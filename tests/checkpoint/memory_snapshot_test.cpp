@@ -38,9 +38,9 @@ std::vector<Piece> state_pieces() {
 constexpr uint64_t kLayout = 0x5eed;
 
 // Snapshots step `step`: every float of piece i is step + i / 10.
-void snapshot(SnapshotArea& area, int64_t step) {
+void snapshot(SnapshotArea& area, int64_t step, bool copy_step = false) {
   const auto pieces = state_pieces();
-  const auto where = area.begin(pieces, kLayout);
+  const auto where = area.begin(pieces, kLayout, copy_step);
   for (size_t i = 0; i < pieces.size(); ++i) {
     for (size_t k = 0; k < pieces[i].numel(); ++k) where[i][k] = static_cast<float>(step) + 0.1f * i;
   }
@@ -111,6 +111,61 @@ TEST_SUITE("unit") {
     CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{5, 4});
     area.commit(6, 600);
     CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{6, 5, 4});
+  }
+
+  TEST_CASE("an area whose snapshots are copied keeps its two newest copy steps beside the keep newest") {
+    Memfd memfd;
+    SnapshotArea area(memfd.fd, 2, /*copied=*/true);
+    snapshot(area, 1, true);
+    snapshot(area, 2, true);
+    for (int64_t step = 3; step <= 12; ++step) snapshot(area, step);
+    // Five slots: the two kept, the two copy steps, the next snapshot's.
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{12, 11, 10, 2, 1});
+    area.begin(state_pieces(), kLayout);  // over step 10
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{12, 11, 2, 1});
+    area.commit(13, 1300);
+    // A third copy step lets the first go.
+    snapshot(area, 14, true);
+    for (int64_t step = 15; step <= 20; ++step) snapshot(area, step);
+    CHECK(steps_of(area.verified(kLayout)) == std::vector<int64_t>{20, 19, 18, 14, 2});
+    const auto listed = area.list();
+    CHECK(std::count_if(listed.begin(), listed.end(), [](const SnapshotArea::Listed& l) { return l.copy_step; }) == 2);
+    // An area whose snapshots are not copied keeps no copy step longer.
+    Memfd plain_fd;
+    SnapshotArea plain(plain_fd.fd, 2);
+    snapshot(plain, 1, true);
+    for (int64_t step = 2; step <= 6; ++step) snapshot(plain, step);
+    CHECK(steps_of(plain.verified(kLayout)) == std::vector<int64_t>{6, 5, 4});
+  }
+
+  TEST_CASE("a slot is marked copied only while it holds the snapshot that was copied") {
+    Memfd memfd;
+    SnapshotArea area(memfd.fd, 2, /*copied=*/true);
+    snapshot(area, 1, true);
+    snapshot(area, 2);
+    const auto copy_step = area.image_of(1);
+    const auto plain = area.image_of(2);
+    REQUIRE(copy_step.has_value());
+    REQUIRE(plain.has_value());
+    auto copied = [&](int64_t step) {
+      for (const auto& l : area.list()) {
+        if (l.step == step) return l.copied;
+      }
+      return false;
+    };
+    CHECK_FALSE(copied(1));
+    // keeld marks it through its own view of the file, as the sender does.
+    CHECK(SnapshotArea(memfd.fd, 2).mark_copied(1, copy_step->sequence));
+    CHECK(copied(1));
+    // Step 2's slot is written again before its copy is marked: the mark
+    // misses, and a mark under an old sequence never counts.
+    for (int64_t step = 3; step <= 8; ++step) snapshot(area, step);
+    CHECK_FALSE(SnapshotArea(memfd.fd, 2).mark_copied(2, plain->sequence));
+    const auto newest = area.image_of(8);
+    REQUIRE(newest.has_value());
+    CHECK_FALSE(SnapshotArea(memfd.fd, 2).mark_copied(8, plain->sequence));
+    CHECK_FALSE(copied(8));
+    CHECK(copied(1));
   }
 
   TEST_CASE("a flipped byte or another layout makes a snapshot unusable with a sentence and the older one serves") {
@@ -215,6 +270,9 @@ TEST_SUITE("unit") {
     CHECK(v.snapshots[0].listed.tokens == 300);
     CHECK(v.snapshots[0].pieces == rank.verified(kLayout).snapshots[0].pieces);
     CHECK(v.snapshots[0].data[2][3] == doctest::Approx(3.2));
+    // A copy is of a copy step, and the buddy that sent it holds it.
+    CHECK(v.snapshots[0].listed.copy_step);
+    CHECK(v.snapshots[0].listed.copied);
     // A rank of that layout takes the area as it is and snapshots on in it.
     snapshot(other, 4);
     CHECK(steps_of(other.verified(kLayout)) == std::vector<int64_t>{4, 3});

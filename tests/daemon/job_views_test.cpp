@@ -167,6 +167,29 @@ TEST_SUITE("unit") {
     CHECK(status_json(report).at("cluster").is_null());
   }
 
+  TEST_CASE("the status shows the copies sent and held and a copy step its buddy has not taken") {
+    JobReport report;
+    report.now_ns = kNow;
+    report.job = "views";
+    report.state = JobState::kRunning;
+    report.buddy = BuddyReport{{{4, 13, 1u << 20}}, {{0, 12, 1u << 20, 0.25, "node-1"}}, std::nullopt};
+    auto status = status_json(report);
+    CHECK(status.at("snapshot_copies").at("failing").is_null());
+    std::ostringstream table;
+    print_status(status, table);
+    CAPTURE(table.str());
+    CHECK(table.str().find("snapshot copies: rank 0 step 12 to 'node-1' (0.25 s), holds rank 4 step 13 (1.0 MiB)\n") !=
+          std::string::npos);
+    report.buddy->failing = CopyFailure{14, 3, "cannot connect: Connection refused"};
+    status = status_json(report);
+    CHECK(status.at("snapshot_copies").at("failing") ==
+          nlohmann::json{{"step", 14}, {"tries", 3}, {"why", "cannot connect: Connection refused"}});
+    std::ostringstream failing;
+    print_status(status, failing);
+    CHECK(failing.str().find("step 14 not yet held by its buddy after 3 tries, no later copy until it is: cannot "
+                             "connect: Connection refused\n") != std::string::npos);
+  }
+
   TEST_CASE("loss spikes and skipped steps show in the status and on the page but never as detections") {
     JobReport report;
     report.now_ns = kNow;

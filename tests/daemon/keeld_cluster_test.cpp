@@ -472,17 +472,26 @@ TEST_SUITE("integration") {
     INFO("the node lost: " << lost);
     std::vector<std::string> sets = kEndless;
     // Three nodes or none, so that the job waits for the lost one rather
-    // than reshard to two from disk; a snapshot every step.
-    sets.insert(sets.end(), {"cluster.min_nodes=3", "checkpoint.memory_every_steps=1", "daemon.metrics_port=0"});
+    // than reshard to two from disk; a snapshot every step, and copies paced
+    // so slowly that each takes several steps (CI's loaded cores did that to
+    // a run whose copies took less than a step here); disk checkpoints far
+    // enough apart for the copies to be newer than the last.
+    constexpr int64_t kEvery = 20;
+    sets.insert(sets.end(), {"cluster.min_nodes=3", "checkpoint.memory_every_steps=1", "daemon.metrics_port=0",
+                             "checkpoint.memory_buddy_mb_per_s=0.2", fmt::format("checkpoint.every_steps={}", kEvery)});
     ThreeNodes run;
     if (!run.start(buddy, sets)) return;
     auto& job = *run.job;
     // The buddy holds copies of both of the lost node's ranks, newer than
-    // the first checkpoint.
+    // the last checkpoint, and the ranks have taken more snapshots since
+    // than an area keeps (memory_keep, 2), a few steps before the next
+    // checkpoint.
     int64_t copied = -1;
     const auto holding = job.wait_for(buddy, [&](const nlohmann::json& s) {
       copied = copied_step_of(s, lost);
-      return copied > 10 && s.at("snapshot_copies").at("sent").size() == 2;
+      const int64_t step = s.at("step"), last_checkpoint = step / kEvery * kEvery;
+      return copied > last_checkpoint && s.at("snapshot_copies").at("sent").size() == 2 && step > copied + 2 &&
+             step < last_checkpoint + kEvery - 4;
     });
     // keelctl status says so.
     std::ostringstream text;

@@ -172,8 +172,10 @@ TEST_SUITE("integration") {
     CHECK(found[0].at("last_good_step") == 10);
     const auto moved = job.events_of("checkpoint_quarantined");
     REQUIRE(moved.size() == 1);
-    // Every rank's snapshots of steps 11 to 15 at least.
-    CHECK(moved[0].at("snapshots").get<int>() >= 3 * 5);
+    // Every rank's snapshots of steps 11 to 14 at least: the digests of
+    // step 15 tell, and a rank stopped then may not have committed that
+    // step's snapshot yet (its hash runs beside training; a run left 13).
+    CHECK(moved[0].at("snapshots").get<int>() >= 3 * 4);
     require_second_generation_from(job, reference, "memory", 10);
   }
 }

@@ -79,11 +79,13 @@ TEST_SUITE("integration") {
 
   TEST_CASE("each rank finds its own snapshot area on descriptor 3 and the same one in the next generation") {
     keel::test::TempDir dir;
-    // What the rank sees: the variable, and the area's name and inode.
-    auto options = two_fake_ranks(
-        dir, "echo \"$KEEL_SNAPSHOT_FD $(readlink /proc/self/fd/3) $(stat -L -c %i /proc/self/fd/3)\" > "
-             "\"$KEEL_RUN_DIR/area-$KEEL_LOCAL_RANK-$KEEL_GENERATION\"");
+    // What the rank sees: the variables, and the area's name and inode.
+    auto options =
+        two_fake_ranks(dir,
+                       "echo \"$KEEL_SNAPSHOT_FD $KEEL_SNAPSHOT_BUDDY $(readlink /proc/self/fd/3) $(stat -L "
+                       "-c %i /proc/self/fd/3)\" > \"$KEEL_RUN_DIR/area-$KEEL_LOCAL_RANK-$KEEL_GENERATION\"");
     options.snapshot_areas = true;
+    options.snapshot_buddy = true;
     keel::daemon::RankSet ranks(options);
     run_ranks(ranks, 0, {0, 2, {}});
     run_ranks(ranks, 1, {0, 2, {}});
@@ -92,7 +94,7 @@ TEST_SUITE("integration") {
       for (int rank = 0; rank < 2; ++rank) {
         seen.push_back(read_file(dir / "run" / ("area-" + std::to_string(rank) + "-" + std::to_string(generation))));
         CAPTURE(seen.back());
-        CHECK(seen.back().starts_with("3 /memfd:keel-snapshot-rank-" + std::to_string(rank) + " "));
+        CHECK(seen.back().starts_with("3 1 /memfd:keel-snapshot-rank-" + std::to_string(rank) + " "));
       }
     }
     CHECK(seen[0] == seen[2]);  // rank 0's area outlived its first process

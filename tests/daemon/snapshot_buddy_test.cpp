@@ -36,23 +36,33 @@ struct Memfd {
 
 constexpr uint64_t kLayout = 0xb0dd;
 
-// A rank's snapshot of step `step`: every float of piece i is step + i.
-void snapshot(int fd, int64_t step) {
-  SnapshotArea area(fd, 2);
+// A rank's snapshot of step `step`, a copy step unless said otherwise:
+// every float of piece i is step + i.
+void snapshot(int fd, int64_t step, bool copy_step = true) {
+  SnapshotArea area(fd, 2, /*copied=*/true);
   const std::vector<Piece> pieces = {{"model", "wte", {64, 16}, 0, 0, 64, 16},
                                      {"optim/exp_avg", "wte", {64, 16}, 0, 0, 64, 16}};
-  const auto where = area.begin(pieces, kLayout);
+  const auto where = area.begin(pieces, kLayout, copy_step);
   for (size_t i = 0; i < pieces.size(); ++i) {
     for (size_t k = 0; k < pieces[i].numel(); ++k) where[i][k] = static_cast<float>(step + i);
   }
   REQUIRE(!area.commit(step, step * 10));
 }
 
-std::unique_ptr<SnapshotBuddy> buddy_over(const std::vector<int>& fds) {
+std::unique_ptr<SnapshotBuddy> buddy_over(const std::vector<int>& fds, uint16_t port = 0) {
   auto buddy = std::make_unique<SnapshotBuddy>(
-      daemon::SnapshotBuddyOptions{"127.0.0.1", 0, 2, 0, [](std::function<void()> f) { f(); }});
+      daemon::SnapshotBuddyOptions{"127.0.0.1", port, 2, 0, [](std::function<void()> f) { f(); }});
   buddy->attach_areas(fds);
   return buddy;
+}
+
+// Whether the rank's slot of `step` is marked held by the buddy, which the
+// rank waits for before it votes for its next copy step.
+bool marked_copied(int fd, int64_t step) {
+  for (const auto& l : SnapshotArea(fd, 2).list()) {
+    if (l.step == step) return l.copied;
+  }
+  return false;
 }
 
 int64_t held_step(const SnapshotBuddy& buddy, int64_t rank) {
@@ -111,7 +121,7 @@ wire::Frame frame(uint32_t kind, int64_t rank) {
 }  // namespace
 
 TEST_SUITE("unit") {
-  TEST_CASE("each commit goes to the buddy and a node with empty areas fills them from it") {
+  TEST_CASE("each copy step goes to the buddy and is marked held and a node with empty areas fills them from it") {
     Memfd rank2, rank3;
     auto sender = buddy_over({rank2.fd, rank3.fd});
     auto holder = buddy_over({});
@@ -123,14 +133,19 @@ TEST_SUITE("unit") {
     REQUIRE(wait_until([&] { return sender->sent()[1].has_value(); }, 30));
     CHECK(sender->sent()[1]->to == "node-1");
     CHECK(sender->sent()[1]->bytes == 2 * 64 * 16 * 4);
-    // A step goes once every rank of the node has it, and the holder keeps
-    // as many copies as the areas keep snapshots.
-    snapshot(rank2.fd, 6);
+    REQUIRE(wait_until([&] { return marked_copied(rank2.fd, 5) && marked_copied(rank3.fd, 5); }, 30));
+    CHECK_FALSE(marked_copied(rank2.fd, 4));
+    // A snapshot that is no copy step stays on its node; a copy step goes
+    // once every rank of the node has it, and the holder keeps as many
+    // copies as the areas keep snapshots.
+    snapshot(rank2.fd, 6, false);
+    snapshot(rank3.fd, 6, false);
     snapshot(rank2.fd, 7);
     CHECK(held_step(*holder, 2) == 5);
-    snapshot(rank3.fd, 6);
-    REQUIRE(wait_until([&] { return held_step(*holder, 2) == 6 && held_step(*holder, 3) == 6; }, 30));
+    snapshot(rank3.fd, 7);
+    REQUIRE(wait_until([&] { return held_step(*holder, 2) == 7 && held_step(*holder, 3) == 7; }, 30));
     CHECK(holder->held().size() == 4);
+    CHECK_FALSE(marked_copied(rank2.fd, 6));
 
     // The node comes back with fresh areas: the copies fill them, and a
     // rank reads them as its own.
@@ -139,9 +154,9 @@ TEST_SUITE("unit") {
     const auto got = fetch(*back, {0, 1}, 2, {{"node-2", "127.0.0.1:1"}, {"node-1", holder->endpoint()}});
     INFO(got.problems.size());
     REQUIRE(got.filled.size() == 2);
-    CHECK(got.filled[0].steps == std::vector<int64_t>{6, 5});
+    CHECK(got.filled[0].steps == std::vector<int64_t>{7, 5});
     CHECK(got.filled[0].from == "node-1");
-    CHECK(got.filled[1].steps == std::vector<int64_t>{6, 5});
+    CHECK(got.filled[1].steps == std::vector<int64_t>{7, 5});
     CHECK(got.absent.empty());
     // node-2 was out of reach, and said so before node-1 was asked.
     REQUIRE(got.problems.size() == 1);
@@ -149,9 +164,33 @@ TEST_SUITE("unit") {
     const SnapshotArea restored(fresh2.fd, 2);
     const auto v = restored.verified(kLayout);
     REQUIRE(v.snapshots.size() == 2);
-    CHECK(v.snapshots[0].listed.step == 6);
-    CHECK(v.snapshots[0].listed.tokens == 60);
-    CHECK(v.snapshots[0].data[1][100] == 7.0f);
+    CHECK(v.snapshots[0].listed.step == 7);
+    CHECK(v.snapshots[0].listed.tokens == 70);
+    CHECK(v.snapshots[0].data[1][100] == 8.0f);
+  }
+
+  TEST_CASE("a copy step the buddy could not take is sent again until it holds it") {
+    // The buddy's port, then the buddy gone from it.
+    auto first = buddy_over({});
+    const std::string endpoint = first->endpoint();
+    const auto port = static_cast<uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+    first.reset();
+    Memfd rank0;
+    auto sender = buddy_over({rank0.fd});
+    sender->send_to("node-1", endpoint, 0);
+    snapshot(rank0.fd, 3);
+    // Tried and not held: the slot is not marked, and the sender says why.
+    REQUIRE(wait_until([&] { return sender->failing().has_value(); }, 30));
+    CHECK(sender->failing()->step == 3);
+    CHECK(sender->failing()->tries >= 1);
+    CHECK(!sender->failing()->why.empty());
+    CHECK(!sender->sent()[0].has_value());
+    CHECK_FALSE(marked_copied(rank0.fd, 3));
+    // The buddy is back on its port: the same step goes to it.
+    auto back = buddy_over({}, port);
+    REQUIRE(wait_until([&] { return held_step(*back, 0) == 3 && marked_copied(rank0.fd, 3); }, 60));
+    REQUIRE(wait_until([&] { return !sender->failing().has_value(); }, 30));
+    CHECK(sender->sent()[0]->step == 3);
   }
 
   TEST_CASE("a node's own copies serve first and a rank nobody holds is absent, not a problem") {

@@ -54,9 +54,10 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
     nlohmann::json& g = comm["dp"];
     // all_reduce: the flat gradients (stages 0 and 1); loss, aux loss,
     // activation squares and, in sharded stages, the squared gradient norm
-    // in one; the stop, save, known-answer test and snapshot votes.
+    // in one; the stop, save, known-answer test, snapshot and copy-step
+    // votes.
     const uint64_t grads = zero <= 1 ? flat : 0, norm = zero >= 1 ? 1 : 0;
-    g["all_reduce"] = op(grads + 3 + norm + 4, (zero <= 1 ? buckets : 0) + 1 + 1);
+    g["all_reduce"] = op(grads + 3 + norm + 5, (zero <= 1 ? buckets : 0) + 1 + 1);
     // Stages 1 and 2 gather the updated shards back one unit at a time.
     if (zero == 1 || zero == 2) g["all_gather"] = op(packed_all, static_cast<uint64_t>(L) + 1);
     // Stage 3 gathers unit 0 once per step, every block for forward and,
@@ -82,9 +83,9 @@ inline nlohmann::json step_comm_formula(const common::Config& config, int dp, in
     g["all_gather"] = op((4 * L + 2) * shard + 3 * N, (2 * L + 2) + (2 * L + 1));
     // all_reduce: the norms' gradients (this rank's DP shard of each), the
     // squared gradient norm with the activation squares, the stop, save,
-    // known-answer test and snapshot votes.
+    // known-answer test, snapshot and copy-step votes.
     const uint64_t norms = (2 * L + 1) * 2 * (zero >= 1 && dp > 1 ? (C + dp - 1) / dp : C);
-    g["all_reduce"] = op(norms + 2 + 4, 3);
+    g["all_reduce"] = op(norms + 2 + 5, 3);
   }
   return comm;
 }

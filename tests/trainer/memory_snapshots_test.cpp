@@ -1,20 +1,32 @@
 // Rank 0's choice of the in-memory snapshot every rank holds
 // (trainer/train/memory_snapshots.h), as data: the ranks' reports in, the
-// step or the reason out; and a report that is not one is a sentence.
+// step or the reason out; a report that is not one is a sentence; and a
+// rank's vote for its next copy step.
 #include "trainer/train/memory_snapshots.h"
 
 #include <doctest/doctest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
+#include "tests/support/wait.h"
+#include "trainer/kernels/cpu_backend.h"
 
+using keel::checkpoint::SnapshotArea;
 using keel::trainer::choose_snapshot;
+using keel::trainer::MemorySnapshots;
 using keel::trainer::SnapshotReport;
 
 namespace {
+
+struct Memfd {
+  int fd = memfd_create("keel-snapshots-test", 0);
+  ~Memfd() { close(fd); }
+};
 
 using Reports = std::vector<std::optional<SnapshotReport>>;
 
@@ -79,5 +91,35 @@ TEST_SUITE("unit") {
     const auto back = SnapshotReport::from_json(good.to_json(), 0);
     CHECK(back.steps == good.steps);
     CHECK(back.problems == good.problems);
+  }
+
+  TEST_CASE("a rank is ready for its next copy step once the buddy holds its last one") {
+    keel::trainer::CpuBackend backend(1);
+    const std::vector<keel::checkpoint::Piece> pieces = {{"model", "w", {4, 4}, 0, 0, 4, 4}};
+    std::vector<float> state(16, 1.0f);
+    MemorySnapshots::Options options{2, 1, 0.02, 0x1a, 1, false};
+    // Snapshots keeld does not copy are never copy steps.
+    Memfd alone;
+    CHECK_FALSE(MemorySnapshots(alone.fd, options, backend).ready_to_copy());
+
+    options.copied = true;
+    Memfd area;
+    MemorySnapshots snapshots(area.fd, options, backend);
+    CHECK(snapshots.ready_to_copy());  // no copy step taken yet
+    snapshots.save(pieces, {state.data()}, 1, 10, /*copy_step=*/false, {});
+    CHECK(snapshots.ready_to_copy());
+    snapshots.save(pieces, {state.data()}, 2, 20, /*copy_step=*/true, {});
+    CHECK_FALSE(snapshots.ready_to_copy());
+    // Committed, then held by the buddy: keeld marks the slot.
+    std::optional<keel::checkpoint::SnapshotImage> image;
+    REQUIRE(keel::test::wait_until([&] { return (image = SnapshotArea(area.fd, 2).image_of(2)).has_value(); }, 30));
+    CHECK_FALSE(snapshots.ready_to_copy());
+    REQUIRE(SnapshotArea(area.fd, 2).mark_copied(2, image->sequence));
+    CHECK(snapshots.ready_to_copy());
+    // More snapshots keep that copy step, and the next copy step waits again.
+    for (int64_t step = 3; step <= 8; ++step) snapshots.save(pieces, {state.data()}, step, 10 * step, false, {});
+    CHECK(snapshots.ready_to_copy());
+    snapshots.save(pieces, {state.data()}, 9, 90, true, {});
+    CHECK_FALSE(snapshots.ready_to_copy());
   }
 }

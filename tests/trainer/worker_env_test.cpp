@@ -31,6 +31,7 @@ TEST_SUITE("unit") {
     CHECK(env.bind_address == "127.0.0.1");
     CHECK_FALSE(env.run_dir.has_value());
     CHECK_FALSE(env.snapshot_fd.has_value());
+    CHECK_FALSE(env.snapshot_buddy);
   }
 
   TEST_CASE("the full worker environment is read as keeld sets it") {
@@ -44,7 +45,8 @@ TEST_SUITE("unit") {
                               {"KEEL_BOARD", "/keel-board-5"},
                               {"KEEL_BIND_ADDRESS", "10.1.2.3"},
                               {"KEEL_RUN_DIR", "/runs/a"},
-                              {"KEEL_SNAPSHOT_FD", "3"}});
+                              {"KEEL_SNAPSHOT_FD", "3"},
+                              {"KEEL_SNAPSHOT_BUDDY", "1"}});
     CHECK(env.rank == 5);
     CHECK(env.world_size == 8);
     CHECK(env.local_rank == 1);
@@ -56,6 +58,7 @@ TEST_SUITE("unit") {
     CHECK(env.bind_address == "10.1.2.3");
     CHECK(env.run_dir == "/runs/a");
     CHECK(env.snapshot_fd == 3);
+    CHECK(env.snapshot_buddy);
   }
 
   TEST_CASE("ranks on an etcd store need no TCP store secret and take etcd's credential as it is") {
@@ -94,6 +97,8 @@ TEST_SUITE("unit") {
         {{{"KEEL_BIND_ADDRESS", "10.0.0.1 10.0.0.2"}}, "KEEL_BIND_ADDRESS='10.0.0.1 10.0.0.2' is not an address"},
         {{{"KEEL_SNAPSHOT_FD", "1"}}, "KEEL_SNAPSHOT_FD=1 is outside"},
         {{{"KEEL_SNAPSHOT_FD", "area"}}, "KEEL_SNAPSHOT_FD=area is not an integer"},
+        {{{"KEEL_SNAPSHOT_FD", "3"}, {"KEEL_SNAPSHOT_BUDDY", "2"}}, "KEEL_SNAPSHOT_BUDDY=2 is outside [0, 1]"},
+        {{{"KEEL_SNAPSHOT_BUDDY", "1"}}, "KEEL_SNAPSHOT_BUDDY=1 needs KEEL_SNAPSHOT_FD"},
     };
     for (const Row& row : rows) {
       CAPTURE(row.expected);

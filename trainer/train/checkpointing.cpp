@@ -165,7 +165,7 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
           steps_done, static_cast<double>(bytes) / 1e6, common::seconds_since(start) * 1e3, waited_s * 1e3);
 }
 
-void TrainLoop::save_snapshot(int64_t steps_done) {
+void TrainLoop::save_snapshot(int64_t steps_done, bool copy_step) {
   const auto start = std::chrono::steady_clock::now();
   const auto blocks = state_blocks(false, kSnapshotGroups);
   const auto pieces = pieces_of(blocks);
@@ -174,7 +174,7 @@ void TrainLoop::save_snapshot(int64_t steps_done) {
                                  faults_.corrupts_snapshot(steps_done)};
   try {
     snapshots_->save(pieces, locals_of(blocks), steps_done,
-                     steps_done * config_.train.batch_size * config_.model.seq_len, faults);
+                     steps_done * config_.train.batch_size * config_.model.seq_len, copy_step, faults);
   } catch (const common::Error& e) {
     stop_snapshots(steps_done, e.what());
     return;

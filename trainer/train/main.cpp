@@ -215,10 +215,10 @@ int main(int argc, char** argv) {
       store = keel::store::connect_store(worker.store, worker.store_secret, timeout);
       groups = join_groups(worker, parallel, timeout, *backend, *store, board ? &*board : nullptr, recorder);
     }
-    keel::trainer::TrainLoop loop(config, *backend, *groups,
-                                  keel::trainer::RankContext{store.get(), worker.rank, worker.world_size,
-                                                             worker.generation, board ? &*board : nullptr,
-                                                             worker.snapshot_fd.value_or(-1)});
+    keel::trainer::TrainLoop loop(
+        config, *backend, *groups,
+        keel::trainer::RankContext{store.get(), worker.rank, worker.world_size, worker.generation,
+                                   board ? &*board : nullptr, worker.snapshot_fd.value_or(-1), worker.snapshot_buddy});
     // While the loop lives, a peer's failure also cancels its checkpoint
     // commit (the dead rank's report will never come), and its fault
     // injector reaches the communicators.

@@ -81,12 +81,21 @@ void copy_state_to_host(Backend& backend, const std::vector<Backend::HostCopy>& 
 }
 
 MemorySnapshots::MemorySnapshots(int fd, const Options& options, Backend& backend)
-    : options_(options), area_(fd, options.keep), backend_(backend) {}
+    : options_(options), area_(fd, options.keep, options.copied), backend_(backend) {}
 
 bool MemorySnapshots::due(int64_t steps_done, double step_s) const {
   if (options_.every_steps > 0) return steps_done % options_.every_steps == 0;
   if (last_step_ < 0) return true;
   return last_stall_s_ <= options_.stall_budget * step_s * static_cast<double>(steps_done - last_step_);
+}
+
+bool MemorySnapshots::ready_to_copy() const {
+  if (!options_.copied) return false;
+  if (last_copy_step_ < 0) return true;
+  const auto complete = area_.list();
+  return std::any_of(complete.begin(), complete.end(), [&](const checkpoint::SnapshotArea::Listed& l) {
+    return l.step == last_copy_step_ && l.copy_step && l.copied;
+  });
 }
 
 MemorySnapshots::~MemorySnapshots() {
@@ -110,11 +119,12 @@ void MemorySnapshots::pin() {
 }
 
 void MemorySnapshots::save(const std::vector<checkpoint::Piece>& pieces, const std::vector<float*>& local, int64_t step,
-                           int64_t tokens, const Faults& faults) {
+                           int64_t tokens, bool copy_step, const Faults& faults) {
   wait();
   // A new slot's pointers replace the last report's, which may be in it.
   found_.clear();
-  const std::vector<float*> slot = area_.begin(pieces, options_.layout);
+  const std::vector<float*> slot = area_.begin(pieces, options_.layout, copy_step);
+  if (copy_step) last_copy_step_ = step;
   pin();
   // The schedule goes by the copy: the area's first lay-out (its pages
   // taken, a second or more for gigabytes) happens once.

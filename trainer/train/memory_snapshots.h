@@ -58,6 +58,9 @@ class MemorySnapshots {
     // and the model).
     uint64_t layout = 0;
     unsigned threads = 0;  // the CPU copy's
+    // keeld copies the snapshots the ranks agree on to another node
+    // (KEEL_SNAPSHOT_BUDDY; daemon/snapshot_buddy.h).
+    bool copied = false;
   };
   // Over the area keeld passed as `fd` (not owned).
   MemorySnapshots(int fd, const Options& options, Backend& backend);
@@ -74,6 +77,15 @@ class MemorySnapshots {
   // How long the last save()'s copy took, which due() goes by.
   double last_stall_s() const { return last_stall_s_; }
 
+  bool copied() const { return options_.copied; }
+  // Whether this rank's next snapshot may be a copy step: keeld copies
+  // them, and its buddy accepted the copy of the last one this process
+  // took (or it took none). The ranks agree on it by a vote, so that a
+  // copy step is begun only once every node's copies of the one before
+  // are held: those copies and every rank's kept copy steps then share
+  // a step (docs/architecture.md "In-memory snapshots", "Many nodes").
+  bool ready_to_copy() const;
+
   // Fault injection between the copy's halves and after the commit.
   struct Faults {
     std::function<void()> halfway;  // may kill the rank: the slot stays unfinished
@@ -82,10 +94,11 @@ class MemorySnapshots {
   // Copies `pieces` from `local` (backend memory) into the next slot, all
   // training waits for, and commits them as `step` on a thread of its own
   // (hash and finite check; a slot holding a non-finite value is logged
-  // and never committed). Waits first for the commit before.
-  // Error(kCheckpointFailure) when the area cannot grow.
+  // and never committed), a copy step when the ranks agreed on one. Waits
+  // first for the commit before. Error(kCheckpointFailure) when the area
+  // cannot grow.
   void save(const std::vector<checkpoint::Piece>& pieces, const std::vector<float*>& local, int64_t step,
-            int64_t tokens, const Faults& faults);
+            int64_t tokens, bool copy_step, const Faults& faults);
 
   // Lays the area out for `pieces` unless it holds them already, so that
   // the first snapshot does not pay for it (checkpoint::SnapshotArea::
@@ -117,7 +130,8 @@ class MemorySnapshots {
   Options options_;
   checkpoint::SnapshotArea area_;
   Backend& backend_;
-  int64_t last_step_ = -1;  // of the last snapshot this rank took
+  int64_t last_step_ = -1;       // of the last snapshot this rank took
+  int64_t last_copy_step_ = -1;  // and of the last copy step
   double last_stall_s_ = 0;
   void* pinned_ = nullptr;
   std::vector<checkpoint::SnapshotArea::Snapshot> found_;  // the last report's

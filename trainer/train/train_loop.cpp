@@ -133,7 +133,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
     snapshots_.emplace(rank_.snapshot_fd,
                        MemorySnapshots::Options{static_cast<int>(c.memory_keep), c.memory_every_steps,
                                                 c.memory_stall_budget, checkpoint::layout_hash(fits),
-                                                static_cast<unsigned>(config.train.threads)},
+                                                static_cast<unsigned>(config.train.threads), rank_.snapshot_buddy},
                        backend_);
   } else if (c.memory_every_steps > 0) {
     common::logger("checkpoint")
@@ -341,11 +341,13 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
     const bool save_requested = board_.take_checkpoint_request();
     const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
                                               seconds_since(last_save) >= config_.checkpoint.every_seconds);
-    // And so is an in-memory snapshot, so that every rank holds the same steps.
+    // And so is an in-memory snapshot, so that every rank holds the same
+    // steps, and whether keeld is to copy it to the buddy.
     const bool snapshot_due = snapshots_ && snapshots_->due(step + 1, stats.step_ms / 1e3);
-    float votes[4] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f,
-                      snapshot_due ? 1.0f : 0.0f};
-    groups_.sum_over_grid(votes, 4);
+    const bool copy_pending = snapshots_ && snapshots_->copied() && !snapshots_->ready_to_copy();
+    float votes[5] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f,
+                      snapshot_due ? 1.0f : 0.0f, copy_pending ? 1.0f : 0.0f};
+    groups_.sum_over_grid(votes, 5);
     if (votes[2] > 0.0f) sdc_.test_kernels(step + 1);
     const bool stop_now = votes[0] > 0.0f;
     const bool last = step + 1 == train.steps || stop_now;
@@ -392,7 +394,7 @@ RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_af
       window_ms = window_loss = 0;
       window_steps = 0;
     }
-    if (snapshots_ && votes[3] > 0.0f) save_snapshot(step + 1);
+    if (snapshots_ && votes[3] > 0.0f) save_snapshot(step + 1, snapshots_->copied() && votes[4] == 0.0f);
     const int64_t every = config_.checkpoint.every_steps;
     if (checkpointer_ && !last && (votes[1] > 0.0f || (every > 0 && (step + 1) % every == 0))) {
       save_checkpoint(step + 1);

@@ -80,6 +80,8 @@ struct RankContext {
   // The in-memory snapshot area keeld holds for this rank
   // (KEEL_SNAPSHOT_FD); -1: none, snapshots are not taken.
   int snapshot_fd = -1;
+  // keeld copies the snapshots to another node (KEEL_SNAPSHOT_BUDDY).
+  bool snapshot_buddy = false;
 };
 
 class TrainLoop {
@@ -189,8 +191,9 @@ class TrainLoop {
   std::vector<std::string> saved_groups() const;
   std::vector<std::string> loaded_groups(const checkpoint::CheckpointReader& reader) const;
   void save_checkpoint(int64_t steps_done);
-  // Copies this rank's state into its in-memory snapshot area.
-  void save_snapshot(int64_t steps_done);
+  // Copies this rank's state into its in-memory snapshot area, as a copy
+  // step for the buddy when the ranks agreed on one.
+  void save_snapshot(int64_t steps_done, bool copy_step);
   // The area cannot hold the state (memory): training goes on without
   // snapshots, and this rank's missing ones send the next resume to disk.
   void stop_snapshots(int64_t step, const std::string& cause);

@@ -54,6 +54,10 @@ WorkerEnv WorkerEnv::read(const std::function<const char*(const char*)>& getenv)
   if (const int64_t fd = read_int(getenv, "KEEL_SNAPSHOT_FD", -1, 3, std::numeric_limits<int32_t>::max()); fd >= 0) {
     env.snapshot_fd = static_cast<int>(fd);
   }
+  env.snapshot_buddy = read_int(getenv, "KEEL_SNAPSHOT_BUDDY", 0, 0, 1) == 1;
+  if (env.snapshot_buddy && !env.snapshot_fd) {
+    fail("KEEL_SNAPSHOT_BUDDY=1 needs KEEL_SNAPSHOT_FD, the area whose snapshots keeld copies");
+  }
 
   if (env.rank >= env.world_size) {
     fail(fmt::format("KEEL_RANK={} must be below KEEL_WORLD_SIZE={}", env.rank, env.world_size));

@@ -26,6 +26,9 @@ struct WorkerEnv {
   // KEEL_SNAPSHOT_FD: the descriptor of this rank's in-memory snapshot
   // area, which keeld holds across generations; none: no area.
   std::optional<int> snapshot_fd;
+  // KEEL_SNAPSHOT_BUDDY=1: keeld copies the snapshots the ranks agree on to
+  // another node's keeld (daemon/snapshot_buddy.h).
+  bool snapshot_buddy = false;
 
   // Reads the contract through `getenv` (std::getenv by default, a map in
   // tests). Throws Error(kBadConfig) naming the variable when a value is
