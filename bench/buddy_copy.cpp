@@ -45,11 +45,11 @@ std::vector<Piece> pieces_of(uint64_t bytes) {
   return pieces;
 }
 
-// That state snapshotted as step `step`.
+// That state snapshotted as step `step`, a copy step (only those are copied).
 void snapshot(int fd, uint64_t bytes, int64_t step) {
   const auto pieces = pieces_of(bytes);
-  SnapshotArea area(fd, 2);
-  const auto where = area.begin(pieces, 1);
+  SnapshotArea area(fd, 2, /*copied=*/true);
+  const auto where = area.begin(pieces, 1, /*copy_step=*/true);
   for (size_t i = 0; i < pieces.size(); ++i) std::fill_n(where[i], pieces[i].numel(), static_cast<float>(step + i));
   if (const auto why = area.commit(step, 0, 0)) throw std::runtime_error(*why);
 }
@@ -111,9 +111,9 @@ int main(int argc, char** argv) {
     {
       Memfd fresh;
       const auto began = Clock::now();
-      SnapshotArea(fresh.fd, 2).reserve(pieces_of(bytes));
+      SnapshotArea(fresh.fd, 2, /*copied=*/true).reserve(pieces_of(bytes));
       const double s = keel::common::seconds_since(began);
-      std::cout << nlohmann::json{{"figure", "fresh_area"}, {"bytes", bytes}, {"slots", 3}, {"seconds", s}}.dump()
+      std::cout << nlohmann::json{{"figure", "fresh_area"}, {"bytes", bytes}, {"slots", 5}, {"seconds", s}}.dump()
                 << std::endl;
     }
     // A node back with a fresh area fills it from the holder's copy.

@@ -41,6 +41,9 @@ struct AreaHeader {
   uint32_t slots;
   uint64_t slot_bytes;   // each slot: its header page, its table, its data
   uint64_t table_bytes;  // each slot's table: the piece hashes, then the pieces as JSON
+  // The newest slot's sequence, kept across lay-outs of the file: keeld
+  // tells the slots of a generation by their sequence above it.
+  uint64_t last_sequence;
 };
 
 enum SlotState : uint32_t { kEmpty = 0, kWriting = 1, kComplete = 2, kQuarantined = 3 };
@@ -74,6 +77,9 @@ void mark_writing(SlotHeader& h) {
 }
 
 SlotHeader& header_of(unsigned char* slot) { return *reinterpret_cast<SlotHeader*>(slot); }
+std::atomic_ref<uint64_t> last_sequence_of(unsigned char* base) {
+  return std::atomic_ref<uint64_t>(reinterpret_cast<AreaHeader*>(base)->last_sequence);
+}
 const SlotHeader& header_of(const unsigned char* slot) { return *reinterpret_cast<const SlotHeader*>(slot); }
 
 nlohmann::json piece_table(const std::vector<Piece>& pieces) {
@@ -207,6 +213,7 @@ bool SnapshotArea::map_existing() {
 }
 
 void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
+  const uint64_t last_sequence = this->last_sequence();
   unmap();
   const int slots = slot_count();
   const size_t slot_bytes = kPage + table_bytes + round_up(data_bytes, kPage);
@@ -217,10 +224,13 @@ void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
   // The pages are taken now, so that a node short of memory says so here
   // rather than killing the rank at a touch of an unbacked page later.
   if (ftruncate(fd_, static_cast<off_t>(size)) != 0 || fallocate(fd_, 0, 0, static_cast<off_t>(size)) != 0) {
-    throw Error(ErrorCode::kCheckpointFailure,
-                fmt::format("cannot size the in-memory snapshot area to {} bytes ({} snapshots kept of {} bytes "
-                            "each): {}; lower checkpoint.memory_keep or give the node more memory",
-                            needed, keep_, slot_bytes, std::strerror(errno)));
+    throw Error(
+        ErrorCode::kCheckpointFailure,
+        fmt::format("cannot size the in-memory snapshot area to {} bytes ({} slots of {} bytes: {} "
+                    "snapshots kept{}, one written): {}; lower checkpoint.memory_keep or give the node more "
+                    "memory",
+                    needed, slots, slot_bytes, keep_,
+                    copy_steps_kept_ > 0 ? " and the two copy steps of the buddy copy" : "", std::strerror(errno)));
   }
   void* at = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (at == MAP_FAILED) {
@@ -251,7 +261,12 @@ void SnapshotArea::lay_out(size_t table_bytes, size_t data_bytes) {
   h.slots = static_cast<uint32_t>(slots);
   h.slot_bytes = slot_bytes;
   h.table_bytes = table_bytes;
+  h.last_sequence = last_sequence;
   std::memcpy(base_, &h, sizeof(h));
+}
+
+uint64_t SnapshotArea::last_sequence() const {
+  return base_ == nullptr ? 0 : last_sequence_of(base_).load(std::memory_order_acquire);
 }
 
 unsigned char* SnapshotArea::slot_at(int slot) const { return base_ + kPage + static_cast<size_t>(slot) * slot_bytes_; }
@@ -341,14 +356,14 @@ int SnapshotArea::next_slot() const {
 }
 
 void SnapshotArea::complete(unsigned char* at, int64_t step, int64_t tokens) {
-  // Above every slot's, complete or not, so that no snapshot of this
-  // layout repeats a step and sequence that keeld may still mark copied.
-  uint64_t sequence = 0;
-  for (int s = 0; s < slots_; ++s) sequence = std::max(sequence, header_of(slot_at(s)).sequence);
+  // One writer at a time (the rank, or keeld's import while no rank
+  // runs), so the file's count is the newest slot's.
+  const uint64_t sequence = last_sequence() + 1;
   SlotHeader& h = header_of(at);
   h.step = step;
   h.tokens = tokens;
-  h.sequence = sequence + 1;
+  h.sequence = sequence;
+  last_sequence_of(base_).store(sequence, std::memory_order_release);
   h.state.store(kComplete, std::memory_order_release);
 }
 
@@ -423,8 +438,13 @@ std::vector<SnapshotArea::Listed> SnapshotArea::list() const {
   for (int s = 0; base_ != nullptr && s < slots_; ++s) {
     const SlotHeader& h = header_of(slot_at(s));
     if (h.state.load(std::memory_order_acquire) != kComplete) continue;
-    out.push_back({s, h.step, h.tokens, h.sequence, h.data_bytes, h.copy_step != 0,
-                   h.copied.load(std::memory_order_acquire) == h.sequence});
+    Listed l{s, h.step, h.tokens, h.sequence, h.data_bytes, h.copy_step != 0};
+    l.copied = h.copied.load(std::memory_order_acquire) == l.sequence;
+    // keeld lists while the rank may begin overwriting the slot: what it
+    // read counts only if the slot is still complete under that sequence.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (h.state.load(std::memory_order_acquire) != kComplete || h.sequence != l.sequence) continue;
+    out.push_back(l);
   }
   std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) { return a.sequence > b.sequence; });
   return out;

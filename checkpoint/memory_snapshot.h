@@ -105,6 +105,9 @@ class SnapshotArea {
 
   // The complete slots, newest first.
   std::vector<Listed> list() const;
+  // The newest sequence the file has given a slot (0: none), across
+  // lay-outs: the slots committed after this call have higher ones.
+  uint64_t last_sequence() const;
   // The complete slots of `layout_hash` whose pieces verify, hashed over
   // `threads` threads.
   Verified verified(uint64_t layout_hash, unsigned threads = 1) const;

@@ -318,7 +318,10 @@ void Config::validate() const {
   at_least(checkpoint.memory_every_steps, -1, "checkpoint.memory_every_steps");
   check(checkpoint.memory_stall_budget > 0 && checkpoint.memory_stall_budget < 1, "checkpoint.memory_stall_budget",
         fmt::format("must be above 0 and below 1, a share of the step time (got {})", checkpoint.memory_stall_budget));
-  at_least(checkpoint.memory_keep, 1, "checkpoint.memory_keep");
+  // An area holds at most 64 slots (checkpoint/memory_snapshot.cpp): the
+  // kept ones, the one written and the buddy copy's two copy steps.
+  check(checkpoint.memory_keep >= 1 && checkpoint.memory_keep <= 61, "checkpoint.memory_keep",
+        fmt::format("must be 1 to 61 in-memory snapshots kept a rank (got {})", checkpoint.memory_keep));
   check(checkpoint.memory_buddy_mb_per_s >= 0, "checkpoint.memory_buddy_mb_per_s",
         fmt::format("must be 0 (unpaced) or a positive rate in MB/s (got {})", checkpoint.memory_buddy_mb_per_s));
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",

@@ -295,7 +295,10 @@ struct SnapshotBuddy::Server {
         {
           std::lock_guard lock(mutex);
           auto& held = copies[f.rank];
-          std::erase_if(held, [&](const auto& copy) { return copy->step == image->step; });
+          // A copy of a step not after the ones held means the rank's run
+          // went back (a resume from an older step): those are of a
+          // history it no longer follows.
+          std::erase_if(held, [&](const auto& copy) { return copy->step >= image->step; });
           held.push_front(std::move(image));
           while (static_cast<int>(held.size()) > keep) held.pop_back();
         }
@@ -315,7 +318,9 @@ struct SnapshotBuddy::Server {
 
 SnapshotBuddy::SnapshotBuddy(SnapshotBuddyOptions options)
     : options_(std::move(options)), server_(std::make_shared<Server>()) {
-  server_->keep = std::max(options_.keep, 1);
+  // Two at least: a copy step's copies may arrive for one rank of a node
+  // and not yet for the next, and the one before must still meet.
+  server_->keep = std::max(options_.keep, 2);
   boost::system::error_code ec;
   tcp::resolver resolver(server_->io);
   const auto found = resolver.resolve(options_.address, std::to_string(options_.port), ec);
@@ -382,28 +387,36 @@ void SnapshotBuddy::send_to(const std::string& node, const std::string& endpoint
   buddy_node_ = node;
   buddy_endpoint_ = endpoint;
   first_rank_ = first_rank;
-  sent_step_ = common_step();
+  // What the areas hold now is another generation's, whatever its step.
+  floors_.clear();
+  for (const auto& area : areas_) {
+    floors_.push_back(checkpoint::SnapshotArea(area.get(), options_.keep).last_sequence());
+  }
   retry_at_.reset();
   failing_.reset();
   ++pointed_;
   wake_.notify_all();
 }
 
-std::optional<int64_t> SnapshotBuddy::common_step() const {
-  std::optional<std::set<int64_t>> common;
-  for (const auto& area : areas_) {
-    std::set<int64_t> steps;
-    for (const auto& listed : checkpoint::SnapshotArea(area.get(), options_.keep).list()) {
-      if (listed.copy_step) steps.insert(listed.step);
+std::optional<SnapshotBuddy::CommonStep> SnapshotBuddy::common_step() const {
+  // Per step of this generation's copy steps in every area so far: whether
+  // every one of those slots is marked held.
+  std::optional<std::map<int64_t, bool>> common;
+  for (size_t i = 0; i < areas_.size(); ++i) {
+    std::map<int64_t, bool> steps;
+    for (const auto& l : checkpoint::SnapshotArea(areas_[i].get(), options_.keep).list()) {
+      if (l.copy_step && l.sequence > floors_[i]) steps[l.step] = l.copied;
     }
-    if (common) {
-      std::erase_if(*common, [&](int64_t step) { return !steps.contains(step); });
-    } else {
+    if (!common) {
       common = std::move(steps);
+      continue;
     }
+    std::erase_if(*common, [&](const auto& entry) { return !steps.contains(entry.first); });
+    for (auto& [step, held] : *common) held = held && steps.at(step);
   }
   if (!common || common->empty()) return std::nullopt;
-  return *common->rbegin();
+  const auto& [step, held] = *common->rbegin();
+  return CommonStep{step, held};
 }
 
 void SnapshotBuddy::send_until_stopped() {
@@ -416,21 +429,30 @@ void SnapshotBuddy::send_until_stopped() {
   while (!stop_) {
     wake_.wait_for(lock, kLook);
     if (stop_ || buddy_endpoint_.empty()) continue;
-    const auto step = common_step();
-    if (!step || (step == sent_step_ && (!retry_at_ || Clock::now() < *retry_at_))) continue;
-    const bool again = step == sent_step_;
-    retry_wait_ = again ? std::min(2 * retry_wait_, Clock::duration(kLastRetry)) : kFirstRetry;
-    lock.unlock();
-    auto why = send_step(*step);
-    lock.lock();
+    const auto common = common_step();
+    if (!common) continue;
+    const int64_t step = common->step;
+    if (common->held) {
+      if (failing_ && failing_->step <= step) failing_.reset();
+      continue;
+    }
     // The ranks take no copy step after this one until it is held.
+    const bool again = failing_ && failing_->step == step;
+    if (again && Clock::now() < *retry_at_) continue;
+    retry_wait_ = again ? std::min(2 * retry_wait_, Clock::duration(kLastRetry)) : kFirstRetry;
+    const uint64_t pointed = pointed_;
+    lock.unlock();
+    auto why = send_step(step);
+    lock.lock();
+    // A new generation began meanwhile: its own copy steps go next.
+    if (pointed != pointed_) continue;
     if (!why) {
       retry_at_.reset();
       failing_.reset();
       continue;
     }
     retry_at_ = Clock::now() + retry_wait_;
-    failing_ = CopyFailure{*step, again && failing_ ? failing_->tries + 1 : 1, std::move(*why)};
+    failing_ = CopyFailure{step, again ? failing_->tries + 1 : 1, std::move(*why)};
   }
 }
 
@@ -438,13 +460,14 @@ std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
   std::string node, endpoint;
   int64_t first_rank = 0;
   uint64_t pointed = 0;
+  std::vector<uint64_t> floors;
   {
     std::lock_guard lock(mutex_);
     node = buddy_node_;
     endpoint = buddy_endpoint_;
     first_rank = first_rank_;
     pointed = pointed_;
-    sent_step_ = step;
+    floors = floors_;
   }
   // One connection for the node's copies of the step; a buddy that
   // restarted is found again at the next try, with no state kept here.
@@ -458,14 +481,15 @@ std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
     for (size_t local = 0; local < areas_.size(); ++local) {
       const int64_t rank = first_rank + static_cast<int64_t>(local);
       const auto listed = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).list();
-      if (std::any_of(listed.begin(), listed.end(),
-                      [&](const checkpoint::SnapshotArea::Listed& l) { return l.step == step && l.copied; })) {
+      if (std::any_of(listed.begin(), listed.end(), [&](const checkpoint::SnapshotArea::Listed& l) {
+            return l.step == step && l.sequence > floors[local] && l.copied;
+          })) {
         ++held;  // by an earlier try
         continue;
       }
       // One image at a time: each costs a rank's state in memory.
       const auto image = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).image_of(step);
-      if (!image) continue;  // quarantined meanwhile: the holder keeps the copies before
+      if (!image) continue;  // gone meanwhile (the slot of a rank that began anew): tried again
       const auto began = Clock::now();
       write_image(c, frame_of(kPush, rank, *image), *image, options_.max_mb_per_s);
       Frame answer{};
@@ -478,14 +502,11 @@ std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
       if (answer.kind != kAccepted) throw Error(ErrorCode::kPeerFailure, "it answered with an unknown frame");
       const double seconds = std::chrono::duration<double>(Clock::now() - began).count();
       std::lock_guard lock(mutex_);
-      sent_[local] = SentCopy{rank, step, image->data_bytes, seconds, node};
       // The rank votes for its next copy step once this one is held. Not
-      // after the sender was pointed anew: the next generation's ranks
-      // must not count a copy of the last one's.
-      if (pointed == pointed_ &&
-          checkpoint::SnapshotArea(areas_[local].get(), options_.keep).mark_copied(step, image->sequence)) {
-        ++held;
-      }
+      // after the sender was pointed anew: that is the last generation's.
+      if (pointed != pointed_) break;
+      sent_[local] = SentCopy{rank, step, image->data_bytes, seconds, node};
+      if (checkpoint::SnapshotArea(areas_[local].get(), options_.keep).mark_copied(step, image->sequence)) ++held;
     }
   } catch (const Error& e) {
     why = e.what();

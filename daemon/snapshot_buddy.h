@@ -174,9 +174,15 @@ class SnapshotBuddy {
  private:
   void send_until_stopped();
   void fetch_until_stopped();
-  // The newest copy step every local area holds complete: the node's
-  // copies go in lockstep, so that the holder has one step of all of them.
-  std::optional<int64_t> common_step() const;
+  // The newest copy step of this generation (a slot sequence above the
+  // area's floor) every local area holds complete: the node's copies go in
+  // lockstep, so that the holder has one step of all of them. `held`: the
+  // buddy holds every one of them.
+  struct CommonStep {
+    int64_t step;
+    bool held;
+  };
+  std::optional<CommonStep> common_step() const;
   // Sends every local rank's snapshot of `step` to the buddy, but those it
   // holds already; nullopt when it holds them all, else why not.
   std::optional<std::string> send_step(int64_t step);
@@ -192,12 +198,13 @@ class SnapshotBuddy {
   std::string buddy_endpoint_;
   int64_t first_rank_ = 0;
   uint64_t pointed_ = 0;  // how many times send_to() was called
-  // The step last sent (or not to be: the one the areas held when the
-  // generation began); per local rank, what the buddy last accepted.
-  std::optional<int64_t> sent_step_;
+  // Per local area, the last sequence it had given when the generation
+  // began: its slots up to it are another generation's and never sent.
+  std::vector<uint64_t> floors_;
+  // Per local rank, what the buddy last accepted.
   std::vector<std::optional<SentCopy>> sent_;
-  // When the step last sent is not held by the buddy: when to send it again,
-  // and how long the wait before that was.
+  // When the step last sent is not held by the buddy (failing_): when to
+  // send it again, and how long the wait before that was.
   std::optional<std::chrono::steady_clock::time_point> retry_at_;
   std::chrono::steady_clock::duration retry_wait_{};
   std::optional<CopyFailure> failing_;

@@ -166,6 +166,16 @@ TEST_SUITE("unit") {
     CHECK_FALSE(SnapshotArea(memfd.fd, 2).mark_copied(8, plain->sequence));
     CHECK_FALSE(copied(8));
     CHECK(copied(1));
+    // The file counts sequences across lay-outs, so a slot of the next one
+    // is never taken for one keeld saw before.
+    CHECK(area.last_sequence() == newest->sequence);
+    const auto before = area.last_sequence();
+    area.reserve({{"model", "other", {64, 64}, 0, 0, 64, 64}});  // larger: laid out afresh
+    CHECK(area.list().empty());
+    CHECK(SnapshotArea(memfd.fd, 2).last_sequence() == before);
+    snapshot(area, 9, true);
+    REQUIRE(area.image_of(9));
+    CHECK(area.image_of(9)->sequence == before + 1);
   }
 
   TEST_CASE("a flipped byte or another layout makes a snapshot unusable with a sentence and the older one serves") {

@@ -144,6 +144,8 @@ TEST_SUITE("unit") {
           "cluster.tls_key_file=/node.key"},
          "cluster.tls_ca_file): must name the CA of etcd's certificates"},
         {"no in-memory snapshot kept", m, {"checkpoint.memory_keep=0"}, "checkpoint.memory_keep"},
+        {"more in-memory snapshots than an area holds", m, {"checkpoint.memory_keep=62"},
+         "(checkpoint.memory_keep): must be 1 to 61"},
         {"a snapshot interval below -1 (auto)", m, {"checkpoint.memory_every_steps=-2"},
          "checkpoint.memory_every_steps"},
         {"no stall allowed to snapshots", m, {"checkpoint.memory_stall_budget=0"}, "checkpoint.memory_stall_budget"},

@@ -65,6 +65,14 @@ bool marked_copied(int fd, int64_t step) {
   return false;
 }
 
+std::vector<int64_t> held_steps(const SnapshotBuddy& buddy, int64_t rank) {
+  std::vector<int64_t> steps;
+  for (const auto& h : buddy.held()) {
+    if (h.rank == rank) steps.push_back(h.step);
+  }
+  return steps;
+}
+
 int64_t held_step(const SnapshotBuddy& buddy, int64_t rank) {
   for (const auto& h : buddy.held()) {
     if (h.rank == rank) return h.step;
@@ -167,6 +175,28 @@ TEST_SUITE("unit") {
     CHECK(v.snapshots[0].listed.step == 7);
     CHECK(v.snapshots[0].listed.tokens == 70);
     CHECK(v.snapshots[0].data[1][100] == 8.0f);
+  }
+
+  TEST_CASE("a step taken again after the run went back is copied again and the copies after it are dropped") {
+    Memfd rank0;
+    auto holder = buddy_over({});
+    auto sender = buddy_over({rank0.fd});
+    sender->send_to("node-1", holder->endpoint(), 0);
+    snapshot(rank0.fd, 4);
+    REQUIRE(wait_until([&] { return held_step(*holder, 0) == 4; }, 30));
+    snapshot(rank0.fd, 6);
+    REQUIRE(wait_until([&] { return held_step(*holder, 0) == 6 && marked_copied(rank0.fd, 6); }, 30));
+    // A new generation resumes from step 4, as the next one's keeld does:
+    // the sender is pointed anew, then the rank quarantines step 6, a
+    // history the run left, and takes steps 5 and 6 again.
+    sender->send_to("node-1", holder->endpoint(), 0);
+    SnapshotArea(rank0.fd, 2).quarantine_after(4);
+    snapshot(rank0.fd, 5);
+    REQUIRE(wait_until([&] { return held_step(*holder, 0) == 5; }, 30));
+    CHECK(held_steps(*holder, 0) == std::vector<int64_t>{5, 4});
+    snapshot(rank0.fd, 6);
+    REQUIRE(wait_until([&] { return held_step(*holder, 0) == 6 && marked_copied(rank0.fd, 6); }, 30));
+    CHECK(held_steps(*holder, 0) == std::vector<int64_t>{6, 5});
   }
 
   TEST_CASE("a copy step the buddy could not take is sent again until it holds it") {
