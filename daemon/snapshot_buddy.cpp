@@ -400,19 +400,20 @@ void SnapshotBuddy::send_to(const std::string& node, const std::string& endpoint
 
 std::optional<SnapshotBuddy::CommonStep> SnapshotBuddy::common_step() const {
   // Per step of this generation's copy steps in every area so far: whether
-  // every one of those slots is marked held.
-  std::optional<std::map<int64_t, bool>> common;
+  // each area's slot of it is marked held.
+  std::optional<std::map<int64_t, std::vector<bool>>> common;
   for (size_t i = 0; i < areas_.size(); ++i) {
     std::map<int64_t, bool> steps;
     for (const auto& l : checkpoint::SnapshotArea(areas_[i].get(), options_.keep).list()) {
       if (l.copy_step && l.sequence > floors_[i]) steps[l.step] = l.copied;
     }
     if (!common) {
-      common = std::move(steps);
+      common.emplace();
+      for (const auto& [step, held] : steps) (*common)[step] = {held};
       continue;
     }
     std::erase_if(*common, [&](const auto& entry) { return !steps.contains(entry.first); });
-    for (auto& [step, held] : *common) held = held && steps.at(step);
+    for (auto& [step, held] : *common) held.push_back(steps.at(step));
   }
   if (!common || common->empty()) return std::nullopt;
   const auto& [step, held] = *common->rbegin();
@@ -432,7 +433,7 @@ void SnapshotBuddy::send_until_stopped() {
     const auto common = common_step();
     if (!common) continue;
     const int64_t step = common->step;
-    if (common->held) {
+    if (std::all_of(common->held.begin(), common->held.end(), [](bool held) { return held; })) {
       if (failing_ && failing_->step <= step) failing_.reset();
       continue;
     }
@@ -442,7 +443,7 @@ void SnapshotBuddy::send_until_stopped() {
     retry_wait_ = again ? std::min(2 * retry_wait_, Clock::duration(kLastRetry)) : kFirstRetry;
     const uint64_t pointed = pointed_;
     lock.unlock();
-    auto why = send_step(step);
+    auto why = send_step(step, common->held);
     lock.lock();
     // A new generation began meanwhile: its own copy steps go next.
     if (pointed != pointed_) continue;
@@ -456,18 +457,16 @@ void SnapshotBuddy::send_until_stopped() {
   }
 }
 
-std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
+std::optional<std::string> SnapshotBuddy::send_step(int64_t step, const std::vector<bool>& already_held) {
   std::string node, endpoint;
   int64_t first_rank = 0;
   uint64_t pointed = 0;
-  std::vector<uint64_t> floors;
   {
     std::lock_guard lock(mutex_);
     node = buddy_node_;
     endpoint = buddy_endpoint_;
     first_rank = first_rank_;
     pointed = pointed_;
-    floors = floors_;
   }
   // One connection for the node's copies of the step; a buddy that
   // restarted is found again at the next try, with no state kept here.
@@ -480,11 +479,8 @@ std::optional<std::string> SnapshotBuddy::send_step(int64_t step) {
     setsockopt(c.socket().native_handle(), IPPROTO_IP, IP_TOS, &tos, sizeof(tos));
     for (size_t local = 0; local < areas_.size(); ++local) {
       const int64_t rank = first_rank + static_cast<int64_t>(local);
-      const auto listed = checkpoint::SnapshotArea(areas_[local].get(), options_.keep).list();
-      if (std::any_of(listed.begin(), listed.end(), [&](const checkpoint::SnapshotArea::Listed& l) {
-            return l.step == step && l.sequence > floors[local] && l.copied;
-          })) {
-        ++held;  // by an earlier try
+      if (already_held[local]) {  // by an earlier try
+        ++held;
         continue;
       }
       // One image at a time: each costs a rank's state in memory.

@@ -176,16 +176,16 @@ class SnapshotBuddy {
   void fetch_until_stopped();
   // The newest copy step of this generation (a slot sequence above the
   // area's floor) every local area holds complete: the node's copies go in
-  // lockstep, so that the holder has one step of all of them. `held`: the
-  // buddy holds every one of them.
+  // lockstep, so that the holder has one step of all of them. `held`: per
+  // area, whether the buddy holds its slot of the step.
   struct CommonStep {
     int64_t step;
-    bool held;
+    std::vector<bool> held;
   };
   std::optional<CommonStep> common_step() const;
   // Sends every local rank's snapshot of `step` to the buddy, but those it
   // holds already; nullopt when it holds them all, else why not.
-  std::optional<std::string> send_step(int64_t step);
+  std::optional<std::string> send_step(int64_t step, const std::vector<bool>& already_held);
 
   SnapshotBuddyOptions options_;
   std::shared_ptr<Server> server_;

@@ -58,14 +58,20 @@ RankReport rank_in_dp(int rank, int64_t seq, health::CollectiveState state, doub
   return r;
 }
 
+// A running job's report, taken at kNow.
+JobReport running_report() {
+  JobReport report;
+  report.now_ns = kNow;
+  report.job = "views";
+  report.state = JobState::kRunning;
+  return report;
+}
+
 }  // namespace
 
 TEST_SUITE("unit") {
   TEST_CASE("the status and the metrics of a report count ages to its now and carry the detectors' verdicts") {
-    JobReport report;
-    report.now_ns = kNow;
-    report.job = "views";
-    report.state = JobState::kRunning;
+    JobReport report = running_report();
     report.stale_after_s = 2;
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kInFlight, 3),
                     rank_in_dp(1, 6, health::CollectiveState::kDone, 9)};
@@ -98,10 +104,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("the status names each rank's BLAS core, and a rank that fell back stands apart") {
-    JobReport report;
-    report.now_ns = kNow;
-    report.job = "views";
-    report.state = JobState::kRunning;
+    JobReport report = running_report();
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1),
                     rank_in_dp(2, 7, health::CollectiveState::kDone, 1)};
     for (auto& rank : report.ranks) {
@@ -119,10 +122,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("a node of a many-node job shows its place in the job and etcd out of reach as degraded") {
-    JobReport report;
-    report.now_ns = kNow;
-    report.job = "views";
-    report.state = JobState::kRunning;
+    JobReport report = running_report();
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1)};
     // Each rank's last step: its DP group's payload, and a TP group inside the node.
     for (auto& r : report.ranks) {
@@ -168,10 +168,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("the status shows the copies sent and held and a copy step its buddy has not taken") {
-    JobReport report;
-    report.now_ns = kNow;
-    report.job = "views";
-    report.state = JobState::kRunning;
+    JobReport report = running_report();
     report.buddy = BuddyReport{{{4, 13, 1u << 20}}, {{0, 12, 1u << 20, 0.25, "node-1"}}, std::nullopt};
     auto status = status_json(report);
     CHECK(status.at("snapshot_copies").at("failing").is_null());
@@ -191,10 +188,7 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("loss spikes and skipped steps show in the status and on the page but never as detections") {
-    JobReport report;
-    report.now_ns = kNow;
-    report.job = "views";
-    report.state = JobState::kRunning;
+    JobReport report = running_report();
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1)};
     std::ostringstream quiet;
     print_status(status_json(report), quiet);
