@@ -372,6 +372,22 @@ std::vector<KernelCase> kernel_cases() {
                        },
                        1e-4, 1e-4});
     }
+    // One rank's whole vocabulary scored and differentiated in one call,
+    // the gradient written over the logits: rows of whole 16-byte vectors
+    // (304 columns) and not (301), padding past V = 290 in both.
+    for (const int Vp : {304, 301}) {
+      const int Vr = 290;
+      cases.push_back({"cross-entropy and its gradient in one call, written over " + std::to_string(Vp) + " columns",
+                       {{"logits", random_vec(N * Vp, 38, -6.0f, 6.0f)}, {"losses", Vec(N, nan)}, {"lse", Vec(N, nan)}},
+                       {{"targets", random_ints(N, Vr, 39)}},
+                       {"logits", "losses", "lse"},
+                       [=](Backend& k, Tensors& t) {
+                         k.crossentropy_and_gradient(t.f("logits"), t.f("losses"), t.f("lse"), t.f("logits"),
+                                                     t.i("targets"), 0.5f, N, Vp, Vr);
+                       },
+                       1e-4,
+                       1e-4});
+    }
     // A row 16 blocks wide whose logits climb along it: the running max of
     // the one-pass statistics moves at nearly every element, read one at a
     // time (4099 columns) and as whole 16-byte vectors (4096).

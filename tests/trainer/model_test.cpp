@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <utility>
 #include <vector>
 
 using keel::common::ModelConfig;
@@ -252,6 +254,27 @@ TEST_SUITE("unit") {
     const auto& wte = model.table().find("wte");
     // wte rows >= V get gradient only from the head's padded columns: none.
     for (size_t i = 50 * 16; i < 128 * 16; ++i) REQUIRE(grads[wte.offset + i] == 0.0f);
+  }
+
+  TEST_CASE("a forward told its backward's loss scale leaves the loss and gradients of a plain forward, bit for bit") {
+    ModelConfig m = tiny_model();
+    CpuBackend backend(1);
+    TestModel test_model(m, backend, 2, 3);
+    Gpt& model = test_model.gpt;
+    auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
+    auto pass = [&](std::optional<float> backward_scale) {
+      test_model.storage.zero_gradients();
+      const float loss = model.forward(inputs.data(), targets.data(), 2, 0, 0, backward_scale);
+      model.backward(0.25f);
+      return std::make_pair(loss, copy_out(model, test_model.storage.grads()));
+    };
+    const auto plain = pass(std::nullopt), fused = pass(0.25f);
+    CHECK(fused.first == plain.first);
+    CHECK(fused.second == plain.second);
+    // The forward's gradient is the scale's: another one in the backward
+    // would be silently wrong, so it is refused.
+    model.forward(inputs.data(), targets.data(), 2, 0, 0, 0.5f);
+    CHECK_THROWS_WITH(model.backward(0.25f), doctest::Contains("is not the 0.5"));
   }
 
   TEST_CASE("the learning rate warms up linearly and decays by cosine to the floor") {

@@ -269,7 +269,8 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
   if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
 }
 
-float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk) {
+float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk,
+                   std::optional<float> backward_scale) {
   if (scratch_->dresidual.data() == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::forward before lay_out() placed the activations");
   }
@@ -284,6 +285,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   Slot& s = slots_[static_cast<size_t>(slot)];
   s.batch = B;
   s.chunk = chunk;
+  s.logits_gradient_scale.reset();
   const Sizes z = sizes();
   const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, V = z.V, Vl = z.Vl, v_begin = z.v_begin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
@@ -382,10 +384,16 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
   if (activation_hook_) {
     activation_hook_(static_cast<int>(config_.n_layer), s.logits.buffer(), static_cast<size_t>(N) * Vl);
   }
-  k.crossentropy_stats(x.xent_stats.data(), s.logits.buffer(), s.targets.data(), N, v_begin, Vl, V);
-  if (tp_ != nullptr) tp_->all_gather(x.xent_stats.data(), x.xent_all.data(), static_cast<size_t>(N) * 3);
-  k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
-                         tp_size_, N);
+  if (tp_ == nullptr && backward_scale) {
+    k.crossentropy_and_gradient(s.logits.buffer(), s.losses.data(), s.lse.data(), s.logits.buffer(), s.targets.data(),
+                                *backward_scale / static_cast<float>(N), N, Vl, V);
+    s.logits_gradient_scale = backward_scale;
+  } else {
+    k.crossentropy_stats(x.xent_stats.data(), s.logits.buffer(), s.targets.data(), N, v_begin, Vl, V);
+    if (tp_ != nullptr) tp_->all_gather(x.xent_stats.data(), x.xent_all.data(), static_cast<size_t>(N) * 3);
+    k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
+                           tp_size_, N);
+  }
   return static_cast<float>(k.sum(s.losses.data(), static_cast<size_t>(N)) / N);
 }
 
@@ -420,9 +428,16 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
 
   if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place
-    // (the slot keeps them, so the weight pass reads them there).
-    k.crossentropy_backward(s.logits.buffer(), s.logits.buffer(), s.lse.data(), s.targets.data(),
-                            loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
+    // (the slot keeps them, so the weight pass reads them there), unless
+    // the forward wrote it.
+    if (!s.logits_gradient_scale) {
+      k.crossentropy_backward(s.logits.buffer(), s.logits.buffer(), s.lse.data(), s.targets.data(),
+                              loss_scale / static_cast<float>(N), N, v_begin, Vl, V);
+    } else if (*s.logits_gradient_scale != loss_scale) {
+      throw common::Error(common::ErrorCode::kInternal, "Gpt::backward's loss scale " + std::to_string(loss_scale) +
+                                                            " is not the " + std::to_string(*s.logits_gradient_scale) +
+                                                            " its forward wrote the logits' gradient with");
+    }
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
     term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl,
           Into::kWrite},

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace keel::trainer {
@@ -67,14 +68,20 @@ class Gpt {
   // this rank's positions, the others leave stage_output(slot) and return
   // 0. With CP each rank takes its own positions of the sequences. Either
   // token pointer may be null where it is not read. aux_loss() then holds
-  // the chunk's MoE load-balancing loss.
-  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0, int chunk = 0);
+  // the chunk's MoE load-balancing loss. `backward_scale`, when the pass
+  // will be back-propagated, is the loss_scale its backward() will be
+  // given: a rank that holds the whole vocabulary then writes the loss's
+  // gradient over the logits as it scores them (one kernel instead of
+  // two; Backend::crossentropy_and_gradient).
+  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0, int chunk = 0,
+                std::optional<float> backward_scale = std::nullopt);
   float aux_loss() const { return aux_loss_; }
 
   // Accumulates the gradient of loss_scale * (cross-entropy + aux loss) of
   // the forward in `slot` into the storage's gradients and frees the slot.
   // A virtual stage other than the last starts from output_gradient(slot);
-  // one other than the first leaves input_gradient(). Overwrites logits(slot).
+  // one other than the first leaves input_gradient(). Overwrites logits(slot)
+  // (unless the forward did, with the same loss_scale as its backward_scale).
   // With `weights` false (split_backward) it computes the input gradients
   // alone and the slot stays taken until weight_gradients(slot).
   void backward(float loss_scale, int slot = 0, bool weights = true);
@@ -106,7 +113,8 @@ class Gpt {
   // [B, seq_len/cp, this rank's vocabulary slice] after forward() on the
   // last stage, in backend memory (with CP in ContextSplit's order), in the
   // GEMMs' input type (bf16 where they take bf16, as torch's autocast
-  // keeps them).
+  // keeps them); their gradient instead after a forward given a
+  // backward_scale, or after backward().
   ConstBuffer logits(int slot = 0) const;
 
   // `hook` (nullptr: none) sees activations of every forward(), which it

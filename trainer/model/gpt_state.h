@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace keel::trainer {
@@ -171,9 +172,11 @@ struct Gpt::Slot {
   ArenaArray<float> input, output_grad;
   std::vector<Block> blocks;
   // Last stage. ln_f's output and the logits are in the GEMMs' input type;
-  // the backward writes the logits' gradient over them.
+  // the backward writes the logits' gradient over them, or the forward
+  // did, scaled by `logits_gradient_scale` (Gpt::forward's backward_scale).
   ArenaBuffer lnf, lnf_whole, logits;
   ArenaArray<float> lnf_mean, lnf_rstd, losses, lse;
+  std::optional<float> logits_gradient_scale;
   // With a split backward: the final LayerNorm's output gradient and the
   // embedding's ([N, C], all positions).
   ArenaArray<float> dlnf, dembed;

@@ -135,7 +135,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
     }
     p_.board.set_phase(health::Phase::kForward);
     judging_activations_ = p_.sdc.fingerprinting();
-    loss_sum += p_.model.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk);
+    loss_sum += p_.model.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk, loss_scale);
     judging_activations_ = false;
     aux_sum += p_.model.aux_loss();
     // The chunk's MoE blocks, each microbatch's counts over dp x cp already.

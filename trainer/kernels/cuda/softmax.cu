@@ -15,19 +15,16 @@ __host__ __device__ inline int real_classes(int V, int v_begin, int Vl) {
   return real < 0 ? 0 : (real > Vl ? Vl : real);
 }
 
-// One block per row, one pass: each thread keeps a running max and the sum
-// of exp(x - max) rescaled as the max grows, and the block combines them.
-// Two passes (max, then sum) read the 200 KB rows twice from memory: the
-// H200 profile of c6a9a61 had this kernel at 1.3 ms a step at 124M. A
-// thread reads kVector logits at once where `vectorised` (rows of whole
-// 16-byte vectors), rescaling once per vector: one at a time, it took
-// 0.71 ms a step at 084b7bf, 824 MB read.
+// A row's max over its first `real` logits and the sum of exp(x - max),
+// one pass: each thread keeps a running max and the sum rescaled as the
+// max grows, and the block combines them (every thread gets both). Two
+// passes (max, then sum) read the 200 KB rows twice from memory: the H200
+// profile of c6a9a61 had the statistics at 1.3 ms a step at 124M. A thread
+// reads kVector logits at once where `vectorised` (rows of whole 16-byte
+// vectors), rescaling once per vector: one at a time, it took 0.71 ms a
+// step at 084b7bf, 824 MB read.
 template <typename T>
-__global__ void crossentropy_stats_kernel(float* stats, const T* logits, const int32_t* targets, int v_begin, int Vl,
-                                          int real, bool vectorised) {
-  const size_t n = blockIdx.x;
-  const T* x = logits + n * Vl;
-  float* s = stats + n * 3;
+__device__ float2 row_statistics(const T* x, int real, bool vectorised) {
   float max = -INFINITY, sum = 0.0f;
   const int vectors = vectorised ? real / kVector : 0;
   for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
@@ -53,12 +50,50 @@ __global__ void crossentropy_stats_kernel(float* stats, const T* logits, const i
     }
   }
   const float row_max = block_max(max);
-  sum = block_sum(sum > 0.0f ? sum * expf(max - row_max) : 0.0f);
+  return make_float2(row_max, block_sum(sum > 0.0f ? sum * expf(max - row_max) : 0.0f));
+}
+
+// dx = dloss * (softmax - onehot) over a row of Vl logits, zero past the
+// `real` ones, kVector logits a thread at once where `vectorised` (1.15
+// ms a step one at a time at 084b7bf: 824 MB read, as much written); the
+// same value per logit either way. dx may alias x: each element is read,
+// then written, by one thread.
+template <typename D, typename T>
+__device__ void row_gradient(D* dx, const T* x, float row_lse, int target, float dloss, int Vl, int real,
+                             bool vectorised) {
+  const auto grad = [&](float xc, int c) {
+    return c < real ? dloss * (expf(xc - row_lse) - (c == target ? 1.0f : 0.0f)) : 0.0f;
+  };
+  const int vectors = vectorised ? Vl / kVector : 0;
+  for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
+    const int c0 = v * kVector;
+    float xs[kVector], gs[kVector];
+    load_vector(x + c0, xs);
+#pragma unroll
+    for (int k = 0; k < kVector; ++k) gs[k] = grad(xs[k], c0 + k);
+    store_vector(dx + c0, gs);
+  }
+  for (int c = vectors * kVector + threadIdx.x; c < Vl; c += blockDim.x) store(dx + c, grad(load(x + c), c));
+}
+
+// The target's logit when it lies in the shard's real classes, else 0.
+template <typename T>
+__device__ float target_logit(const T* x, int target, int real) {
+  return target >= 0 && target < real ? load(x + target) : 0.0f;
+}
+
+// One block per row.
+template <typename T>
+__global__ void crossentropy_stats_kernel(float* stats, const T* logits, const int32_t* targets, int v_begin, int Vl,
+                                          int real, bool vectorised) {
+  const size_t n = blockIdx.x;
+  const T* x = logits + n * Vl;
+  const float2 row = row_statistics(x, real, vectorised);
   if (threadIdx.x == 0) {
-    const int target = targets[n] - v_begin;
-    s[0] = real > 0 ? row_max : -INFINITY;
-    s[1] = real > 0 ? sum : 0.0f;
-    s[2] = target >= 0 && target < real ? load(x + target) : 0.0f;
+    float* s = stats + n * 3;
+    s[0] = real > 0 ? row.x : -INFINITY;
+    s[1] = real > 0 ? row.y : 0.0f;
+    s[2] = target_logit(x, targets[n] - v_begin, real);
   }
 }
 
@@ -79,32 +114,34 @@ __global__ void crossentropy_combine_kernel(float* losses, float* lse, const flo
   }
 }
 
-// One block per row (no division per logit to find its row), kVector
-// logits a thread at once where `vectorised` (1.15 ms a step one at a time
-// at 084b7bf: 824 MB read, as much written); the same value per logit
-// either way. dlogits may alias logits: each element is read, then
-// written, by one thread.
+// One block per row (no division per logit to find its row).
 template <typename D, typename T>
 __global__ void crossentropy_backward_kernel(D* dlogits, const T* logits, const float* lse, const int32_t* targets,
                                              float dloss, int v_begin, int Vl, int real, bool vectorised) {
   const size_t n = blockIdx.x;
-  const T* x = logits + n * Vl;
-  D* dx = dlogits + n * Vl;
-  const float row_lse = lse[n];
-  const int target = targets[n] - v_begin;
-  const auto grad = [&](float xc, int c) {
-    return c < real ? dloss * (expf(xc - row_lse) - (c == target ? 1.0f : 0.0f)) : 0.0f;
-  };
-  const int vectors = vectorised ? Vl / kVector : 0;
-  for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
-    const int c0 = v * kVector;
-    float xs[kVector], gs[kVector];
-    load_vector(x + c0, xs);
-#pragma unroll
-    for (int k = 0; k < kVector; ++k) gs[k] = grad(xs[k], c0 + k);
-    store_vector(dx + c0, gs);
+  row_gradient(dlogits + n * Vl, logits + n * Vl, lse[n], targets[n] - v_begin, dloss, Vl, real, vectorised);
+}
+
+// The three above for one shard holding every class, a block per row: its
+// row is read for the statistics and again, by the same block right after,
+// for the gradient, so the second read mostly finds it in L2. The combine
+// of one shard is max + logf(sum * expf(0)): the same bits as here.
+template <typename D, typename T>
+__global__ void crossentropy_and_gradient_kernel(D* dlogits, float* losses, float* lse, const T* logits,
+                                                 const int32_t* targets, float dloss, int Vp, int real,
+                                                 bool vectorised) {
+  const size_t n = blockIdx.x;
+  const T* x = logits + n * Vp;
+  const int target = targets[n];
+  // Read before the statistics' barriers: the gradient may overwrite it.
+  const float target_x = threadIdx.x == 0 ? target_logit(x, target, real) : 0.0f;
+  const float2 row = row_statistics(x, real, vectorised);
+  const float row_lse = row.x + logf(row.y);
+  if (threadIdx.x == 0) {
+    lse[n] = row_lse;
+    losses[n] = row_lse - target_x;
   }
-  for (int c = vectors * kVector + threadIdx.x; c < Vl; c += blockDim.x) store(dx + c, grad(load(x + c), c));
+  row_gradient(dlogits + n * Vp, x, row_lse, target, dloss, Vp, real, vectorised);
 }
 
 // One warp per row.
@@ -172,6 +209,19 @@ void CudaBackend::crossentropy_backward(Buffer dlogits, ConstBuffer logits, cons
     });
   });
   check_launch("crossentropy_backward");
+}
+
+void CudaBackend::crossentropy_and_gradient(Buffer dlogits, float* losses, float* lse, ConstBuffer logits,
+                                            const int32_t* targets, float dloss, int N, int Vp, int V) {
+  if (N <= 0) return;
+  with_type<__nv_bfloat16>(dlogits, [&](auto* dx) {
+    with_type<__nv_bfloat16>(logits, [&](const auto* x) {
+      crossentropy_and_gradient_kernel<<<N, kThreads, 0, stream()>>>(dx, losses, lse, x, targets, dloss, Vp,
+                                                                     real_classes(V, 0, Vp),
+                                                                     rows_of_vectors(x, Vp) && rows_of_vectors(dx, Vp));
+    });
+  });
+  check_launch("crossentropy_and_gradient");
 }
 
 void CudaBackend::softmax_forward(float* probs, const float* logits, int N, int E) {
