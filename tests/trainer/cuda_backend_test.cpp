@@ -485,7 +485,8 @@ struct Trainee {
 
   float step(int index, const Ints& inputs, const Ints& targets) {
     storage.zero_gradients();
-    const float loss = gpt.forward(inputs.data(), targets.data(), batch);
+    gpt.forward(inputs.data(), targets.data(), batch);
+    const float loss = gpt.loss();
     gpt.backward(1.0f);
     double squares = 0;
     for (const auto& spec : table.specs())

@@ -74,7 +74,8 @@ void check_model_gradients(const ModelConfig& config, float eps, double toleranc
   model.backward(1.0f);
   auto grads = copy_out(model, test_model.storage.grads());
   auto objective = [&] {
-    double loss = model.forward(inputs.data(), targets.data(), B);
+    model.forward(inputs.data(), targets.data(), B);
+    double loss = model.loss();
     return loss + model.aux_loss();
   };
 
@@ -247,7 +248,8 @@ TEST_SUITE("unit") {
     Gpt& model = test_model.gpt;
     auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
     test_model.storage.zero_gradients();
-    const float loss = model.forward(inputs.data(), targets.data(), 2);
+    model.forward(inputs.data(), targets.data(), 2);
+    const float loss = model.loss();
     CHECK(loss == doctest::Approx(std::log(50.0)).epsilon(0.05));
     model.backward(1.0f);
     auto grads = copy_out(model, test_model.storage.grads());
@@ -264,7 +266,8 @@ TEST_SUITE("unit") {
     auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
     auto pass = [&](std::optional<float> backward_scale) {
       test_model.storage.zero_gradients();
-      const float loss = model.forward(inputs.data(), targets.data(), 2, 0, 0, backward_scale);
+      model.forward(inputs.data(), targets.data(), 2, 0, 0, backward_scale);
+      const float loss = model.loss();
       model.backward(0.25f);
       return std::make_pair(loss, copy_out(model, test_model.storage.grads()));
     };
@@ -305,7 +308,8 @@ TEST_SUITE("unit") {
     float first = 0, last = 0;
     for (int step = 0; step < t.steps; ++step) {
       test_model.storage.zero_gradients();
-      last = model.forward(inputs.data(), targets.data(), 2);
+      model.forward(inputs.data(), targets.data(), 2);
+      last = model.loss();
       if (step == 0) first = last;
       model.backward(1.0f);
       const auto& specs = test_model.table.specs();

@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
     write_npy(out / "check_inputs.npy", inputs.data(), {B, T});
     write_npy(out / "check_targets.npy", targets.data(), {B, T});
     check.storage().zero_gradients();
-    float loss = model.forward(inputs.data(), targets.data(), B);
+    model.forward(inputs.data(), targets.data(), B);
+    const float loss = model.loss();
     float aux = model.aux_loss();
     auto logits = download(backend, model.logits().f32(), static_cast<size_t>(B) * T * config.model.padded_vocab());
     write_npy(out / "check_logits.npy", logits.data(), {B, T, config.model.padded_vocab()});

@@ -1039,4 +1039,6 @@ double CpuBackend::sum(const float* x, size_t n) {
   return chunked_sum(n, [x](size_t i) { return static_cast<double>(x[i]); });
 }
 
+void CpuBackend::queue_sum(const float* x, size_t n) { queued_sums_.push_back(sum(x, n)); }
+
 }  // namespace keel::trainer

@@ -56,7 +56,7 @@ class CpuBackend final : public Backend {
   // matmul_backward_through_gelu's dpre where that is.
   std::vector<float> linear_out_;
   std::vector<float> bias_widened_;  // matmul_forward's bf16 bias as float32
-  std::vector<double> queued_sums_;  // queue_sum_squares' values, computed at once
+  std::vector<double> queued_sums_;  // the queued sums' values, computed at once
   HostStream stream_;
 };
 

@@ -269,8 +269,8 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
   if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
 }
 
-float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk,
-                   std::optional<float> backward_scale) {
+void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk,
+                  std::optional<float> backward_scale) {
   if (scratch_->dresidual.data() == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::forward before lay_out() placed the activations");
   }
@@ -371,7 +371,7 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     if (activation_hook_) activation_hook_(static_cast<int>(stage().layer(first + i)), blk.residual3.data(), NsC);
     residual = blk.residual3.data();
   }
-  if (!scores) return 0.0f;
+  if (!scores) return;
 
   upload(targets, s.targets);
   k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0.at(outer.lnf_w),
@@ -394,7 +394,24 @@ float Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slo
     k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
                            tp_size_, N);
   }
-  return static_cast<float>(k.sum(s.losses.data(), static_cast<size_t>(N)) / N);
+}
+
+int Gpt::scored_positions(int slot) const {
+  const Slot& s = slots_[static_cast<size_t>(slot)];
+  if (s.batch == 0) throw common::Error(common::ErrorCode::kInternal, "the loss of a slot with no forward");
+  return stage().scores(s.chunk) ? sizes().N(s.batch) : 0;
+}
+
+int Gpt::queue_loss(int slot) {
+  const int N = scored_positions(slot);
+  if (N > 0) backend_.queue_sum(slots_[static_cast<size_t>(slot)].losses.data(), static_cast<size_t>(N));
+  return N;
+}
+
+float Gpt::loss(int slot) {
+  const int N = scored_positions(slot);
+  if (N == 0) return 0.0f;
+  return static_cast<float>(backend_.sum(slots_[static_cast<size_t>(slot)].losses.data(), static_cast<size_t>(N)) / N);
 }
 
 void Gpt::backward(float loss_scale, int slot, bool weights) {

@@ -64,18 +64,27 @@ class Gpt {
   // interleaving) on B sequences into activation slot `slot`: the first
   // virtual stage embeds `inputs` (host tokens, [B, seq_len]), the others
   // start from stage_input(slot); the last virtual stage scores `targets`
-  // (host tokens, [B, seq_len]) and returns the mean cross-entropy over
-  // this rank's positions, the others leave stage_output(slot) and return
-  // 0. With CP each rank takes its own positions of the sequences. Either
+  // (host tokens, [B, seq_len]) for loss(slot), the others leave
+  // stage_output(slot). With CP each rank takes its own positions of the
+  // sequences. Either
   // token pointer may be null where it is not read. aux_loss() then holds
   // the chunk's MoE load-balancing loss. `backward_scale`, when the pass
   // will be back-propagated, is the loss_scale its backward() will be
   // given: a rank that holds the whole vocabulary then writes the loss's
   // gradient over the logits as it scores them (one kernel instead of
   // two; Backend::crossentropy_and_gradient).
-  float forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0, int chunk = 0,
-                std::optional<float> backward_scale = std::nullopt);
+  void forward(const int32_t* inputs, const int32_t* targets, int B, int slot = 0, int chunk = 0,
+               std::optional<float> backward_scale = std::nullopt);
   float aux_loss() const { return aux_loss_; }
+  // The mean cross-entropy over this rank's positions of slot's forward (0
+  // off the scoring stage), before its backward frees the slot; waits for
+  // the device.
+  float loss(int slot = 0);
+  // loss(slot) without waiting: queues the sum of the positions' losses on
+  // the backend (Backend::queue_sum) and returns how many positions it
+  // sums, loss(slot) being static_cast<float>(sum / positions); nothing
+  // is queued and 0 returned off the scoring stage.
+  int queue_loss(int slot = 0);
 
   // Accumulates the gradient of loss_scale * (cross-entropy + aux loss) of
   // the forward in `slot` into the storage's gradients and frees the slot.
@@ -171,6 +180,8 @@ class Gpt {
   // input gradient runs now and the term is kept in the slot, its output
   // gradient copied to `kept` (nullptr: the slot keeps it already).
   void backward_term(Slot& slot, bool weights, const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept);
+  // How many positions loss(slot) averages (0 off the scoring stage).
+  int scored_positions(int slot) const;
   void run_term(const Slot& slot, const WeightTerm& t, Buffer dinp, ConstBuffer weight, bool weight_grads);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this

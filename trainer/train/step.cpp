@@ -57,14 +57,14 @@ Step::Step(Parts parts, Buffers buffers, int micro_batch)
     faults_.on_gradients(p_.backend, unit, grads, numel);
     // Fingerprints belong to an attempt; a backward run outside one (a
     // caller driving the model directly) queues nothing.
-    if (attempting_ && p_.sdc.fingerprinting()) queue_fingerprint(Fingerprint::kGradients, grads, numel);
+    if (attempting_ && p_.sdc.fingerprinting()) queue_fingerprint(Queued::kGradients, grads, numel);
   });
   p_.model.on_activation([this](int site, Buffer data, size_t numel) {
     faults_.on_activation(p_.backend, site, data);
     // The last block's output and the logits of a training forward:
     // StepSignals says why these; validation's are not judged.
     if (judging_activations_ && site >= p_.config.model.n_layer - 1) {
-      queue_fingerprint(Fingerprint::kActivations, data, numel);
+      queue_fingerprint(Queued::kActivations, data, numel);
     }
   });
   const size_t tokens = static_cast<size_t>(micro_batch_) * p_.config.model.seq_len;
@@ -122,7 +122,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   p_.sdc.begin_attempt();
   attempting_ = true;
   p_.storage.zero_gradients();
-  double loss_sum = 0, aux_sum = 0;
+  double aux_sum = 0;
   const int64_t experts = p_.config.model.n_expert;
   std::vector<float> expert_tokens(static_cast<size_t>(moe_layers_before(p_.config.model.n_layer) * experts), 0.0f);
   StageWork work;
@@ -135,8 +135,9 @@ Step::Gradients Step::compute_gradients(int64_t step) {
     }
     p_.board.set_phase(health::Phase::kForward);
     judging_activations_ = p_.sdc.fingerprinting();
-    loss_sum += p_.model.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk, loss_scale);
+    p_.model.forward(inputs_.data(), targets_.data(), micro_batch_, slot, chunk, loss_scale);
     judging_activations_ = false;
+    queue_loss(slot);
     aux_sum += p_.model.aux_loss();
     // The chunk's MoE blocks, each microbatch's counts over dp x cp already.
     for (const auto& block : p_.model.expert_tokens(slot)) {
@@ -181,47 +182,76 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   const int64_t not_working_ns =
       collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
   p_.faults.slow_compute(std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
-  loss_sum *= spike;
-  if (p_.faults.poisons(step, "loss")) loss_sum = std::nan("");
-  p_.sdc.add_local_loss(loss_sum);
   p_.storage.reduce_gradients();
   sum_norm_gradients_over_tp();
   sum_tied_gradients();
   if (step == 0 && !gradient_dump_dir_.empty()) write_gradients(step);
   p_.board.set_phase(health::Phase::kOptimizer);
-  take_fingerprints();
+  queue_norm_squares();
+  const TakenSums taken = take_queued();
   attempting_ = false;
-  const StepSums sums = sum_step_scalars(loss_sum, aux_sum);
+  double loss_sum = taken.loss * spike;
+  if (p_.faults.poisons(step, "loss")) loss_sum = std::nan("");
+  p_.sdc.add_local_loss(loss_sum);
+  const StepSums sums = sum_step_scalars(loss_sum, aux_sum, taken.squares, taken.expert_squares);
   const double batches = static_cast<double>(micro_batches * p_.groups.size(Axis::kDpCp));
   return Gradients{{static_cast<float>(sums.loss / batches), std::sqrt(sums.grad_squares), sums.activation_squares},
                    static_cast<float>(sums.aux_loss / batches)};
 }
 
-void Step::queue_fingerprint(Fingerprint kind, ConstBuffer data, size_t numel) {
+void Step::queue_fingerprint(Queued kind, ConstBuffer data, size_t numel) {
   p_.backend.queue_sum_squares(data, numel);
-  fingerprints_.push_back(kind);
+  queued_.push_back({kind});
 }
 
-std::vector<double> Step::take_sums(size_t expected) {
-  std::vector<double> sums = p_.backend.take_queued_sums();
-  if (sums.size() != expected) {
-    throw common::Error(common::ErrorCode::kInternal, fmt::format("{} sums of squares were queued on the backend "
-                                                                  "where the step queued {}",
-                                                                  sums.size(), expected));
+void Step::queue_loss(int slot) {
+  if (const int positions = p_.model.queue_loss(slot); positions > 0) queued_.push_back({Queued::kLoss, positions});
+}
+
+void Step::queue_norm_squares() {
+  // Every owned part once: a tensor replicated over TP counted on TP rank
+  // 0 only, the tied embedding on the first stage only. On the GPU one
+  // launch for all of them (Backend::queue_sums_of_squares).
+  const auto& specs = table_.specs();
+  std::vector<FloatSpan> tensors;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    if ((p_.groups.rank(Axis::kTp) != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
+    tensors.push_back({p_.storage.owned_gradients(t), p_.storage.owned_numel(t)});
+    queued_.push_back({specs[t].expert ? Queued::kExpertSquares : Queued::kSquares});
   }
-  return sums;
+  p_.backend.queue_sums_of_squares(tensors);
 }
 
-void Step::take_fingerprints() {
-  const std::vector<double> squares = take_sums(fingerprints_.size());
-  for (size_t i = 0; i < squares.size(); ++i) {
-    if (fingerprints_[i] == Fingerprint::kGradients) {
-      p_.sdc.add_local_gradients(squares[i]);
-    } else {
-      p_.sdc.add_local_activations(squares[i]);
+Step::TakenSums Step::take_queued() {
+  const std::vector<double> sums = p_.backend.take_queued_sums();
+  if (sums.size() != queued_.size()) {
+    throw common::Error(
+        common::ErrorCode::kInternal,
+        fmt::format("{} sums were queued on the backend where the step queued {}", sums.size(), queued_.size()));
+  }
+  TakenSums taken;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    switch (queued_[i].kind) {
+      case Queued::kLoss:
+        // A float a microbatch, as Gpt::loss gives it, summed in order.
+        taken.loss += static_cast<float>(sums[i] / queued_[i].positions);
+        break;
+      case Queued::kGradients:
+        p_.sdc.add_local_gradients(sums[i]);
+        break;
+      case Queued::kActivations:
+        p_.sdc.add_local_activations(sums[i]);
+        break;
+      case Queued::kSquares:
+        taken.squares += sums[i];
+        break;
+      case Queued::kExpertSquares:
+        taken.expert_squares += sums[i];
+        break;
     }
   }
-  fingerprints_.clear();
+  queued_.clear();
+  return taken;
 }
 
 int64_t Step::collective_wait_ns() const {
@@ -269,23 +299,7 @@ void Step::sum_tied_gradients() {
   p_.backend.accumulate(owned, buffers_.tied_grads.data(), numel);
 }
 
-Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum) {
-  const auto& specs = table_.specs();
-  // Every owned part once: a tensor replicated over TP counted on TP rank
-  // 0 only, the tied embedding on the first stage only.
-  // Queued together and taken at once: one wait for the device, not one a
-  // tensor, and on the GPU one launch for all of them.
-  std::vector<bool> expert;
-  std::vector<FloatSpan> tensors;
-  for (size_t t = 0; t < specs.size(); ++t) {
-    if ((p_.groups.rank(Axis::kTp) != 0 && specs[t].split == TpSplit::kReplicated) || specs[t].tied_copy) continue;
-    tensors.push_back({p_.storage.owned_gradients(t), p_.storage.owned_numel(t)});
-    expert.push_back(specs[t].expert);
-  }
-  p_.backend.queue_sums_of_squares(tensors);
-  const std::vector<double> tensor_squares = take_sums(expert.size());
-  double squares = 0, expert_squares = 0;
-  for (size_t i = 0; i < expert.size(); ++i) (expert[i] ? expert_squares : squares) += tensor_squares[i];
+Step::StepSums Step::sum_step_scalars(double loss_sum, double aux_sum, double squares, double expert_squares) {
   // Below ZeRO-1 every dp x cp rank holds the whole of the other tensors
   // but its EP rank's experts only: theirs sum over EP. (Sharded, every
   // shard of either kind lies on one dp x cp rank, summed there below.)

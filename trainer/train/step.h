@@ -96,16 +96,26 @@ class Step {
     float aux_loss = 0;
   };
   Gradients compute_gradients(int64_t step);
-  // The SDC fingerprints of an attempt: sums of squares queued on the
-  // backend as gradients and activations appear, handed to the SDC guard
-  // in that order once the attempt's backward is done (one wait for the
-  // device, not one per unit).
-  enum class Fingerprint { kGradients, kActivations };
-  void queue_fingerprint(Fingerprint kind, ConstBuffer data, size_t numel);
-  void take_fingerprints();
-  // The backend's queued sums, which must be the `expected` the step
-  // queued since it last took them.
-  std::vector<double> take_sums(size_t expected);
+  // An attempt's scalars wait for the device once (docs/architecture.md
+  // "GPU step"): each is queued on the backend as it appears (each
+  // microbatch's loss after its forward, the SDC fingerprints as gradients
+  // and activations appear, the norm's squares per tensor at the end) and
+  // all are taken together, in queue order.
+  enum class Queued { kLoss, kGradients, kActivations, kSquares, kExpertSquares };
+  struct QueuedSum {
+    Queued kind;
+    int positions = 0;  // kLoss: the positions its sum averages over
+  };
+  void queue_fingerprint(Queued kind, ConstBuffer data, size_t numel);
+  void queue_loss(int slot);
+  void queue_norm_squares();
+  // The queued sums taken: the fingerprints handed to the SDC guard, the
+  // losses (each microbatch's mean, as Gpt::loss gives it) and the norm's
+  // squares summed.
+  struct TakenSums {
+    double loss = 0, squares = 0, expert_squares = 0;
+  };
+  TakenSums take_queued();
   // Time this rank spent inside collectives since the step began.
   int64_t collective_wait_ns() const;
   // How many MoE blocks come before block `layer`.
@@ -121,7 +131,7 @@ class Step {
   struct StepSums {
     double loss = 0, aux_loss = 0, grad_squares = 0, activation_squares = 0;
   };
-  StepSums sum_step_scalars(double loss_sum, double aux_sum);
+  StepSums sum_step_scalars(double loss_sum, double aux_sum, double squares, double expert_squares);
   // Clips by `norm` and applies AdamW to the owned parts.
   void apply_update(float lr, double norm, int64_t step);
   void write_gradients(int64_t step);
@@ -134,8 +144,8 @@ class Step {
   StepFaults faults_;
   // Whether the forward now running feeds the SDC guard its activation squares.
   bool judging_activations_ = false;
-  std::vector<Fingerprint> fingerprints_;  // what each queued sum is
-  bool attempting_ = false;                // inside compute_gradients, until its fingerprints are taken
+  std::vector<QueuedSum> queued_;  // what each sum queued on the backend is
+  bool attempting_ = false;        // inside compute_gradients, until its sums are taken
   std::vector<int32_t> inputs_, targets_;
   std::filesystem::path gradient_dump_dir_;
   int gradient_dump_rank_ = 0;

@@ -221,17 +221,20 @@ double CudaBackend::chunked_sum(const float* x, size_t n, bool squares) {
 
 double CudaBackend::sum_squares(const float* x, size_t n) { return chunked_sum(x, n, true); }
 
-void CudaBackend::queue_sum_squares(ConstBuffer x, size_t n) {
+void CudaBackend::queue_chunk_sums(ConstBuffer x, size_t n, bool squares) {
   const size_t chunks = chunks_of(n);
   double* partials = queued_room(chunks);
   if (chunks > 0) {
     with_type<__nv_bfloat16>(x, [&](const auto* from) {
-      chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(partials, from, n, true);
+      chunk_sums_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(partials, from, n, squares);
     });
-    check_launch("queue_sum_squares");
+    check_launch(squares ? "queue_sum_squares" : "queue_sum");
   }
   queued_starts_.push_back(queued_starts_.back() + chunks);
 }
+
+void CudaBackend::queue_sum_squares(ConstBuffer x, size_t n) { queue_chunk_sums(x, n, true); }
+void CudaBackend::queue_sum(const float* x, size_t n) { queue_chunk_sums(x, n, false); }
 
 void CudaBackend::queue_sums_of_squares(const std::vector<FloatSpan>& spans) {
   for (size_t next = 0; next < spans.size();) {

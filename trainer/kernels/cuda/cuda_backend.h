@@ -104,6 +104,8 @@ class CudaBackend final : public Backend {
   // Where the next queued sum's `chunks` partials go, queued_partials_
   // grown to hold them (keeping those queued before).
   double* queued_room(size_t chunks);
+  // chunked_sum's partials of x or x^2 queued, for take_queued_sums.
+  void queue_chunk_sums(ConstBuffer x, size_t n, bool squares);
   // The GEMM operands as the GEMMs take them: the pointers themselves (a
   // bf16 operand, or any with float32 GEMM inputs), or bf16 copies in
   // scratch (a null operand stays null). matmul.cu.
