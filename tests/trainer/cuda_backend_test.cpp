@@ -241,7 +241,7 @@ std::vector<KernelCase> kernel_cases() {
                      {}, {"out", "mean", "rstd", "dinp", "dw", "db"},
                      [=](Backend& k, Tensors& t) {
                        k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
-                       k.layernorm_backward(t.f("dinp"), t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                       k.layernorm_backward(t.f("dinp"), nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
                                             t.f("mean"), t.f("rstd"), N, C);
                      },
                      1e-4, 1e-2});
@@ -258,9 +258,9 @@ std::vector<KernelCase> kernel_cases() {
                      {}, {"dinp", "dw", "db"},
                      [=](Backend& k, Tensors& t) {
                        k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
-                       k.layernorm_backward(t.f("dinp"), nullptr, nullptr, t.f("dout"), t.f("inp"), t.f("w"),
+                       k.layernorm_backward(t.f("dinp"), nullptr, nullptr, nullptr, t.f("dout"), t.f("inp"), t.f("w"),
                                             t.f("mean"), t.f("rstd"), N, C);
-                       k.layernorm_backward(nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                       k.layernorm_backward(nullptr, nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
                                             t.f("mean"), t.f("rstd"), N, C);
                      },
                      1e-4, 1e-2});
@@ -730,6 +730,45 @@ TEST_SUITE("gpu") {
     }
     check_close("gelu16", on_gpu.read_bf16("gelu16"), on_cpu.read_bf16("gelu16"), 8e-3, 1.0);
     CHECK(relative_l2(on_gpu.read("out"), on_cpu.read("out")) <= 1e-3);
+  }
+
+  TEST_CASE("a LayerNorm backward on the GPU puts its input gradient rounded beside it, and the linear takes it as is") {
+    if (!device_or_skip()) return;
+    // The residual stream's gradient as Gpt::backward hands it on: added
+    // into by the LayerNorm backward, rounded there, taken by the
+    // projection's backward as its output gradient.
+    const int N = 70, C = 72, IN = 136;
+    CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
+    CudaBackend gpu(0, keel::trainer::DType::kBF16);
+    const std::map<std::string, Vec> floats = {
+        {"inp", random_vec(N * C, 53, -2.0f, 2.0f)}, {"w", random_vec(C, 54, 0.5f, 1.5f)},
+        {"dout", random_vec(N * C, 55)},             {"dres", random_vec(N * C, 56)},
+        {"mean", Vec(N, NAN)},                       {"rstd", Vec(N, NAN)},
+        {"out", Vec(N * C, NAN)},                    {"x", random_vec(N * IN, 57)},
+        {"w_proj", random_vec(C * IN, 59)},          {"dx", Vec(N * IN, NAN)},
+        {"dx_from_f32", Vec(N * IN, NAN)},           {"dw", Vec(C * IN, 0.0f)},
+        {"dw_from_f32", Vec(C * IN, 0.0f)}};
+    Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
+    for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
+      t->add_bf16("dres16", static_cast<size_t>(N) * C);
+      k->layernorm_forward(t->f("out"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("w"), N, C);
+      k->layernorm_backward(t->f("dres"), t->h("dres16"), nullptr, nullptr, t->f("dout"), t->f("inp"), t->f("w"),
+                            t->f("mean"), t->f("rstd"), N, C);
+      k->matmul_backward(t->f("dx"), keel::trainer::Into::kWrite, t->f("dw"), nullptr, t->h("dres16"), t->f("x"),
+                         t->f("w_proj"), N, IN, C);
+      k->matmul_backward(t->f("dx_from_f32"), keel::trainer::Into::kWrite, t->f("dw_from_f32"), nullptr,
+                         t->f("dres"), t->f("x"), t->f("w_proj"), N, IN, C);
+    }
+    for (Tensors* t : {&on_cpu, &on_gpu}) {
+      Vec rounded = t->read("dres");
+      for (float& x : rounded) x = keel::trainer::bf16_rounded(x);
+      CHECK(t->read_bf16("dres16") == rounded);
+      // The GEMMs round a float32 output gradient to these very values.
+      CHECK(t->read("dx") == t->read("dx_from_f32"));
+      CHECK(t->read("dw") == t->read("dw_from_f32"));
+    }
+    check_close("dres", on_gpu.read("dres"), on_cpu.read("dres"), 1e-4, 1e-3);
+    CHECK(relative_l2(on_gpu.read("dx"), on_cpu.read("dx")) <= 1e-2);
   }
 
   TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {

@@ -365,11 +365,32 @@ TEST_SUITE("unit") {
     Vec dinp(inp.size(), 0.0f);
     Vec dw(C, 0.0f);
     Vec db(C, 0.0f);
-    cpu.layernorm_backward(dinp.data(), dw.data(), db.data(), r.data(), inp.data(), w.data(), mean.data(),
+    cpu.layernorm_backward(dinp.data(), nullptr, dw.data(), db.data(), r.data(), inp.data(), w.data(), mean.data(),
                            rstd.data(), N, C);
     check_gradient("dinp", inp, dinp, loss);
     check_gradient("dweight", w, dw, loss);
     check_gradient("dbias", b, db, loss);
+  }
+
+  TEST_CASE("layernorm backward puts each input gradient sum rounded to bf16 beside it and changes nothing else") {
+    CpuBackend cpu;
+    const int N = 70, C = 24;  // chunks of rows, the last one short
+    const Vec inp = random_vec(static_cast<size_t>(N) * C, 15), w = random_vec(C, 16, 0.5f, 1.5f);
+    const Vec dout = random_vec(inp.size(), 17), start = random_vec(inp.size(), 18);
+    Vec mean(N), rstd(N), out(inp.size());
+    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), w.data(), N, C);
+    Vec plain = start, with_copy = start, dw(C, 0.0f), db(C, 0.0f), dw_copy(C, 0.0f), db_copy(C, 0.0f);
+    std::vector<keel::trainer::bf16> rounded(inp.size());
+    cpu.layernorm_backward(plain.data(), nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(),
+                           rstd.data(), N, C);
+    cpu.layernorm_backward(with_copy.data(), rounded.data(), dw_copy.data(), db_copy.data(), dout.data(), inp.data(),
+                           w.data(), mean.data(), rstd.data(), N, C);
+    CHECK(with_copy == plain);
+    CHECK(dw_copy == dw);
+    CHECK(db_copy == db);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < plain.size(); ++i) mismatches += rounded[i].bits != keel::trainer::to_bf16(plain[i]).bits;
+    CHECK(mismatches == 0);
   }
 
   TEST_CASE("matmul forward matches a naive reference with and without bias") {
@@ -1219,7 +1240,7 @@ TEST_SUITE("unit") {
     Vec ln(x.size()), mean(N), rstd(N);
     cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
     auto ln_backward = [&](float* dinp, float* dw, float* db) {
-      cpu.layernorm_backward(dinp, dw, db, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+      cpu.layernorm_backward(dinp, nullptr, dw, db, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
     };
     check_doubles("layernorm dinp", [&](float* g) { ln_backward(g, nullptr, nullptr); }, x.size());
     check_doubles("layernorm dweight", [&](float* g) { ln_backward(nullptr, g, nullptr); }, C);
@@ -1322,7 +1343,7 @@ TEST_SUITE("unit") {
 
       Vec ln(x.size()), mean(N), rstd(N), dinp(x.size(), 0.0f), dw(C, 0.0f), db(C, 0.0f);
       cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), ln_w.data(), ln_b.data(), N, C);
-      cpu.layernorm_backward(dinp.data(), dw.data(), db.data(), dy.data(), x.data(), ln_w.data(), mean.data(),
+      cpu.layernorm_backward(dinp.data(), nullptr, dw.data(), db.data(), dy.data(), x.data(), ln_w.data(), mean.data(),
                              rstd.data(), N, C);
       results.insert(results.end(), {ln, dinp, dw, db});
 

@@ -3,6 +3,7 @@
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/zero_storage.h"
+#include "tests/trainer/relative_error.h"
 
 #include <doctest/doctest.h>
 
@@ -42,8 +43,10 @@ std::vector<int32_t> sample_tokens(int count, int vocab, uint64_t salt) {
 
 // A single-rank model with its storage, initialised from `seed`.
 struct TestModel {
-  TestModel(const ModelConfig& config, CpuBackend& backend, int max_batch, uint64_t seed)
-      : table(config), storage(backend, table), gpt(config, backend, max_batch, storage) {
+  TestModel(const ModelConfig& config, CpuBackend& backend, int max_batch, uint64_t seed, bool split_backward = false)
+      : table(config),
+        storage(backend, table),
+        gpt(config, backend, max_batch, storage, keel::trainer::ProcessGroups::none(), 1, split_backward) {
     memory = keel::trainer::lay_out(backend, storage, gpt);
     storage.init(seed);
   }
@@ -278,6 +281,37 @@ TEST_SUITE("unit") {
     // would be silently wrong, so it is refused.
     model.forward(inputs.data(), targets.data(), 2, 0, 0, 0.5f);
     CHECK_THROWS_WITH(model.backward(0.25f), doctest::Contains("is not the 0.5"));
+  }
+
+  TEST_CASE("with bf16 GEMM inputs every gradient follows the float32 model's, fused or split backward, dense or MoE") {
+    // The bf16 path hands the linears the residual stream's gradient as
+    // the LayerNorm backward above them rounded it: a copy not written, or
+    // written by the wrong LayerNorm, leaves a projection's gradients far
+    // from the float32 model's.
+    for (const int64_t experts : {0, 4}) {
+      for (const bool split : {false, true}) {
+        CAPTURE(experts);
+        CAPTURE(split);
+        auto gradients = [&](CpuBackend& backend) {
+          TestModel test_model(tiny_model(experts), backend, 2, 11, split);
+          auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
+          test_model.storage.zero_gradients();
+          test_model.gpt.forward(inputs.data(), targets.data(), 2);
+          test_model.gpt.backward(1.0f, 0, !split);
+          if (split) test_model.gpt.weight_gradients(0);
+          return copy_out(test_model.gpt, test_model.storage.grads());
+        };
+        CpuBackend f32(1), bf16(1, keel::trainer::DType::kBF16);
+        const std::vector<float> want = gradients(f32), got = gradients(bf16);
+        const ParameterTable table(tiny_model(experts));
+        for (const auto& spec : table.specs()) {
+          CAPTURE(spec.name);
+          const std::vector<float> a(got.begin() + spec.offset, got.begin() + spec.offset + spec.numel);
+          const std::vector<float> b(want.begin() + spec.offset, want.begin() + spec.offset + spec.numel);
+          CHECK(keel::test::relative_l2(a, b) <= 3e-2);
+        }
+      }
+    }
   }
 
   TEST_CASE("the learning rate warms up linearly and decays by cosine to the floor") {

@@ -368,8 +368,9 @@ void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer o
   });
 }
 
-void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                    const float* weight, const float* mean, const float* rstd, int N, int C) {
+void CpuBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
+                                    const float* inp, const float* weight, const float* mean, const float* rstd, int N,
+                                    int C) {
   // dweight/dbias: each fixed chunk of rows sums into its own partial, the
   // partials are then summed in chunk order.
   const int chunks = (N + kLayernormRowChunk - 1) / kLayernormRowChunk;
@@ -405,6 +406,10 @@ void CpuBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, c
         for (int c = 0; c < C; ++c) {
           const float norm = (x[c] - mu) * rs;
           dx[c] += rs * (dy[c] * weight[c] - dnorm_mean - norm * dnorm_norm_mean);
+        }
+        if (dinp_bf16 != nullptr) {
+          bf16* rounded = dinp_bf16 + static_cast<size_t>(n) * C;
+          for (int c = 0; c < C; ++c) rounded[c] = to_bf16(dx[c]);
         }
       }
     }

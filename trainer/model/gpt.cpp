@@ -127,6 +127,11 @@ void Gpt::lay_out(Arena& arena) {
   // linear's GEMMs only) in the GEMMs' input type where no ring passes keys
   // around and merges outputs (the ring carries, merges and sums float32).
   const DType attention_type = cp_ == nullptr ? gemm_in : DType::kF32;
+  // The residual stream's gradient as the dense linears take it
+  // (Scratch::dresidual_gemm): bf16 where the GEMMs take bf16 and no TP
+  // gathers it first.
+  const bool rounds_residual = gemm_in == DType::kBF16 && tp_ == nullptr;
+  const DType residual_gemm = rounds_residual ? gemm_in : DType::kF32;
   bool any_moe = false;
   for (Slot& s : slots_) {
     s.blocks.clear();
@@ -174,9 +179,9 @@ void Gpt::lay_out(Arena& arena) {
         blk.fch = arena.take_buffer(gemm_in, N * Fl);
       }
       if (split_backward_) {
-        blk.dproj = take(dense_at[i] ? N * C : 0);
+        blk.dproj = arena.take_buffer(residual_gemm, dense_at[i] ? N * C : 0);
         blk.dfch = arena.take_buffer(gemm_in, dense_at[i] ? N * Fl : 0);
-        blk.dattproj = take(N * C);
+        blk.dattproj = arena.take_buffer(residual_gemm, N * C);
         blk.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
         blk.dln2 = take(Ns * C);
         blk.dln1 = take(Ns * C);
@@ -202,6 +207,7 @@ void Gpt::lay_out(Arena& arena) {
   x.dwhole_out = whole(C);
   x.dwhole_in = whole(C);
   x.dresidual = take(Ns * C);
+  x.dresidual_gemm = arena.take_buffer(gemm_in, rounds_residual ? Ns * C : 0);
   x.dln = take(Ns * C);
   x.datty = take(N * Cl);
   x.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
@@ -442,6 +448,14 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   float* dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
   float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
   const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
+  // The residual stream's gradient as the dense linears' GEMMs take it
+  // (Scratch::dresidual_gemm): each LayerNorm backward that adds into
+  // dresidual puts the sum there rounded when a dense linear reads it
+  // next, the projection of a dense MLP or attention's.
+  bf16* const rounded = x.dresidual_gemm.size() > 0 ? static_cast<bf16*>(x.dresidual_gemm.buffer().data) : nullptr;
+  const ConstBuffer dout_gemm = rounded != nullptr ? ConstBuffer(rounded) : ConstBuffer(dout_all);
+  auto dense = [&](size_t i) { return !config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i))); };
+  auto rounded_for_mlp = [&](size_t i) { return dense(i) ? rounded : nullptr; };
 
   if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place
@@ -462,10 +476,11 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
     term({Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(), s.blocks[blocks - 1].residual3.data(),
-          s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C, C},
+          s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C, C, Into::kAdd, nullptr, rounded_for_mlp(blocks - 1)},
          x.dresidual.data(), p0.at(outer.lnf_w), s.dlnf.data());
   } else {
     k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
+    if (bf16* to = rounded_for_mlp(blocks - 1)) k.round_to_bf16(to, x.dresidual.data(), NsC);
   }
 
   // dresidual holds the gradient of this rank's shard of the residual
@@ -486,29 +501,29 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     } else {
       // The projection's input gradient through GELU's derivative: dfch,
       // in the GEMMs' input type, as fc's backward GEMMs take it.
-      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_all, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
+      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_gemm, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
             blk.fch.buffer()},
-           x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.data());
+           x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.buffer());
       term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl,
             Into::kWrite},
            din_all, p.weight(o.fc_w), blk.dfch.buffer());
     }
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
-          blk.ln2_rstd.data(), Ns, C, C},
+          blk.ln2_rstd.data(), Ns, C, C, Into::kAdd, nullptr, rounded},
          x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_all, blk.atty.buffer(), nullptr, nullptr, N, Cl, C,
+    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_gemm, blk.atty.buffer(), nullptr, nullptr, N, Cl, C,
           Into::kWrite},
-         x.datty.data(), p.weight(o.attproj_w), blk.dattproj.data());
+         x.datty.data(), p.weight(o.attproj_w), blk.dattproj.buffer());
     attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
     term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl,
           Into::kWrite},
          din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
     sum_into_positions(din_all, x.dln.data(), NsC);
     term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
-          Ns, C, C},
+          Ns, C, C, Into::kAdd, nullptr, i > 0 ? rounded_for_mlp(i - 1) : nullptr},
          x.dresidual.data(), p.at(o.ln1_w), blk.dln1.data());
     term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
   }
@@ -572,8 +587,8 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer 
       }
       break;
     case Kind::kLayerNorm:
-      backend_.layernorm_backward(dinp32, at(t.weight), at(t.bias), t.dout.f32(), t.inp.f32(), weight.f32(), t.mean,
-                                  t.rstd, t.rows, t.out);
+      backend_.layernorm_backward(dinp32, dinp32 != nullptr ? t.dinp_bf16 : nullptr, at(t.weight), at(t.bias),
+                                  t.dout.f32(), t.inp.f32(), weight.f32(), t.mean, t.rstd, t.rows, t.out);
       break;
     case Kind::kEmbedding:
       if (g != nullptr) embedding_backward(g, t.dout.f32(), s.inputs.data(), s.batch);

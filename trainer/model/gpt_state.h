@@ -51,7 +51,7 @@ struct Gpt::WeightTerm {
   Kind kind = Kind::kUnitReady;
   int unit = 0;
   size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)
-  ConstBuffer dout = nullptr;           // [rows, out]: the output gradient (bf16: the logits' or dfch)
+  ConstBuffer dout = nullptr;           // [rows, out]: the output gradient (bf16 where its GEMMs take bf16)
   ConstBuffer inp = nullptr;            // [rows, in]: the forward's input (a LayerNorm's: float32)
   const float* mean = nullptr;          // LayerNorm: the forward's row statistics
   const float* rstd = nullptr;
@@ -67,6 +67,9 @@ struct Gpt::WeightTerm {
   // needs it, bit for bit what the forward fed the GEMM on the CPU (llm.c's
   // GELU recompute: N x 4C floats a block less memory).
   ConstBuffer gelu_of = nullptr;
+  // A LayerNorm's input gradient (the residual stream's) also put here
+  // rounded, where a dense linear takes it next (Scratch::dresidual_gemm).
+  bf16* dinp_bf16 = nullptr;
 };
 
 // The shapes of this rank's part of the model (docs/architecture.md
@@ -156,10 +159,11 @@ struct Gpt::Slot {
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
     // all positions) and of the two LayerNorms ([Ns, C]), which the weight
-    // pass reads; an MoE block keeps its experts' in its MoeLayer. dfch
-    // and dqkv are in the types the backward writes them in (Scratch).
-    ArenaArray<float> dproj, dattproj, dln2, dln1;
-    ArenaBuffer dfch, dqkv;
+    // pass reads; an MoE block keeps its experts' in its MoeLayer. dproj,
+    // dattproj, dfch and dqkv are in the types their GEMMs take them in
+    // (Scratch).
+    ArenaArray<float> dln2, dln1;
+    ArenaBuffer dproj, dattproj, dfch, dqkv;
     ConstBuffer ln1_all() const { return ln1_whole.size() > 0 ? ln1_whole.buffer() : ln1.buffer(); }
     ConstBuffer ln2_all() const { return ln2_whole.size() > 0 ? ln2_whole.buffer() : ln2.buffer(); }
   };
@@ -199,6 +203,12 @@ struct Gpt::Scratch {
   // overwrites instead of adding to (Backend::AttentionGrads).
   ArenaArray<float> dresidual, dln, datty;
   ArenaBuffer dfch, dqkv;
+  // dresidual as the dense linears' GEMMs take it, where they take bf16
+  // and no TP gathers dresidual first: the LayerNorm backward that adds
+  // into dresidual puts the sum here rounded as well, so the projections'
+  // GEMMs below it read half the bytes and round nothing (24 rounding
+  // launches a step at 124M before). Empty otherwise.
+  ArenaBuffer dresidual_gemm;
   // GELU(fch) of the block running now: made by the forward for the MLP's
   // projection, remade by the backward for its weight gradient. Only those
   // GEMMs read it, so it is kept in their input type: bf16 on the GPU's

@@ -51,12 +51,14 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
 // Block `chunk` takes rows [chunk * kRowChunk, + kRowChunk): with dinp, each
 // warp first sums its rows' dy.w and dy.w.norm (lane by lane, then the warp's
 // tree, as the forward sums); then thread c walks column c down the rows in
-// order, adding the row's input gradient into dinp and, with partial_w
-// (and partial_b), summing the chunk's partials. Null dinp or partials:
-// that half is skipped (a split backward takes them in separate passes).
+// order, adding the row's input gradient into dinp (and putting the sum
+// rounded into dinp_bf16, when given) and, with partial_w (and
+// partial_b), summing the chunk's partials. Null dinp or partials: that
+// half is skipped (a split backward takes them in separate passes).
 __global__ void __launch_bounds__(1024)
-    layernorm_backward_kernel(float* dinp, float* partial_w, float* partial_b, const float* dout, const float* inp,
-                              const float* weight, const float* mean, const float* rstd, int N, int C) {
+    layernorm_backward_kernel(float* dinp, __nv_bfloat16* dinp_bf16, float* partial_w, float* partial_b,
+                              const float* dout, const float* inp, const float* weight, const float* mean,
+                              const float* rstd, int N, int C) {
   __shared__ float dnorm_mean[kRowChunk], dnorm_norm_mean[kRowChunk];
   const int first = static_cast<int>(blockIdx.x) * kRowChunk;
   const int rows = min(kRowChunk, N - first);
@@ -92,7 +94,11 @@ __global__ void __launch_bounds__(1024)
       const float norm = (inp[i] - mean[n]) * rstd[n];
       pw += dy * norm;
       pb += dy;
-      if (dinp != nullptr) dinp[i] += rstd[n] * (dy * weight[c] - dnorm_mean[r] - norm * dnorm_norm_mean[r]);
+      if (dinp != nullptr) {
+        const float sum = dinp[i] + rstd[n] * (dy * weight[c] - dnorm_mean[r] - norm * dnorm_norm_mean[r]);
+        dinp[i] = sum;
+        if (dinp_bf16 != nullptr) store(dinp_bf16 + i, sum);
+      }
     }
     if (partial_w != nullptr) {
       partial_w[static_cast<size_t>(blockIdx.x) * C + c] = pw;
@@ -126,8 +132,9 @@ void CudaBackend::add_layernorm_forward(float* sum, const float* addend, Buffer 
   check_launch("add_layernorm_forward");
 }
 
-void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                     const float* weight, const float* mean, const float* rstd, int N, int C) {
+void CudaBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
+                                     const float* inp, const float* weight, const float* mean, const float* rstd, int N,
+                                     int C) {
   const bool params = dweight != nullptr || dbias != nullptr;
   if (N <= 0 || C <= 0 || (!params && dinp == nullptr)) return;
   const int chunks = (N + kRowChunk - 1) / kRowChunk;
@@ -137,8 +144,8 @@ void CudaBackend::layernorm_backward(float* dinp, float* dweight, float* dbias, 
   // A thread a column, up to a full block: at GPT-2's C = 768, 24 warps for
   // the chunk's 32 rows, and N / 32 blocks (256 at batch 8) of them.
   const int threads = std::min(1024, (C + kWarp - 1) / kWarp * kWarp);
-  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, partial_w, partial_b, dout, inp, weight, mean, rstd,
-                                                              N, C);
+  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, reinterpret_cast<__nv_bfloat16*>(dinp_bf16),
+                                                              partial_w, partial_b, dout, inp, weight, mean, rstd, N, C);
   check_launch("layernorm_backward");
   if (dweight != nullptr) column_sum_accumulate(dweight, partial_w, chunks, C, stream());
   if (dbias != nullptr) column_sum_accumulate(dbias, partial_b, chunks, C, stream());
