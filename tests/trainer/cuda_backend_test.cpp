@@ -732,7 +732,7 @@ TEST_SUITE("gpu") {
     CHECK(relative_l2(on_gpu.read("out"), on_cpu.read("out")) <= 1e-3);
   }
 
-  TEST_CASE("a LayerNorm backward on the GPU puts its input gradient rounded beside it, and the linear takes it as is") {
+  TEST_CASE("a LayerNorm backward on the GPU puts its input gradient rounded beside it for the linear below") {
     if (!device_or_skip()) return;
     // The residual stream's gradient as Gpt::backward hands it on: added
     // into by the LayerNorm backward, rounded there, taken by the
@@ -769,6 +769,31 @@ TEST_SUITE("gpu") {
     }
     check_close("dres", on_gpu.read("dres"), on_cpu.read("dres"), 1e-4, 1e-3);
     CHECK(relative_l2(on_gpu.read("dx"), on_cpu.read("dx")) <= 1e-2);
+  }
+
+  TEST_CASE("small copies to the GPU are queued and each lands whole though its host buffer is rewritten at once") {
+    if (!device_or_skip()) return;
+    // More small copies than the backend has staging slots, a large one
+    // among them, each from the same host buffer refilled after the call,
+    // behind a zeroing of the same memory they must land after.
+    CudaBackend gpu(0);
+    const size_t small = 8192, large = Backend::kQueuedUploadBytes / sizeof(int32_t) + 1;
+    std::vector<int32_t*> at;
+    for (int k = 0; k < 10; ++k) at.push_back(static_cast<int32_t*>(gpu.alloc((k == 5 ? large : small) * 4)));
+    std::vector<int32_t> host;
+    for (int k = 0; k < 10; ++k) {
+      host.assign(k == 5 ? large : small, k + 1);
+      gpu.zero(at[k], host.size() * 4);
+      gpu.copy_from_host(at[k], host.data(), host.size() * 4);
+      std::fill(host.begin(), host.end(), -1);
+    }
+    for (int k = 0; k < 10; ++k) {
+      CAPTURE(k);
+      std::vector<int32_t> back(k == 5 ? large : small);
+      gpu.copy_to_host(back.data(), at[k], back.size() * 4);
+      CHECK(std::count(back.begin(), back.end(), k + 1) == static_cast<std::ptrdiff_t>(back.size()));
+      gpu.free(at[k]);
+    }
   }
 
   TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {

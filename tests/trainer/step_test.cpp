@@ -20,10 +20,15 @@ using namespace keel::trainer;
 
 namespace {
 
-// Every call after which the host holds a value the device computed.
+// Every call after which the host holds a value the device computed, and
+// every upload the GPU backend does not queue.
 class CountingWaits : public BackendWrapper {
  public:
   CountingWaits() : BackendWrapper(cpu_) {}
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override {
+    waits += bytes > kQueuedUploadBytes ? 1 : 0;
+    cpu_.copy_from_host(dst, host_src, bytes);
+  }
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override {
     ++waits;
     cpu_.copy_to_host(host_dst, src, bytes);

@@ -64,6 +64,10 @@ class Backend {
   virtual void* alloc(size_t bytes) = 0;  // zero-filled, 64-byte aligned at least
   virtual void free(void* ptr) = 0;
   virtual void zero(void* ptr, size_t bytes) = 0;
+  // host_src may be reused when copy_from_host returns. A copy of up to
+  // kQueuedUploadBytes (a microbatch's tokens) is queued with the kernels,
+  // without waiting for them; a larger one may wait.
+  static constexpr size_t kQueuedUploadBytes = size_t{1} << 20;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // both in backend memory

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -102,6 +103,10 @@ CudaBackend::~CudaBackend() {
   cudaFree(linear_out_);
   cudaFree(scratch_);
   cudaFree(queued_partials_);
+  for (UploadSlot& slot : upload_slots_) {
+    cudaFreeHost(slot.pinned);
+    if (slot.copied != nullptr) cudaEventDestroy(slot.copied);
+  }
 }
 
 // ---- memory ----
@@ -141,8 +146,21 @@ void CudaBackend::zero(void* ptr, size_t bytes) {
 
 void CudaBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
   if (bytes == 0) return;
+  // The caller may reuse host_src as soon as this returns: a small copy
+  // is taken into a pinned slot first and queued from there.
+  if (bytes <= kQueuedUploadBytes) {
+    UploadSlot& slot = upload_slots_[next_upload_++ % upload_slots_.size()];
+    if (slot.pinned == nullptr) {
+      check(cudaMallocHost(&slot.pinned, kQueuedUploadBytes), "cudaMallocHost (upload staging)");
+      check(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming), "cudaEventCreate (upload staging)");
+    }
+    check(cudaEventSynchronize(slot.copied), "cudaEventSynchronize (upload staging)");
+    std::memcpy(slot.pinned, host_src, bytes);
+    check(cudaMemcpyAsync(dst, slot.pinned, bytes, cudaMemcpyHostToDevice, stream()), "cudaMemcpyAsync to device");
+    check(cudaEventRecord(slot.copied, stream()), "cudaEventRecord (upload staging)");
+    return;
+  }
   check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream()), "cudaMemcpyAsync to device");
-  // The caller may reuse host_src as soon as this returns.
   stream_->synchronize();
 }
 

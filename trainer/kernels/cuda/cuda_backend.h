@@ -13,8 +13,12 @@
 //   (cublaslt_gemm.h). The same inputs on the same GPU model give the same
 //   bits, run after run.
 // * Streams: kernels, zero() and copy() are queued on compute_stream() and
-//   return at once. copy_to_host, copy_from_host, sum and sum_squares wait
-//   for the stream: their host side is done when they return.
+//   return at once, and so does a copy_from_host of up to
+//   kQueuedUploadBytes (a microbatch's tokens: 32 KB at 124M, batch 8),
+//   through a pinned staging slot, so that a forward does not wait for the
+//   stream to upload its targets (the 084b7bf step waited there). copy_to_host, a larger copy_from_host,
+//   sum and sum_squares wait for the stream: their host side is done when
+//   they return.
 //   snapshot_to_host runs on a copy stream of its own, after the compute
 //   work queued before it; into pinned memory (pin_host: cudaHostRegister)
 //   its copies are DMA at full bus speed, which is all the stall a
@@ -31,6 +35,7 @@
 #include "trainer/kernels/cuda/cuda_stream.h"
 #include "trainer/kernels/dtype.h"
 
+#include <array>
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
@@ -137,6 +142,15 @@ class CudaBackend final : public Backend {
   double* queued_partials_ = nullptr;
   size_t queued_capacity_ = 0;  // partials
   std::vector<size_t> queued_starts_;  // one per sum, then the end
+  // copy_from_host's staging for small copies, used in turn: a slot is
+  // reused once the stream has run the copy out of it (its event), which
+  // the uploads between give the stream time to.
+  struct UploadSlot {
+    void* pinned = nullptr;  // kQueuedUploadBytes, cudaMallocHost
+    cudaEvent_t copied = nullptr;
+  };
+  std::array<UploadSlot, 4> upload_slots_;
+  size_t next_upload_ = 0;
 };
 
 }  // namespace keel::trainer::cuda

@@ -128,8 +128,8 @@ __global__ void crossentropy_backward_kernel(D* dlogits, const T* logits, const 
 // of one shard is max + logf(sum * expf(0)): the same bits as here.
 template <typename D, typename T>
 __global__ void crossentropy_and_gradient_kernel(D* dlogits, float* losses, float* lse, const T* logits,
-                                                 const int32_t* targets, float dloss, int Vp, int real,
-                                                 bool vectorised) {
+                                                 const int32_t* targets, float dloss, int Vp, int real, bool vectorised,
+                                                 bool dlogits_vectorised) {
   const size_t n = blockIdx.x;
   const T* x = logits + n * Vp;
   const int target = targets[n];
@@ -141,7 +141,7 @@ __global__ void crossentropy_and_gradient_kernel(D* dlogits, float* losses, floa
     lse[n] = row_lse;
     losses[n] = row_lse - target_x;
   }
-  row_gradient(dlogits + n * Vp, x, row_lse, target, dloss, Vp, real, vectorised);
+  row_gradient(dlogits + n * Vp, x, row_lse, target, dloss, Vp, real, vectorised && dlogits_vectorised);
 }
 
 // One warp per row.
@@ -216,9 +216,10 @@ void CudaBackend::crossentropy_and_gradient(Buffer dlogits, float* losses, float
   if (N <= 0) return;
   with_type<__nv_bfloat16>(dlogits, [&](auto* dx) {
     with_type<__nv_bfloat16>(logits, [&](const auto* x) {
+      // The statistics read x as crossentropy_stats does, whatever dx is.
       crossentropy_and_gradient_kernel<<<N, kThreads, 0, stream()>>>(dx, losses, lse, x, targets, dloss, Vp,
-                                                                     real_classes(V, 0, Vp),
-                                                                     rows_of_vectors(x, Vp) && rows_of_vectors(dx, Vp));
+                                                                     real_classes(V, 0, Vp), rows_of_vectors(x, Vp),
+                                                                     rows_of_vectors(dx, Vp));
     });
   });
   check_launch("crossentropy_and_gradient");
