@@ -239,8 +239,9 @@ __device__ inline float block_max(float x) {
 }
 
 // dst[c] += sum over r of src[r * cols + c], in double, r in order
-// (cuda_backend.cu). The reduction of matmul's dbias and of layernorm's
-// per-chunk partials.
+// (cuda_backend.cu). The last sums of matmul's dbias (over its chunks'
+// double sums) and of layernorm's per-chunk partials.
 void column_sum_accumulate(float* dst, const float* src, int rows, int cols, cudaStream_t stream);
+void column_sum_accumulate(float* dst, const double* src, int rows, int cols, cudaStream_t stream);
 
 }  // namespace keel::trainer::cuda

@@ -43,29 +43,6 @@ __global__ void column_chunk_sums_kernel(double* chunk_sums, const T* src, int r
   }
 }
 
-// Chunk sums a warp brings into shared memory at a time.
-constexpr int kStagedChunkSums = 256;
-
-// The column's lanes load its chunk sums together, then lane 0 adds them
-// in chunk order from shared memory. With a thread per column (3 blocks
-// for a 768-wide bias) the loads came one latency after another: the H200
-// profile of 6ef341d had these adds at 18 us a call, 0.87 ms a step.
-__global__ void add_chunk_sums_kernel(float* dst, const double* chunk_sums, int chunks, int cols) {
-  __shared__ double staged[kThreads / kWarp][kStagedChunkSums];
-  const size_t c = global_warp();
-  if (c >= static_cast<size_t>(cols)) return;  // the whole warp: lanes share c
-  double* mine = staged[threadIdx.x / kWarp];
-  double total = 0.0;
-  for (int k0 = 0; k0 < chunks; k0 += kStagedChunkSums) {
-    const int n = min(kStagedChunkSums, chunks - k0);
-    for (int k = lane(); k < n; k += kWarp) mine[k] = chunk_sums[static_cast<size_t>(k0 + k) * cols + c];
-    __syncwarp();
-    if (lane() == 0) total = add_in_order(total, mine, static_cast<size_t>(n), 1);
-    __syncwarp();  // lane 0 is done before the next chunks overwrite these
-  }
-  if (lane() == 0) dst[c] += static_cast<float>(total);
-}
-
 size_t slot_bytes(size_t count) { return (count * sizeof(__nv_bfloat16) + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
 }  // namespace
@@ -180,9 +157,7 @@ void CudaBackend::matmul_backward(float* dinp, Into dinp_into, float* dweight, f
                                                                                              chunks);
     });
     check_launch("matmul_backward (bias chunks)");
-    add_chunk_sums_kernel<<<grid_for_warps(static_cast<size_t>(OC)), kThreads, 0, stream()>>>(dbias, chunk_sums,
-                                                                                                chunks, OC);
-    check_launch("matmul_backward (bias)");
+    column_sum_accumulate(dbias, chunk_sums, chunks, OC, stream());
   }
 }
 
