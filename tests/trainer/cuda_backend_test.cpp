@@ -773,27 +773,36 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("small copies to the GPU are queued and each lands whole though its host buffer is rewritten at once") {
     if (!device_or_skip()) return;
-    // More small copies than the backend has staging slots, a large one
-    // among them, each from the same host buffer refilled after the call,
-    // behind a zeroing of the same memory they must land after.
+    // Twice as many small copies as the backend has staging slots, from
+    // one host buffer refilled after each call, queued behind a long
+    // zeroing of a large buffer (so the stream has run none of them when
+    // the slots come round again) and each behind a zeroing of its own
+    // destination that it must land after; then one large copy.
     CudaBackend gpu(0);
-    const size_t small = 8192, large = Backend::kQueuedUploadBytes / sizeof(int32_t) + 1;
+    const size_t small = 8192, large = Backend::kQueuedUploadBytes / sizeof(int32_t) + 1, copies = 17;
+    const size_t slow_bytes = size_t{1} << 30;
+    void* slow = gpu.alloc(slow_bytes);
     std::vector<int32_t*> at;
-    for (int k = 0; k < 10; ++k) at.push_back(static_cast<int32_t*>(gpu.alloc((k == 5 ? large : small) * 4)));
+    for (size_t k = 0; k < copies; ++k) {
+      at.push_back(static_cast<int32_t*>(gpu.alloc((k + 1 == copies ? large : small) * sizeof(int32_t))));
+    }
+    for (int i = 0; i < 8; ++i) gpu.zero(slow, slow_bytes);
     std::vector<int32_t> host;
-    for (int k = 0; k < 10; ++k) {
-      host.assign(k == 5 ? large : small, k + 1);
-      gpu.zero(at[k], host.size() * 4);
-      gpu.copy_from_host(at[k], host.data(), host.size() * 4);
+    for (size_t k = 0; k < copies; ++k) {
+      host.assign(k + 1 == copies ? large : small, static_cast<int32_t>(k + 1));
+      gpu.zero(at[k], host.size() * sizeof(int32_t));
+      gpu.copy_from_host(at[k], host.data(), host.size() * sizeof(int32_t));
       std::fill(host.begin(), host.end(), -1);
     }
-    for (int k = 0; k < 10; ++k) {
+    for (size_t k = 0; k < copies; ++k) {
       CAPTURE(k);
-      std::vector<int32_t> back(k == 5 ? large : small);
-      gpu.copy_to_host(back.data(), at[k], back.size() * 4);
-      CHECK(std::count(back.begin(), back.end(), k + 1) == static_cast<std::ptrdiff_t>(back.size()));
+      std::vector<int32_t> back(k + 1 == copies ? large : small);
+      gpu.copy_to_host(back.data(), at[k], back.size() * sizeof(int32_t));
+      CHECK(std::count(back.begin(), back.end(), static_cast<int32_t>(k + 1)) ==
+            static_cast<std::ptrdiff_t>(back.size()));
       gpu.free(at[k]);
     }
+    gpu.free(slow);
   }
 
   TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {

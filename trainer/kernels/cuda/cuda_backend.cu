@@ -121,6 +121,11 @@ CudaBackend::CudaBackend(int device, DType gemm_inputs) : device_(device), gemm_
   stream_ = CudaStream::create();
   copy_stream_ = CudaStream::create();
   gemm_ = std::make_unique<CublasLtGemm>();
+  // Pinned here, not in a first step: page-locking can synchronise.
+  for (UploadSlot& slot : upload_slots_) {
+    check(cudaMallocHost(&slot.pinned, kQueuedUploadBytes), "cudaMallocHost (upload staging)");
+    check(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming), "cudaEventCreate (upload staging)");
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -176,10 +181,6 @@ void CudaBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) 
   // is taken into a pinned slot first and queued from there.
   if (bytes <= kQueuedUploadBytes) {
     UploadSlot& slot = upload_slots_[next_upload_++ % upload_slots_.size()];
-    if (slot.pinned == nullptr) {
-      check(cudaMallocHost(&slot.pinned, kQueuedUploadBytes), "cudaMallocHost (upload staging)");
-      check(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming), "cudaEventCreate (upload staging)");
-    }
     check(cudaEventSynchronize(slot.copied), "cudaEventSynchronize (upload staging)");
     std::memcpy(slot.pinned, host_src, bytes);
     check(cudaMemcpyAsync(dst, slot.pinned, bytes, cudaMemcpyHostToDevice, stream()), "cudaMemcpyAsync to device");

@@ -16,7 +16,10 @@
 //   return at once, and so does a copy_from_host of up to
 //   kQueuedUploadBytes (a microbatch's tokens: 32 KB at 124M, batch 8),
 //   through a pinned staging slot, so that a forward does not wait for the
-//   stream to upload its targets (the 084b7bf step waited there). copy_to_host, a larger copy_from_host,
+//   stream to upload its targets (the 084b7bf step waited there); it waits
+//   only when its slot comes round again (eight uploads on, four
+//   microbatches of a one-stage model) before the stream has run the
+//   slot's last copy. copy_to_host, a larger copy_from_host,
 //   sum and sum_squares wait for the stream: their host side is done when
 //   they return.
 //   snapshot_to_host runs on a copy stream of its own, after the compute
@@ -149,7 +152,7 @@ class CudaBackend final : public Backend {
     void* pinned = nullptr;  // kQueuedUploadBytes, cudaMallocHost
     cudaEvent_t copied = nullptr;
   };
-  std::array<UploadSlot, 4> upload_slots_;
+  std::array<UploadSlot, 8> upload_slots_;
   size_t next_upload_ = 0;
 };
 
