@@ -494,7 +494,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
 
     gather_positions(x.dresidual.data(), dout_all, NsC);
-    if (config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i)))) {
+    if (!dense(i)) {
       // The experts' and the router's input gradients sum into it.
       k.zero(din_all, din_numel * sizeof(float));
       moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
