@@ -38,7 +38,7 @@ void write_file(const std::filesystem::path& path, const std::vector<std::byte>&
 }  // namespace
 
 TEST_SUITE("unit") {
-  TEST_CASE("a file read in order hands over every byte once and in order, at every size against the chunks") {
+  TEST_CASE("a file read in order hands over every byte once and in order - at every size against the chunks") {
     const keel::test::TempDir dir;
     const size_t chunk = kOrderedReadChunk;
     // Empty, under a block, one block, around a chunk, and more chunks
@@ -60,7 +60,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("a file that cannot be read is an error naming it, and a consumer that throws leaves no read behind") {
+  TEST_CASE("a file that cannot be read is an error naming it - and a consumer that throws leaves no read behind") {
     const keel::test::TempDir dir;
     const auto missing = dir / "missing.h5";
     try {

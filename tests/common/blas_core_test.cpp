@@ -49,7 +49,7 @@ TEST_SUITE("unit") {
     CHECK(keel::common::core_of_generation(KernelGeneration::kOlder).empty());
   }
 
-  TEST_CASE("core names are OpenBLAS's, compared without case, and sorted into generations") {
+  TEST_CASE("core names are OpenBLAS's - compared without case - and sorted into generations") {
     CHECK(keel::common::is_openblas_core("Prescott"));
     CHECK(keel::common::is_openblas_core("skylakex"));
     CHECK(keel::common::is_openblas_core("COOPERLAKE"));
@@ -65,7 +65,7 @@ TEST_SUITE("unit") {
     CHECK(keel::common::generation_of_core("something new") == KernelGeneration::kOlder);
   }
 
-  TEST_CASE("the decision for every setting, operator variable, loaded core and CPU") {
+  TEST_CASE("the decision for every setting - operator variable - loaded core and CPU") {
     struct Row {
       const char* name;
       const char* setting;
@@ -125,7 +125,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("a warning names the core in use, the CPU's own and what to change") {
+  TEST_CASE("a warning names the core in use - the CPU's own and what to change") {
     const auto decision = keel::common::decide_blas_core("library", nullptr, "Prescott", avx512_bf16_cpu());
     CHECK(decision.warning.find("Prescott kernels (pre-AVX2)") != std::string::npos);
     CHECK(decision.warning.find("runs Cooperlake (AVX-512 BF16)") != std::string::npos);

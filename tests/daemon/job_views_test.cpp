@@ -103,7 +103,7 @@ TEST_SUITE("unit") {
     CHECK(page.find("keel_rank_board_age_seconds{job=\"views\",rank=\"1\"} 3") != std::string::npos);
   }
 
-  TEST_CASE("the status names each rank's BLAS core, and a rank that fell back stands apart") {
+  TEST_CASE("the status names each rank's BLAS core and a rank that fell back stands apart") {
     JobReport report = running_report();
     report.ranks = {rank_in_dp(0, 7, health::CollectiveState::kDone, 1), rank_in_dp(1, 7, health::CollectiveState::kDone, 1),
                     rank_in_dp(2, 7, health::CollectiveState::kDone, 1)};

@@ -608,7 +608,7 @@ TEST_SUITE("integration") {
   }
 
   TEST_CASE(
-      "a hang injected in a rank of one node is found with the other nodes' boards, named on every node, and the job "
+      "a hang injected in a rank of one node is found with the other nodes' boards and named on every node and the job "
       "ends with the fault-free model") {
     TempDir etcd_dir;
     auto etcd = start_etcd_or_skip(etcd_dir.path());

@@ -223,7 +223,7 @@ TEST_SUITE("unit") {
     CHECK(sender->sent()[0]->step == 3);
   }
 
-  TEST_CASE("a node's own copies serve first and a rank nobody holds is absent, not a problem") {
+  TEST_CASE("a node's own copies serve first and a rank nobody holds is absent and no problem") {
     Memfd area;
     auto holder = buddy_over({});
     Memfd other;

@@ -53,56 +53,59 @@ std::shared_ptr<const NodeSummary> summary(int64_t generation, RankSamples ranks
 
 }  // namespace
 
-TEST_CASE("a keeld sees its own ranks and those of every node heard from lately in global rank order") {
-  const int64_t now = 100 * kSecond;
-  // Node a's summary came 2 s ago, its ranks beating 1 s before it.
-  RemoteSummaries remote = {{"a", summary(4, ranks_from(0, now - 3 * kSecond), now - 2 * kSecond)},
-                            {"c", summary(4, ranks_from(4, now - kSecond), now - kSecond)}};
-  const auto world = world_samples(ranks_from(2, now), node_b(), remote, now, kStale);
-  REQUIRE(world.size() == 6);
-  for (int r = 0; r < 6; ++r) {
-    CAPTURE(r);
-    CHECK(world[static_cast<size_t>(r)].rank == r);
-    CHECK(world[static_cast<size_t>(r)].known);
-    REQUIRE(world[static_cast<size_t>(r)].board.has_value());
-  }
-  // Ages as the node saw them when it published: 1 s for a, 0 for c.
-  CHECK(world[0].heartbeat_ns == now - kSecond);
-  CHECK(world[0].board->update_ns == now - kSecond);
-  CHECK(world[4].heartbeat_ns == now);
-  CHECK(world[2].heartbeat_ns == now);
-}
-
-TEST_CASE("the ranks of a node not heard from lately, or not of this generation, are unknown") {
-  const int64_t now = 100 * kSecond;
-  struct Row {
-    const char* name;
-    RemoteSummaries remote;  // of node c; a is always fresh
-  };
-  RankSamples wrong_numbers = ranks_from(4, now);
-  wrong_numbers[1].rank = 7;
-  RankSamples one_rank = ranks_from(4, now);
-  one_rank.pop_back();
-  const std::vector<Row> rows = {
-      {"never heard from", {}},
-      {"heard from too long ago", {{"c", summary(4, ranks_from(4, now - 8 * kSecond), now - kStale - 1)}}},
-      {"of the generation before", {{"c", summary(3, ranks_from(4, now), now)}}},
-      {"of other ranks", {{"c", summary(4, wrong_numbers, now)}}},
-      {"of fewer ranks", {{"c", summary(4, one_rank, now)}}},
-      {"an empty entry", {{"c", nullptr}}},
-  };
-  for (const Row& row : rows) {
-    CAPTURE(row.name);
-    RemoteSummaries remote = row.remote;
-    remote["a"] = summary(4, ranks_from(0, now), now);
+TEST_SUITE("unit") {
+  TEST_CASE("a keeld sees its own ranks and those of every node heard from lately in global rank order") {
+    const int64_t now = 100 * kSecond;
+    // Node a's summary came 2 s ago, its ranks beating 1 s before it.
+    RemoteSummaries remote = {{"a", summary(4, ranks_from(0, now - 3 * kSecond), now - 2 * kSecond)},
+                              {"c", summary(4, ranks_from(4, now - kSecond), now - kSecond)}};
     const auto world = world_samples(ranks_from(2, now), node_b(), remote, now, kStale);
     REQUIRE(world.size() == 6);
-    for (int r = 0; r < 4; ++r) CHECK(world[static_cast<size_t>(r)].known);
-    for (int r = 4; r < 6; ++r) {
+    for (int r = 0; r < 6; ++r) {
       CAPTURE(r);
       CHECK(world[static_cast<size_t>(r)].rank == r);
-      CHECK_FALSE(world[static_cast<size_t>(r)].known);
-      CHECK_FALSE(world[static_cast<size_t>(r)].board.has_value());
+      CHECK(world[static_cast<size_t>(r)].known);
+      REQUIRE(world[static_cast<size_t>(r)].board.has_value());
+    }
+    // Ages as the node saw them when it published: 1 s for a, 0 for c.
+    CHECK(world[0].heartbeat_ns == now - kSecond);
+    CHECK(world[0].board->update_ns == now - kSecond);
+    CHECK(world[4].heartbeat_ns == now);
+    CHECK(world[2].heartbeat_ns == now);
+  }
+
+  TEST_CASE("the ranks of a node not heard from lately or not of this generation are unknown") {
+    const int64_t now = 100 * kSecond;
+    struct Row {
+      const char* name;
+      RemoteSummaries remote;  // of node c; a is always fresh
+    };
+    RankSamples wrong_numbers = ranks_from(4, now);
+    wrong_numbers[1].rank = 7;
+    RankSamples one_rank = ranks_from(4, now);
+    one_rank.pop_back();
+    const std::vector<Row> rows = {
+        {"never heard from", {}},
+        {"heard from too long ago", {{"c", summary(4, ranks_from(4, now - 8 * kSecond), now - kStale - 1)}}},
+        {"of the generation before", {{"c", summary(3, ranks_from(4, now), now)}}},
+        {"of other ranks", {{"c", summary(4, wrong_numbers, now)}}},
+        {"of fewer ranks", {{"c", summary(4, one_rank, now)}}},
+        {"an empty entry", {{"c", nullptr}}},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.name);
+      RemoteSummaries remote = row.remote;
+      remote["a"] = summary(4, ranks_from(0, now), now);
+      const auto world = world_samples(ranks_from(2, now), node_b(), remote, now, kStale);
+      REQUIRE(world.size() == 6);
+      for (int r = 0; r < 4; ++r) CHECK(world[static_cast<size_t>(r)].known);
+      for (int r = 4; r < 6; ++r) {
+        CAPTURE(r);
+        CHECK(world[static_cast<size_t>(r)].rank == r);
+        CHECK_FALSE(world[static_cast<size_t>(r)].known);
+        CHECK_FALSE(world[static_cast<size_t>(r)].board.has_value());
+      }
     }
   }
 }
+

@@ -104,100 +104,103 @@ void check_same_carried(const BoardSnapshot& a, const BoardSnapshot& b) {
 
 }  // namespace
 
-TEST_CASE("a node's boards read on another node carry every field a detector reads with the same ages") {
-  const int64_t sent = 1000 * kSecond;  // the publishing node's clock
-  const int64_t read = 77 * kSecond;    // the reading node's, unrelated
-  RankSamples ranks = {busy_rank(8, sent), busy_rank(9, sent)};
-  ranks[1].running = false;
-  ranks.push_back(RankSample{10, std::nullopt, 0, true});  // never published
-  const std::string bytes = encode_summary(3, ranks, sent);
-  MESSAGE("a summary of a busy rank: " << bytes.size() / 2 << " bytes");
-  CHECK(bytes.size() / 2 < 2048);
-  const auto got = decode_summary(bytes, read);
-  REQUIRE(got.has_value());
-  CHECK(got->generation == 3);
-  CHECK(got->as_of_ns == read);
-  REQUIRE(got->ranks.size() == 3);
-  for (size_t i = 0; i < 2; ++i) {
-    CAPTURE(i);
-    RankSample expected = ranks[i];
-    keel::health::shift_times(expected, read - sent);
-    CHECK(got->ranks[i].rank == expected.rank);
-    CHECK(got->ranks[i].running == expected.running);
-    CHECK(got->ranks[i].heartbeat_ns == expected.heartbeat_ns);
-    REQUIRE(got->ranks[i].board.has_value());
-    check_same_carried(*got->ranks[i].board, *expected.board);
+TEST_SUITE("unit") {
+  TEST_CASE("a node's boards read on another node carry every field a detector reads with the same ages") {
+    const int64_t sent = 1000 * kSecond;  // the publishing node's clock
+    const int64_t read = 77 * kSecond;    // the reading node's, unrelated
+    RankSamples ranks = {busy_rank(8, sent), busy_rank(9, sent)};
+    ranks[1].running = false;
+    ranks.push_back(RankSample{10, std::nullopt, 0, true});  // never published
+    const std::string bytes = encode_summary(3, ranks, sent);
+    MESSAGE("a summary of a busy rank: " << bytes.size() / 2 << " bytes");
+    CHECK(bytes.size() / 2 < 2048);
+    const auto got = decode_summary(bytes, read);
+    REQUIRE(got.has_value());
+    CHECK(got->generation == 3);
+    CHECK(got->as_of_ns == read);
+    REQUIRE(got->ranks.size() == 3);
+    for (size_t i = 0; i < 2; ++i) {
+      CAPTURE(i);
+      RankSample expected = ranks[i];
+      keel::health::shift_times(expected, read - sent);
+      CHECK(got->ranks[i].rank == expected.rank);
+      CHECK(got->ranks[i].running == expected.running);
+      CHECK(got->ranks[i].heartbeat_ns == expected.heartbeat_ns);
+      REQUIRE(got->ranks[i].board.has_value());
+      check_same_carried(*got->ranks[i].board, *expected.board);
+    }
+    CHECK(got->ranks[2].rank == 10);
+    CHECK_FALSE(got->ranks[2].board.has_value());
+    CHECK(got->ranks[2].heartbeat_ns == 0);  // never beaten stays never
   }
-  CHECK(got->ranks[2].rank == 10);
-  CHECK_FALSE(got->ranks[2].board.has_value());
-  CHECK(got->ranks[2].heartbeat_ns == 0);  // never beaten stays never
+
+  TEST_CASE("bytes that are no summary of this build's boards are refused and never crash the reader") {
+    const int64_t now = 500 * kSecond;
+    const std::string good = encode_summary(1, {busy_rank(0, now)}, now);
+    // The summary as JSON, edited by `edit`, in MessagePack again.
+    auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+      auto j = nlohmann::json::from_msgpack(good);
+      edit(j);
+      const auto bytes = nlohmann::json::to_msgpack(j);
+      return std::string(bytes.begin(), bytes.end());
+    };
+    struct Row {
+      const char* name;
+      std::string bytes;
+    };
+    const std::vector<Row> rows = {
+        {"nothing", ""},
+        {"text", "hello, etcd"},
+        {"cut short", good.substr(0, good.size() / 2)},
+        {"trailing bytes", good + "x"},
+        {"not an object", edited([](auto& j) {
+           j = nlohmann::json::array({1, 2});
+         })},
+        {"another board version", edited([](auto& j) { j["version"] = 3; })},
+        {"no generation", edited([](auto& j) { j.erase("generation"); })},
+        {"ranks not a list", edited([](auto& j) { j["ranks"] = "many"; })},
+        {"a rank without a board field", edited([](auto& j) { j["ranks"][0].erase("board"); })},
+        {"a heartbeat that is text", edited([](auto& j) { j["ranks"][0]["heartbeat"] = "soon"; })},
+        {"a group name too long for a board",
+         edited([](auto& j) { j["ranks"][0]["board"]["groups"][0][1] = std::string(200, 'g'); })},
+        {"a group slot out of the table", edited([](auto& j) { j["ranks"][0]["board"]["groups"][0][0] = 8; })},
+        {"a negative digest slot", edited([](auto& j) { j["ranks"][0]["board"]["digests"][0][0] = -1; })},
+        {"a step timing cut short", edited([](auto& j) {
+           j["ranks"][0]["board"]["steps"][0] = {5, 1.0};
+         })},
+        {"a negative step", edited([](auto& j) { j["ranks"][0]["board"]["steps"][0][0] = -3; })},
+        {"a phase table too short", edited([](auto& j) {
+           j["ranks"][0]["board"]["phase_count"] = {1, 2};
+         })},
+        {"an SDC report that is an object", edited([](auto& j) {
+           j["ranks"][0]["board"]["sdc"] = {{"count", 1}};
+         })},
+        {"more ranks than any node runs", edited([](auto& j) {
+           j["ranks"] = nlohmann::json::array();
+           for (int r = 0; r < 5000; ++r)
+             j["ranks"].push_back({{"rank", r}, {"running", true}, {"heartbeat", nullptr}, {"board", nullptr}});
+         })},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.name);
+      CHECK_FALSE(decode_summary(row.bytes, now).has_value());
+    }
+    std::mt19937_64 random(11);
+    for (int i = 0; i < 2000; ++i) {
+      std::string bytes = good;
+      for (int flips = 0; flips < 4; ++flips) bytes[random() % bytes.size()] = static_cast<char>(random());
+      (void)decode_summary(bytes, now);  // anything but a crash
+    }
+    CHECK(decode_summary(good, now).has_value());
+  }
+
+  TEST_CASE("a time moved keeps never as never") {
+    RankSample s = busy_rank(0, 100 * kSecond);
+    s.board->groups[7] = GroupRecord{};
+    keel::health::shift_times(s, 5 * kSecond);
+    CHECK(s.heartbeat_ns == 100 * kSecond - kSecond / 10 + 5 * kSecond);
+    CHECK(s.board->groups[0].begin_ns == 102 * kSecond);
+    CHECK(s.board->groups[7].begin_ns == 0);
+  }
 }
 
-TEST_CASE("bytes that are no summary of this build's boards are refused and never crash the reader") {
-  const int64_t now = 500 * kSecond;
-  const std::string good = encode_summary(1, {busy_rank(0, now)}, now);
-  // The summary as JSON, edited by `edit`, in MessagePack again.
-  auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
-    auto j = nlohmann::json::from_msgpack(good);
-    edit(j);
-    const auto bytes = nlohmann::json::to_msgpack(j);
-    return std::string(bytes.begin(), bytes.end());
-  };
-  struct Row {
-    const char* name;
-    std::string bytes;
-  };
-  const std::vector<Row> rows = {
-      {"nothing", ""},
-      {"text", "hello, etcd"},
-      {"cut short", good.substr(0, good.size() / 2)},
-      {"trailing bytes", good + "x"},
-      {"not an object", edited([](auto& j) {
-         j = nlohmann::json::array({1, 2});
-       })},
-      {"another board version", edited([](auto& j) { j["version"] = 3; })},
-      {"no generation", edited([](auto& j) { j.erase("generation"); })},
-      {"ranks not a list", edited([](auto& j) { j["ranks"] = "many"; })},
-      {"a rank without a board field", edited([](auto& j) { j["ranks"][0].erase("board"); })},
-      {"a heartbeat that is text", edited([](auto& j) { j["ranks"][0]["heartbeat"] = "soon"; })},
-      {"a group name too long for a board",
-       edited([](auto& j) { j["ranks"][0]["board"]["groups"][0][1] = std::string(200, 'g'); })},
-      {"a group slot out of the table", edited([](auto& j) { j["ranks"][0]["board"]["groups"][0][0] = 8; })},
-      {"a negative digest slot", edited([](auto& j) { j["ranks"][0]["board"]["digests"][0][0] = -1; })},
-      {"a step timing cut short", edited([](auto& j) {
-         j["ranks"][0]["board"]["steps"][0] = {5, 1.0};
-       })},
-      {"a negative step", edited([](auto& j) { j["ranks"][0]["board"]["steps"][0][0] = -3; })},
-      {"a phase table too short", edited([](auto& j) {
-         j["ranks"][0]["board"]["phase_count"] = {1, 2};
-       })},
-      {"an SDC report that is an object", edited([](auto& j) {
-         j["ranks"][0]["board"]["sdc"] = {{"count", 1}};
-       })},
-      {"more ranks than any node runs", edited([](auto& j) {
-         j["ranks"] = nlohmann::json::array();
-         for (int r = 0; r < 5000; ++r)
-           j["ranks"].push_back({{"rank", r}, {"running", true}, {"heartbeat", nullptr}, {"board", nullptr}});
-       })},
-  };
-  for (const Row& row : rows) {
-    CAPTURE(row.name);
-    CHECK_FALSE(decode_summary(row.bytes, now).has_value());
-  }
-  std::mt19937_64 random(11);
-  for (int i = 0; i < 2000; ++i) {
-    std::string bytes = good;
-    for (int flips = 0; flips < 4; ++flips) bytes[random() % bytes.size()] = static_cast<char>(random());
-    (void)decode_summary(bytes, now);  // anything but a crash
-  }
-  CHECK(decode_summary(good, now).has_value());
-}
-
-TEST_CASE("a time moved keeps never as never") {
-  RankSample s = busy_rank(0, 100 * kSecond);
-  s.board->groups[7] = GroupRecord{};
-  keel::health::shift_times(s, 5 * kSecond);
-  CHECK(s.heartbeat_ns == 100 * kSecond - kSecond / 10 + 5 * kSecond);
-  CHECK(s.board->groups[0].begin_ns == 102 * kSecond);
-  CHECK(s.board->groups[7].begin_ns == 0);
-}

@@ -144,7 +144,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("a board's pipeline stage is its index in its pp group, 0 without one or when garbage") {
+  TEST_CASE("a board's pipeline stage is its index in its pp group - 0 without one or when garbage") {
     SyntheticJob job(3);
     CHECK(pipeline_stage(job.board(0)) == 0);
     job.join_pipeline(1, 3, 4);

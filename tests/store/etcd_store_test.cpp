@@ -134,7 +134,7 @@ std::string http_answer(int status, const std::string& body) {
 }  // namespace
 
 TEST_SUITE("integration") {
-  TEST_CASE("the etcd store keeps the store contract across members: set, get, add, compare-and-set and remove") {
+  TEST_CASE("the etcd store keeps the store contract across members: set - get - add - compare-and-set and remove") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path());
     if (!cluster) return;
@@ -328,7 +328,7 @@ TEST_SUITE("integration") {
     }
   }
 
-  TEST_CASE("a wait on many keys of an etcd out of reach gives up within its own timeout, not a call timeout a key") {
+  TEST_CASE("a wait on many keys of an etcd out of reach gives up within its own timeout - not a call timeout a key") {
     TempDir dir;
     auto cluster = keel::test::start_etcd_or_skip(dir.path(), 1);
     if (!cluster) return;

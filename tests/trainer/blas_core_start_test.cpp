@@ -79,7 +79,7 @@ TEST_SUITE("integration") {
     CHECK_FALSE(has(s.output, "older than"));
   }
 
-  TEST_CASE("an operator's OPENBLAS_CORETYPE is respected, and an old core is said to be older than the CPU") {
+  TEST_CASE("an operator's OPENBLAS_CORETYPE is respected - and an old core is said to be older than the CPU") {
     if (!can_run(false)) return;
     TrainerRuns f;
     const auto s = start(f, "operator", {}, {{"OPENBLAS_CORETYPE", "Prescott"}});
@@ -91,7 +91,7 @@ TEST_SUITE("integration") {
     CHECK(has(s.output, "unset it to let train.blas_core = \"auto\" choose"));
   }
 
-  TEST_CASE("a core the config names is run by re-executing, proved, and said to be older than the CPU") {
+  TEST_CASE("a core the config names is run by re-executing - proved - and said to be older than the CPU") {
     if (!can_run(true)) return;
     TrainerRuns f;
     const auto s = start(f, "named", {"train.blas_core=Prescott"});
@@ -115,7 +115,7 @@ TEST_SUITE("integration") {
     CHECK_FALSE(has(s.output, "passed the known-answer kernel test"));
   }
 
-  TEST_CASE("a core that fails the known-answer test gives way to the library's with an error, and training goes on") {
+  TEST_CASE("a core that fails the known-answer test gives way to the library's with an error - and training goes on") {
     if (!can_run(true)) return;
     TrainerRuns f;
     const auto library = start(f, "library", {"train.blas_core=library"}).summary.at("blas").at("core").get<std::string>();

@@ -549,7 +549,7 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("AdamW over many tensors in one call on the GPU updates each as a call of its own does, bit for bit") {
+  TEST_CASE("AdamW over many tensors in one call on the GPU updates each bit for bit as a call of its own does") {
     if (!device_or_skip()) return;
     CudaBackend gpu;
     // 60 tensors (three launches of at most 24), empty ones among them,
@@ -582,7 +582,7 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("squares of many spans queued at once are each span's sum_squares bit for bit, in order") {
+  TEST_CASE("squares of many spans queued at once are each span's sum_squares bit for bit and in order") {
     if (!device_or_skip()) return;
     CudaBackend gpu;
     // 150 spans (three launches of at most 64), empty ones at a launch's
@@ -805,7 +805,7 @@ TEST_SUITE("gpu") {
     gpu.free(slow);
   }
 
-  TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded, written by cuBLASLt or after it") {
+  TEST_CASE("a bf16 matmul output on the GPU is its float32 output rounded and written by cuBLASLt or after it") {
     if (!device_or_skip()) return;
     // cuBLASLt writes bf16 itself with rows of whole 16-byte vectors (OC
     // 136) and no bias or a bf16 one (its bias takes the output's type);
@@ -849,7 +849,7 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("bf16 logits on the GPU score, sum and back-propagate as the CPU's, the gradient written over them") {
+  TEST_CASE("bf16 logits on the GPU score and sum and back-propagate as the CPU's with the gradient written over them") {
     if (!device_or_skip()) return;
     // The classifier of one vocabulary shard with padding (V 517 of 2 x 304)
     // as the trainer runs it with bf16 GEMM inputs: logits written as bf16
@@ -890,7 +890,7 @@ TEST_SUITE("gpu") {
     CHECK(relative_l2(on_gpu.read("db"), on_cpu.read("db")) <= 1e-2);
   }
 
-  TEST_CASE("a bf16 pre-activation on the GPU is the linear's output rounded, read back as the CPU reads it") {
+  TEST_CASE("a bf16 pre-activation on the GPU is the linear's output rounded and read back as the CPU reads it") {
     if (!device_or_skip()) return;
     const int N = 97, C = 72, OC = 136;
     CpuBackend cpu_bf16(2, keel::trainer::DType::kBF16);
@@ -1031,7 +1031,7 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("GPU attention on bf16 q, k and v gives the bits of the float32 views they round") {
+  TEST_CASE("GPU attention on bf16 q k and v gives the bits of the float32 views they round") {
     if (!device_or_skip()) return;
     // Self-attention over qkv [B, T, 3C]: head 64 on the tensor cores, and
     // head 32 on the float32 kernels, which take bf16 views widened.

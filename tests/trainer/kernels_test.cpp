@@ -314,7 +314,7 @@ TEST_SUITE("unit") {
     CHECK(fused_rstd == apart_rstd);
   }
 
-  TEST_CASE("a bf16 LayerNorm output holds the float32 output rounded, with the same statistics and sum") {
+  TEST_CASE("a bf16 LayerNorm output holds the float32 output rounded - with the same statistics and sum") {
     using keel::trainer::bf16;
     CpuBackend cpu;
     const int N = 33, C = 96;
@@ -431,7 +431,7 @@ TEST_SUITE("unit") {
     check_gradient("dbias", bias, db, loss);
   }
 
-  TEST_CASE("matmul backward leaves null gradients alone, adds to the others, and writes dinp over when told to") {
+  TEST_CASE("matmul backward leaves null gradients alone - adds to the others - and writes dinp over when told to") {
     CpuBackend cpu;
     const int N = 6, C = 4, OC = 3;
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 19);
@@ -505,7 +505,7 @@ TEST_SUITE("unit") {
     CHECK(dw16 == dw);
   }
 
-  TEST_CASE("a backend reports the working buffers its GEMMs grew, and float32 GEMMs grow none") {
+  TEST_CASE("a backend reports the working buffers its GEMMs grew - and float32 GEMMs grow none") {
     const int N = 30, C = 20, OC = 10;
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 35), w = random_vec(static_cast<size_t>(OC) * C, 36);
     Vec out(static_cast<size_t>(N) * OC);
@@ -540,7 +540,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("a bf16 matmul output is the float32 output rounded, and GELU both ways reads the rounded value") {
+  TEST_CASE("a bf16 matmul output is the float32 output rounded - and GELU both ways reads the rounded value") {
     using keel::trainer::bf16;
     const int N = 40, C = 24, OC = 64;
     CpuBackend cpu(0, keel::trainer::DType::kBF16);
@@ -610,7 +610,7 @@ TEST_SUITE("unit") {
     CHECK(mismatches == 0);
   }
 
-  TEST_CASE("a bf16 GELU output holds the float32 output rounded to nearest, ties to even") {
+  TEST_CASE("a bf16 GELU output holds the float32 output rounded to nearest - ties to even") {
     CpuBackend cpu;
     const Vec inp = random_vec(50000, 29, -8.0f, 8.0f);
     Vec out = nan_vec(inp.size());
@@ -740,7 +740,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("attention's output and dqkv kept as bf16 are the float32 ones rounded, and the backward reads out widened") {
+  TEST_CASE("attention's output and dqkv kept as bf16 are the float32 ones rounded - and the backward reads out widened") {
     using keel::trainer::bf16;
     const AttentionShape s{2, 150, 32, 2};
     CpuBackend cpu(0, keel::trainer::DType::kBF16);
@@ -1140,7 +1140,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("bf16 logits score, sum and back-propagate as their float32 widening, the gradient rounded") {
+  TEST_CASE("bf16 logits score - sum and back-propagate as their float32 widening - the gradient rounded") {
     using keel::trainer::bf16;
     // A shard of a TP-split vocabulary with padded columns (v_begin 8,
     // 40 real of Vl 48), and a bias gradient over the bf16 gradient.

@@ -261,7 +261,7 @@ TEST_SUITE("unit") {
     for (size_t i = 50 * 16; i < 128 * 16; ++i) REQUIRE(grads[wte.offset + i] == 0.0f);
   }
 
-  TEST_CASE("a forward told its backward's loss scale leaves the loss and gradients of a plain forward, bit for bit") {
+  TEST_CASE("a forward told its backward's loss scale leaves the loss and gradients of a plain forward bit for bit") {
     ModelConfig m = tiny_model();
     CpuBackend backend(1);
     TestModel test_model(m, backend, 2, 3);
@@ -283,7 +283,7 @@ TEST_SUITE("unit") {
     CHECK_THROWS_WITH(model.backward(0.25f), doctest::Contains("is not the 0.5"));
   }
 
-  TEST_CASE("with bf16 GEMM inputs every gradient follows the float32 model's, fused or split backward, dense or MoE") {
+  TEST_CASE("with bf16 GEMM inputs every gradient follows the float32 model's - fused or split backward - dense or MoE") {
     // The bf16 path hands the linears the residual stream's gradient as
     // the LayerNorm backward above them rounded it: a copy not written, or
     // written by the wrong LayerNorm, leaves a projection's gradients far

@@ -107,7 +107,7 @@ TEST_SUITE("unit") {
     }
   }
 
-  TEST_CASE("activation slots are never shared by two live microbatches and 1F1B needs min(p - s m) of them") {
+  TEST_CASE("activation slots are never shared by two live microbatches and 1F1B needs the lesser of p - s and m of them") {
     for (int p = 1; p <= 6; ++p) {
       for (int m = p; m <= 12; ++m) {
         for (int s = 0; s < p; ++s) {

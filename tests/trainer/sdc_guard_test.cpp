@@ -194,7 +194,7 @@ TEST_SUITE("unit") {
     CHECK(events[0].at("rerun_activation_squares") == 5e3);
   }
 
-  TEST_CASE("a rerun with the same result is a loss spike, never SDC, applied or skipped as spike_policy says") {
+  TEST_CASE("a rerun with the same result is a loss spike - never SDC - applied or skipped as spike_policy says") {
     struct Row {
       const char* policy;
       Outcome outcome;

@@ -72,7 +72,7 @@ val_every = 0
 }  // namespace
 
 TEST_SUITE("unit") {
-  TEST_CASE("a training step waits for the device once, whatever its microbatches and the SDC fingerprints") {
+  TEST_CASE("a training step waits for the device once - whatever its microbatches and the SDC fingerprints") {
     keel::test::TempDir dir;
     keel::test::write_pattern_shard(dir / "train.bin", 1 << 14);
     const auto path = dir.write("job.toml", kModel);
