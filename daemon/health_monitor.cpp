@@ -24,6 +24,22 @@ std::string suspect_reason(const SdcFinding& f) {
   return fmt::format("at step {} its known-answer kernel test failed ({})", f.step, f.verdict);
 }
 
+// Says which of the two it is, with the run-queue wait that tells them
+// apart (health/straggler_monitor.h).
+std::string straggler_reason(const health::StragglerFinding& f) {
+  if (f.cause == health::StragglerCause::kHost) {
+    return fmt::format(
+        "host contention: up to step {} it waited for a CPU {:.1f}% of its step time, the other ranks {:.1f}% "
+        "(median), which made it {:.1f}% slower than the median rank while its own compute kept pace: find what "
+        "else runs on its cores",
+        f.step, 100 * f.cpu_wait_share, 100 * f.peers_cpu_wait_share, 100 * f.score);
+  }
+  return fmt::format(
+      "its compute was {:.1f}% above the median rank's up to step {}, not its host's doing: it waited for a CPU "
+      "{:.1f}% of its step time, the other ranks {:.1f}% (median)",
+      100 * f.score, f.step, 100 * f.cpu_wait_share, 100 * f.peers_cpu_wait_share);
+}
+
 }  // namespace
 
 const char* rank_condition_name(RankCondition condition) {
@@ -89,8 +105,7 @@ Verdicts HealthMonitor::observe(const health::RankSamples& samples, int64_t now_
   for (auto& finding : stragglers_.observe(samples, now_ns)) {
     if (!valid_rank(finding.rank)) continue;
     ++counts_.straggler;
-    flags_[static_cast<size_t>(finding.rank)].straggler = fmt::format(
-        "its compute was {:.1f}% above the median rank's up to step {}", finding.score * 100, finding.step);
+    flags_[static_cast<size_t>(finding.rank)].straggler = straggler_reason(finding);
     verdicts.stragglers.push_back(std::move(finding));
   }
   for (int r = 0; r < static_cast<int>(flags_.size()); ++r) {

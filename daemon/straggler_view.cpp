@@ -23,8 +23,12 @@ struct Report {
     int rank = 0;
     std::optional<double> median_ms;
     double score = 0;
+    double slowdown = 0;
+    double cpu_wait_share = 0;
     double evidence = 0;
+    double host_evidence = 0;
     bool flagged = false;
+    std::string cause;  // empty unless flagged
   };
   int64_t window = 0;
   double threshold = 0;
@@ -51,8 +55,10 @@ Report parse(const nlohmann::json& j) {
     r.decision_interval = optional_number(j.at("decision_interval"));
     for (const auto& rank : j.at("ranks")) {
       r.ranks.push_back({rank.at("rank").get<int>(), optional_number(rank.at("median_compute_ms")),
-                         rank.at("score").get<double>(), rank.at("evidence").get<double>(),
-                         rank.at("flagged").get<bool>()});
+                         rank.at("score").get<double>(), rank.at("slowdown").get<double>(),
+                         rank.at("cpu_wait_share").get<double>(), rank.at("evidence").get<double>(),
+                         rank.at("host_evidence").get<double>(), rank.at("flagged").get<bool>(),
+                         rank.at("cause").is_null() ? std::string() : rank.at("cause").get<std::string>()});
     }
     r.steps = j.at("steps").get<std::vector<int64_t>>();
     for (const auto& row : j.at("compute_ms")) {
@@ -289,17 +295,24 @@ cairo_status_t append(void* closure, const unsigned char* data, unsigned int len
 
 void print_stragglers(const nlohmann::json& report, std::ostream& out) {
   const Report r = parse(report);
-  out << fmt::format("{:<5} {:>17} {:>7} {:>8}  {}\n", "rank", "median compute ms", "score", "evidence", "flagged");
+  out << fmt::format("{:<5} {:>17} {:>7} {:>9} {:>9} {:>8} {:>13}  {}\n", "rank", "median compute ms", "score",
+                     "slowdown", "CPU wait", "evidence", "host evidence", "flagged");
   for (const auto& rank : r.ranks) {
-    out << fmt::format("{:<5} {:>17} {:>+7.3f} {:>7.0f}%  {}\n", rank.rank,
+    out << fmt::format("{:<5} {:>17} {:>+7.3f} {:>+8.1f}% {:>8.1f}% {:>7.0f}% {:>12.0f}%  {}\n", rank.rank,
                        rank.median_ms ? fmt::format("{:.2f}", *rank.median_ms) : std::string("-"), rank.score,
-                       100 * rank.evidence, rank.flagged ? "yes" : "-");
+                       100 * rank.slowdown, 100 * rank.cpu_wait_share, 100 * rank.evidence, 100 * rank.host_evidence,
+                       rank.flagged ? fmt::format("yes ({})", rank.cause == "host" ? "host contention" : rank.cause)
+                                    : std::string("-"));
   }
   out << fmt::format("sync tax {:.3f} (the slowest rank's compute over the median rank's, mean over steps)\n",
                      r.sync_tax);
   out << fmt::format(
       "a rank is flagged when its evidence reaches 100%: its compute, step by step, runs over the median rank's by "
-      "more than {:.0f}% and by more than noise alone would in {} steps\n",
+      "more than {:.0f}% and by more than noise alone would in {} steps; slowdown is its compute over its stage's "
+      "normal level, lately\n"
+      "host evidence gathers the same on compute + CPU wait (the time it was runnable but waited for a core): a rank "
+      "flagged by it alone, or waiting for a CPU more than the others by more than its slowdown, is slowed by its host "
+      "(host contention), not by its own compute\n",
       100 * r.threshold, r.false_alarm_steps);
   if (!r.noise) {
     out << "the noise is not learned yet (it takes 20 steps every rank timed)\n";

@@ -35,26 +35,27 @@ double median(std::vector<double>& values) {
   return (*std::max_element(values.begin(), values.begin() + mid) + upper) / 2;
 }
 
-// The decision interval for a CUSUM whose steps add `excess` - `allowed`:
-// ln(`false_alarms`) / theta, theta > 0 solving mean(exp(theta (y -
-// allowed))) = 1 over `excess` (Wald: noise like `excess` crosses it about
-// once in `false_alarms` steps), and at least `least`. Infinite when the
-// excess averages (`mean`) `allowed` or more: noise alone would cross any
-// interval.
-double decision_interval(const std::vector<double>& excess, double mean, double allowed, double false_alarms,
-                         double least) {
+// The decision interval for a CUSUM that moves by `increments` (a step's
+// clipped excess minus k): ln(`false_alarms`)
+// / theta, theta > 0 solving mean(exp(theta d)) = 1 over the increments d
+// (Wald: noise like them crosses it about once in `false_alarms` tries),
+// and at least `least`. Infinite when the increments average 0 or more:
+// noise alone would cross any interval.
+double decision_interval(const std::vector<double>& increments, double false_alarms, double least) {
   const double log_alarms = std::log(false_alarms);
   const auto mean_growth = [&](double theta) {
     double sum = 0;
-    for (double y : excess) sum += std::exp(theta * (y - allowed));
-    return sum / static_cast<double>(excess.size()) - 1;
+    for (double d : increments) sum += std::exp(theta * d);
+    return sum / static_cast<double>(increments.size()) - 1;
   };
   // Past this theta the interval would be below `least` anyway; it also
   // keeps the exponents small, as `least` spans several of the largest
-  // steps of excess.
+  // increments.
   double lo = 0, hi = log_alarms / least;
   if (mean_growth(hi) <= 0) return least;
-  if (mean >= allowed) return std::numeric_limits<double>::infinity();
+  double mean = 0;
+  for (double d : increments) mean += d / static_cast<double>(increments.size());
+  if (mean >= 0) return std::numeric_limits<double>::infinity();
   // mean_growth is convex, 0 at 0 and falling there: one root in (0, hi].
   for (int i = 0; i < 40; ++i) {
     const double mid = (lo + hi) / 2;
@@ -66,7 +67,16 @@ double decision_interval(const std::vector<double>& excess, double mean, double 
 
 }  // namespace
 
-nlohmann::json StragglerFinding::to_json() const { return {{"rank", rank}, {"score", score}, {"step", step}}; }
+const char* straggler_cause_name(StragglerCause cause) { return cause == StragglerCause::kHost ? "host" : "compute"; }
+
+nlohmann::json StragglerFinding::to_json() const {
+  return {{"rank", rank},
+          {"score", score},
+          {"step", step},
+          {"cause", straggler_cause_name(cause)},
+          {"cpu_wait_share", cpu_wait_share},
+          {"peers_cpu_wait_share", peers_cpu_wait_share}};
+}
 
 StragglerMonitor::StragglerMonitor(const common::HealthConfig& config, size_t history_steps)
     : config_(config),
@@ -100,7 +110,9 @@ std::vector<StragglerFinding> StragglerMonitor::observe(const RankSamples& sampl
     rank.pending.erase(rank.pending.begin(), rank.pending.lower_bound(next_step_));
     for (const StepTiming& t : board->steps) {
       if (board->timing_of(t.step) != &t || t.step < next_step_ || !plausible(t.compute_ms)) continue;
-      rank.pending.emplace(t.step, t.compute_ms);
+      const bool wait_plausible = plausible(t.cpu_wait_ms) && plausible(t.total_ms);
+      rank.pending.emplace(t.step, Timing{t.compute_ms, wait_plausible ? t.cpu_wait_ms : 0.0f,
+                                          wait_plausible ? t.total_ms : 0.0f});
       rank.newest = std::max(rank.newest, t.step);
     }
     while (rank.pending.size() > kMaxPending) rank.pending.erase(rank.pending.begin());
@@ -118,13 +130,13 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
   // Each participant has timed `newest`, and a ring is written in step
   // order, so a step missing now was overwritten before it was read: it is
   // skipped, never guessed.
-  std::map<int64_t, std::vector<float>> steps;
+  const Timing unseen{std::numeric_limits<float>::quiet_NaN(), 0, 0};
+  std::map<int64_t, std::vector<Timing>> steps;
   for (int r : participants) {
     auto& pending = ranks_[r].pending;
     const auto end = pending.upper_bound(newest);
     for (auto it = pending.begin(); it != end; ++it) {
-      auto& row = steps.try_emplace(it->first, ranks_.size(), std::numeric_limits<float>::quiet_NaN()).first->second;
-      row[r] = it->second;
+      steps.try_emplace(it->first, ranks_.size(), unseen).first->second[r] = it->second;
     }
     pending.erase(pending.begin(), end);
   }
@@ -139,24 +151,38 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
       rank.computes.clear();
     }
   }
-  std::vector<double> computes, x(ranks_.size(), std::numeric_limits<double>::quiet_NaN());
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> computes, busy;
   for (auto& [step, row] : steps) {
     computes.clear();
+    busy.clear();
     for (int r : participants) {
-      if (!std::isnan(row[r])) computes.push_back(row[r]);
+      if (std::isnan(row[r].compute_ms)) continue;
+      computes.push_back(row[r].compute_ms);
+      busy.push_back(row[r].compute_ms + row[r].cpu_wait_ms);
     }
     if (computes.size() == participants.size()) {
       const double slowest = *std::max_element(computes.begin(), computes.end());
-      const double centre = median(computes);
+      const double centre = median(computes), busy_centre = median(busy);
       // A step nobody computed in (zero everywhere) compares nobody.
       if (centre > 0) {
         tax_sum_ += slowest / centre;
         ++tax_steps_;
+        StepRatios x;
+        x.fill(std::vector<double>(ranks_.size(), nan));
         for (int r : participants) {
-          ranks_[r].ratios.push_back(row[r] / centre);
-          ranks_[r].computes.push_back(row[r]);
+          RankState& rank = ranks_[r];
+          const Timing& t = row[r];
+          rank.ratios.push_back(t.compute_ms / centre);
+          rank.computes.push_back(t.compute_ms);
           // Floored, so a step of no compute is very fast, not -infinity.
-          x[r] = std::log(std::max<double>(row[r], centre * 1e-3) / centre);
+          x[kCompute][r] = std::log(std::max<double>(t.compute_ms, centre * 1e-3) / centre);
+          x[kBusy][r] = std::log(std::max<double>(t.compute_ms + t.cpu_wait_ms, busy_centre * 1e-3) / busy_centre);
+          // What the table shows: averages over about a window of steps.
+          const double alpha = 1.0 / static_cast<double>(config_.straggler_window);
+          const double c = centre_of(kCompute, rank.stage).value_or(0.0);
+          rank.recent_excess += alpha * (x[kCompute][r] - c - rank.recent_excess);
+          if (t.total_ms > 0) rank.cpu_wait_share += alpha * (t.cpu_wait_ms / t.total_ms - rank.cpu_wait_share);
         }
         recent_x_.push_back(x);
         if (recent_x_.size() > kNoiseSteps) recent_x_.pop_front();
@@ -165,47 +191,80 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
           close_window(participants);
           if (recent_x_.size() >= kWarmupSteps) {
             const bool first = !noise_;
-            learn_noise(participants);
             // The warm-up delays the verdict, not the evidence: the steps
             // it held count now.
-            if (first && noise_) {
+            if (learn_noise(participants) && first) {
               for (const auto& held : recent_x_) add_evidence(participants, held, step, found);
             }
           }
         }
       }
     }
-    history_.emplace_back(step, std::move(row));
+    std::vector<float> computed(row.size());
+    for (size_t r = 0; r < row.size(); ++r) computed[r] = row[r].compute_ms;
+    history_.emplace_back(step, std::move(computed));
     if (history_.size() > history_steps_) history_.pop_front();
   }
 }
 
-void StragglerMonitor::add_evidence(const std::vector<int>& participants, const std::vector<double>& x, int64_t step,
+std::optional<double> StragglerMonitor::centre_of(Stream stream, int stage) const {
+  if (!noise_) return std::nullopt;
+  const auto& centres = (*noise_)[stream].centres;
+  const auto level = centres.find(stage);
+  return level == centres.end() ? std::nullopt : std::optional(level->second);
+}
+
+void StragglerMonitor::add_evidence(const std::vector<int>& participants, const StepRatios& x, int64_t step,
                                     std::vector<StragglerFinding>& found) {
-  const double h = noise_->decision_interval;
-  // Noise that drowns the threshold is no evidence against anyone.
-  if (std::isinf(h)) return;
   for (int r : participants) {
-    if (std::isnan(x[r])) continue;  // a step from before the rank took part
     RankState& rank = ranks_[r];
-    const auto level = noise_->centres.find(rank.stage);
-    if (level == noise_->centres.end()) continue;  // a stage the noise was not learned with
-    const double excess = x[r] - level->second;
-    // Capped at h: a flagged rank that recovers clears within h / k steps.
-    rank.evidence = std::min(std::max(0.0, rank.evidence + std::clamp(excess, -clip_, clip_) - allowed_), h);
-    if (rank.evidence == 0) {
-      rank.flagged = false;
-      rank.excess_sum = 0;
-      rank.excess_steps = 0;
+    for (const Stream stream : {kCompute, kBusy}) {
+      const double h = (*noise_)[stream].decision_interval;
+      const auto level = centre_of(stream, rank.stage);
+      // Noise that drowns the threshold is no evidence against anyone; nor
+      // is a step from before the rank took part, or a stage the noise was
+      // not learned with.
+      if (std::isinf(h) || std::isnan(x[stream][r]) || !level) continue;
+      Evidence& e = rank.evidence[stream];
+      const double excess = x[stream][r] - *level;
+      // Capped at h: a flagged rank that recovers clears within h / k steps.
+      e.sum = std::min(std::max(0.0, e.sum + std::clamp(excess, -clip_, clip_) - allowed_), h);
+      if (e.sum == 0) {
+        e = Evidence{};
+        continue;
+      }
+      e.excess_sum += excess;
+      ++e.excess_steps;
+      e.flagged = e.flagged || e.sum >= h;
+    }
+    const Evidence& own = rank.evidence[kCompute];
+    const Evidence& busy = rank.evidence[kBusy];
+    if (!own.flagged && !busy.flagged) {
+      rank.cause.reset();
       continue;
     }
-    rank.excess_sum += excess;
-    ++rank.excess_steps;
-    if (rank.evidence >= h && !rank.flagged) {
-      rank.flagged = true;
-      found.push_back({r, std::expm1(rank.excess_sum / static_cast<double>(rank.excess_steps)), step});
-    }
+    if (rank.cause) continue;
+    // Its host's doing when its busy time crossed h with its own compute
+    // within the threshold, or when it waits for a CPU more than its peers
+    // by more than its compute is slow: a process sharing its core also
+    // slows the work it lets through (caches, switches), seen in fault-free
+    // runs beside a test's status polls.
+    const double peers_share = peers_cpu_wait_share(participants, r);
+    const bool host = (!own.flagged && rank.recent_excess < allowed_) ||
+                      rank.cpu_wait_share - peers_share > std::expm1(rank.recent_excess);
+    rank.cause = host ? StragglerCause::kHost : StragglerCause::kCompute;
+    const Evidence& gathered = host && busy.excess_steps > 0 ? busy : own;
+    found.push_back({r, std::expm1(gathered.excess_sum / static_cast<double>(gathered.excess_steps)), step, *rank.cause,
+                     rank.cpu_wait_share, peers_share});
   }
+}
+
+double StragglerMonitor::peers_cpu_wait_share(const std::vector<int>& participants, int rank) const {
+  std::vector<double> shares;
+  for (int r : participants) {
+    if (r != rank) shares.push_back(ranks_[r].cpu_wait_share);
+  }
+  return shares.empty() ? 0 : median(shares);
 }
 
 void StragglerMonitor::close_window(const std::vector<int>& participants) {
@@ -223,7 +282,30 @@ void StragglerMonitor::close_window(const std::vector<int>& participants) {
   for (size_t i = 0; i < participants.size(); ++i) ranks_[participants[i]].score = values[i] / centre - 1;
 }
 
-void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
+bool StragglerMonitor::learn_noise(const std::vector<int>& participants) {
+  auto compute = learn_stream(participants, kCompute), busy = learn_stream(participants, kBusy);
+  if (!compute || !busy) return false;
+  static const auto log = common::logger("health");
+  const bool drowned = std::isinf(compute->decision_interval);
+  if (drowned != (noise_ && std::isinf((*noise_)[kCompute].decision_interval))) {
+    if (drowned) {
+      log->warn("the ranks' compute varies too much from step to step (spread {:.1f}%) to tell a rank slower by "
+                "straggler_threshold = {} apart; no rank is flagged until it calms or the threshold is raised",
+                100 * compute->spread, config_.straggler_threshold);
+    } else {
+      log->info("the ranks' compute noise (spread {:.1f}%) allows flagging stragglers again", 100 * compute->spread);
+    }
+  }
+  log->debug("straggler noise: {} stage level(s); compute spread {:.4f}, decision interval {:.3f}; busy spread {:.4f}, "
+             "decision interval {:.3f}",
+             compute->centres.size(), compute->spread, compute->decision_interval, busy->spread,
+             busy->decision_interval);
+  noise_ = {*std::move(compute), *std::move(busy)};
+  return true;
+}
+
+std::optional<StragglerMonitor::Noise> StragglerMonitor::learn_stream(const std::vector<int>& participants,
+                                                                      Stream stream) const {
   // Each rank's median x; the median of a stage's is its normal level,
   // robust to the slow ranks, which are left out of the noise so as not to
   // widen it.
@@ -232,54 +314,40 @@ void StragglerMonitor::learn_noise(const std::vector<int>& participants) {
   for (int r : participants) {
     column.clear();
     for (const auto& x : recent_x_) {
-      if (!std::isnan(x[r])) column.push_back(x[r]);
+      if (!std::isnan(x[stream][r])) column.push_back(x[stream][r]);
     }
     if (column.empty()) continue;
     own[r] = median(column);
     levels[ranks_[r].stage].push_back(own[r]);
   }
-  if (levels.empty()) return;
+  if (levels.empty()) return std::nullopt;
   Noise noise;
   for (auto& [stage, stage_levels] : levels) noise.centres[stage] = median(stage_levels);
-  std::vector<double> excess;
+  // The quiet ranks' clipped excess minus k: the steps of their CUSUMs.
+  std::vector<double> increments;
+  double sum = 0, squares = 0;
   for (int r : participants) {
     const auto level = noise.centres.find(ranks_[r].stage);
     if (level == noise.centres.end() || !(own[r] - level->second < allowed_)) continue;
     for (const auto& x : recent_x_) {
-      if (!std::isnan(x[r])) excess.push_back(std::clamp(x[r] - level->second, -clip_, clip_));
+      if (std::isnan(x[stream][r])) continue;
+      const double y = std::clamp(x[stream][r] - level->second, -clip_, clip_);
+      sum += y;
+      squares += y * y;
+      increments.push_back(y - allowed_);
     }
   }
-  if (excess.empty()) return;  // cannot be: the median rank is never slow
-  double sum = 0, squares = 0;
-  for (double y : excess) {
-    sum += y;
-    squares += y * y;
-  }
-  const double n = static_cast<double>(excess.size()), mean = sum / n;
+  if (increments.empty()) return std::nullopt;  // cannot be: the median rank is never slow
+  const double n = static_cast<double>(increments.size()), mean = sum / n;
   noise.spread = std::sqrt(std::max(0.0, squares / n - mean * mean));
   noise.decision_interval = decision_interval(
-      excess, mean, allowed_,
-      static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
+      increments, static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
       kMinFlagSteps * (clip_ - allowed_));
-
-  static const auto log = common::logger("health");
-  const bool drowned = std::isinf(noise.decision_interval);
-  if (drowned != (noise_ && std::isinf(noise_->decision_interval))) {
-    if (drowned) {
-      log->warn("the ranks' compute varies too much from step to step (spread {:.1f}%) to tell a rank slower by "
-                "straggler_threshold = {} apart; no rank is flagged until it calms or the threshold is raised",
-                100 * noise.spread, config_.straggler_threshold);
-    } else {
-      log->info("the ranks' compute noise (spread {:.1f}%) allows flagging stragglers again", 100 * noise.spread);
-    }
-  }
-  log->debug("straggler noise: {} stage level(s), spread {:.4f}, decision interval {:.3f}", noise.centres.size(), noise.spread,
-             noise.decision_interval);
-  noise_ = noise;
+  return noise;
 }
 
 bool StragglerMonitor::flagged(int rank) const {
-  return rank >= 0 && static_cast<size_t>(rank) < ranks_.size() && ranks_[rank].flagged;
+  return rank >= 0 && static_cast<size_t>(rank) < ranks_.size() && ranks_[rank].cause.has_value();
 }
 
 double StragglerMonitor::score(int rank) const {
@@ -296,12 +364,19 @@ nlohmann::json StragglerMonitor::report() const {
                  compute = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const RankState& rank = ranks_[r];
-    const double h = noise_ ? noise_->decision_interval : 0;
+    const auto share_of_h = [&](Stream stream) {
+      const double h = noise_ ? (*noise_)[stream].decision_interval : 0;
+      return h > 0 && std::isfinite(h) ? rank.evidence[stream].sum / h : 0.0;
+    };
     ranks.push_back({{"rank", r},
                      {"median_compute_ms", rank.window_ms >= 0 ? nlohmann::json(rank.window_ms) : nlohmann::json()},
                      {"score", rank.score},
-                     {"evidence", h > 0 && std::isfinite(h) ? rank.evidence / h : 0.0},
-                     {"flagged", rank.flagged}});
+                     {"slowdown", std::expm1(rank.recent_excess)},
+                     {"cpu_wait_share", rank.cpu_wait_share},
+                     {"evidence", share_of_h(kCompute)},
+                     {"host_evidence", share_of_h(kBusy)},
+                     {"flagged", rank.cause.has_value()},
+                     {"cause", rank.cause ? nlohmann::json(straggler_cause_name(*rank.cause)) : nlohmann::json()}});
     nlohmann::json row = nlohmann::json::array();
     for (const auto& [step, row_ms] : history_) {
       row.push_back(r < row_ms.size() && !std::isnan(row_ms[r]) ? nlohmann::json(row_ms[r]) : nlohmann::json());
@@ -313,8 +388,9 @@ nlohmann::json StragglerMonitor::report() const {
           {"threshold", config_.straggler_threshold},
           {"false_alarm_steps", config_.straggler_false_alarm_steps},
           {"sync_tax", sync_tax()},
-          {"noise", finite_or_null(noise_ ? std::optional(noise_->spread) : std::nullopt)},
-          {"decision_interval", finite_or_null(noise_ ? std::optional(noise_->decision_interval) : std::nullopt)},
+          {"noise", finite_or_null(noise_ ? std::optional((*noise_)[kCompute].spread) : std::nullopt)},
+          {"decision_interval",
+           finite_or_null(noise_ ? std::optional((*noise_)[kCompute].decision_interval) : std::nullopt)},
           {"ranks", std::move(ranks)},
           {"steps", std::move(steps)},
           {"compute_ms", std::move(compute)}};

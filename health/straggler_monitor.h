@@ -64,6 +64,25 @@
 // rank's (1 before any step). Only step numbers order the evidence, never
 // the time, so a clock that jumps changes nothing.
 //
+// Host contention is a finding of its own. compute leaves out the
+// training thread's run-queue wait, so a rank whose core is shared with a
+// process outside the job (a CPU hog) is not slow by compute: it is slowed
+// by its host's scheduler, which an operator fixes on the host, not by
+// replacing the rank's device. A second CUSUM, the same in every respect
+// (its own levels and h), runs on each rank's busy time, compute +
+// run-queue wait. A flagged rank's cause is "host" when its busy time
+// crossed h with its own compute within the threshold, or when its share
+// of step time waiting for a CPU exceeds the other ranks' median by more
+// than its compute is slow: a process sharing a core also slows the work
+// it lets through (caches, switches). In a fault-free DP2 run on the
+// 2-core VM beside a test polling keeld's status every 10 ms, the rank
+// whose core took the polling waited 14.5% of its step time against its
+// peer's 6%, its compute ran 6% above, and it was flagged at step 23;
+// otherwise the cause is "compute". Contention keel causes by design is
+// not counted: ranks that share cores wait alike and cancel step by step
+// against the median, and keeld's own threads took 0.15 s of CPU in a
+// 26 s DP2 run (0.6% of a core).
+//
 // The defaults (threshold 0.04, 10^6 steps per false flag) were chosen by
 // replaying 20 recorded 4-rank CPU jobs (270-300 steps, one rank 1.10x
 // from the start, per-step noise sd 6-10%): all 20 flagged by step 47 and
@@ -79,6 +98,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -88,11 +108,19 @@
 
 namespace keel::health {
 
+// Why a rank is slow: its own compute, or its host's scheduler.
+enum class StragglerCause { kCompute, kHost };
+const char* straggler_cause_name(StragglerCause cause);  // "compute", "host"
+
 struct StragglerFinding {
   int rank = -1;
   double score = 0;   // its slowness since its evidence last was 0: exp(mean x - c) - 1
   int64_t step = -1;  // the step whose evidence reached the decision interval
-  // {"rank", "score", "step"}: the fields of the straggler_flagged event.
+  StragglerCause cause = StragglerCause::kCompute;
+  double cpu_wait_share = 0;         // its run-queue wait over its step time, lately
+  double peers_cpu_wait_share = 0;  // the median of the other ranks' (0 alone)
+  // {"rank", "score", "step", "cause", "cpu_wait_share", "peers_cpu_wait_share"}:
+  // the fields of the straggler_flagged event.
   nlohmann::json to_json() const;
 };
 
@@ -116,40 +144,64 @@ class StragglerMonitor {
   // {"window": N, "threshold": t, "false_alarm_steps": A, "sync_tax": x,
   //  "noise": the standard deviation of the clipped excess of the ranks not slow,  // null before it is learned
   //  "decision_interval": h,                       // null before it is learned, or while noise drowns t
-  //  "ranks": [{"rank", "median_compute_ms", "score", "evidence", "flagged"}, ...],
-  //      // median ms and score of the newest window (null ms before one); evidence S / h, 0..1
+  //  "ranks": [{"rank", "median_compute_ms", "score", "slowdown", "cpu_wait_share", "evidence", "host_evidence",
+  //             "flagged", "cause"}, ...],
+  //      // median ms and score of the newest window (null ms before one); slowdown: its compute over its
+  //      // stage's level, minus 1, lately (what its evidence gathers); cpu_wait_share: its run-queue wait
+  //      // over its step time, lately; evidence and host_evidence S / h, 0..1; cause null unless flagged
   //  "steps": [s0, s1, ...],                      // the steps of the heat map, ascending
   //  "compute_ms": [[rank 0's per step], ...]}    // null where a rank's step was not seen
   nlohmann::json report() const;
 
  private:
-  struct RankState {
-    int stage = 0;                     // its pipeline stage (pipeline_stage())
-    int64_t generation = -1;           // of the board its steps came from
-    int64_t newest = -1;               // the newest step it timed in that generation
-    std::map<int64_t, float> pending;  // steps timed and not yet taken, by step
-    std::vector<double> ratios;        // its compute / the step's median, in the current window
-    std::vector<double> computes;      // its compute in the current window
-    double window_ms = -1;             // median compute of its newest window; -1: none yet
-    double score = 0;
-    double evidence = 0;               // the CUSUM S, 0..h
-    double excess_sum = 0;             // x - c summed over the steps since S was last 0
+  // The two things judged: compute, and busy time (compute + run-queue wait).
+  enum Stream { kCompute, kBusy, kStreams };
+  // A rank's CUSUM on one stream.
+  struct Evidence {
+    double sum = 0;         // S, 0..h
+    double excess_sum = 0;  // x - c summed over the steps since S was last 0
     int64_t excess_steps = 0;
     bool flagged = false;
   };
-  // What the noise of the ranks that are not slow allows, learned every window.
+  struct Timing {
+    float compute_ms = 0, cpu_wait_ms = 0, total_ms = 0;
+  };
+  struct RankState {
+    int stage = 0;                      // its pipeline stage (pipeline_stage())
+    int64_t generation = -1;            // of the board its steps came from
+    int64_t newest = -1;                // the newest step it timed in that generation
+    std::map<int64_t, Timing> pending;  // steps timed and not yet taken, by step
+    std::vector<double> ratios;         // its compute / the step's median, in the current window
+    std::vector<double> computes;       // its compute in the current window
+    double window_ms = -1;              // median compute of its newest window; -1: none yet
+    double score = 0;
+    double recent_excess = 0;           // x - c of compute, averaged over about a window of steps
+    double cpu_wait_share = 0;          // run-queue wait / step time, averaged the same way
+    Evidence evidence[kStreams];
+    std::optional<StragglerCause> cause;  // set while flagged
+  };
+  // What the noise of the ranks that are not slow allows on one stream,
+  // learned every window.
   struct Noise {
     std::map<int, double> centres;  // c, by pipeline stage
     double spread = 0;             // the standard deviation of the clipped excess
     double decision_interval = 0;  // h; infinite while the noise drowns the threshold
   };
+  // One step's log ratios by rank (NaN: not in it), per stream.
+  using StepRatios = std::array<std::vector<double>, kStreams>;
   // Takes the steps up to `newest` (the newest every participant timed).
   void take_steps(const std::vector<int>& participants, int64_t newest, std::vector<StragglerFinding>& found);
-  // Adds the step's log ratios `x` (by rank) to every participant's evidence.
-  void add_evidence(const std::vector<int>& participants, const std::vector<double>& x, int64_t step,
+  // Adds the step's log ratios `x` to every participant's evidence.
+  void add_evidence(const std::vector<int>& participants, const StepRatios& x, int64_t step,
                     std::vector<StragglerFinding>& found);
   void close_window(const std::vector<int>& participants);
-  void learn_noise(const std::vector<int>& participants);
+  // Learns both streams' noise; false while a stream cannot be learned yet.
+  bool learn_noise(const std::vector<int>& participants);
+  std::optional<Noise> learn_stream(const std::vector<int>& participants, Stream stream) const;
+  // c of `stream` for `stage`, once learned.
+  std::optional<double> centre_of(Stream stream, int stage) const;
+  // The median cpu_wait_share of `participants` other than `rank` (0: none).
+  double peers_cpu_wait_share(const std::vector<int>& participants, int rank) const;
 
   common::HealthConfig config_;
   double allowed_ = 0;              // k = log(1 + threshold)
@@ -159,8 +211,8 @@ class StragglerMonitor {
   int64_t next_step_ = 0;           // every step before it was taken or skipped
   std::vector<int> window_ranks_;   // the participants of the current window
   int64_t window_steps_ = 0;
-  std::deque<std::vector<double>> recent_x_;  // per recent step, x by rank (NaN: not in it)
-  std::optional<Noise> noise_;
+  std::deque<StepRatios> recent_x_;  // per recent step
+  std::optional<std::array<Noise, kStreams>> noise_;
   double tax_sum_ = 0;
   int64_t tax_steps_ = 0;
   // The heat map: steps ascending, each with every rank's compute (NaN: not seen).

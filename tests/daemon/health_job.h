@@ -7,9 +7,12 @@
 #include "tests/daemon/keeld_job.h"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -42,6 +45,13 @@ inline nlohmann::json keelctl_json(const KeeldJob &job,
   INFO(result.output);
   REQUIRE(result.exit_code == 0);
   return nlohmann::json::parse(result.output);
+}
+
+// Whether rank `rank`'s log of the run holds `text`.
+inline bool rank_log_holds(const KeeldJob &job, int rank, const std::string &text) {
+  std::ifstream in(job.run_dir() / "logs" / fmt::format("rank-{:05d}.log", rank));
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return log.find(text) != std::string::npos;
 }
 
 inline bool contains(const nlohmann::json &list, int rank) {

@@ -119,8 +119,11 @@ class KeeldJob {
     return daemon::call_daemon(socket(), request, std::chrono::seconds(10));
   }
 
-  // Polls keeld's status until `done(status)`; fails after `timeout_s`.
-  nlohmann::json wait_for(const std::function<bool(const nlohmann::json&)>& done, double timeout_s = 120) const {
+  // Polls keeld's status every `poll` until `done(status)`; fails after
+  // `timeout_s`. Each poll costs keeld and this process some CPU: a test
+  // that judges the ranks' speed polls slowly.
+  nlohmann::json wait_for(const std::function<bool(const nlohmann::json&)>& done, double timeout_s = 120,
+                          std::chrono::milliseconds poll = std::chrono::milliseconds(10)) const {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     nlohmann::json last;
     while (std::chrono::steady_clock::now() < deadline) {
@@ -130,7 +133,7 @@ class KeeldJob {
       } catch (const daemon::DaemonUnreachable&) {
         // not up yet
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::this_thread::sleep_for(poll);
     }
     FAIL("keeld's status did not get there in time; last: " << last.dump());
     return last;

@@ -106,11 +106,11 @@ TEST_SUITE("unit") {
     print_stragglers(slow_rank_report(), out);
     const std::string text = out.str();
     INFO(text);
-    CHECK(text.find("rank  median compute ms   score evidence  flagged") == 0);
+    CHECK(text.find("rank  median compute ms   score  slowdown  CPU wait evidence host evidence  flagged") == 0);
     CHECK(text.find("\n2     ") != std::string::npos);
     const std::string rank2 = text.substr(text.find("\n2     ") + 1, text.find('\n', text.find("\n2     ") + 1) -
                                                                         text.find("\n2     ") - 1);
-    CHECK(rank2.find("yes") != std::string::npos);
+    CHECK(rank2.find("yes (compute)") != std::string::npos);
     CHECK(rank2.find("+0.") != std::string::npos);
     CHECK(rank2.find("100%") != std::string::npos);
     CHECK(text.find("sync tax 1.") != std::string::npos);

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,6 +44,12 @@ struct Run {
   bool jumpy = false;
   float wait_ms = 0;  // every rank but the slow one waits this long per step
   std::vector<double> base_ms = {};  // each rank's compute before noise; empty: 100 ms each
+  // Each rank waits for a CPU this share of its compute (its host's
+  // scheduler); rank `slow` instead waits `slow_cpu_wait` of it from
+  // `slow_from`, with its compute not slowed (`factor` ignored) when that
+  // is set.
+  double cpu_wait = 0;
+  std::optional<double> slow_cpu_wait;
 };
 std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, int64_t first, int64_t steps,
                                   const Run& how, Noise& noise) {
@@ -54,7 +61,10 @@ std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, 
       if (!job.sample(r).board) continue;
       const bool slowed = r == how.slow && step >= how.slow_from;
       const double base = how.base_ms.empty() ? 100 : how.base_ms.at(static_cast<size_t>(r));
-      job.time_step(r, step, noise(slowed ? base * how.factor : base), slowed ? 0 : how.wait_ms);
+      const bool starved = slowed && how.slow_cpu_wait;
+      const float compute = noise(slowed && !starved ? base * how.factor : base);
+      job.time_step(r, step, compute, slowed ? 0 : how.wait_ms, 0,
+                    static_cast<float>(compute * (starved ? *how.slow_cpu_wait : how.cpu_wait)));
     }
     clock.advance_s(how.jumpy && step % 7 == 0 ? -3600 : 0.1);
     if ((step + 1) % how.poll_every == 0) {
@@ -100,7 +110,13 @@ TEST_SUITE("unit") {
       CHECK(found[0].step >= 19);
       CHECK(found[0].step < 50);
       CHECK(found[0].score > 0.04);
-      CHECK(found[0].to_json() == nlohmann::json{{"rank", c.slow}, {"score", found[0].score}, {"step", found[0].step}});
+      CHECK(found[0].cause == StragglerCause::kCompute);
+      CHECK(found[0].to_json() == nlohmann::json{{"rank", c.slow},
+                                                 {"score", found[0].score},
+                                                 {"step", found[0].step},
+                                                 {"cause", "compute"},
+                                                 {"cpu_wait_share", 0.0},
+                                                 {"peers_cpu_wait_share", 0.0}});
       for (int r = 0; r < c.ranks; ++r) CHECK(monitor.flagged(r) == (r == c.slow));
       CHECK(monitor.score(c.slow) > 0.04);
     }
@@ -197,6 +213,61 @@ TEST_SUITE("unit") {
     SyntheticJob waiting(4);
     StragglerMonitor quiet(defaults());
     CHECK(run(quiet, waiting, 0, 200, {.wait_ms = 500}, noise).empty());
+  }
+
+  TEST_CASE("a rank starved of its core by its host is flagged for host contention and not for its compute") {
+    // Every rank waits for a CPU a tenth of its compute (ranks sharing
+    // cores by design); from step 30 rank 2 waits as long as it computes,
+    // a process outside the job taking half its core.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    const auto found = run(monitor, job, 0, 80, {.slow = 2, .slow_from = 30, .cpu_wait = 0.1, .slow_cpu_wait = 1.0}, noise);
+    REQUIRE(found.size() == 1);
+    CHECK(found[0].rank == 2);
+    CHECK(found[0].cause == StragglerCause::kHost);
+    CHECK(found[0].step < 30 + 50);
+    // Its step time is compute + wait: it waits half of it, the others an
+    // eleventh, and its average has mostly caught up by the flag.
+    CHECK(found[0].cpu_wait_share > 0.3);
+    CHECK(found[0].peers_cpu_wait_share == doctest::Approx(1.0 / 11).epsilon(0.05));
+    CHECK(found[0].score > 0.5);
+    const auto report = monitor.report();
+    CHECK(report["ranks"][2]["cause"] == "host");
+    CHECK(report["ranks"][2]["evidence"] == 0.0);  // its compute is like the others'
+    CHECK(report["ranks"][2]["host_evidence"] == 1.0);
+    CHECK(std::abs(report["ranks"][2]["slowdown"].get<double>()) < 0.04);
+    CHECK(report["ranks"][0]["cause"].is_null());
+
+    // A rank slow in its compute whose host is as busy as everyone's is
+    // flagged for its compute.
+    SyntheticJob slow_job(4);
+    StragglerMonitor slow_monitor(defaults());
+    const auto slow = run(slow_monitor, slow_job, 0, 80, {.slow = 1, .factor = 1.2, .cpu_wait = 0.5}, noise);
+    REQUIRE(slow.size() == 1);
+    CHECK(slow[0].rank == 1);
+    CHECK(slow[0].cause == StragglerCause::kCompute);
+  }
+
+  TEST_CASE("ranks that all wait for a CPU alike are not flagged for it") {
+    // Four ranks on two cores: each waits for a CPU about as long as it
+    // computes, step by step unevenly, none more than another over time.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise{0.05};
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<double> share(0.6, 1.4);
+    common::FakeClock clock;
+    std::vector<StragglerFinding> found;
+    for (int64_t step = 0; step < 2000; ++step) {
+      for (int r = 0; r < 4; ++r) {
+        const float compute = noise(100);
+        job.time_step(r, step, compute, 0, 0, static_cast<float>(compute * share(rng)));
+      }
+      clock.advance_s(0.1);
+      for (auto& f : monitor.observe(job.samples(), clock.now_ns())) found.push_back(f);
+    }
+    CHECK(ranks_of(found).empty());
   }
 
   TEST_CASE("noise alone flags nobody in two thousand steps") {
@@ -377,8 +448,14 @@ TEST_SUITE("unit") {
     CHECK(report["ranks"][1] == nlohmann::json{{"rank", 1},
                                                {"median_compute_ms", report["ranks"][1]["median_compute_ms"]},
                                                {"score", report["ranks"][1]["score"]},
+                                               {"slowdown", report["ranks"][1]["slowdown"]},
+                                               {"cpu_wait_share", 0.0},
                                                {"evidence", 1.0},
-                                               {"flagged", true}});
+                                               {"host_evidence", 1.0},
+                                               {"flagged", true},
+                                               {"cause", "compute"}});
+    // Its compute over the others' level, averaged over about a window.
+    CHECK(report["ranks"][1]["slowdown"].get<double>() == doctest::Approx(0.2).epsilon(0.01));
     CHECK(report["ranks"][1]["median_compute_ms"].get<double>() == doctest::Approx(120));
     CHECK(report["ranks"][0]["median_compute_ms"].get<double>() == doctest::Approx(100));
     CHECK(report["ranks"][1]["score"].get<double>() == doctest::Approx(0.2));
