@@ -78,9 +78,12 @@ TEST_SUITE("integration") {
       INFO(hang.dump());
       events += hang.dump() + "\n";
       CHECK(hang.at("detect_s").get<double>() <= kCeilingS + 2);
-      // Only the frozen rank is frozen; others may wait for it.
+      // Only the frozen rank is frozen; others may wait for it. It is named
+      // by whichever comes first: its heartbeat older than 2 s (frozen), or
+      // its phase past its budget, the 1 s floor (never began); a clean
+      // clone on a loaded 2-core machine met the second at 1.17 s.
       for (const auto& frozen : hang.at("frozen_ranks")) CHECK(frozen == victim);
-      named = named || (contains(hang.at("culprit_ranks"), victim) && contains(hang.at("frozen_ranks"), victim));
+      named = named || contains(hang.at("culprit_ranks"), victim);
       CHECK(hang.at("flight") == "flight/0");
     }
     CHECK_MESSAGE(named, "no hang_detected named the frozen rank:\n" << events);

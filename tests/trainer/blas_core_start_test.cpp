@@ -139,6 +139,10 @@ TEST_SUITE("integration") {
       MESSAGE("skipped: this CPU runs every core keel knows, so none is too new");
       return;
     }
+    // An operator's OPENBLAS_CORETYPE overrides the config's core, so the
+    // config is never judged under one (a clean clone on an AVX2 machine
+    // with OPENBLAS_CORETYPE=Haswell set ran the core it named and exited 0).
+    if (!can_run(true)) return;
     TrainerRuns f;
     const auto result = keel::test::run_process(f.argv("newer", {"train.steps=2", "train.blas_core=SapphireRapids"}));
     CHECK(result.exit_code == 2);
