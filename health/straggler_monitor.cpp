@@ -36,11 +36,11 @@ double median(std::vector<double>& values) {
 }
 
 // The decision interval for a CUSUM that moves by `increments` (a step's
-// clipped excess minus k): ln(`false_alarms`)
-// / theta, theta > 0 solving mean(exp(theta d)) = 1 over the increments d
-// (Wald: noise like them crosses it about once in `false_alarms` tries),
-// and at least `least`. Infinite when the increments average 0 or more:
-// noise alone would cross any interval.
+// clipped excess minus k): ln(`false_alarms`) / theta, theta > 0 solving
+// mean(exp(theta d)) = 1 over the increments d (Wald: noise like them
+// crosses it about once in `false_alarms` steps), and at least `least`.
+// Infinite when the increments average 0 or more: noise alone would cross
+// any interval.
 double decision_interval(const std::vector<double>& increments, double false_alarms, double least) {
   const double log_alarms = std::log(false_alarms);
   const auto mean_growth = [&](double theta) {
