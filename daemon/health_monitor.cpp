@@ -30,8 +30,8 @@ std::string straggler_reason(const health::StragglerFinding& f) {
   if (f.cause == health::StragglerCause::kHost) {
     return fmt::format(
         "host contention: up to step {} it waited for a CPU {:.1f}% of its step time, the other ranks {:.1f}% "
-        "(median), which made it {:.1f}% slower than the median rank while its own compute kept pace: find what "
-        "else runs on its cores",
+        "(median), which made it {:.1f}% slower than the median rank, more than its own compute explains: find "
+        "what else runs on its cores",
         f.step, 100 * f.cpu_wait_share, 100 * f.peers_cpu_wait_share, 100 * f.score);
   }
   return fmt::format(
