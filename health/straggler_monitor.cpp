@@ -14,10 +14,17 @@ constexpr float kMaxComputeMs = 86'400'000.0f;
 // Steps a rank may be ahead of the slowest participant before its oldest
 // are dropped (and skipped): bounds the memory a stalled rank can cost.
 constexpr size_t kMaxPending = 8 * kRecentSteps;
-// One step adds at most (kClipThresholds - 1) k to a rank's evidence, and
-// flagging takes at least kMinFlagSteps such steps.
-constexpr double kClipThresholds = 2.5;
-constexpr double kMinFlagSteps = 16;
+// The two shapes of slowness each stream's CUSUMs look for (why:
+// straggler_monitor.h), in thresholds k: a step adds its excess past
+// `allowance` k, at most `clip` k, and flagging takes at least
+// `least_steps` steps at the clip.
+struct TierShape {
+  double allowance, clip, least_steps;
+};
+constexpr TierShape kTierShapes[] = {
+    {1, 2.5, 16},  // steady: every step a little slow
+    {1.5, 10, 6},  // in bursts: some steps much slower
+};
 // Steps of log ratios the noise is learned from, and how many it needs
 // before any rank gathers evidence.
 constexpr size_t kNoiseSteps = 200;
@@ -81,8 +88,12 @@ nlohmann::json StragglerFinding::to_json() const {
 StragglerMonitor::StragglerMonitor(const common::HealthConfig& config, size_t history_steps)
     : config_(config),
       allowed_(std::log1p(config.straggler_threshold)),
-      clip_(kClipThresholds * allowed_),
       history_steps_(history_steps) {
+  for (int tier = 0; tier < kTiers; ++tier) {
+    const TierShape& shape = kTierShapes[tier];
+    tiers_[tier] = {shape.allowance * allowed_, shape.clip * allowed_,
+                    shape.least_steps * (shape.clip - shape.allowance) * allowed_};
+  }
   // The config was validated (window >= 2, false alarms >= 1000); a
   // hand-made one still never divides a window into nothing.
   config_.straggler_window = std::max<int64_t>(config_.straggler_window, 1);
@@ -219,27 +230,35 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
   for (int r : participants) {
     RankState& rank = ranks_[r];
     for (const Stream stream : {kCompute, kBusy}) {
-      const double h = (*noise_)[stream].decision_interval;
       const auto level = centre_of(stream, rank.stage);
-      // Noise that drowns the threshold is no evidence against anyone; nor
-      // is a step from before the rank took part, or a stage the noise was
-      // not learned with.
-      if (std::isinf(h) || std::isnan(x[stream][r]) || !level) continue;
-      Evidence& e = rank.evidence[stream];
+      // A step from before the rank took part is no evidence against it,
+      // nor is a stage the noise was not learned with.
+      if (std::isnan(x[stream][r]) || !level) continue;
       const double excess = x[stream][r] - *level;
-      // Capped at h: a flagged rank that recovers clears within h / k steps.
-      e.sum = std::min(std::max(0.0, e.sum + std::clamp(excess, -clip_, clip_) - allowed_), h);
-      if (e.sum == 0) {
-        e = Evidence{};
-        continue;
+      for (int tier = 0; tier < kTiers; ++tier) {
+        const Cusum& cusum = tiers_[tier];
+        const double h = (*noise_)[stream].decision_interval[tier];
+        // Noise that drowns the allowance is no evidence against anyone.
+        if (std::isinf(h)) continue;
+        Evidence& e = rank.evidence[stream][tier];
+        // Capped at h: a flagged rank that recovers clears within h /
+        // allowance steps.
+        e.sum = std::min(std::max(0.0, e.sum + std::clamp(excess, -cusum.clip, cusum.clip) - cusum.allowance), h);
+        if (e.sum == 0) {
+          e = Evidence{};
+          continue;
+        }
+        e.excess_sum += excess;
+        ++e.excess_steps;
+        e.flagged = e.flagged || e.sum >= h;
       }
-      e.excess_sum += excess;
-      ++e.excess_steps;
-      e.flagged = e.flagged || e.sum >= h;
     }
-    const Evidence& own = rank.evidence[kCompute];
-    const Evidence& busy = rank.evidence[kBusy];
-    if (!own.flagged && !busy.flagged) {
+    const auto flagged_on = [&](Stream stream) {
+      return std::any_of(std::begin(rank.evidence[stream]), std::end(rank.evidence[stream]),
+                         [](const Evidence& e) { return e.flagged; });
+    };
+    const bool own_flagged = flagged_on(kCompute), busy_flagged = flagged_on(kBusy);
+    if (!own_flagged && !busy_flagged) {
       rank.cause.reset();
       continue;
     }
@@ -250,13 +269,29 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
     // slows the work it lets through (caches, switches), seen in fault-free
     // runs beside a test's status polls.
     const double peers_share = peers_cpu_wait_share(participants, r);
-    const bool host = (!own.flagged && rank.recent_excess < allowed_) ||
+    const bool host = (!own_flagged && rank.recent_excess < allowed_) ||
                       rank.cpu_wait_share - peers_share > std::expm1(rank.recent_excess);
     rank.cause = host ? StragglerCause::kHost : StragglerCause::kCompute;
-    const Evidence& gathered = host && busy.excess_steps > 0 ? busy : own;
+    const Evidence& busy = rank.evidence[kBusy][strongest(rank, kBusy).first];
+    const Evidence& gathered = host && busy.excess_steps > 0 ? busy : rank.evidence[kCompute][strongest(rank, kCompute).first];
     found.push_back({r, std::expm1(gathered.excess_sum / static_cast<double>(gathered.excess_steps)), step, *rank.cause,
                      rank.cpu_wait_share, peers_share});
   }
+}
+
+std::pair<StragglerMonitor::Tier, double> StragglerMonitor::strongest(const RankState& rank, Stream stream) const {
+  std::pair<Tier, double> best{kSteady, -1};
+  bool best_flagged = false;
+  for (int tier = 0; tier < kTiers; ++tier) {
+    const Evidence& e = rank.evidence[stream][tier];
+    const double h = noise_ ? (*noise_)[stream].decision_interval[tier] : 0;
+    const double share = h > 0 && std::isfinite(h) ? e.sum / h : 0.0;
+    if (std::pair(e.flagged, share) > std::pair(best_flagged, best.second)) {
+      best = {static_cast<Tier>(tier), share};
+      best_flagged = e.flagged;
+    }
+  }
+  return best;
 }
 
 double StragglerMonitor::peers_cpu_wait_share(const std::vector<int>& participants, int rank) const {
@@ -286,8 +321,8 @@ bool StragglerMonitor::learn_noise(const std::vector<int>& participants) {
   auto compute = learn_stream(participants, kCompute), busy = learn_stream(participants, kBusy);
   if (!compute || !busy) return false;
   static const auto log = common::logger("health");
-  const bool drowned = std::isinf(compute->decision_interval);
-  if (drowned != (noise_ && std::isinf((*noise_)[kCompute].decision_interval))) {
+  const bool drowned = std::isinf(compute->decision_interval[kSteady]);
+  if (drowned != (noise_ && std::isinf((*noise_)[kCompute].decision_interval[kSteady]))) {
     if (drowned) {
       log->warn("the ranks' compute varies too much from step to step (spread {:.1f}%) to tell a rank slower by "
                 "straggler_threshold = {} apart; no rank is flagged until it calms or the threshold is raised",
@@ -296,10 +331,11 @@ bool StragglerMonitor::learn_noise(const std::vector<int>& participants) {
       log->info("the ranks' compute noise (spread {:.1f}%) allows flagging stragglers again", 100 * compute->spread);
     }
   }
-  log->debug("straggler noise: {} stage level(s); compute spread {:.4f}, decision interval {:.3f}; busy spread {:.4f}, "
-             "decision interval {:.3f}",
-             compute->centres.size(), compute->spread, compute->decision_interval, busy->spread,
-             busy->decision_interval);
+  log->debug("straggler noise: {} stage level(s); compute spread {:.4f}, decision intervals {:.3f} steady, {:.3f} "
+             "bursts; busy spread {:.4f}, decision intervals {:.3f} steady, {:.3f} bursts",
+             compute->centres.size(), compute->spread, compute->decision_interval[kSteady],
+             compute->decision_interval[kBursts], busy->spread, busy->decision_interval[kSteady],
+             busy->decision_interval[kBursts]);
   noise_ = {*std::move(compute), *std::move(busy)};
   return true;
 }
@@ -323,26 +359,34 @@ std::optional<StragglerMonitor::Noise> StragglerMonitor::learn_stream(const std:
   if (levels.empty()) return std::nullopt;
   Noise noise;
   for (auto& [stage, stage_levels] : levels) noise.centres[stage] = median(stage_levels);
-  // The quiet ranks' clipped excess minus k: the steps of their CUSUMs.
-  std::vector<double> increments;
-  double sum = 0, squares = 0;
+  // The quiet ranks' excess over their level: what their CUSUMs would take.
+  std::vector<double> excess;
   for (int r : participants) {
     const auto level = noise.centres.find(ranks_[r].stage);
     if (level == noise.centres.end() || !(own[r] - level->second < allowed_)) continue;
     for (const auto& x : recent_x_) {
-      if (std::isnan(x[stream][r])) continue;
-      const double y = std::clamp(x[stream][r] - level->second, -clip_, clip_);
-      sum += y;
-      squares += y * y;
-      increments.push_back(y - allowed_);
+      if (!std::isnan(x[stream][r])) excess.push_back(x[stream][r] - level->second);
     }
   }
-  if (increments.empty()) return std::nullopt;  // cannot be: the median rank is never slow
-  const double n = static_cast<double>(increments.size()), mean = sum / n;
-  noise.spread = std::sqrt(std::max(0.0, squares / n - mean * mean));
-  noise.decision_interval = decision_interval(
-      increments, static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size()),
-      kMinFlagSteps * (clip_ - allowed_));
+  if (excess.empty()) return std::nullopt;  // cannot be: the median rank is never slow
+  const double false_alarms =
+      static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size());
+  std::vector<double> increments(excess.size());
+  for (int tier = 0; tier < kTiers; ++tier) {
+    const Cusum& cusum = tiers_[tier];
+    double sum = 0, squares = 0;
+    for (size_t i = 0; i < excess.size(); ++i) {
+      const double y = std::clamp(excess[i], -cusum.clip, cusum.clip);
+      sum += y;
+      squares += y * y;
+      increments[i] = y - cusum.allowance;
+    }
+    if (tier == kSteady) {
+      const double n = static_cast<double>(excess.size()), mean = sum / n;
+      noise.spread = std::sqrt(std::max(0.0, squares / n - mean * mean));
+    }
+    noise.decision_interval[tier] = decision_interval(increments, false_alarms, cusum.least_interval);
+  }
   return noise;
 }
 
@@ -364,17 +408,13 @@ nlohmann::json StragglerMonitor::report() const {
                  compute = nlohmann::json::array();
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const RankState& rank = ranks_[r];
-    const auto share_of_h = [&](Stream stream) {
-      const double h = noise_ ? (*noise_)[stream].decision_interval : 0;
-      return h > 0 && std::isfinite(h) ? rank.evidence[stream].sum / h : 0.0;
-    };
     ranks.push_back({{"rank", r},
                      {"median_compute_ms", rank.window_ms >= 0 ? nlohmann::json(rank.window_ms) : nlohmann::json()},
                      {"score", rank.score},
                      {"slowdown", std::expm1(rank.recent_excess)},
                      {"cpu_wait_share", rank.cpu_wait_share},
-                     {"evidence", share_of_h(kCompute)},
-                     {"host_evidence", share_of_h(kBusy)},
+                     {"evidence", strongest(rank, kCompute).second},
+                     {"host_evidence", strongest(rank, kBusy).second},
                      {"flagged", rank.cause.has_value()},
                      {"cause", rank.cause ? nlohmann::json(straggler_cause_name(*rank.cause)) : nlohmann::json()}});
     nlohmann::json row = nlohmann::json::array();
@@ -390,7 +430,7 @@ nlohmann::json StragglerMonitor::report() const {
           {"sync_tax", sync_tax()},
           {"noise", finite_or_null(noise_ ? std::optional((*noise_)[kCompute].spread) : std::nullopt)},
           {"decision_interval",
-           finite_or_null(noise_ ? std::optional((*noise_)[kCompute].decision_interval) : std::nullopt)},
+           finite_or_null(noise_ ? std::optional((*noise_)[kCompute].decision_interval[kSteady]) : std::nullopt)},
           {"ranks", std::move(ranks)},
           {"steps", std::move(steps)},
           {"compute_ms", std::move(compute)}};
