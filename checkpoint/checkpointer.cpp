@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
+#include "common/thread_name.h"
 
 #include <fmt/format.h>
 
@@ -30,7 +31,7 @@ Checkpointer::Checkpointer(CheckpointerOptions options, store::Store* store)
   }
   // Nothing else writes here before this rank's first save.
   if (options_.rank == 0) recover_interrupted_saves();
-  thread_ = std::thread([this] { writer_loop(); });
+  thread_ = common::named_thread("keel-ckpt-write", [this] { writer_loop(); });
 }
 
 void Checkpointer::recover_interrupted_saves() {

@@ -1,6 +1,7 @@
 #include "daemon/cluster_link.h"
 
 #include "common/log.h"
+#include "common/thread_name.h"
 #include "store/store.h"
 
 namespace keel::daemon {
@@ -20,8 +21,8 @@ ClusterLink::ClusterLink(store::ClusterStore& store, cluster::RendezvousOptions 
       post_(std::move(post)),
       callbacks_(std::move(callbacks)) {
   rendezvous_ = std::make_unique<cluster::Rendezvous>(store, std::move(options));
-  thread_ = std::thread([this] { run(); });
-  writer_ = std::thread([this] { write_until_stopped(); });
+  thread_ = common::named_thread("keel-link", [this] { run(); });
+  writer_ = common::named_thread("keel-link-write", [this] { write_until_stopped(); });
 }
 
 ClusterLink::~ClusterLink() {

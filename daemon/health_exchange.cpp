@@ -1,5 +1,7 @@
 #include "daemon/health_exchange.h"
 
+#include "common/thread_name.h"
+
 #include <exception>
 #include <set>
 
@@ -20,7 +22,7 @@ HealthExchange::HealthExchange(store::ClusterStore& store, std::string node_name
       lease_(std::move(lease)),
       clock_(clock),
       period_(period),
-      thread_([this] { run(); }) {}
+      thread_(common::named_thread("keel-health-ex", [this] { run(); })) {}
 
 HealthExchange::~HealthExchange() {
   {

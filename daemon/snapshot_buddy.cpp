@@ -1,5 +1,7 @@
 #include "daemon/snapshot_buddy.h"
 
+#include "common/thread_name.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
@@ -257,7 +259,7 @@ struct SnapshotBuddy::Server {
       if (sessions >= kMaxConnections) return;  // closed as it goes out of scope
       ++sessions;
     }
-    std::thread([self, connection] {
+    common::named_thread("keel-buddy-conn", [self, connection] {
       try {
         self->serve(*connection);
       } catch (const std::exception& e) {
@@ -341,9 +343,9 @@ SnapshotBuddy::SnapshotBuddy(SnapshotBuddyOptions options)
                             options_.address, options_.port, ec.message()));
   }
   server_->accept(server_);
-  server_->thread = std::thread([server = server_] { server->io.run(); });
-  sender_ = std::thread([this] { send_until_stopped(); });
-  fetcher_ = std::thread([this] { fetch_until_stopped(); });
+  server_->thread = common::named_thread("keel-buddy-srv", [server = server_] { server->io.run(); });
+  sender_ = common::named_thread("keel-buddy-send", [this] { send_until_stopped(); });
+  fetcher_ = common::named_thread("keel-buddy-get", [this] { fetch_until_stopped(); });
 }
 
 SnapshotBuddy::~SnapshotBuddy() {

@@ -1,6 +1,7 @@
 #include "health/board_publisher.h"
 
 #include "common/error.h"
+#include "common/thread_name.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -33,7 +34,8 @@ BoardPublisher::BoardPublisher(ProgressBoard board, int rank, int64_t generation
   current_.phase_start_ns = clock_->now_ns();
   update([](BoardSnapshot&) {});
   board_->beat(clock_->now_ns());
-  heartbeat_ = std::thread([this, heartbeat_period_ns] { beat_until_stopped(heartbeat_period_ns); });
+  heartbeat_ =
+      common::named_thread("keel-heartbeat", [this, heartbeat_period_ns] { beat_until_stopped(heartbeat_period_ns); });
 }
 
 BoardPublisher::~BoardPublisher() {

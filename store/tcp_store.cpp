@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/thread_name.h"
 
 #include <boost/asio.hpp>
 #include <fmt/format.h>
@@ -615,7 +616,7 @@ class StoreServer::Impl {
     }
     port_ = acceptor_.local_endpoint().port();
     accept();
-    thread_ = std::thread([this] { run(); });
+    thread_ = common::named_thread("keel-store", [this] { run(); });
   }
 
   ~Impl() {

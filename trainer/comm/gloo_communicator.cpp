@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/thread_name.h"
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -151,7 +152,7 @@ GlooCommunicator::GlooCommunicator(store::Store& store, std::string group_name, 
   common::logger("comm")->debug(
       "group '{}' rank {} of {}: Gloo mesh connected in {} ms", name(), rank, size,
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count());
-  if (size > 1) watcher_ = std::thread([this] { watch_for_peer_failures(); });
+  if (size > 1) watcher_ = common::named_thread("keel-peer-watch", [this] { watch_for_peer_failures(); });
 }
 
 GlooCommunicator::~GlooCommunicator() {
