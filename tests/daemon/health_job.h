@@ -63,6 +63,12 @@ inline int64_t step_of(const nlohmann::json &status) {
   return status.at("step").get<int64_t>();
 }
 
+// The hang_detected events once there is one.
+inline std::vector<nlohmann::json> wait_for_hang(const KeeldJob &job) {
+  REQUIRE_MESSAGE(wait_until([&] { return !job.events_of("hang_detected").empty(); }, 300), "no hang was detected");
+  return job.events_of("hang_detected");
+}
+
 // An anomaly window that a 40-step job (warm-up 2) fills by step 18, so
 // that the SDC rerun judges the steps where the tests flip a bit or spike
 // the loss; the default window (50 steps after warm-up) would judge none.
