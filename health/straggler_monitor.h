@@ -61,11 +61,14 @@
 // never in three others. The bursts tier,
 //   S2 = min(h2, max(0, S2 + clamp(x - c, -10k, 10k) - 1.5k)),
 // with h2 learned the same way and at least 6 steps at its clip, flagged
-// all four 21-33 steps after the first stop when replayed (step 37-58);
+// all four 16-36 steps after the first stop when replayed (steps 38-58);
 // over nine recorded fault-free DP2, DP4 and DP2 x TP2 runs its largest
 // excursion reached 0.27 of h2, and the steady tier's 0.47 of h. A
 // preempted step still counts as one slow step, not as one tenth of a
-// flag. Measured again under keeld with the final code: tests/timing.
+// flag. Under keeld with this code it flagged the quickstart's job 15-16
+// steps after the first stop, and tests/timing's job of the same shape
+// 14-66 steps after; a rank stopped from its first step counts among the
+// noise it is judged against, and was flagged later (step 79).
 //
 // Why not W consecutive slow windows: at the per-step noise of a loaded
 // 2-core machine (sd 6-10%), windows of 10 steps judged one by one threw
