@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch_gpt
+
 
 @dataclass
 class RopeScaling:
@@ -391,22 +393,10 @@ class Llama(nn.Module):
 # State dicts (HF names, [out, in] shapes)
 
 
-def load_numpy_params(model: Llama, arrays: Mapping[str, np.ndarray]) -> None:
-    """Copies arrays (HF names and shapes) into the model; every parameter
-    must be given exactly once, with its exact shape.  A tied model takes no
-    lm_head.weight (HF checkpoints of tied models may carry one: drop it
-    after checking it equals model.embed_tokens.weight)."""
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(arrays))
-    extra = sorted(set(arrays) - set(params))
-    if missing or extra:
-        raise ValueError(f"parameter names differ: missing {missing}, unexpected {extra}")
-    with torch.no_grad():
-        for name, p in params.items():
-            a = np.asarray(arrays[name])
-            if tuple(a.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {tuple(a.shape)}, model expects {tuple(p.shape)}")
-            p.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(p.dtype))
+# Every parameter given once with its exact shape, as for the GPT reference;
+# a tied model takes no lm_head.weight (HF checkpoints of tied models may
+# carry one: drop it after checking it equals model.embed_tokens.weight).
+load_numpy_params = torch_gpt.load_numpy_params
 
 
 def numpy_params(model: Llama) -> Dict[str, np.ndarray]:
