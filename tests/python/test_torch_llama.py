@@ -12,37 +12,20 @@ Run: /usr/bin/python3 tests/python/test_torch_llama.py   (exit 0 = all pass)
 import math
 import os
 import sys
-import traceback
-
-try:
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-except Exception as e:  # must fail, not skip
-    print(f"FAIL: cannot import torch/numpy with {sys.executable}: {e!r}")
-    sys.exit(1)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import selfcheck  # noqa: E402  (fails, not skips, without torch)
+from selfcheck import check, close  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 import torch_llama as tl  # noqa: E402
 
-torch.set_default_dtype(torch.float64)
 
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
-
-
-def close(a, b, tol, what):
-    a = torch.as_tensor(a, dtype=torch.float64)
-    b = torch.as_tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    if not err <= tol:
-        raise AssertionError(f"{what}: max abs error {err:.3e} > {tol:.1e}")
-    return err
+def rand_params(model, seed, std=0.3):
+    selfcheck.rand_params(model, seed, lambda name: name.endswith("norm.weight"), std)
 
 
 def tiny_cfg(**kw):
@@ -50,16 +33,6 @@ def tiny_cfg(**kw):
                 rope_theta=10000.0)
     base.update(kw)
     return tl.LlamaConfig(**base)
-
-
-def rand_params(model, seed, std=0.3):
-    """Non-trivial parameters, norm weights around 1, so that every path matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
 
 
 # ---------------------------------------------------------------- written apart from the module
@@ -495,19 +468,5 @@ def gradcheck_variants():
     return ", ".join(out)
 
 
-def main():
-    failed = 0
-    for fn in CHECKS:
-        try:
-            msg = fn()
-            print(f"PASS  {fn.__name__:52s} {msg}")
-        except Exception:
-            failed += 1
-            print(f"FAIL  {fn.__name__}")
-            traceback.print_exc()
-    print(f"{len(CHECKS) - failed}/{len(CHECKS)} checks passed (torch {torch.__version__})")
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(selfcheck.main())
