@@ -70,6 +70,16 @@
 // 14-66 steps after; a rank stopped from its first step counts among the
 // noise it is judged against, and was flagged later (step 79).
 //
+// Two ranks are told apart later. Their median is their mean, so a rank
+// shows half of its slowdown: stopped 20 ms in 200 in a DP2 keeld job, it
+// was flagged 59 steps after its first stop. Judging each rank against the
+// other instead (its full slowdown) was replayed on the recorded runs: it
+// flagged a 1.10x DP2 rank at step 32 rather than 131 and the stopped DP2
+// ranks at steps 62 and 80, but lifted fault-free DP2 runs to 0.94 of h
+// (from 0.70): one rank's burst of 12 steps at +30%, seen in fault-free
+// runs, carries the evidence of 30 steps of a rank slowed on every other
+// step, so no CUSUM parts them within 50 steps without false flags.
+//
 // Why not W consecutive slow windows: at the per-step noise of a loaded
 // 2-core machine (sd 6-10%), windows of 10 steps judged one by one threw
 // away the evidence of every window that fell short, and a 1.10x rank was
