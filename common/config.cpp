@@ -255,6 +255,16 @@ Config Config::load(const std::filesystem::path& path, const std::vector<std::st
   return parse(text.str(), path.string(), path.parent_path(), overrides);
 }
 
+int64_t ModelConfig::mlp_width() const {
+  if (!llama()) return 4 * n_embd;
+  if (ffn_hidden > 0) return ffn_hidden;
+  // Meta's FeedForward without ffn_dim_multiplier (docs/research/llama3.md
+  // section 2): the true 1B and 8B shapes set ffn_hidden instead.
+  constexpr int64_t kMultipleOf = 256;
+  const int64_t hidden = 2 * 4 * n_embd / 3;
+  return (hidden + kMultipleOf - 1) / kMultipleOf * kMultipleOf;
+}
+
 std::filesystem::path Config::checkpoint_dir() const {
   return checkpoint.dir.empty() ? std::filesystem::path(job.run_dir) / "checkpoints"
                                 : std::filesystem::path(checkpoint.dir);
@@ -292,6 +302,48 @@ void Config::validate() const {
   at_least(model.n_embd, 1, "model.n_embd");
   check(model.n_embd % model.n_head == 0, "model.n_head",
         fmt::format("n_head={} does not divide n_embd={}; pick a head count that divides the width", model.n_head, model.n_embd));
+  check(model.arch == "gpt2" || model.llama(), "model.arch",
+        fmt::format("must be \"gpt2\" or \"llama\" (got \"{}\")", model.arch));
+  if (model.llama()) {
+    at_least(model.n_kv_head, 0, "model.n_kv_head");
+    check(model.n_kv_head == 0 || model.n_head % model.n_kv_head == 0, "model.n_kv_head",
+          fmt::format("n_kv_head={} does not divide n_head={}: each key/value head serves a whole group of query "
+                      "heads, so pick a divisor of {}",
+                      model.n_kv_head, model.n_head, model.n_head));
+    check(model.n_head <= 0 || model.n_embd % model.n_head != 0 || model.head_dim() % 2 == 0, "model.n_head",
+          fmt::format("gives heads of n_embd / n_head = {} channels, and rotary positions turn pairs of channels; "
+                      "pick a head count that gives an even head size",
+                      model.n_head > 0 ? model.head_dim() : 0));
+    at_least(model.ffn_hidden, 0, "model.ffn_hidden");
+    check(model.rope_theta >= 0, "model.rope_theta",
+          fmt::format("must be positive, or 0 for Llama 3's 500000 (got {})", model.rope_theta));
+    check(model.norm_eps >= 0 && model.norm_eps < 1, "model.norm_eps",
+          fmt::format("must be in (0, 1), or 0 for 1e-5 (got {})", model.norm_eps));
+    check(model.rope_scaling_factor == 0 || model.rope_scaling_factor >= 1, "model.rope_scaling_factor",
+          fmt::format("must be at least 1 (Llama 3.1: 8, Llama 3.2: 32), or 0 for no scaling (got {})",
+                      model.rope_scaling_factor));
+    check(model.rope_low_freq_factor >= 0, "model.rope_low_freq_factor",
+          fmt::format("must be positive, or 0 for 1 (got {})", model.rope_low_freq_factor));
+    check(model.rope_high_freq_factor >= 0, "model.rope_high_freq_factor",
+          fmt::format("must be positive, or 0 for 4 (got {})", model.rope_high_freq_factor));
+    check((model.rope_high_freq_factor > 0 ? model.rope_high_freq_factor : 4) >
+              (model.rope_low_freq_factor > 0 ? model.rope_low_freq_factor : 1),
+          "model.rope_high_freq_factor", "must exceed rope_low_freq_factor: they bound the band of wavelengths "
+                                         "that is scaled in part");
+    at_least(model.rope_original_context, 0, "model.rope_original_context");
+  } else {
+    // GPT-2's parts are fixed; a Llama key here is a mistake, not a no-op.
+    for (const auto& [value, key] : {std::pair{static_cast<double>(model.n_kv_head), "model.n_kv_head"},
+                                     {static_cast<double>(model.ffn_hidden), "model.ffn_hidden"},
+                                     {model.rope_theta, "model.rope_theta"},
+                                     {model.norm_eps, "model.norm_eps"},
+                                     {model.rope_scaling_factor, "model.rope_scaling_factor"},
+                                     {model.rope_low_freq_factor, "model.rope_low_freq_factor"},
+                                     {model.rope_high_freq_factor, "model.rope_high_freq_factor"},
+                                     {static_cast<double>(model.rope_original_context), "model.rope_original_context"}}) {
+      check(value == 0, key, "applies to Llama models only; set model.arch = \"llama\" or leave the key out");
+    }
+  }
   at_least(model.n_expert, 0, "model.n_expert");
   if (model.n_expert > 0) {
     check(model.top_k >= 1 && model.top_k <= model.n_expert, "model.top_k",

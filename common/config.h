@@ -30,22 +30,46 @@ struct JobConfig {
   }
 };
 
+// The model (docs/architecture.md "Model"). `arch` names a family, whose
+// settings of the model's parts the keys below it refine: "gpt2" (LayerNorm,
+// learned positions, GELU MLP, biases) or "llama" (RMSNorm, rotary
+// positions, SwiGLU MLP, no biases). Keys that only refine Llama are 0
+// ("the family's") under GPT-2, where any other value is refused.
 struct ModelConfig {
+  std::string arch = "gpt2";     // "gpt2" | "llama"
   int64_t vocab_size = 256;      // tokenizer vocabulary (256 bytes; 50257 for GPT-2); padded to a multiple of 128
-  int64_t seq_len = 256;         // context length T (rows of wpe)
+  int64_t seq_len = 256;         // context length T (rows of wpe under GPT-2)
   int64_t n_layer = 4;           // transformer blocks
-  int64_t n_head = 4;            // attention heads; must divide n_embd
+  int64_t n_head = 4;            // attention (query) heads; must divide n_embd
   int64_t n_embd = 256;          // model width C
   int64_t n_expert = 0;          // experts per MoE layer; 0 = dense MLP everywhere
   int64_t top_k = 2;             // experts each token is routed to (MoE only)
   int64_t moe_every = 1;         // block i is MoE when (i + 1) % moe_every == 0 (MoE only)
   double aux_loss_coef = 0.01;   // Switch load-balancing loss coefficient (MoE only)
+  bool tie_embeddings = true;    // the LM head is the token embedding (false: a head of its own)
+  // Llama only (0: the family's default).
+  int64_t n_kv_head = 0;         // key/value heads, dividing n_head (grouped-query attention); 0 = n_head
+  int64_t ffn_hidden = 0;        // SwiGLU width; 0 = Meta's rule: int(8C/3) rounded up to a multiple of 256
+  double rope_theta = 0;         // rotary base; 0 = 500000 (Llama 3)
+  double norm_eps = 0;           // RMSNorm epsilon; 0 = 1e-5
+  // Llama 3.1's rope scaling; factor 0 = none (Llama 3.0).
+  double rope_scaling_factor = 0;
+  double rope_low_freq_factor = 0;    // 0 = 1
+  double rope_high_freq_factor = 0;   // 0 = 4
+  int64_t rope_original_context = 0;  // 0 = 8192
 
   int64_t padded_vocab() const { return (vocab_size + 127) / 128 * 128; }
+  bool llama() const { return arch == "llama"; }
   int64_t head_dim() const { return n_embd / n_head; }
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  // The MLP's hidden width: 4C under GPT-2, ffn_hidden or Meta's rule under Llama.
+  int64_t mlp_width() const;
+  double rotary_base() const { return rope_theta > 0 ? rope_theta : 500000.0; }
+  double norm_epsilon() const { return norm_eps > 0 ? norm_eps : 1e-5; }
   bool is_moe_layer(int64_t layer) const { return n_expert > 0 && (layer + 1) % moe_every == 0; }
 
   template <class V> void visit(V& v) {
+    v("arch", arch);
     v("vocab_size", vocab_size);
     v("seq_len", seq_len);
     v("n_layer", n_layer);
@@ -55,6 +79,15 @@ struct ModelConfig {
     v("top_k", top_k);
     v("moe_every", moe_every);
     v("aux_loss_coef", aux_loss_coef);
+    v("tie_embeddings", tie_embeddings);
+    v("n_kv_head", n_kv_head);
+    v("ffn_hidden", ffn_hidden);
+    v("rope_theta", rope_theta);
+    v("norm_eps", norm_eps);
+    v("rope_scaling_factor", rope_scaling_factor);
+    v("rope_low_freq_factor", rope_low_freq_factor);
+    v("rope_high_freq_factor", rope_high_freq_factor);
+    v("rope_original_context", rope_original_context);
   }
 };
 

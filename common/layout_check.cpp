@@ -124,8 +124,20 @@ std::vector<std::string> layout_problems(const Config& config, int64_t world_siz
         "tp={} does not divide n_head={}: each TP rank holds whole attention heads, so choose a tp that divides {}",
         p.tp, m.n_head, m.n_head));
   }
-  // The MLP width 4*n_embd is divisible whenever n_embd is, so n_embd is the
-  // one to name.
+  if (m.kv_heads() % p.tp != 0) {
+    problems.push_back(fmt::format(
+        "tp={} does not divide n_kv_head={}: each TP rank holds whole key/value heads with the query heads they "
+        "serve, so choose a tp that divides {} (or more key/value heads)",
+        p.tp, m.kv_heads(), m.kv_heads()));
+  }
+  if (m.llama() && m.mlp_width() % p.tp != 0) {
+    problems.push_back(fmt::format(
+        "tp={} does not divide the SwiGLU width {} (model.ffn_hidden): TP splits the gate and up projections' "
+        "outputs across ranks, so choose a tp that divides {} or another ffn_hidden",
+        p.tp, m.mlp_width(), m.mlp_width()));
+  }
+  // GPT-2's MLP width 4*n_embd is divisible whenever n_embd is, so n_embd is
+  // the one to name.
   if (m.n_embd % p.tp != 0) {
     problems.push_back(fmt::format(
         "tp={} does not divide n_embd={}: TP splits the attention width n_embd and the MLP width 4*n_embd across "

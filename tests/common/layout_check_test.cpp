@@ -84,6 +84,20 @@ TEST_SUITE("unit") {
         {"world too large", 16, [](Config& c) { c.parallel.pp = c.parallel.micro_batches = 2; },
          "dp*tp*pp*cp = 1*1*2*1 = 2 but the world has 16 ranks"},
         {"tp against heads", 3, [](Config& c) { c.parallel.tp = 3; }, "tp=3 does not divide n_head=4"},
+        {"tp against key/value heads", 4,
+         [](Config& c) {
+           c.model.arch = "llama";
+           c.model.n_kv_head = 2;
+           c.parallel.tp = 4;
+         },
+         "tp=4 does not divide n_kv_head=2"},
+        {"tp against the SwiGLU width", 4,
+         [](Config& c) {
+           c.model.arch = "llama";
+           c.model.ffn_hidden = 690;
+           c.parallel.tp = 4;
+         },
+         "tp=4 does not divide the SwiGLU width 690 (model.ffn_hidden)"},
         {"tp against width", 4,
          [](Config& c) {
            c.parallel.tp = 4;

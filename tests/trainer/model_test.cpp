@@ -1,4 +1,5 @@
 #include "common/counter_rng.h"
+#include "common/error.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
@@ -32,6 +33,18 @@ ModelConfig tiny_model(int64_t n_expert = 0) {
   m.top_k = 2;
   m.moe_every = 2;
   m.aux_loss_coef = 0.1;
+  return m;
+}
+
+// A Llama of the same size: grouped-query attention (4 query heads, 2
+// key/value heads), a SwiGLU width of 24, optionally MoE blocks.
+ModelConfig tiny_llama(int64_t n_expert = 0) {
+  ModelConfig m = tiny_model(n_expert);
+  m.arch = "llama";
+  m.n_head = 4;
+  m.n_kv_head = 2;
+  m.ffn_hidden = 24;
+  m.tie_embeddings = false;
   return m;
 }
 
@@ -127,6 +140,60 @@ TEST_SUITE("unit") {
     CHECK_FALSE(table.find("h.0.attn.c_attn.bias").weight_decay());
   }
 
+  TEST_CASE("the Llama parameter table has Hugging Face's names and shapes and no biases") {
+    ParameterTable table(tiny_llama(4));
+    CHECK(table.find("model.embed_tokens.weight").shape == std::vector<int64_t>{128, 16});
+    CHECK(table.find("lm_head.weight").shape == std::vector<int64_t>{128, 16});
+    CHECK(table.find("model.norm.weight").shape == std::vector<int64_t>{16});
+    CHECK(table.find("model.layers.0.input_layernorm.weight").shape == std::vector<int64_t>{16});
+    CHECK(table.find("model.layers.0.self_attn.q_proj.weight").shape == std::vector<int64_t>{16, 16});
+    CHECK(table.find("model.layers.0.self_attn.k_proj.weight").shape == std::vector<int64_t>{8, 16});
+    CHECK(table.find("model.layers.0.self_attn.v_proj.weight").shape == std::vector<int64_t>{8, 16});
+    CHECK(table.find("model.layers.0.self_attn.o_proj.weight").shape == std::vector<int64_t>{16, 16});
+    CHECK(table.find("model.layers.0.post_attention_layernorm.weight").shape == std::vector<int64_t>{16});
+    CHECK(table.find("model.layers.0.mlp.gate_proj.weight").shape == std::vector<int64_t>{24, 16});
+    CHECK(table.find("model.layers.0.mlp.up_proj.weight").shape == std::vector<int64_t>{24, 16});
+    CHECK(table.find("model.layers.0.mlp.down_proj.weight").shape == std::vector<int64_t>{16, 24});
+    CHECK(table.find("model.layers.1.block_sparse_moe.gate.weight").shape == std::vector<int64_t>{4, 16});
+    CHECK(table.find("model.layers.1.block_sparse_moe.experts.3.w1.weight").shape == std::vector<int64_t>{24, 16});
+    CHECK(table.find("model.layers.1.block_sparse_moe.experts.3.w3.weight").shape == std::vector<int64_t>{24, 16});
+    CHECK(table.find("model.layers.1.block_sparse_moe.experts.3.w2.weight").shape == std::vector<int64_t>{16, 24});
+    for (const auto& spec : table.specs()) {
+      CAPTURE(spec.name);
+      CHECK(spec.name.find("bias") == std::string::npos);
+      CHECK(spec.name.find("wpe") == std::string::npos);  // rotary positions have no table
+    }
+    // Tied, the head is the embedding.
+    ModelConfig tied = tiny_llama();
+    tied.tie_embeddings = true;
+    CHECK_THROWS_AS(ParameterTable(tied).find("lm_head.weight"), std::out_of_range);
+  }
+
+  TEST_CASE("each TP rank's query key and value rows and its gate and up rows are one matrix in the flat buffer") {
+    for (int tp : {1, 2}) {
+      CAPTURE(tp);
+      const ParameterTable table(tiny_llama(4), tp - 1, tp);
+      const auto& q = table.find("model.layers.0.self_attn.q_proj.weight");
+      const auto& k = table.find("model.layers.0.self_attn.k_proj.weight");
+      const auto& v = table.find("model.layers.0.self_attn.v_proj.weight");
+      CHECK(q.shape == std::vector<int64_t>{16 / tp, 16});
+      CHECK(k.shape == std::vector<int64_t>{8 / tp, 16});
+      CHECK(k.offset == q.offset + q.numel);
+      CHECK(v.offset == k.offset + k.numel);
+      for (const std::string mlp : {"model.layers.0.mlp.", "model.layers.1.block_sparse_moe.experts.2."}) {
+        const bool expert = mlp.find("experts") != std::string::npos;
+        const auto& gate = table.find(mlp + (expert ? "w1.weight" : "gate_proj.weight"));
+        const auto& up = table.find(mlp + (expert ? "w3.weight" : "up_proj.weight"));
+        CHECK(gate.shape == std::vector<int64_t>{24 / tp, 16});
+        CHECK(up.offset == gate.offset + gate.numel);
+        CHECK(up.expert == expert);
+      }
+      // TP rank r holds key/value head r of 2, with the query heads it serves.
+      CHECK(k.global_blocks(0, k.rows())[0].row == (tp - 1) * 4);
+      CHECK(q.global_blocks(0, q.rows())[0].row == (tp - 1) * 8);
+    }
+  }
+
   TEST_CASE("initialisation follows GPT-2 and every element is a pure function of seed and name and index") {
     ModelConfig m = tiny_model();
     m.n_embd = 64;
@@ -162,11 +229,15 @@ TEST_SUITE("unit") {
   }
 
   TEST_CASE("the TP slices of every tensor tile the global tensor with rectangular blocks") {
-    ModelConfig m = tiny_model();
-    m.n_head = 4;
-    const ParameterTable whole(m);
-    for (int tp : {2, 4}) {
+    ModelConfig gpt2 = tiny_model(4);
+    gpt2.n_head = 4;
+    ModelConfig llama = tiny_llama(4);
+    llama.n_kv_head = 4;
+    llama.tie_embeddings = true;
+    for (const auto& [m, tp] : {std::pair{gpt2, 2}, {gpt2, 4}, {tiny_llama(4), 2}, {llama, 4}}) {
+      CAPTURE(m.arch);
       CAPTURE(tp);
+      const ParameterTable whole(m);
       std::vector<std::vector<int>> covered(whole.specs().size());
       for (size_t t = 0; t < whole.specs().size(); ++t) covered[t].assign(whole.specs()[t].numel, 0);
       for (int r = 0; r < tp; ++r) {
@@ -196,7 +267,7 @@ TEST_SUITE("unit") {
       }
     }
     // q, k and v each give a TP rank the rows of its own heads.
-    const auto blocks = ParameterTable(m, 1, 2).find("h.0.attn.c_attn.weight").global_blocks(0, 24);
+    const auto blocks = ParameterTable(gpt2, 1, 2).find("h.0.attn.c_attn.weight").global_blocks(0, 24);
     REQUIRE(blocks.size() == 3);
     CHECK(blocks[0].row == 8);
     CHECK(blocks[1].row == 24);
@@ -231,6 +302,25 @@ TEST_SUITE("unit") {
 
   TEST_CASE("the dense model's backward matches finite differences for every tensor") {
     check_model_gradients(tiny_model(), 1e-2f, 0.05);
+  }
+
+  TEST_CASE("an untied head's backward matches finite differences and the embedding then serves the tokens alone") {
+    ModelConfig untied = tiny_model();
+    untied.tie_embeddings = false;
+    check_model_gradients(untied, 1e-2f, 0.05);
+  }
+
+  TEST_CASE("a Llama model is refused with the key to change until its kernels land") {
+    CpuBackend backend(1);
+    const ParameterTable table(tiny_llama());
+    ZeroStorage storage(backend, table);
+    try {
+      Gpt model(tiny_llama(), backend, 2, storage);
+      FAIL("a Llama model was built");
+    } catch (const keel::common::Error& e) {
+      CHECK(e.code() == keel::common::ErrorCode::kBadConfig);
+      CHECK(std::string(e.what()).find("model.arch = \"gpt2\"") != std::string::npos);
+    }
   }
 
   TEST_CASE("the MoE model's backward with router and load-balancing loss matches finite differences") {

@@ -11,48 +11,54 @@
 
 namespace keel::trainer {
 
-// Block i of the model, unit `unit` of this stage's table.
-BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i, int unit) {
-  const std::string h = "h." + std::to_string(i);
-  const size_t origin = t.unit_begin(unit);
-  auto at = [&](const std::string& name) { return t.find(h + name).offset - origin; };
+BlockOffsets block_offsets(const ParameterTable& t, int unit) {
+  using Role = ModelParts::Role;
   BlockOffsets o;
-  o.ln1_w = at(".ln_1.weight");
-  o.ln1_b = at(".ln_1.bias");
-  o.qkv_w = at(".attn.c_attn.weight");
-  o.qkv_b = at(".attn.c_attn.bias");
-  o.attproj_w = at(".attn.c_proj.weight");
-  o.attproj_b = at(".attn.c_proj.bias");
-  o.ln2_w = at(".ln_2.weight");
-  o.ln2_b = at(".ln_2.bias");
-  if (m.is_moe_layer(i)) {
-    o.router_w = at(".moe.router.weight");
-    for (int64_t e = t.expert_begin(); e < t.expert_begin() + t.local_experts(); ++e) {
-      const std::string x = ".moe.experts." + std::to_string(e);
-      o.expert_fc_w.push_back(at(x + ".c_fc.weight"));
-      o.expert_fc_b.push_back(at(x + ".c_fc.bias"));
-      o.expert_proj_w.push_back(at(x + ".c_proj.weight"));
-      o.expert_proj_b.push_back(at(x + ".c_proj.bias"));
+  const size_t origin = t.unit_begin(unit);
+  for (size_t i = t.unit_first_tensor(unit); i < t.unit_end_tensor(unit); ++i) {
+    const ParamSpec& spec = t.specs()[i];
+    const size_t at = spec.offset - origin;
+    const bool expert = spec.expert;
+    switch (spec.role) {
+      case Role::kNorm1: o.ln1_w = at; break;
+      case Role::kNorm1Bias: o.ln1_b = at; break;
+      case Role::kQkv: o.qkv_w = at; break;
+      case Role::kQkvBias: o.qkv_b = at; break;
+      case Role::kAttentionOut: o.attproj_w = at; break;
+      case Role::kAttentionOutBias: o.attproj_b = at; break;
+      case Role::kNorm2: o.ln2_w = at; break;
+      case Role::kNorm2Bias: o.ln2_b = at; break;
+      case Role::kRouter: o.router_w = at; break;
+      // An expert's tensors come expert by expert, in local order.
+      case Role::kMlpIn: (expert ? o.expert_fc_w.emplace_back() : o.fc_w) = at; break;
+      case Role::kMlpInBias: (expert ? o.expert_fc_b.emplace_back() : o.fc_b) = at; break;
+      case Role::kMlpOut: (expert ? o.expert_proj_w.emplace_back() : o.proj_w) = at; break;
+      case Role::kMlpOutBias: (expert ? o.expert_proj_b.emplace_back() : o.proj_b) = at; break;
+      default: break;  // packed after kQkv or kMlpIn, or not a block's
     }
-  } else {
-    o.fc_w = at(".mlp.c_fc.weight");
-    o.fc_b = at(".mlp.c_fc.bias");
-    o.proj_w = at(".mlp.c_proj.weight");
-    o.proj_b = at(".mlp.c_proj.bias");
   }
+  // Experts without biases keep none; the MoE code reads them by index.
+  o.expert_fc_b.resize(o.expert_fc_w.size(), kNoTensor);
+  o.expert_proj_b.resize(o.expert_proj_w.size(), kNoTensor);
   return o;
 }
 
 OuterOffsets outer_offsets(const ParameterTable& t) {
-  const ModelStage& stage = t.stage();
-  auto at = [&](const std::string& name) { return t.find(name).offset - t.unit_begin(0); };
+  using Role = ModelParts::Role;
   OuterOffsets o;
-  if (stage.first() || stage.last()) o.wte = at("wte");
-  if (stage.first()) o.wpe = at("wpe");
-  if (stage.last()) {
-    o.lnf_w = at("ln_f.weight");
-    o.lnf_b = at("ln_f.bias");
+  for (size_t i = t.unit_first_tensor(0); i < t.unit_end_tensor(0); ++i) {
+    const ParamSpec& spec = t.specs()[i];
+    const size_t at = spec.offset - t.unit_begin(0);
+    switch (spec.role) {
+      case Role::kTokenEmbedding: o.wte = at; break;
+      case Role::kPositionEmbedding: o.wpe = at; break;
+      case Role::kFinalNorm: o.lnf_w = at; break;
+      case Role::kFinalNormBias: o.lnf_b = at; break;
+      case Role::kHead: o.head = at; break;
+      default: break;
+    }
   }
+  if (t.parts().tied_head) o.head = o.wte;
   return o;
 }
 
@@ -83,10 +89,17 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
                         "Gpt layout not validated: B*T % tp != 0, no slot, a stage without blocks or 2*cp not "
                         "dividing seq_len");
   }
+  const ModelParts& parts = storage.table().parts();
+  if (parts.norm != ModelParts::Norm::kLayerNorm || parts.positions != ModelParts::Positions::kLearned ||
+      parts.mlp != ModelParts::Mlp::kGelu || parts.kv_heads != parts.heads || !parts.biases) {
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        "model.arch = \"llama\" is described but not trained yet: its RMSNorm, rotary, SwiGLU and "
+                        "grouped-query attention kernels are still to land (issue 46); use model.arch = \"gpt2\"");
+  }
   Scratch& x = *scratch_;
   x.outer = outer_offsets(storage.table());
   for (int64_t b = 0; b < stage().layers(); ++b) {
-    x.offsets.push_back(block_offsets(storage.table(), config, stage().layer(b), static_cast<int>(b) + 1));
+    x.offsets.push_back(block_offsets(storage.table(), static_cast<int>(b) + 1));
   }
 }
 
@@ -383,10 +396,10 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
   k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0.at(outer.lnf_w),
                       p0.at(outer.lnf_b), Ns, C);
   gather_positions(s.lnf.buffer(), s.lnf_whole.buffer(), NsC);
-  // The LM head is tied to the token embedding: each rank scores its own
+  // The LM head (the token embedding where tied): each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
   const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-  k.matmul_forward(s.logits.buffer(), lnf_all, p0.weight(outer.wte), nullptr, N, C, Vl);
+  k.matmul_forward(s.logits.buffer(), lnf_all, p0.weight(outer.head), nullptr, N, C, Vl);
   if (activation_hook_) {
     activation_hook_(static_cast<int>(config_.n_layer), s.logits.buffer(), static_cast<size_t>(N) * Vl);
   }
@@ -470,9 +483,9 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
                                                             " its forward wrote the logits' gradient with");
     }
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-    term({Kind::kLinear, 0, outer.wte, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl,
+    term({Kind::kLinear, 0, outer.head, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl,
           Into::kWrite},
-         din_all, p0.weight(outer.wte), nullptr);
+         din_all, p0.weight(outer.head), nullptr);
     sum_into_positions(din_all, x.dln.data(), NsC);
     x.dresidual.zero();
     term({Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(), s.blocks[blocks - 1].residual3.data(),

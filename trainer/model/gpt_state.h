@@ -17,22 +17,27 @@
 
 namespace keel::trainer {
 
-// Where one block's tensors sit within its unit's buffers.
+// Where one block's tensors sit within its unit's buffers (kNoTensor: a
+// part the model does not have, such as Llama's biases). qkv_w is the
+// first of the query, key and value rows one GEMM multiplies, fc_w of the
+// MLP's input rows (SwiGLU's gate and up): ParamSpec::packed.
 struct BlockOffsets {
-  size_t ln1_w = 0, ln1_b = 0, qkv_w = 0, qkv_b = 0, attproj_w = 0, attproj_b = 0, ln2_w = 0, ln2_b = 0;
-  size_t fc_w = 0, fc_b = 0, proj_w = 0, proj_b = 0;  // dense MLP
-  size_t router_w = 0;                                // MoE
+  size_t ln1_w = kNoTensor, ln1_b = kNoTensor, qkv_w = kNoTensor, qkv_b = kNoTensor, attproj_w = kNoTensor,
+         attproj_b = kNoTensor, ln2_w = kNoTensor, ln2_b = kNoTensor;
+  size_t fc_w = kNoTensor, fc_b = kNoTensor, proj_w = kNoTensor, proj_b = kNoTensor;  // dense MLP
+  size_t router_w = kNoTensor;                                                        // MoE
   // Of this rank's experts, by local index (table.expert_begin() + index).
   std::vector<size_t> expert_fc_w, expert_fc_b, expert_proj_w, expert_proj_b;
 };
 
-// Block i of the model, unit `unit` of this stage's table.
-BlockOffsets block_offsets(const ParameterTable& t, const common::ModelConfig& m, int64_t i, int unit);
+// The block of unit `unit` (1 + its index in this stage's table).
+BlockOffsets block_offsets(const ParameterTable& t, int unit);
 
-// Unit 0: the embeddings (first stage) and the final norm and the tied LM
-// head (last stage). The token embedding serves both where one stage is both.
+// Unit 0: the embeddings (first stage) and the final norm and the LM head
+// (last stage). The token embedding serves as the head where it is tied,
+// both where one stage is both.
 struct OuterOffsets {
-  size_t wte = 0, wpe = 0, lnf_w = 0, lnf_b = 0;
+  size_t wte = kNoTensor, wpe = kNoTensor, lnf_w = kNoTensor, lnf_b = kNoTensor, head = kNoTensor;
 };
 
 // Where unit 0's tensors sit within its buffer.
@@ -47,7 +52,7 @@ OuterOffsets outer_offsets(const ParameterTable& t);
 // does, bit for bit, with no order written twice.
 struct Gpt::WeightTerm {
   enum class Kind { kLinear, kLayerNorm, kEmbedding, kUnitReady };
-  static constexpr size_t kNone = SIZE_MAX;  // an offset of no tensor (a linear without bias)
+  static constexpr size_t kNone = kNoTensor;  // an offset of no tensor (a linear without bias)
   Kind kind = Kind::kUnitReady;
   int unit = 0;
   size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)

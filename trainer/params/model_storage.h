@@ -19,8 +19,9 @@ struct UnitParameters {
   // (docs/architecture.md "GPU step"); null where the GEMMs take float32.
   const bf16* gemm = nullptr;
 
-  // The tensor at `offset` as LayerNorm, the embedding and the bias adds read it.
-  const float* at(size_t offset) const { return f32 + offset; }
+  // The tensor at `offset` as the norms, the embedding and the bias adds
+  // read it; null for kNoTensor.
+  const float* at(size_t offset) const { return offset == kNoTensor ? nullptr : f32 + offset; }
   // The weight at `offset` as a GEMM multiplies it.
   ConstBuffer weight(size_t offset) const {
     return gemm != nullptr ? ConstBuffer(gemm + offset) : ConstBuffer(f32 + offset);
@@ -29,6 +30,7 @@ struct UnitParameters {
   // into a bf16 output, as torch's autocast adds a bf16 bias (and cuBLASLt
   // can then write the output itself), the float32 master otherwise.
   ConstBuffer bias(size_t offset, Buffer out) const {
+    if (offset == kNoTensor) return nullptr;
     return gemm != nullptr && out.dtype == DType::kBF16 ? ConstBuffer(gemm + offset) : ConstBuffer(f32 + offset);
   }
 };

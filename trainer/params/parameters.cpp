@@ -86,41 +86,62 @@ int64_t ModelStage::chunk_begin(int chunk) const {
 
 ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp_size, const ModelStage& stage,
                                int ep_rank, int ep_size)
-    : tp_rank_(tp_rank),
+    : parts_(ModelParts::of(m)),
+      tp_rank_(tp_rank),
       tp_size_(tp_size),
       stage_(stage),
       expert_begin_(ep_rank * m.n_expert / ep_size),
       local_experts_(m.n_expert / ep_size) {
-  const int64_t C = m.n_embd;
-  // GPT-2 scales the init of every projection into the residual stream by
-  // 1/sqrt(2L) so the stream's variance does not grow with depth.
-  const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(m.n_layer));
+  using Role = ModelParts::Role;
+  const int64_t C = m.n_embd, F = parts_.mlp_width, head_dim = parts_.head_dim;
+  const float out_std =
+      parts_.depth_scaled_init ? 0.02f / std::sqrt(2.0f * static_cast<float>(m.n_layer)) : 0.02f;
   // Megatron's pairs: the first linear splits its outputs, the second its
-  // inputs, so the activation between them never leaves the rank.
-  auto column_parallel = [&](const std::string& prefix, int64_t out, int64_t in, TpSplit split) {
-    add(prefix + ".weight", {out, in}, split, InitKind::kNormal);
-    add(prefix + ".bias", {out}, split, InitKind::kZeros);
+  // inputs, so the activation between them never leaves the rank. Without
+  // biases (Llama) only the weights are tensors.
+  auto column_parallel = [&](Role weight, Role bias, int64_t layer, int64_t expert, int64_t out, int64_t in,
+                             TpSplit split, bool packed = false) {
+    add(weight, layer, expert, {out, in}, split, InitKind::kNormal, 0.02f, packed);
+    if (parts_.biases) add(bias, layer, expert, {out}, split, InitKind::kZeros);
   };
-  auto row_parallel = [&](const std::string& prefix, int64_t out, int64_t in) {
-    add(prefix + ".weight", {out, in}, TpSplit::kColumns, InitKind::kNormal, proj_std);
-    add(prefix + ".bias", {out}, TpSplit::kReplicated, InitKind::kZeros);
+  auto row_parallel = [&](Role weight, Role bias, int64_t layer, int64_t expert, int64_t out, int64_t in) {
+    add(weight, layer, expert, {out, in}, TpSplit::kColumns, InitKind::kNormal, out_std);
+    if (parts_.biases) add(bias, layer, expert, {out}, TpSplit::kReplicated, InitKind::kZeros);
   };
-  auto layernorm = [&](const std::string& prefix) {
-    add(prefix + ".weight", {C}, TpSplit::kReplicated, InitKind::kOnes);
-    add(prefix + ".bias", {C}, TpSplit::kReplicated, InitKind::kZeros);
+  auto norm = [&](Role weight, Role bias, int64_t layer) {
+    const size_t first = specs_.size();
+    add(weight, layer, -1, {C}, TpSplit::kReplicated, InitKind::kOnes);
+    if (parts_.norm == ModelParts::Norm::kLayerNorm) add(bias, layer, -1, {C}, TpSplit::kReplicated, InitKind::kZeros);
     // Under sequence parallelism each TP rank normalises its own positions.
-    specs_.end()[-1].grad_partial_over_tp = specs_.end()[-2].grad_partial_over_tp = tp_size > 1;
+    for (size_t t = first; t < specs_.size(); ++t) specs_[t].grad_partial_over_tp = tp_size > 1;
+  };
+  // The MLP, or one expert of it: GELU's fc and proj, or SwiGLU's gate and
+  // up (one GEMM) and down.
+  auto mlp = [&](int64_t layer, int64_t expert) {
+    const size_t first = specs_.size();
+    if (parts_.mlp == ModelParts::Mlp::kSwiGlu) {
+      column_parallel(Role::kMlpIn, Role::kMlpInBias, layer, expert, F, C, TpSplit::kRows);
+      add(Role::kMlpUp, layer, expert, {F, C}, TpSplit::kRows, InitKind::kNormal, 0.02f, true);
+    } else {
+      column_parallel(Role::kMlpIn, Role::kMlpInBias, layer, expert, F, C, TpSplit::kRows);
+    }
+    row_parallel(Role::kMlpOut, Role::kMlpOutBias, layer, expert, C, F);
+    for (size_t t = first; t < specs_.size(); ++t) specs_[t].expert = expert >= 0;
   };
 
   unit_first_tensor_.push_back(0);
-  auto token_embedding = [&] { add("wte", {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal); };
+  auto token_embedding = [&] { add(Role::kTokenEmbedding, -1, -1, {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal); };
   if (stage.first()) {
     token_embedding();
-    add("wpe", {m.seq_len, C}, TpSplit::kReplicated, InitKind::kNormal);
+    if (parts_.positions == ModelParts::Positions::kLearned) {
+      add(Role::kPositionEmbedding, -1, -1, {m.seq_len, C}, TpSplit::kReplicated, InitKind::kNormal);
+    }
   }
   if (stage.last()) {
-    layernorm("ln_f");
-    if (!stage.first()) {
+    norm(Role::kFinalNorm, Role::kFinalNormBias, -1);
+    if (!parts_.tied_head) {
+      add(Role::kHead, -1, -1, {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal);
+    } else if (!stage.first()) {
       token_embedding();
       specs_.back().tied_copy = true;
     }
@@ -128,30 +149,33 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
   for (int64_t b = 0; b < stage.layers(); ++b) {
     const int64_t i = stage.layer(b);
     unit_first_tensor_.push_back(specs_.size());
-    const std::string h = "h." + std::to_string(i);
-    layernorm(h + ".ln_1");
-    column_parallel(h + ".attn.c_attn", 3 * C, C, TpSplit::kQkvRows);
-    row_parallel(h + ".attn.c_proj", C, C);
-    layernorm(h + ".ln_2");
-    if (m.is_moe_layer(i)) {
-      add(h + ".moe.router.weight", {m.n_expert, C}, TpSplit::kReplicated, InitKind::kNormal);
-      for (int64_t e = expert_begin_; e < expert_begin_ + local_experts_; ++e) {
-        const std::string expert = h + ".moe.experts." + std::to_string(e);
-        const size_t first = specs_.size();
-        column_parallel(expert + ".c_fc", 4 * C, C, TpSplit::kRows);
-        row_parallel(expert + ".c_proj", C, 4 * C);
-        for (size_t t = first; t < specs_.size(); ++t) specs_[t].expert = true;
-      }
+    norm(Role::kNorm1, Role::kNorm1Bias, i);
+    if (parts_.kv_heads == parts_.heads && parts_.biases) {
+      // GPT-2's one tensor: its q, k and v thirds each split by whole heads.
+      column_parallel(Role::kQkv, Role::kQkvBias, i, -1, 3 * C, C, TpSplit::kQkvRows);
     } else {
-      column_parallel(h + ".mlp.c_fc", 4 * C, C, TpSplit::kRows);
-      row_parallel(h + ".mlp.c_proj", C, 4 * C);
+      // Grouped-query attention's three tensors, packed into one matrix
+      // (each TP rank's heads of each; docs/research/llama3.md section 3).
+      column_parallel(Role::kQkv, Role::kQkvBias, i, -1, parts_.heads * head_dim, C, TpSplit::kRows);
+      for (Role kv : {Role::kKeys, Role::kValues}) {
+        add(kv, i, -1, {parts_.kv_heads * head_dim, C}, TpSplit::kRows, InitKind::kNormal, 0.02f, true);
+      }
+    }
+    row_parallel(Role::kAttentionOut, Role::kAttentionOutBias, i, -1, C, C);
+    norm(Role::kNorm2, Role::kNorm2Bias, i);
+    if (m.is_moe_layer(i)) {
+      add(Role::kRouter, i, -1, {m.n_expert, C}, TpSplit::kReplicated, InitKind::kNormal);
+      for (int64_t e = expert_begin_; e < expert_begin_ + local_experts_; ++e) mlp(i, e);
+    } else {
+      mlp(i, -1);
     }
   }
   unit_first_tensor_.push_back(specs_.size());
 }
 
-void ParameterTable::add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init,
-                         float init_std) {
+void ParameterTable::add(ModelParts::Role role, int64_t layer, int64_t expert, std::vector<int64_t> shape,
+                         TpSplit split, InitKind init, float init_std, bool packed) {
+  std::string name = parts_.name(role, layer, expert);
   std::vector<int64_t> local = shape;
   const size_t dim = split == TpSplit::kColumns ? 1 : 0;
   if (split != TpSplit::kReplicated) {
@@ -165,10 +189,14 @@ void ParameterTable::add(std::string name, std::vector<int64_t> shape, TpSplit s
   }
   size_t numel = 1;
   for (int64_t d : local) numel *= static_cast<size_t>(d);
+  // A packed tensor takes the alignment gap after the one before it.
+  if (packed) total_ = specs_.back().offset + specs_.back().numel;
   ParamSpec spec{std::move(name), std::move(shape), std::move(local), split, tp_rank_, tp_size_, init, init_std,
                  total_, numel};
+  spec.role = role;
+  spec.packed = packed;
   specs_.push_back(std::move(spec));
-  // Every tensor starts on a 16-float boundary so kernels see aligned rows.
+  // Every other tensor starts on a 16-float boundary so kernels see aligned rows.
   total_ += (numel + 15) / 16 * 16;
 }
 
@@ -181,6 +209,14 @@ const ParamSpec& ParameterTable::find(const std::string& name) const {
     if (spec.name == name) return spec;
   }
   throw std::out_of_range("the model has no tensor named '" + name + "'");
+}
+
+std::optional<size_t> ParameterTable::tied_embedding() const {
+  if (!parts_.tied_head || stage_.count == 1 || (!stage_.first() && !stage_.last())) return std::nullopt;
+  for (size_t t = 0; t < specs_.size(); ++t) {
+    if (specs_[t].role == ModelParts::Role::kTokenEmbedding) return t;
+  }
+  return std::nullopt;
 }
 
 size_t ParameterTable::parameter_count() const {

@@ -11,14 +11,20 @@
 #pragma once
 
 #include "common/config.h"
+#include "trainer/params/model_parts.h"
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace keel::trainer {
 
 enum class InitKind { kNormal, kZeros, kOnes };
+
+// The offset of a tensor the model does not have (a bias of Llama's).
+constexpr size_t kNoTensor = SIZE_MAX;
 
 enum class TpSplit {
   kReplicated,  // every TP rank holds the whole tensor
@@ -45,8 +51,8 @@ struct LayerRange {
 
 // The part of the model one pipeline stage runs (docs/architecture.md
 // "Pipeline parallelism"): its chunks of blocks, the embedding on the
-// first stage and the head (final norm, LM head tied to the token
-// embedding, loss) on the last. Without interleaving a stage has one
+// first stage and the head (final norm, LM head, tied to the token
+// embedding or not, loss) on the last. Without interleaving a stage has one
 // chunk; with it, chunk j is virtual stage j * count + index, the
 // embedding belongs to the first stage's chunk 0 and the head to the last
 // stage's last chunk. One stage alone is the whole model.
@@ -79,7 +85,7 @@ struct ModelStage {
 };
 
 struct ParamSpec {
-  std::string name;                   // nanoGPT name, e.g. "h.0.attn.c_attn.weight"
+  std::string name;                   // its saved name (ModelParts::name), e.g. "h.0.attn.c_attn.weight"
   std::vector<int64_t> global_shape;  // PyTorch layout
   std::vector<int64_t> shape;         // this rank's local tensor
   TpSplit split = TpSplit::kReplicated;
@@ -102,6 +108,12 @@ struct ParamSpec {
   // its gradient sums over that group where every other tensor's sums
   // over dp x cp.
   bool expert = false;
+  ModelParts::Role role = ModelParts::Role::kTokenEmbedding;
+  // Whether it continues the tensor before it in the flat buffer with no
+  // gap: this rank's rows of both are one matrix to the GEMM that
+  // multiplies them (Llama's k_proj and v_proj after q_proj, up_proj after
+  // gate_proj).
+  bool packed = false;
 
   // AdamW decays 2-D tensors only (weights and embeddings, not biases or norms).
   bool weight_decay() const { return shape.size() == 2; }
@@ -113,7 +125,7 @@ struct ParamSpec {
 
 class ParameterTable {
  public:
-  // Every tensor of pipeline stage `stage` of the GPT described by `model`,
+  // Every tensor of pipeline stage `stage` of the model described by `model`,
   // in a fixed order, as TP rank `tp_rank` of `tp_size` and EP rank
   // `ep_rank` of `ep_size` hold it: the MoE blocks keep experts
   // [ep_rank, ep_rank + 1) * n_expert / ep_size under their global names.
@@ -126,6 +138,7 @@ class ParameterTable {
       : ParameterTable(model, tp_rank, tp_size, ModelStage::whole(model)) {}
 
   const ModelStage& stage() const { return stage_; }
+  const ModelParts& parts() const { return parts_; }
   // The experts of each MoE block this rank holds: [expert_begin(), + local_experts()).
   int64_t expert_begin() const { return expert_begin_; }
   int64_t local_experts() const { return local_experts_; }
@@ -137,10 +150,14 @@ class ParameterTable {
   size_t parameter_count() const;
   // Throws std::out_of_range naming the tensor when there is none.
   const ParamSpec& find(const std::string& name) const;
+  // The token embedding where a pipeline ties the LM head to it across its
+  // first and last stage (the original on the first, the copy on the
+  // last); none on other stages, with one stage or with an untied head.
+  std::optional<size_t> tied_embedding() const;
 
   // The model runs in units, each a run of consecutive tensors and of the
   // flat buffer: unit 0 holds the stage's ends (the embeddings on the first
-  // stage, the final norm and the tied LM head on the last; empty on a
+  // stage, the final norm and the LM head on the last; empty on a
   // middle stage), unit 1 + i the stage's i-th block. ZeRO-3 gathers and
   // ZeRO-2 reduces one unit at a time.
   int unit_count() const { return static_cast<int>(unit_first_tensor_.size()) - 1; }
@@ -151,7 +168,9 @@ class ParameterTable {
   size_t unit_end(int unit) const;
 
  private:
-  void add(std::string name, std::vector<int64_t> shape, TpSplit split, InitKind init, float init_std = 0.02f);
+  void add(ModelParts::Role role, int64_t layer, int64_t expert, std::vector<int64_t> shape, TpSplit split,
+           InitKind init, float init_std = 0.02f, bool packed = false);
+  ModelParts parts_;
   int tp_rank_;
   int tp_size_;
   ModelStage stage_;

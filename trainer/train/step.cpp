@@ -24,22 +24,10 @@ size_t tp_partial_numel(const ZeroStorage& storage) {
   return numel;
 }
 
-// The token embedding where a pipeline ties it across its first and last
-// stage: the original on the first, the copy on the last; none otherwise.
-std::optional<size_t> tied_tensor(const ParameterTable& table) {
-  const ModelStage& stage = table.stage();
-  if (stage.count == 1 || (!stage.first() && !stage.last())) return std::nullopt;
-  const auto& specs = table.specs();
-  for (size_t t = 0; t < specs.size(); ++t) {
-    if (specs[t].name == "wte") return t;
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 Step::Buffers Step::lay_out(Arena& arena, const ZeroStorage& storage, const ProcessGroups& groups) {
-  const auto tied = tied_tensor(storage.table());
+  const auto tied = storage.table().tied_embedding();
   Buffers buffers;
   buffers.tp_partial_grads = arena.take<float>(groups.get(Axis::kTp) != nullptr ? tp_partial_numel(storage) : 0);
   buffers.tied_grads = arena.take<float>(tied ? storage.owned_numel(*tied) : 0);
@@ -290,7 +278,7 @@ void Step::sum_tied_gradients() {
   // Megatron's embedding group is the PP group's two ends; each adds the
   // other's gradient to its own, and a + b == b + a bit for bit, so both
   // copies take the same update.
-  const auto tied = tied_tensor(table_);
+  const auto tied = table_.tied_embedding();
   if (!tied) return;
   float* owned = p_.storage.owned_gradients(*tied);
   const size_t numel = p_.storage.owned_numel(*tied);
