@@ -11,13 +11,21 @@
 
 namespace keel::trainer {
 
+namespace {
+
+// Calls visit(spec, its offset within the unit's buffer) for each tensor of `unit`.
+template <class Visit> void for_each_in_unit(const ParameterTable& t, int unit, Visit visit) {
+  for (size_t i = t.unit_first_tensor(unit); i < t.unit_end_tensor(unit); ++i) {
+    visit(t.specs()[i], t.specs()[i].offset - t.unit_begin(unit));
+  }
+}
+
+}  // namespace
+
 BlockOffsets block_offsets(const ParameterTable& t, int unit) {
   using Role = ModelParts::Role;
   BlockOffsets o;
-  const size_t origin = t.unit_begin(unit);
-  for (size_t i = t.unit_first_tensor(unit); i < t.unit_end_tensor(unit); ++i) {
-    const ParamSpec& spec = t.specs()[i];
-    const size_t at = spec.offset - origin;
+  for_each_in_unit(t, unit, [&o](const ParamSpec& spec, size_t at) {
     const bool expert = spec.expert;
     switch (spec.role) {
       case Role::kNorm1: o.ln1_w = at; break;
@@ -36,7 +44,7 @@ BlockOffsets block_offsets(const ParameterTable& t, int unit) {
       case Role::kMlpOutBias: (expert ? o.expert_proj_b.emplace_back() : o.proj_b) = at; break;
       default: break;  // packed after kQkv or kMlpIn, or not a block's
     }
-  }
+  });
   // Experts without biases keep none; the MoE code reads them by index.
   o.expert_fc_b.resize(o.expert_fc_w.size(), kNoTensor);
   o.expert_proj_b.resize(o.expert_proj_w.size(), kNoTensor);
@@ -46,9 +54,7 @@ BlockOffsets block_offsets(const ParameterTable& t, int unit) {
 OuterOffsets outer_offsets(const ParameterTable& t) {
   using Role = ModelParts::Role;
   OuterOffsets o;
-  for (size_t i = t.unit_first_tensor(0); i < t.unit_end_tensor(0); ++i) {
-    const ParamSpec& spec = t.specs()[i];
-    const size_t at = spec.offset - t.unit_begin(0);
+  for_each_in_unit(t, 0, [&o](const ParamSpec& spec, size_t at) {
     switch (spec.role) {
       case Role::kTokenEmbedding: o.wte = at; break;
       case Role::kPositionEmbedding: o.wpe = at; break;
@@ -57,7 +63,7 @@ OuterOffsets outer_offsets(const ParameterTable& t) {
       case Role::kHead: o.head = at; break;
       default: break;
     }
-  }
+  });
   if (t.parts().tied_head) o.head = o.wte;
   return o;
 }
@@ -288,6 +294,10 @@ void Gpt::sum_into_positions(const float* partial, float* shard, size_t shard_nu
   if (tp_ != nullptr) tp_->reduce_scatter(partial, shard, shard_numel);
 }
 
+float* Gpt::partial_or(ArenaArray<float>& shard) { return tp_ != nullptr ? scratch_->partial.data() : shard.data(); }
+
+bool Gpt::is_moe(int block) const { return config_.is_moe_layer(stage().layer(block)); }
+
 void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot, int chunk,
                   std::optional<float> backward_scale) {
   if (scratch_->dresidual.data() == nullptr) {
@@ -306,7 +316,7 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
   s.chunk = chunk;
   s.logits_gradient_scale.reset();
   const Sizes z = sizes();
-  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, V = z.V, Vl = z.Vl, v_begin = z.v_begin;
+  const int C = z.C, N = z.N(B), Ns = z.Ns(B), V = z.V, Vl = z.Vl, v_begin = z.v_begin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   const bool first_tp_rank = tp_rank_ == 0;
   Scratch& x = *scratch_;
@@ -317,10 +327,6 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
   const int blocks = static_cast<int>(stage().chunk_blocks(chunk));
   const int first = static_cast<int>(stage().chunk_begin(chunk));
   storage_.prefetch_parameters(first + 1);
-  // A row-parallel linear's output: partial sums to be reduce-scattered
-  // with TP, the shard itself without.
-  auto partial_or = [&](const ArenaArray<float>& shard) { return tp_ != nullptr ? x.partial.data() : shard.data(); };
-
   // This rank's positions of the batch's tokens, in backend memory.
   auto upload = [&](const int32_t* tokens, ArenaArray<int32_t>& to) {
     if (cp_ != nullptr) {
@@ -349,47 +355,7 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
 
   aux_loss_ = 0.0f;
   const float* residual = s.input.data();
-  for (int i = 0; i < blocks; ++i) {
-    Slot::Block& blk = s.blocks[static_cast<size_t>(i)];
-    const BlockOffsets& o = x.offsets[static_cast<size_t>(first + i)];
-    const int unit = first + i + 1;
-    const UnitParameters p = storage_.acquire_parameters(unit);
-    if (i + 1 < blocks) storage_.prefetch_parameters(unit + 1);
-    // Attention branch.
-    k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
-                        p.at(o.ln1_b), Ns, C);
-    gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
-    k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.bias(o.qkv_b, blk.qkv.buffer()), N, C,
-                     3 * Cl);
-    attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
-    k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p.weight(o.attproj_w),
-                     first_tp_rank ? p.at(o.attproj_b) : nullptr, N, Cl, C);
-    sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
-    // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
-    // residual add. (The block's output add stays apart: the activation
-    // hook must see it before the next block reads it.)
-    k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(), blk.ln2_rstd.data(),
-                            p.at(o.ln2_w), p.at(o.ln2_b), Ns, C);
-    if (config_.is_moe_layer(stage().layer(first + i))) {
-      // Every TP rank routes all N tokens alike and runs its slice of each
-      // expert, like the dense MLP; the row-parallel partials sum into the shards.
-      gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
-      moe_forward(s, i, p, blk.ln2_all().f32(), partial_or(blk.residual3), N);
-      sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
-    } else {
-      gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
-      // The pre-activation is kept for GELU's backward; GELU reads it as
-      // kept (rounded, when bf16), as the backward will.
-      k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.bias(o.fc_b, blk.fch.buffer()), N, C, Fl);
-      k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
-      k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p.weight(o.proj_w),
-                       first_tp_rank ? p.at(o.proj_b) : nullptr, N, Fl, C);
-      sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
-    }
-    k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
-    if (activation_hook_) activation_hook_(static_cast<int>(stage().layer(first + i)), blk.residual3.data(), NsC);
-    residual = blk.residual3.data();
-  }
+  for (int i = 0; i < blocks; ++i) residual = block_forward(s, first + i, residual);
   if (!scores) return;
 
   upload(targets, s.targets);
@@ -413,6 +379,55 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
     k.crossentropy_combine(s.losses.data(), s.lse.data(), tp_ != nullptr ? x.xent_all.data() : x.xent_stats.data(),
                            tp_size_, N);
   }
+}
+
+const float* Gpt::block_forward(Slot& s, int block, const float* residual) {
+  const Sizes z = sizes();
+  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, Fl = z.Fl;
+  const size_t NsC = static_cast<size_t>(Ns) * C;
+  const bool first_tp_rank = tp_rank_ == 0;
+  Scratch& x = *scratch_;
+  Backend& k = backend_;
+  const int i = block - static_cast<int>(stage().chunk_begin(s.chunk));
+  Slot::Block& blk = s.blocks[static_cast<size_t>(i)];
+  const BlockOffsets& o = x.offsets[static_cast<size_t>(block)];
+  const int unit = block + 1;
+  const UnitParameters p = storage_.acquire_parameters(unit);
+  if (i + 1 < stage().chunk_blocks(s.chunk)) storage_.prefetch_parameters(unit + 1);
+
+  // Attention branch.
+  k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
+                      p.at(o.ln1_b), Ns, C);
+  gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
+  k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.bias(o.qkv_b, blk.qkv.buffer()), N, C,
+                   3 * Cl);
+  attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), s.batch);
+  k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p.weight(o.attproj_w),
+                   first_tp_rank ? p.at(o.attproj_b) : nullptr, N, Cl, C);
+  sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
+
+  // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
+  // residual add. (The block's output add stays apart: the activation
+  // hook must see it before the next block reads it.)
+  k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(), blk.ln2_rstd.data(),
+                          p.at(o.ln2_w), p.at(o.ln2_b), Ns, C);
+  gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
+  if (is_moe(block)) {
+    // Every TP rank routes all N tokens alike and runs its slice of each
+    // expert, like the dense MLP; the row-parallel partials sum into the shards.
+    moe_forward(s, i, p, blk.ln2_all().f32(), partial_or(blk.residual3), N);
+  } else {
+    // The pre-activation is kept for GELU's backward; GELU reads it as
+    // kept (rounded, when bf16), as the backward will.
+    k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.bias(o.fc_b, blk.fch.buffer()), N, C, Fl);
+    k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
+    k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p.weight(o.proj_w),
+                     first_tp_rank ? p.at(o.proj_b) : nullptr, N, Fl, C);
+  }
+  sum_into_positions(x.partial.data(), blk.residual3.data(), NsC);
+  k.accumulate(blk.residual3.data(), blk.residual2.data(), NsC);
+  if (activation_hook_) activation_hook_(static_cast<int>(stage().layer(block)), blk.residual3.data(), NsC);
+  return blk.residual3.data();
 }
 
 int Gpt::scored_positions(int slot) const {
@@ -441,7 +456,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     throw common::Error(common::ErrorCode::kInternal, "Gpt::backward without weights on a model not split");
   }
   const Sizes z = sizes();
-  const int C = z.C, N = z.N(B), Ns = z.Ns(B), Cl = z.Cl, Fl = z.Fl, V = z.V, Vl = z.Vl, v_begin = z.v_begin;
+  const int C = z.C, N = z.N(B), Ns = z.Ns(B), V = z.V, Vl = z.Vl, v_begin = z.v_begin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   Scratch& x = *scratch_;
   Backend& k = backend_;
@@ -449,26 +464,23 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   const bool embeds = stage().embeds(s.chunk), scores = stage().scores(s.chunk);
   const UnitParameters p0 = embeds || scores ? storage_.acquire_parameters(0) : UnitParameters{};
   s.weight_terms.clear();
-  auto term = [&](const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept) {
-    backward_term(s, weights, t, dinp, weight, kept);
-  };
   using Kind = WeightTerm::Kind;
-  const size_t blocks = static_cast<size_t>(stage().chunk_blocks(s.chunk));
   const int first = static_cast<int>(stage().chunk_begin(s.chunk));
-  // The gradient of a sequence-parallel boundary, both ways: the shards of
-  // an output gradient gathered (all-gather's backward is a reduce-scatter
-  // and vice versa), and an input gradient summed into the shards.
-  float* dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
-  float* din_all = tp_ != nullptr ? x.dwhole_in.data() : x.dln.data();
-  const size_t din_numel = tp_ != nullptr ? static_cast<size_t>(N) * C : NsC;
+  const int last = first + static_cast<int>(stage().chunk_blocks(s.chunk)) - 1;
   // The residual stream's gradient as the dense linears' GEMMs take it
   // (Scratch::dresidual_gemm): each LayerNorm backward that adds into
   // dresidual puts the sum there rounded when a dense linear reads it
   // next, the projection of a dense MLP or attention's.
   bf16* const rounded = x.dresidual_gemm.size() > 0 ? static_cast<bf16*>(x.dresidual_gemm.buffer().data) : nullptr;
-  const ConstBuffer dout_gemm = rounded != nullptr ? ConstBuffer(rounded) : ConstBuffer(dout_all);
-  auto dense = [&](size_t i) { return !config_.is_moe_layer(stage().layer(first + static_cast<int64_t>(i))); };
-  auto rounded_for_mlp = [&](size_t i) { return dense(i) ? rounded : nullptr; };
+  float* const dout_all = tp_ != nullptr ? x.dwhole_out.data() : x.dresidual.data();
+  const BackwardPass pass{s,
+                          weights,
+                          loss_scale,
+                          dout_all,
+                          tp_ != nullptr ? x.dwhole_in.data() : x.dln.data(),
+                          tp_ != nullptr ? static_cast<size_t>(N) * C : NsC,
+                          rounded,
+                          rounded != nullptr ? ConstBuffer(rounded) : ConstBuffer(dout_all)};
 
   if (scores) {
     // Softmax cross-entropy gradient, written over the logits in place
@@ -483,70 +495,94 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
                                                             " its forward wrote the logits' gradient with");
     }
     const ConstBuffer lnf_all = tp_ != nullptr ? s.lnf_whole.buffer() : s.lnf.buffer();
-    term({Kind::kLinear, 0, outer.head, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C, Vl,
-          Into::kWrite},
-         din_all, p0.weight(outer.head), nullptr);
-    sum_into_positions(din_all, x.dln.data(), NsC);
+    backward_term(s, weights,
+                  {Kind::kLinear, 0, outer.head, WeightTerm::kNone, s.logits.buffer(), lnf_all, nullptr, nullptr, N, C,
+                   Vl, Into::kWrite},
+                  pass.din_all, p0.weight(outer.head), nullptr);
+    sum_into_positions(pass.din_all, x.dln.data(), NsC);
     x.dresidual.zero();
-    term({Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(), s.blocks[blocks - 1].residual3.data(),
-          s.lnf_mean.data(), s.lnf_rstd.data(), Ns, C, C, Into::kAdd, nullptr, rounded_for_mlp(blocks - 1)},
-         x.dresidual.data(), p0.at(outer.lnf_w), s.dlnf.data());
+    backward_term(s, weights,
+                  {Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(),
+                   s.blocks[static_cast<size_t>(last - first)].residual3.data(), s.lnf_mean.data(), s.lnf_rstd.data(),
+                   Ns, C, C, Into::kAdd, nullptr, rounded_for_mlp(pass, last)},
+                  x.dresidual.data(), p0.at(outer.lnf_w), s.dlnf.data());
   } else {
     k.copy(x.dresidual.data(), s.output_grad.data(), NsC * sizeof(float));
-    if (bf16* to = rounded_for_mlp(blocks - 1)) k.round_to_bf16(to, x.dresidual.data(), NsC);
+    if (bf16* to = rounded_for_mlp(pass, last)) k.round_to_bf16(to, x.dresidual.data(), NsC);
   }
 
   // dresidual holds the gradient of this rank's shard of the residual
   // stream; each branch adds its input's gradient into it on the way down.
-  for (size_t i = blocks; i-- > 0;) {
-    Slot::Block& blk = s.blocks[i];
-    const BlockOffsets& o = x.offsets[static_cast<size_t>(first) + i];
-    const int unit = first + static_cast<int>(i) + 1;
-    const UnitParameters p = storage_.acquire_parameters(unit);
-    if (i > 0) storage_.prefetch_parameters(unit - 1);
-    const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
-
-    gather_positions(x.dresidual.data(), dout_all, NsC);
-    if (!dense(i)) {
-      // The experts' and the router's input gradients sum into it.
-      k.zero(din_all, din_numel * sizeof(float));
-      moe_backward(s, static_cast<int>(i), p, weights, din_all, dout_all, loss_scale, N);
-    } else {
-      // The projection's input gradient through GELU's derivative: dfch,
-      // in the GEMMs' input type, as fc's backward GEMMs take it.
-      term({Kind::kLinear, unit, o.proj_w, o.proj_b, dout_gemm, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
-            blk.fch.buffer()},
-           x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.buffer());
-      term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl,
-            Into::kWrite},
-           din_all, p.weight(o.fc_w), blk.dfch.buffer());
-    }
-    sum_into_positions(din_all, x.dln.data(), NsC);
-    term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
-          blk.ln2_rstd.data(), Ns, C, C, Into::kAdd, nullptr, rounded},
-         x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
-
-    gather_positions(x.dresidual.data(), dout_all, NsC);
-    term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, dout_gemm, blk.atty.buffer(), nullptr, nullptr, N, Cl, C,
-          Into::kWrite},
-         x.datty.data(), p.weight(o.attproj_w), blk.dattproj.buffer());
-    attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), B);
-    term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl,
-          Into::kWrite},
-         din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
-    sum_into_positions(din_all, x.dln.data(), NsC);
-    term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
-          Ns, C, C, Into::kAdd, nullptr, i > 0 ? rounded_for_mlp(i - 1) : nullptr},
-         x.dresidual.data(), p.at(o.ln1_w), blk.dln1.data());
-    term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
-  }
+  for (int block = last; block >= first; --block) block_backward(pass, block);
   if (embeds) {
-    gather_positions(x.dresidual.data(), dout_all, NsC);
-    term({Kind::kEmbedding, 0, WeightTerm::kNone, WeightTerm::kNone, dout_all, nullptr, nullptr, nullptr, N, 0, C},
-         nullptr, nullptr, s.dembed.data());
+    gather_positions(x.dresidual.data(), pass.dout_all, NsC);
+    backward_term(s, weights,
+                  {Kind::kEmbedding, 0, WeightTerm::kNone, WeightTerm::kNone, pass.dout_all, nullptr, nullptr, nullptr,
+                   N, 0, C},
+                  nullptr, nullptr, s.dembed.data());
   }
-  if (embeds || scores) term({Kind::kUnitReady, 0}, nullptr, nullptr, nullptr);
+  if (embeds || scores) backward_term(s, weights, {Kind::kUnitReady, 0}, nullptr, nullptr, nullptr);
   if (weights) s.batch = 0;
+}
+
+bf16* Gpt::rounded_for_mlp(const BackwardPass& pass, int block) const {
+  return is_moe(block) ? nullptr : pass.rounded;
+}
+
+void Gpt::block_backward(const BackwardPass& pass, int block) {
+  Slot& s = pass.slot;
+  const Sizes z = sizes();
+  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, Fl = z.Fl;
+  const size_t NsC = static_cast<size_t>(Ns) * C;
+  Scratch& x = *scratch_;
+  using Kind = WeightTerm::Kind;
+  const int first = static_cast<int>(stage().chunk_begin(s.chunk));
+  const size_t i = static_cast<size_t>(block - first);
+  Slot::Block& blk = s.blocks[i];
+  const BlockOffsets& o = x.offsets[static_cast<size_t>(block)];
+  const int unit = block + 1;
+  const UnitParameters p = storage_.acquire_parameters(unit);
+  if (block > first) storage_.prefetch_parameters(unit - 1);
+  const float* residual = i == 0 ? s.input.data() : s.blocks[i - 1].residual3.data();
+  auto term = [&](const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept) {
+    backward_term(s, pass.weights, t, dinp, weight, kept);
+  };
+
+  // MLP (or MoE) branch.
+  gather_positions(x.dresidual.data(), pass.dout_all, NsC);
+  if (is_moe(block)) {
+    // The experts' and the router's input gradients sum into it.
+    backend_.zero(pass.din_all, pass.din_numel * sizeof(float));
+    moe_backward(s, static_cast<int>(i), p, pass.weights, pass.din_all, pass.dout_all, pass.loss_scale, N);
+  } else {
+    // The projection's input gradient through GELU's derivative: dfch,
+    // in the GEMMs' input type, as fc's backward GEMMs take it.
+    term({Kind::kLinear, unit, o.proj_w, o.proj_b, pass.dout_gemm, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
+          blk.fch.buffer()},
+         x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.buffer());
+    term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl,
+          Into::kWrite},
+         pass.din_all, p.weight(o.fc_w), blk.dfch.buffer());
+  }
+  sum_into_positions(pass.din_all, x.dln.data(), NsC);
+  term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
+        blk.ln2_rstd.data(), Ns, C, C, Into::kAdd, nullptr, pass.rounded},
+       x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
+
+  // Attention branch.
+  gather_positions(x.dresidual.data(), pass.dout_all, NsC);
+  term({Kind::kLinear, unit, o.attproj_w, o.attproj_b, pass.dout_gemm, blk.atty.buffer(), nullptr, nullptr, N, Cl, C,
+        Into::kWrite},
+       x.datty.data(), p.weight(o.attproj_w), blk.dattproj.buffer());
+  attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), s.batch);
+  term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl,
+        Into::kWrite},
+       pass.din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
+  sum_into_positions(pass.din_all, x.dln.data(), NsC);
+  term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
+        Ns, C, C, Into::kAdd, nullptr, block > first ? rounded_for_mlp(pass, block - 1) : nullptr},
+       x.dresidual.data(), p.at(o.ln1_w), blk.dln1.data());
+  term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
 }
 
 void Gpt::backward_term(Slot& s, bool weights, const WeightTerm& t, Buffer dinp, ConstBuffer weight, Buffer kept) {

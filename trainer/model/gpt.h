@@ -142,7 +142,25 @@ class Gpt {
   struct MoeLayer;
   struct Sizes;
   struct WeightTerm;
+  struct BackwardPass;
   Sizes sizes() const;
+
+  // Block `block` of the stage (its index among the stage's blocks) on the
+  // pass in `s`, from the residual stream `residual`: the attention branch,
+  // then the MLP (or MoE) branch, each added to the stream; returns the
+  // block's output.
+  const float* block_forward(Slot& s, int block, const float* residual);
+  // Its backward: from the gradient of its output in the scratch dresidual
+  // to that of its input there, the branches in reverse.
+  void block_backward(const BackwardPass& pass, int block);
+  // Whether the stage's block `block` is an MoE block.
+  bool is_moe(int block) const;
+  // The rounded copy of dresidual the backward writes for the linear that
+  // reads it next where that is the dense MLP of `block` (null for MoE).
+  bf16* rounded_for_mlp(const BackwardPass& pass, int block) const;
+  // A row-parallel linear's output: the scratch partial sums, to be
+  // reduce-scattered into `shard`, with TP; `shard` itself without.
+  float* partial_or(ArenaArray<float>& shard);
 
   // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
   // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v

@@ -77,6 +77,24 @@ struct Gpt::WeightTerm {
   bf16* dinp_bf16 = nullptr;
 };
 
+// One backward pass, the same for each of its blocks (Gpt::backward).
+struct Gpt::BackwardPass {
+  Slot& slot;
+  bool weights;  // weight gradients now, or kept for weight_gradients()
+  float loss_scale;
+  // The gradient of a sequence-parallel boundary, both ways: the shards of
+  // an output gradient gathered (all-gather's backward is a reduce-scatter
+  // and vice versa), and an input gradient to be summed into the shards, of
+  // din_numel floats. Without TP, the shards themselves.
+  float* dout_all;
+  float* din_all;
+  size_t din_numel;
+  // The scratch dresidual_gemm where the dense linears take bf16 (null
+  // otherwise), and the output gradient those linears read: it, or dout_all.
+  bf16* rounded;
+  ConstBuffer dout_gemm;
+};
+
 // The shapes of this rank's part of the model (docs/architecture.md
 // "Parallel layout and communication"), derived in one place, Gpt::sizes().
 struct Gpt::Sizes {

@@ -1,5 +1,7 @@
 #include "trainer/params/model_parts.h"
 
+#include <fmt/format.h>
+
 #include <stdexcept>
 
 namespace keel::trainer {
@@ -22,59 +24,61 @@ ModelParts ModelParts::of(const common::ModelConfig& model) {
   return parts;
 }
 
+namespace {
+
+// The names of each role's tensor, by family and for a block's MLP or an
+// expert's ({i}: the layer, {e}: the expert; empty: no such tensor).
+// GPT-2's are nanoGPT's, as keel has always saved them; Llama's are
+// Hugging Face's LlamaForCausalLM names, and MixtralForCausalLM's for
+// experts (w1 the gate, w3 the up, w2 the down projection).
+struct RoleNames {
+  ModelParts::Role role;
+  const char* gpt2;
+  const char* gpt2_expert;
+  const char* llama;
+  const char* llama_expert;
+};
+using Role = ModelParts::Role;
+constexpr RoleNames kNames[] = {
+    {Role::kTokenEmbedding, "wte", "", "model.embed_tokens.weight", ""},
+    {Role::kPositionEmbedding, "wpe", "", "", ""},
+    {Role::kFinalNorm, "ln_f.weight", "", "model.norm.weight", ""},
+    {Role::kFinalNormBias, "ln_f.bias", "", "", ""},
+    {Role::kHead, "lm_head.weight", "", "lm_head.weight", ""},
+    {Role::kNorm1, "h.{i}.ln_1.weight", "", "model.layers.{i}.input_layernorm.weight", ""},
+    {Role::kNorm1Bias, "h.{i}.ln_1.bias", "", "", ""},
+    {Role::kQkv, "h.{i}.attn.c_attn.weight", "", "model.layers.{i}.self_attn.q_proj.weight", ""},
+    {Role::kQkvBias, "h.{i}.attn.c_attn.bias", "", "", ""},
+    {Role::kKeys, "", "", "model.layers.{i}.self_attn.k_proj.weight", ""},
+    {Role::kValues, "", "", "model.layers.{i}.self_attn.v_proj.weight", ""},
+    {Role::kAttentionOut, "h.{i}.attn.c_proj.weight", "", "model.layers.{i}.self_attn.o_proj.weight", ""},
+    {Role::kAttentionOutBias, "h.{i}.attn.c_proj.bias", "", "", ""},
+    {Role::kNorm2, "h.{i}.ln_2.weight", "", "model.layers.{i}.post_attention_layernorm.weight", ""},
+    {Role::kNorm2Bias, "h.{i}.ln_2.bias", "", "", ""},
+    {Role::kRouter, "h.{i}.moe.router.weight", "", "model.layers.{i}.block_sparse_moe.gate.weight", ""},
+    {Role::kMlpIn, "h.{i}.mlp.c_fc.weight", "h.{i}.moe.experts.{e}.c_fc.weight",
+     "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"},
+    {Role::kMlpInBias, "h.{i}.mlp.c_fc.bias", "h.{i}.moe.experts.{e}.c_fc.bias", "", ""},
+    {Role::kMlpUp, "", "", "model.layers.{i}.mlp.up_proj.weight",
+     "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"},
+    {Role::kMlpOut, "h.{i}.mlp.c_proj.weight", "h.{i}.moe.experts.{e}.c_proj.weight",
+     "model.layers.{i}.mlp.down_proj.weight", "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"},
+    {Role::kMlpOutBias, "h.{i}.mlp.c_proj.bias", "h.{i}.moe.experts.{e}.c_proj.bias", "", ""},
+};
+
+}  // namespace
+
 std::string ModelParts::name(Role role, int64_t layer, int64_t expert) const {
-  const std::string i = std::to_string(layer), e = std::to_string(expert);
-  auto missing = [&]() -> std::string {
-    throw std::invalid_argument("tensor role " + std::to_string(static_cast<int>(role)) + " is not a part of this model");
-  };
-  if (!hf_names_) {
-    // nanoGPT's names, as keel has always saved GPT-2.
-    const std::string h = "h." + i + ".", mlp = expert >= 0 ? h + "moe.experts." + e + "." : h + "mlp.";
-    switch (role) {
-      case Role::kTokenEmbedding: return "wte";
-      case Role::kPositionEmbedding: return "wpe";
-      case Role::kFinalNorm: return "ln_f.weight";
-      case Role::kFinalNormBias: return "ln_f.bias";
-      case Role::kHead: return "lm_head.weight";
-      case Role::kNorm1: return h + "ln_1.weight";
-      case Role::kNorm1Bias: return h + "ln_1.bias";
-      case Role::kQkv: return h + "attn.c_attn.weight";
-      case Role::kQkvBias: return h + "attn.c_attn.bias";
-      case Role::kAttentionOut: return h + "attn.c_proj.weight";
-      case Role::kAttentionOutBias: return h + "attn.c_proj.bias";
-      case Role::kNorm2: return h + "ln_2.weight";
-      case Role::kNorm2Bias: return h + "ln_2.bias";
-      case Role::kRouter: return h + "moe.router.weight";
-      case Role::kMlpIn: return mlp + "c_fc.weight";
-      case Role::kMlpInBias: return mlp + "c_fc.bias";
-      case Role::kMlpOut: return mlp + "c_proj.weight";
-      case Role::kMlpOutBias: return mlp + "c_proj.bias";
-      case Role::kKeys:
-      case Role::kValues:
-      case Role::kMlpUp: return missing();
-    }
-    return missing();
+  for (const RoleNames& names : kNames) {
+    if (names.role != role) continue;
+    const bool in_expert = expert >= 0;
+    const char* pattern = hf_names_ ? (in_expert ? names.llama_expert : names.llama)
+                                    : (in_expert ? names.gpt2_expert : names.gpt2);
+    if (*pattern == '\0') break;
+    return fmt::format(fmt::runtime(pattern), fmt::arg("i", layer), fmt::arg("e", expert));
   }
-  // Hugging Face's LlamaForCausalLM names, and MixtralForCausalLM's for
-  // experts (w1 the gate, w3 the up, w2 the down projection).
-  const std::string h = "model.layers." + i + ".", x = h + "block_sparse_moe.experts." + e + ".";
-  const bool in_expert = expert >= 0;
-  switch (role) {
-    case Role::kTokenEmbedding: return "model.embed_tokens.weight";
-    case Role::kFinalNorm: return "model.norm.weight";
-    case Role::kHead: return "lm_head.weight";
-    case Role::kNorm1: return h + "input_layernorm.weight";
-    case Role::kQkv: return h + "self_attn.q_proj.weight";
-    case Role::kKeys: return h + "self_attn.k_proj.weight";
-    case Role::kValues: return h + "self_attn.v_proj.weight";
-    case Role::kAttentionOut: return h + "self_attn.o_proj.weight";
-    case Role::kNorm2: return h + "post_attention_layernorm.weight";
-    case Role::kRouter: return h + "block_sparse_moe.gate.weight";
-    case Role::kMlpIn: return in_expert ? x + "w1.weight" : h + "mlp.gate_proj.weight";
-    case Role::kMlpUp: return in_expert ? x + "w3.weight" : h + "mlp.up_proj.weight";
-    case Role::kMlpOut: return in_expert ? x + "w2.weight" : h + "mlp.down_proj.weight";
-    default: return missing();
-  }
+  throw std::invalid_argument(fmt::format("this model has no tensor of role {} (layer {}, expert {})",
+                                          static_cast<int>(role), layer, expert));
 }
 
 }  // namespace keel::trainer

@@ -130,7 +130,9 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
   };
 
   unit_first_tensor_.push_back(0);
-  auto token_embedding = [&] { add(Role::kTokenEmbedding, -1, -1, {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal); };
+  auto token_embedding = [&] {
+    add(Role::kTokenEmbedding, -1, -1, {m.padded_vocab(), C}, TpSplit::kRows, InitKind::kNormal);
+  };
   if (stage.first()) {
     token_embedding();
     if (parts_.positions == ModelParts::Positions::kLearned) {
