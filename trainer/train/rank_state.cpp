@@ -1,6 +1,5 @@
-// TrainLoop's side of checkpoints (docs/architecture.md "Checkpoints"): which blocks of which global
-// tensors this rank saves and loads, and where they live in its memory.
-// checkpoint/ does the files; this maps the model onto them.
+#include "trainer/train/rank_state.h"
+
 #include "checkpoint/catalog.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/parallel_copy.h"
@@ -10,7 +9,6 @@
 #include "common/events.h"
 #include "common/log.h"
 #include "trainer/kernels/dtype.h"
-#include "trainer/train/train_loop.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -39,7 +37,7 @@ bool holds_weights(const std::string& group) { return group == kModel || group =
 // float32 weights whatever the GEMMs take, so no /master beside it.
 const std::vector<std::string> kSnapshotGroups = {kModel, kExpAvg, kExpAvgSq};
 
-// A list of TrainLoop::StateBlock's pieces, and where each lives.
+// A list of RankState::StateBlock's pieces, and where each lives.
 template <class Blocks>
 std::vector<checkpoint::Piece> pieces_of(const Blocks& blocks) {
   std::vector<checkpoint::Piece> pieces;
@@ -77,16 +75,67 @@ std::string snapshot_report_key(int64_t generation, int rank) {
 
 }  // namespace
 
-std::vector<std::string> TrainLoop::saved_groups() const {
+RankState::RankState(const common::Config& config, Backend& backend, const ParameterTable& table,
+                     ZeroStorage& storage, AdamW& optimizer, int tp_rank, const RankContext& rank,
+                     health::BoardPublisher& board, health::FaultInjector& faults)
+    : config_(config),
+      backend_(backend),
+      table_(table),
+      storage_(storage),
+      optimizer_(optimizer),
+      tp_rank_(tp_rank),
+      rank_(rank),
+      board_(board),
+      faults_(faults),
+      checkpoint_faults_(checkpoint::FileSystem::real(), faults) {
+  const auto& c = config.checkpoint;
+  // What a checkpoint records of the layout, and what a snapshot must fit.
+  const nlohmann::json saved_layout{{"world_size", rank_.world_size}, {"dp", config.parallel.dp},
+                                    {"tp", config.parallel.tp},       {"pp", config.parallel.pp},
+                                    {"pp_virtual", config.parallel.pp_virtual}, {"cp", config.parallel.cp},
+                                    {"ep", config.parallel.ep},       {"zero", config.parallel.zero}};
+  if (c.every_steps > 0 || c.every_seconds > 0) {
+    std::filesystem::create_directories(config.checkpoint_dir());
+    checkpointer_.emplace(
+        checkpoint::CheckpointerOptions{
+            config.checkpoint_dir(), config.job.run_dir, c.o_direct, c.keep, c.keep_every, c.timeout_s,
+            config.to_json(),
+            saved_layout,
+            rank_.rank, rank_.world_size, rank_.generation,
+            [this](int64_t step, uint64_t bytes, double write_s) {
+              faults_.during_save(step);
+              checkpoint_faults_.written(step);
+              board_.checkpoint_written(step, bytes, write_s);
+            },
+            c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
+            &checkpoint_faults_, rank_.store != nullptr ? store::rank_failed_key(rank_.generation) : std::string(),
+            checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
+                                       [this](void* data) { backend_.unpin_host(data); }}},
+        rank_.store);
+  }
+  if (c.memory_every_steps != 0 && rank_.snapshot_fd >= 0) {
+    // A snapshot is this rank's own state in this layout of this model.
+    const std::string fits = fmt::format("rank {} of {}; model {}", rank_.rank, saved_layout.dump(),
+                                         config.to_json().at("model").dump());
+    snapshots_.emplace(rank_.snapshot_fd,
+                       MemorySnapshots::Options{static_cast<int>(c.memory_keep), c.memory_every_steps,
+                                                c.memory_stall_budget, checkpoint::layout_hash(fits),
+                                                static_cast<unsigned>(config.train.threads), rank_.snapshot_buddy},
+                       backend_);
+  } else if (c.memory_every_steps > 0) {
+    common::logger("checkpoint")
+        ->warn("checkpoint.memory_every_steps is {} but keeld gave this rank no snapshot area "
+               "(KEEL_SNAPSHOT_FD): no in-memory snapshots are taken",
+               c.memory_every_steps);
+  }
+}
+
+std::vector<std::string> RankState::saved_groups() const {
   if (backend_.gemm_inputs() == DType::kBF16) return {kModel, kMaster, kExpAvg, kExpAvgSq};
   return {kModel, kExpAvg, kExpAvgSq};
 }
 
-bool TrainLoop::checkpoints_enabled() const {
-  return config_.checkpoint.every_steps > 0 || config_.checkpoint.every_seconds > 0;
-}
-
-std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std::vector<std::string>& sections) {
+std::vector<RankState::StateBlock> RankState::state_blocks(bool saved, const std::vector<std::string>& sections) {
   // Saves split every tensor over the ranks that hold the same TP slice
   // (of the same experts) whatever the ZeRO stage, so that they share the
   // writing: its reduce group.
@@ -132,7 +181,7 @@ std::vector<TrainLoop::StateBlock> TrainLoop::state_blocks(bool saved, const std
   return blocks;
 }
 
-void TrainLoop::save_checkpoint(int64_t steps_done) {
+void RankState::save_checkpoint(int64_t steps_done) {
   const auto start = std::chrono::steady_clock::now();
   board_.set_phase(health::Phase::kCheckpoint);
   const auto blocks = state_blocks(true, saved_groups());
@@ -165,7 +214,15 @@ void TrainLoop::save_checkpoint(int64_t steps_done) {
           steps_done, static_cast<double>(bytes) / 1e6, common::seconds_since(start) * 1e3, waited_s * 1e3);
 }
 
-void TrainLoop::save_snapshot(int64_t steps_done, bool copy_step) {
+bool RankState::snapshot_due(int64_t steps_done, double step_s) const {
+  return snapshots_ && snapshots_->due(steps_done, step_s);
+}
+
+bool RankState::copy_pending() const { return snapshots_ && snapshots_->copied() && !snapshots_->ready_to_copy(); }
+
+void RankState::save_snapshot(int64_t steps_done, bool copy_pending_anywhere) {
+  if (!snapshots_) return;
+  const bool copy_step = snapshots_->copied() && !copy_pending_anywhere;
   const auto start = std::chrono::steady_clock::now();
   const auto blocks = state_blocks(false, kSnapshotGroups);
   const auto pieces = pieces_of(blocks);
@@ -187,14 +244,14 @@ void TrainLoop::save_snapshot(int64_t steps_done, bool copy_step) {
               static_cast<double>(bytes) / 1e6, stall_s * 1e3);
 }
 
-void TrainLoop::stop_snapshots(int64_t step, const std::string& cause) {
+void RankState::stop_snapshots(int64_t step, const std::string& cause) {
   common::logger("checkpoint")->error("in-memory snapshots stop on this rank: {}", cause);
   common::append_event(config_.job.run_dir, "snapshots_stopped", rank_.generation, rank_.rank,
                        {{"step", step}, {"cause", cause}});
   snapshots_.reset();
 }
 
-std::vector<std::optional<SnapshotReport>> TrainLoop::gather_snapshot_reports(std::optional<SnapshotReport> own) {
+std::vector<std::optional<SnapshotReport>> RankState::gather_snapshot_reports(std::optional<SnapshotReport> own) {
   std::vector<std::optional<SnapshotReport>> reports{std::move(own)};
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -216,7 +273,7 @@ std::vector<std::optional<SnapshotReport>> TrainLoop::gather_snapshot_reports(st
   return reports;
 }
 
-void TrainLoop::resume() {
+void RankState::resume() {
   // The saves' staging buffer first: a load into device memory reads
   // through it (restore()), and laid out at the saves' size it is not laid
   // out twice. Kept out of the time the restore reports.
@@ -289,7 +346,7 @@ void TrainLoop::resume() {
   }
 }
 
-void TrainLoop::restore_snapshot(int64_t step, bool saved) {
+void RankState::restore_snapshot(int64_t step, bool saved) {
   const auto start = std::chrono::steady_clock::now();
   const auto blocks = state_blocks(false, kSnapshotGroups);
   snapshots_->restore(step, locals_of(blocks));
@@ -307,7 +364,7 @@ void TrainLoop::restore_snapshot(int64_t step, bool saved) {
              static_cast<double>(bytes_of(pieces_of(blocks))) / 1e6, common::seconds_since(start));
 }
 
-nlohmann::json TrainLoop::choose_start(const std::optional<SnapshotChoice>& memory) {
+nlohmann::json RankState::choose_start(const std::optional<SnapshotChoice>& memory) {
   if (!memory) return choose_disk();
   const auto listed = checkpoint::committed(config_.checkpoint_dir());
   const int64_t newest_disk = listed.empty() ? -1 : listed.back().step;
@@ -330,7 +387,7 @@ nlohmann::json TrainLoop::choose_start(const std::optional<SnapshotChoice>& memo
   return disk;
 }
 
-nlohmann::json TrainLoop::choose_disk() {
+nlohmann::json RankState::choose_disk() {
   auto log = common::logger("checkpoint");
   const auto& c = config_.checkpoint;
   auto skipped = [&](const std::filesystem::path& dir, const std::string& why) {
@@ -367,14 +424,14 @@ nlohmann::json TrainLoop::choose_disk() {
   }
 }
 
-std::vector<std::string> TrainLoop::loaded_groups(const checkpoint::CheckpointReader& reader) const {
+std::vector<std::string> RankState::loaded_groups(const checkpoint::CheckpointReader& reader) const {
   const auto stored = reader.tensors();
   const bool master =
       std::any_of(stored.begin(), stored.end(), [](const std::string& path) { return path.starts_with("/master/"); });
   return {master ? kMaster : kModel, kExpAvg, kExpAvgSq};
 }
 
-void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
+void RankState::check_shapes(const checkpoint::CheckpointReader& reader) const {
   std::vector<std::string> problems;
   std::set<std::string> expected;
   const auto stored = reader.tensors();
@@ -422,7 +479,7 @@ void TrainLoop::check_shapes(const checkpoint::CheckpointReader& reader) const {
                   keys.empty() ? std::string() : fmt::format(" ({})", fmt::join(keys, "; "))));
 }
 
-void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
+void RankState::restore(const std::filesystem::path& dir, bool verified) {
   const auto start = std::chrono::steady_clock::now();
   auto log = common::logger("checkpoint");
   checkpoint::CheckpointReader reader(dir);
@@ -482,20 +539,14 @@ void TrainLoop::restore(const std::filesystem::path& dir, bool verified) {
       read_s, load_s - checked_s - read_s);
 }
 
-void TrainLoop::cancel_checkpoint(const std::string& cause) {
+void RankState::cancel_checkpoint(const std::string& cause) {
   if (checkpointer_) checkpointer_->cancel(cause);
 }
 
-std::string TrainLoop::parameter_digest() {
-  std::vector<FloatSpan> spans;
-  for (size_t t = 0; t < table_.specs().size(); ++t) {
-    if (storage_.stage() == 3) {
-      spans.push_back({storage_.owned_parameters_for_io(t), storage_.owned_numel(t)});
-    } else {
-      spans.push_back({storage_.params_for_io() + table_.specs()[t].offset, table_.specs()[t].numel});
-    }
-  }
-  return fmt::format("{:016x}", digest_of(backend_, spans));
+std::optional<bool> RankState::save_end(int64_t steps_done) {
+  if (!checkpointer_) return std::nullopt;
+  if (last_saved_step_ != steps_done) save_checkpoint(steps_done);
+  return checkpointer_->wait();
 }
 
 }  // namespace keel::trainer

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 
 namespace keel::trainer {
 namespace {
@@ -42,6 +43,87 @@ std::vector<Action> schedule_of(const common::Config& config, const ModelStage& 
   const int m = static_cast<int>(config.parallel.micro_batches);
   if (config.parallel.pp_schedule == "zb-h1") return zero_bubble_h1(stage.count, stage.index, m);
   return one_f_one_b(stage.count, stage.index, m, static_cast<int>(config.parallel.pp_virtual));
+}
+
+// What every rank acts on after a step, agreed over the grid so that none
+// is left waiting in a collective for the others: a request reaches the
+// ranks at different moments (a stop, keeld's checkpoint request through
+// each board) and clocks differ (a save by time). Each is true when any
+// rank voted for it.
+struct StepVotes {
+  bool stop = false;          // stop after this step
+  bool save = false;          // save a checkpoint, by time or on keeld's request
+  bool test_kernels = false;  // the SDC guard's kernel test is due
+  bool snapshot = false;      // an in-memory snapshot is due, so every rank holds the same steps
+  bool copy_pending = false;  // keeld is still copying the last snapshot to the buddy
+
+  StepVotes agreed(const ProcessGroups& groups) const {
+    static constexpr bool StepVotes::*kFields[] = {&StepVotes::stop, &StepVotes::save, &StepVotes::test_kernels,
+                                                   &StepVotes::snapshot, &StepVotes::copy_pending};
+    constexpr size_t kCount = std::size(kFields);
+    float sums[kCount];
+    for (size_t f = 0; f < kCount; ++f) sums[f] = this->*kFields[f] ? 1.0f : 0.0f;
+    groups.sum_over_grid(sums, kCount);
+    StepVotes any;
+    for (size_t f = 0; f < kCount; ++f) any.*kFields[f] = sums[f] > 0.0f;
+    return any;
+  }
+};
+
+// The progress line, every log_every steps and at the last: the window's
+// mean loss, rate and step time, and the ETA at the run's mean pace.
+class ProgressLog {
+ public:
+  ProgressLog(const common::TrainConfig& train, int64_t tokens_per_step)
+      : train_(train), tokens_per_step_(tokens_per_step), start_(Clock::now()) {}
+
+  void add(int64_t step, const StepStats& stats, bool last) {
+    window_ms_ += stats.step_ms;
+    window_loss_ += stats.loss;
+    ++window_steps_;
+    if ((step + 1) % train_.log_every != 0 && !last) return;
+    const double elapsed = seconds_since(start_);
+    const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(train_.steps - step - 1);
+    common::logger("trainer")->info(
+        "step {}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {} tok/s | {:.0f} ms/step | ETA {}", step + 1,
+        train_.steps, window_loss_ / window_steps_, stats.lr, stats.grad_norm,
+        format_rate(tokens_per_step_ * window_steps_ / (window_ms_ / 1e3)), window_ms_ / window_steps_,
+        common::format_duration(eta));
+    window_ms_ = window_loss_ = 0;
+    window_steps_ = 0;
+  }
+  double seconds() const { return seconds_since(start_); }
+
+ private:
+  const common::TrainConfig& train_;
+  int64_t tokens_per_step_;
+  Clock::time_point start_;
+  double window_ms_ = 0, window_loss_ = 0;
+  int64_t window_steps_ = 0;
+};
+
+// The payload bytes this rank handed to each group since the step began,
+// per op, and how long the group's collectives ran against how long
+// training was blocked on them (the rest overlapped compute): metrics'
+// "comm" and "comm_ms".
+void add_comm_stats(const ProcessGroups& groups, nlohmann::json& record) {
+  nlohmann::json comm = nlohmann::json::object(), comm_ms = nlohmann::json::object();
+  for (const auto& group : groups.communicators()) {
+    const CommStats group_stats = group.comm->stats();
+    nlohmann::json ops = nlohmann::json::object();
+    for (size_t op = 0; op < kCollectiveOpCount; ++op) {
+      if (group_stats.calls[op] == 0) continue;
+      ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group_stats.bytes[op]},
+                                                                {"calls", group_stats.calls[op]}};
+    }
+    const char* name = axis_name(group.axis);
+    comm[name] = ops;
+    comm_ms[name] = {{"busy", static_cast<double>(group_stats.busy_ns) / 1e6},
+                     {"exposed", static_cast<double>(group_stats.wait_ns) / 1e6}};
+  }
+  if (comm.empty()) return;
+  record["comm"] = comm;
+  record["comm_ms"] = comm_ms;
 }
 
 // How many microbatches the stage's schedule keeps alive, and so how many
@@ -85,7 +167,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       faults_(config, rank.rank, rank.generation),
       sdc_(config, backend, rank.rank, rank.world_size, rank.generation, board_,
            [&groups](float* values, size_t count) { groups.sum_over_grid(values, count); }),
-      checkpoint_faults_(checkpoint::FileSystem::real(), faults_),
+      state_(config_, backend_, table_, storage_, optimizer_, tp_rank_, rank_, board_, faults_),
       step_({config_, backend_, groups_, schedule_, storage_, optimizer_, model_, train_, board_, faults_, sdc_},
             lay_out_memory(), micro_batch_) {
   const Layout layout = Layout::from(config.parallel);
@@ -101,46 +183,6 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
   sdc_.compare_replicas(replicated_state());
-  const auto& c = config.checkpoint;
-  // What a checkpoint records of the layout, and what a snapshot must fit.
-  const nlohmann::json saved_layout{{"world_size", rank_.world_size}, {"dp", config.parallel.dp},
-                              {"tp", config.parallel.tp},       {"pp", config.parallel.pp},
-                              {"pp_virtual", config.parallel.pp_virtual}, {"cp", config.parallel.cp},
-                              {"ep", config.parallel.ep},       {"zero", config.parallel.zero}};
-  if (checkpoints_enabled()) {
-    std::filesystem::create_directories(config.checkpoint_dir());
-    checkpointer_.emplace(
-        checkpoint::CheckpointerOptions{
-            config.checkpoint_dir(), config.job.run_dir, c.o_direct, c.keep, c.keep_every, c.timeout_s,
-            config.to_json(),
-            saved_layout,
-            rank_.rank, rank_.world_size, rank_.generation,
-            [this](int64_t step, uint64_t bytes, double write_s) {
-              faults_.during_save(step);
-              checkpoint_faults_.written(step);
-              board_.checkpoint_written(step, bytes, write_s);
-            },
-            c.retention_verify == "full" ? checkpoint::Depth::kChecksums : checkpoint::Depth::kSizes,
-            &checkpoint_faults_, rank_.store != nullptr ? store::rank_failed_key(rank_.generation) : std::string(),
-            checkpoint::StagingPinning{[this](void* data, size_t bytes) { backend_.pin_host(data, bytes); },
-                                       [this](void* data) { backend_.unpin_host(data); }}},
-        rank_.store);
-  }
-  if (c.memory_every_steps != 0 && rank_.snapshot_fd >= 0) {
-    // A snapshot is this rank's own state in this layout of this model.
-    const std::string fits = fmt::format("rank {} of {}; model {}", rank_.rank, saved_layout.dump(),
-                                         config.to_json().at("model").dump());
-    snapshots_.emplace(rank_.snapshot_fd,
-                       MemorySnapshots::Options{static_cast<int>(c.memory_keep), c.memory_every_steps,
-                                                c.memory_stall_budget, checkpoint::layout_hash(fits),
-                                                static_cast<unsigned>(config.train.threads), rank_.snapshot_buddy},
-                       backend_);
-  } else if (c.memory_every_steps > 0) {
-    common::logger("checkpoint")
-        ->warn("checkpoint.memory_every_steps is {} but keeld gave this rank no snapshot area "
-               "(KEEL_SNAPSHOT_FD): no in-memory snapshots are taken",
-               c.memory_every_steps);
-  }
   const size_t tokens = static_cast<size_t>(micro_batch_) * config.model.seq_len;
   inputs_.resize(tokens);
   targets_.resize(tokens);
@@ -273,159 +315,145 @@ RunSummary TrainLoop::run(const std::atomic<bool>& stop, int64_t stop_after) {
     // flight is abandoned now rather than after checkpoint.timeout_s, so
     // this rank exits (and leaves its flight dump) at once.
     if (e.code() == common::ErrorCode::kPeerFailure || e.code() == common::ErrorCode::kCollectiveHang) {
-      cancel_checkpoint(e.what());
+      state_.cancel_checkpoint(e.what());
     }
     throw;
   }
 }
 
 RunSummary TrainLoop::train_until(const std::atomic<bool>& stop, int64_t stop_after) {
-  auto log = common::logger("trainer");
   const auto& train = config_.train;
   const int64_t tokens_per_step = train.batch_size * config_.model.seq_len;
-  std::filesystem::path run_dir(config_.job.run_dir);
+  ProgressLog progress(train, tokens_per_step);
+  begin_run(tokens_per_step);
   // Every DP and TP rank computes the same step records, and the pipeline
   // passes its loss back from the last stage: the last stage's first rank
   // writes them.
   std::optional<MetricsWriter> metrics;
-  if (groups_.rank(Axis::kDpCp) == 0 && tp_rank_ == 0 && stage_.last()) metrics.emplace(run_dir, start_step_);
-  log->info(
-      "training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters on this rank (tp={}, "
-      "zero={}); run_dir {}",
-      train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
-      table_.parameter_count(), config_.parallel.tp, storage_.stage(), run_dir.string());
-
+  if (groups_.rank(Axis::kDpCp) == 0 && tp_rank_ == 0 && stage_.last()) {
+    metrics.emplace(config_.job.run_dir, state_.start_step());
+  }
   RunSummary summary;
-  summary.first_step = start_step_;
-  summary.steps_done = start_step_;
-  summary.tokens = start_step_ * tokens_per_step;
-  const auto run_start = Clock::now();
+  summary.first_step = summary.steps_done = state_.start_step();
+  summary.tokens = summary.first_step * tokens_per_step;
   auto last_save = Clock::now();
-  board_.set_extent(start_step_, train.steps);
-  sdc_.test_kernels(start_step_);
-  double window_ms = 0, window_loss = 0;
-  int64_t window_steps = 0;
-  for (int64_t step = start_step_; step < train.steps; ++step) {
+  for (int64_t step = summary.first_step; step < train.steps; ++step) {
     // Resumed at or past the requested stop: nothing to train, only the
     // final save below.
     if (stop_after >= 0 && step >= stop_after) break;
-    common::set_log_step(step);
-    if (const auto request = board_.take_fault_request()) faults_.apply(*request, step);
-    faults_.before_step(step);
-    board_.begin_step(step);
-    for (const auto& group : groups_.communicators()) group.comm->reset_stats();
-    StepStats stats = train_step(step);
-    board_.record_step_timing();
+    const StepStats stats = run_step(step);
     summary.steps_done = step + 1;
     summary.final_train_loss = stats.loss;
     summary.tokens += tokens_per_step;
+    nlohmann::json record = step_record(step, stats, summary.tokens, tokens_per_step);
 
-    nlohmann::json record = {{"step", step},
-                             {"loss", stats.loss},
-                             {"lr", stats.lr},
-                             {"grad_norm", stats.grad_norm},
-                             {"tokens", summary.tokens},
-                             {"tokens_per_s", tokens_per_step / (stats.step_ms / 1e3)},
-                             {"step_ms", stats.step_ms}};
-    if (config_.model.n_expert > 0) {
-      record["aux_loss"] = stats.aux_loss;
-      record["expert_tokens"] = step_.expert_tokens();
-    }
-    if (stats.anomaly_score) record["anomaly_score"] = *stats.anomaly_score;
-    if (stats.loss_spike) record["loss_spike"] = true;
-    if (stats.skipped) record["skipped"] = true;
-    // A stop request reaches the ranks at different moments; they agree on
-    // it here so that none is left waiting in a collective for the others.
-    // A save by time or on keeld's request is agreed the same way, since
-    // clocks differ and the request reaches each rank's board on its own.
-    const bool stop_requested = stop.load() || (stop_after >= 0 && step + 1 >= stop_after);
-    const bool save_requested = board_.take_checkpoint_request();
-    const bool save_time = save_requested || (config_.checkpoint.every_seconds > 0 &&
-                                              seconds_since(last_save) >= config_.checkpoint.every_seconds);
-    // And so is an in-memory snapshot, so that every rank holds the same
-    // steps, and whether keeld is to copy it to the buddy.
-    const bool snapshot_due = snapshots_ && snapshots_->due(step + 1, stats.step_ms / 1e3);
-    const bool copy_pending = snapshots_ && snapshots_->copied() && !snapshots_->ready_to_copy();
-    float votes[5] = {stop_requested ? 1.0f : 0.0f, save_time ? 1.0f : 0.0f, sdc_.kernel_test_due() ? 1.0f : 0.0f,
-                      snapshot_due ? 1.0f : 0.0f, copy_pending ? 1.0f : 0.0f};
-    groups_.sum_over_grid(votes, 5);
-    if (votes[2] > 0.0f) sdc_.test_kernels(step + 1);
-    const bool stop_now = votes[0] > 0.0f;
-    const bool last = step + 1 == train.steps || stop_now;
+    const bool save_time = config_.checkpoint.every_seconds > 0 &&
+                           seconds_since(last_save) >= config_.checkpoint.every_seconds;
+    const StepVotes votes =
+        StepVotes{stop.load() || (stop_after >= 0 && step + 1 >= stop_after),
+                  board_.take_checkpoint_request() || save_time, sdc_.kernel_test_due(),
+                  state_.snapshot_due(step + 1, stats.step_ms / 1e3), state_.copy_pending()}
+            .agreed(groups_);
+    if (votes.test_kernels) sdc_.test_kernels(step + 1);
+    const bool last = step + 1 == train.steps || votes.stop;
     if (val_ && train.val_every > 0 && ((step + 1) % train.val_every == 0 || last)) {
-      const float val_loss = validate();
-      summary.final_val_loss = val_loss;
-      record["val_loss"] = val_loss;
-      log->info("validation loss {:.4f}", val_loss);
+      summary.final_val_loss = validate();
+      record["val_loss"] = *summary.final_val_loss;
+      common::logger("trainer")->info("validation loss {:.4f}", *summary.final_val_loss);
     }
-    // Payload bytes this rank handed to each group during the step, per op,
-    // and how long the group's collectives ran against how long training
-    // was blocked on them (the rest overlapped compute).
-    nlohmann::json comm = nlohmann::json::object(), comm_ms = nlohmann::json::object();
-    for (const auto& group : groups_.communicators()) {
-      const CommStats group_stats = group.comm->stats();
-      nlohmann::json ops = nlohmann::json::object();
-      for (size_t op = 0; op < kCollectiveOpCount; ++op) {
-        if (group_stats.calls[op] == 0) continue;
-        ops[collective_op_name(static_cast<CollectiveOp>(op))] = {{"bytes", group_stats.bytes[op]},
-                                                                  {"calls", group_stats.calls[op]}};
-      }
-      const char* name = axis_name(group.axis);
-      comm[name] = ops;
-      comm_ms[name] = {{"busy", static_cast<double>(group_stats.busy_ns) / 1e6},
-                       {"exposed", static_cast<double>(group_stats.wait_ns) / 1e6}};
-    }
-    if (!comm.empty()) {
-      record["comm"] = comm;
-      record["comm_ms"] = comm_ms;
-    }
+    // After validation, whose collectives the step's record counts too.
+    add_comm_stats(groups_, record);
     if (metrics) metrics->write(record);
     board_.finish_step(step + 1, stats.loss, stats.grad_norm, tokens_per_step / (stats.step_ms / 1e3), stats.step_ms);
+    progress.add(step, stats, last);
 
-    window_ms += stats.step_ms;
-    window_loss += stats.loss;
-    ++window_steps;
-    if ((step + 1) % train.log_every == 0 || last) {
-      const double elapsed = seconds_since(run_start);
-      const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(train.steps - step - 1);
-      log->info("step {}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {} tok/s | {:.0f} ms/step | ETA {}",
-                step + 1, train.steps, window_loss / window_steps, stats.lr, stats.grad_norm,
-                format_rate(tokens_per_step * window_steps / (window_ms / 1e3)), window_ms / window_steps,
-                common::format_duration(eta));
-      window_ms = window_loss = 0;
-      window_steps = 0;
-    }
-    if (snapshots_ && votes[3] > 0.0f) save_snapshot(step + 1, snapshots_->copied() && votes[4] == 0.0f);
+    if (votes.snapshot) state_.save_snapshot(step + 1, votes.copy_pending);
     const int64_t every = config_.checkpoint.every_steps;
-    if (checkpointer_ && !last && (votes[1] > 0.0f || (every > 0 && (step + 1) % every == 0))) {
-      save_checkpoint(step + 1);
+    if (state_.checkpoints() && !last && (votes.save || (every > 0 && (step + 1) % every == 0))) {
+      state_.save_checkpoint(step + 1);
       last_save = Clock::now();
     }
-    if (stop_now && step + 1 < train.steps) {
+    if (votes.stop && step + 1 < train.steps) {
       summary.stopped_early = true;
-      log->warn("stop requested: stopping after step {}", step);
+      common::logger("trainer")->warn("stop requested: stopping after step {}", step);
       break;
     }
   }
   if (metrics) metrics->close();
+  finish_run(summary);
+  summary.wall_s = progress.seconds();
+  summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;
+  return summary;
+}
+
+void TrainLoop::begin_run(int64_t tokens_per_step) {
+  const auto& train = config_.train;
+  common::logger("trainer")->info(
+      "training {} steps of {} tokens ({} x {} microbatches of {} sequences); {} parameters on this rank (tp={}, "
+      "zero={}); run_dir {}",
+      train.steps, tokens_per_step, config_.parallel.dp, config_.parallel.micro_batches, micro_batch_,
+      table_.parameter_count(), config_.parallel.tp, storage_.stage(), config_.job.run_dir);
+  board_.set_extent(state_.start_step(), train.steps);
+  sdc_.test_kernels(state_.start_step());
+}
+
+StepStats TrainLoop::run_step(int64_t step) {
+  common::set_log_step(step);
+  if (const auto request = board_.take_fault_request()) faults_.apply(*request, step);
+  faults_.before_step(step);
+  board_.begin_step(step);
+  for (const auto& group : groups_.communicators()) group.comm->reset_stats();
+  const StepStats stats = train_step(step);
+  board_.record_step_timing();
+  return stats;
+}
+
+nlohmann::json TrainLoop::step_record(int64_t step, const StepStats& stats, int64_t tokens,
+                                      int64_t tokens_per_step) {
+  nlohmann::json record = {{"step", step},
+                           {"loss", stats.loss},
+                           {"lr", stats.lr},
+                           {"grad_norm", stats.grad_norm},
+                           {"tokens", tokens},
+                           {"tokens_per_s", tokens_per_step / (stats.step_ms / 1e3)},
+                           {"step_ms", stats.step_ms}};
+  if (config_.model.n_expert > 0) {
+    record["aux_loss"] = stats.aux_loss;
+    record["expert_tokens"] = step_.expert_tokens();
+  }
+  if (stats.anomaly_score) record["anomaly_score"] = *stats.anomaly_score;
+  if (stats.loss_spike) record["loss_spike"] = true;
+  if (stats.skipped) record["skipped"] = true;
+  return record;
+}
+
+void TrainLoop::finish_run(RunSummary& summary) {
   board_.set_phase(health::Phase::kCheckpoint);
   // The end of a run, finished or stopped, is always saved.
-  if (checkpointer_ && last_saved_step_ != summary.steps_done) save_checkpoint(summary.steps_done);
-  if (checkpointer_) {
+  if (const std::optional<bool> saved = state_.save_end(summary.steps_done)) {
     // Rank 0 knows whether the commit happened, the others only whether
     // their file was written: they agree on the outcome, so that a failed
     // final save is every rank's exit 13, never a clean stop.
-    float failed = checkpointer_->wait() ? 0.0f : 1.0f;
+    float failed = *saved ? 0.0f : 1.0f;
     groups_.sum_over_grid(&failed, 1);
     summary.final_checkpoint_failed = failed > 0.0f;
   }
   board_.set_phase(health::Phase::kIdle);
   summary.parameter_digest = parameter_digest();
-  summary.wall_s = seconds_since(run_start);
-  summary.tokens_per_s = static_cast<double>(summary.tokens - summary.first_step * tokens_per_step) / summary.wall_s;
   summary.memory = memory();
   summary.schedules = step_.schedule_time();
-  return summary;
+}
+
+std::string TrainLoop::parameter_digest() {
+  std::vector<FloatSpan> spans;
+  for (size_t t = 0; t < table_.specs().size(); ++t) {
+    if (storage_.stage() == 3) {
+      spans.push_back({storage_.owned_parameters_for_io(t), storage_.owned_numel(t)});
+    } else {
+      spans.push_back({storage_.params_for_io() + table_.specs()[t].offset, table_.specs()[t].numel});
+    }
+  }
+  return fmt::format("{:016x}", digest_of(backend_, spans));
 }
 
 }  // namespace keel::trainer

@@ -3,11 +3,7 @@
 // and progress with ETA.
 #pragma once
 
-#include "checkpoint/checkpointer.h"
-#include "checkpoint/piece.h"
-#include "checkpoint/reader.h"
 #include "common/config.h"
-#include "store/store.h"
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
 #include "trainer/comm/communicator.h"
@@ -19,8 +15,8 @@
 #include "trainer/parallel/schedule.h"
 #include "trainer/parallel/zero_storage.h"
 #include "trainer/train/fault_hooks.h"
-#include "trainer/train/memory_snapshots.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/rank_state.h"
 #include "trainer/train/sdc_guard.h"
 #include "trainer/train/stage_executor.h"
 #include "trainer/train/step.h"
@@ -68,22 +64,6 @@ struct RunSummary {
   StageTime schedules;
 };
 
-// Who this rank is in the run, for checkpoints: its global rank and the
-// Store the ranks report through (nullptr with one rank); and the progress
-// board keeld reads (nullptr: none, a rank run by hand).
-struct RankContext {
-  store::Store* store = nullptr;
-  int rank = 0;
-  int world_size = 1;
-  int64_t generation = 0;
-  health::BoardPublisher* board = nullptr;
-  // The in-memory snapshot area keeld holds for this rank
-  // (KEEL_SNAPSHOT_FD); -1: none, snapshots are not taken.
-  int snapshot_fd = -1;
-  // keeld copies the snapshots to another node (KEEL_SNAPSHOT_BUDDY).
-  bool snapshot_buddy = false;
-};
-
 class TrainLoop {
  public:
   // Opens the datasets (Error kDataError on bad shards), builds and
@@ -104,33 +84,17 @@ class TrainLoop {
   // part it owns (rank-NNNNN.json), for layout parity checks.
   void dump_first_gradients(std::filesystem::path dir, int rank) { step_.dump_first_gradients(std::move(dir), rank); }
 
-  // Checkpoints (docs/architecture.md "Checkpoints"): with checkpoint.every_steps or every_seconds
-  // set, run() saves into config.checkpoint_dir() on that schedule and once
-  // more when it ends or stops.
-  bool checkpoints_enabled() const;
-  // Chooses where training starts and loads it (docs/architecture.md
-  // "Resume and retention"): the newest in-memory snapshot every rank holds
-  // ("In-memory snapshots"), when it is at least as new as the run's newest
-  // committed checkpoint; otherwise that checkpoint, the newest that
-  // verifies (checkpoint.verify); when there is none, checkpoint.init_from
-  // ("" or "none": step 0, or a checkpoint directory of any layout). When the
-  // run's checkpoints exist but none loads, only a snapshot or an explicit
-  // init_from starts it elsewhere; otherwise Error(kCheckpointFailure) names
-  // each one and why. Every rank reports its snapshots through the Store,
-  // rank 0 decides and records the choice (state_restored) and skipped
-  // checkpoints as events; the others follow through the Store.
-  void resume();
-  // Loads the checkpoint in `dir`, whatever layout wrote it, and makes
-  // run() continue from its step; `verified`: its checksums were checked
-  // already. Throws Error(kBadConfig) naming the tensors and model keys when
-  // its shapes differ from this model's, Error(kCheckpointFailure) when it
-  // does not load.
-  void restore(const std::filesystem::path& dir, bool verified = false);
-  // Abandons the checkpoint commit in flight and any later one: a peer
-  // failed, so its file will never be reported. Safe from any thread.
-  void cancel_checkpoint(const std::string& cause);
-  // The step training starts from: 0, or the step of the restored checkpoint.
-  int64_t first_step() const { return start_step_; }
+  // Checkpoints and snapshots (RankState): with checkpoint.every_steps or
+  // every_seconds set, run() saves into config.checkpoint_dir() on that
+  // schedule and once more when it ends or stops. resume() chooses where
+  // training starts and loads it, restore() loads a checkpoint of any
+  // layout (main's --eval), cancel_checkpoint() abandons the commit in
+  // flight when a peer failed (safe from any thread).
+  void resume() { state_.resume(); }
+  void restore(const std::filesystem::path& dir, bool verified = false) { state_.restore(dir, verified); }
+  void cancel_checkpoint(const std::string& cause) { state_.cancel_checkpoint(cause); }
+  // The step training starts from: 0, or the step of the state loaded.
+  int64_t first_step() const { return state_.start_step(); }
   // The rank's fault injector ([faults]); the communicators pass it too.
   const health::FaultInjector& faults() const { return faults_; }
   // XXH3-64 of the parameters this rank holds (16 hex digits).
@@ -165,6 +129,16 @@ class TrainLoop {
 
  private:
   RunSummary train_until(const std::atomic<bool>& stop, int64_t stop_after);
+  // Logs what the run trains, publishes its extent and tests the kernels
+  // (the SDC guard).
+  void begin_run(int64_t tokens_per_step);
+  // Step `step`, between the fault hooks and the board's marks.
+  StepStats run_step(int64_t step);
+  // Its metrics.jsonl record, before validation and the collectives' counts.
+  nlohmann::json step_record(int64_t step, const StepStats& stats, int64_t tokens, int64_t tokens_per_step);
+  // Saves the end of the run (finished or stopped), agrees on whether the
+  // save committed and fills in the summary's digest, memory and schedules.
+  void finish_run(RunSummary& summary);
   // What this rank's DP replicas hold identically (SdcGuard's digests).
   ReplicatedState replicated_state();
   // Runs the forwards of `microbatches` through the pipeline (validation,
@@ -176,42 +150,6 @@ class TrainLoop {
                       const std::function<void(int mb)>& fill);
   // Sums a loss over the pipeline (only the last stage's is not 0) and the DP ranks.
   void sum_over_pipeline_and_dp(double* value);
-  // A block of a global tensor this rank saves or loads, and where its rows
-  // live in this rank's memory.
-  struct StateBlock {
-    checkpoint::Piece piece;
-    float* local;
-  };
-  // Saved: each DP rank its dim-0 shard of every tensor, a tensor
-  // replicated over TP from TP rank 0 only, so every element is written
-  // once. Held: everything this rank keeps (all it needs on a load).
-  // `sections`: the checkpoint groups ("model", "optim/exp_avg", ...).
-  std::vector<StateBlock> state_blocks(bool saved, const std::vector<std::string>& sections);
-  // The checkpoint groups this run saves, and those it loads from `reader`.
-  std::vector<std::string> saved_groups() const;
-  std::vector<std::string> loaded_groups(const checkpoint::CheckpointReader& reader) const;
-  void save_checkpoint(int64_t steps_done);
-  // Copies this rank's state into its in-memory snapshot area, as a copy
-  // step for the buddy when the ranks agreed on one.
-  void save_snapshot(int64_t steps_done, bool copy_step);
-  // The area cannot hold the state (memory): training goes on without
-  // snapshots, and this rank's missing ones send the next resume to disk.
-  void stop_snapshots(int64_t step, const std::string& cause);
-  // Loads the in-memory snapshot of `step` rank 0 chose; `saved`: a
-  // committed checkpoint of that step exists.
-  void restore_snapshot(int64_t step, bool saved);
-  // Every rank's snapshot report, rank 0's own first (resume()).
-  std::vector<std::optional<SnapshotReport>> gather_snapshot_reports(std::optional<SnapshotReport> own);
-  // Rank 0's choice for resume(): {"from": "memory", "step"}, {"from":
-  // "disk", "dir", "verified"} (a null dir: step 0), or {"error"}; with
-  // snapshots on, "why" says why not memory. `memory`: nullopt when
-  // snapshots are off.
-  nlohmann::json choose_start(const std::optional<SnapshotChoice>& memory);
-  // The newest committed checkpoint that loads, as choose_start() says it.
-  nlohmann::json choose_disk();
-  // Error(kBadConfig) unless the checkpoint holds exactly this model's
-  // tensors at this model's global shapes.
-  void check_shapes(const checkpoint::CheckpointReader& reader) const;
   // Places the storage, the optimizer, the model and the step's buffers in
   // state_memory_, and returns the step's.
   Step::Buffers lay_out_memory();
@@ -243,11 +181,7 @@ class TrainLoop {
   health::BoardPublisher& board_;
   health::FaultInjector faults_;
   SdcGuard sdc_;
-  CheckpointFaults checkpoint_faults_;
-  std::optional<checkpoint::Checkpointer> checkpointer_;
-  std::optional<MemorySnapshots> snapshots_;
-  int64_t start_step_ = 0;
-  int64_t last_saved_step_ = -1;
+  RankState state_;
   // Declared last: it registers hooks on storage_ and model_ and refers to
   // the members above.
   Step step_;
