@@ -47,6 +47,16 @@ def rand_params(model, seed, is_norm_weight, std=0.3):
                 p.add_(1.0)
 
 
+def refuses(load, model, bad_sets):
+    """Raises unless load(model, arrays) raises ValueError for every set of arrays."""
+    for bad in bad_sets:
+        try:
+            load(model, bad)
+        except ValueError:
+            continue
+        raise AssertionError("loader accepted a bad parameter set")
+
+
 def main():
     """Runs every registered check; 0 when all passed, else 1."""
     failed = 0

@@ -266,13 +266,8 @@ def names_and_shapes_are_keels():
     arrays = {n: np.random.default_rng(0).standard_normal(s).astype(np.float32) for n, s in exp.items()}
     tg.load_numpy_params(model, arrays)
     assert np.array_equal(model.h[1].moe.router.weight.detach().numpy(), arrays["h.1.moe.router.weight"].astype(np.float64))
-    for bad in ({k: v for k, v in arrays.items() if k != "wpe"}, {**arrays, "wpe": arrays["wpe"][:3]}):
-        try:
-            tg.load_numpy_params(model, bad)
-        except ValueError:
-            pass
-        else:
-            raise AssertionError("loader accepted a bad parameter set")
+    selfcheck.refuses(tg.load_numpy_params, model,
+                      [{k: v for k, v in arrays.items() if k != "wpe"}, {**arrays, "wpe": arrays["wpe"][:3]}])
     # init distributions
     model.init_weights(seed=0)
     assert abs(model.h[0].mlp.c_proj.weight.std().item() - 0.02 / math.sqrt(4)) < 1e-3

@@ -100,8 +100,8 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
   // inputs, so the activation between them never leaves the rank. Without
   // biases (Llama) only the weights are tensors.
   auto column_parallel = [&](Role weight, Role bias, int64_t layer, int64_t expert, int64_t out, int64_t in,
-                             TpSplit split, bool packed = false) {
-    add(weight, layer, expert, {out, in}, split, InitKind::kNormal, 0.02f, packed);
+                             TpSplit split) {
+    add(weight, layer, expert, {out, in}, split, InitKind::kNormal);
     if (parts_.biases) add(bias, layer, expert, {out}, split, InitKind::kZeros);
   };
   auto row_parallel = [&](Role weight, Role bias, int64_t layer, int64_t expert, int64_t out, int64_t in) {
@@ -119,11 +119,9 @@ ParameterTable::ParameterTable(const common::ModelConfig& m, int tp_rank, int tp
   // up (one GEMM) and down.
   auto mlp = [&](int64_t layer, int64_t expert) {
     const size_t first = specs_.size();
+    column_parallel(Role::kMlpIn, Role::kMlpInBias, layer, expert, F, C, TpSplit::kRows);
     if (parts_.mlp == ModelParts::Mlp::kSwiGlu) {
-      column_parallel(Role::kMlpIn, Role::kMlpInBias, layer, expert, F, C, TpSplit::kRows);
       add(Role::kMlpUp, layer, expert, {F, C}, TpSplit::kRows, InitKind::kNormal, 0.02f, true);
-    } else {
-      column_parallel(Role::kMlpIn, Role::kMlpInBias, layer, expert, F, C, TpSplit::kRows);
     }
     row_parallel(Role::kMlpOut, Role::kMlpOutBias, layer, expert, C, F);
     for (size_t t = first; t < specs_.size(); ++t) specs_[t].expert = expert >= 0;
