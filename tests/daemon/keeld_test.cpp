@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <algorithm>
 #include <random>
 
 namespace keel::test {
@@ -96,6 +97,23 @@ TEST_SUITE("integration") {
     std::mt19937 rng(seed);
     INFO("random seed " << seed);
     check_resumes_after_kill(layout, 12, rng, expected);
+  }
+
+  TEST_CASE("keeld resumes a Llama job after kill -9 of a random rank at a random step and ends bit-identical") {
+    // DP2 x TP2: each TP rank holds one key/value head for two query heads.
+    const std::vector<std::string> llama = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64",
+                                            "model.tie_embeddings=false"};
+    KeeldJob reference;
+    reference.run(llama);
+    const auto expected = reference.checkpoint_tensors(40);
+    CHECK(std::any_of(expected.begin(), expected.end(),
+                      [](const auto& tensor) { return contains(tensor.first, "model.layers.0.mlp.gate_proj"); }));
+
+    std::random_device seed_source;
+    const unsigned seed = seed_source();
+    std::mt19937 rng(seed);
+    INFO("random seed " << seed);
+    check_resumes_after_kill(llama, std::uniform_int_distribution<int64_t>(1, 34)(rng), rng, expected);
   }
 
   TEST_CASE("SIGTERM to keeld commits a final checkpoint and keeld started again finishes bit-identical") {

@@ -7,15 +7,24 @@
 Makes a random-token llm.c shard, runs keel-oracle-dump on the config (which
 writes keel's initial weights, one forward/backward and a short training
 run as .npy files), rebuilds the same model in PyTorch float64 from keel's
-initial weights (tests/python/torch_gpt.py) and compares:
+initial weights and compares. The reference is chosen by the config's
+model.arch: "gpt2" -> tests/python/torch_gpt.py, "llama" ->
+tests/python/torch_llama.py (Hugging Face names, keel's defaults for the
+keys left at 0; see ARCHS). Tolerances, gpt2 / llama:
 
-  logits            max|keel - torch| / max|torch|        <= 1e-5
-  CE loss           relative                              <= 1e-5
-  aux loss          relative (absolute when torch's is 0) <= 1e-5
-  each gradient     max|keel - torch| / max|torch grad|   <= 1e-4
-  each step's loss  relative                              <= 1e-5
-  each grad norm    relative                              <= 1e-4
-  each lr           relative                              <= 1e-6
+  logits            max|keel - torch| / max|torch|        <= 1e-5 / 1e-5
+  CE loss           relative                              <= 1e-5 / 1e-6
+  aux loss          relative (absolute when torch's is 0) <= 1e-5 / 1e-5
+  each gradient     max|keel - torch| / max|torch grad|   <= 1e-4 / 1e-5
+  each step's loss  relative                              <= 1e-5 / 1e-6
+  each grad norm    relative                              <= 1e-4 / 1e-5
+  each lr           relative                              <= 1e-6 / 1e-6
+
+Both families keep keel's padded vocabulary: the token embedding (and an
+untied head) has padded_vocab rows, the logits padded_vocab columns, and
+only the first vocab_size columns take part in the cross-entropy. The padded
+logit columns and gradient rows are compared with the rest (PyTorch's
+gradient rows there are exactly zero).
 
 The learning rates are not keel's: the PyTorch run takes them from
 torch.optim.lr_scheduler.LambdaLR with the documented schedule (linear
@@ -46,15 +55,89 @@ import tomllib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_gpt as tg  # noqa: E402
+import torch_llama as tl  # noqa: E402
 
-TOL_LOGITS = 1e-5
-TOL_LOSS = 1e-5
-TOL_AUX = 1e-5
-TOL_GRAD = 1e-4
-TOL_STEP_LOSS = 1e-5
-TOL_GRAD_NORM = 1e-4
-TOL_LR = 1e-6  # keel's rate comes as float32
 SHARD_TOKENS = 20000
+
+
+# ----------------------------------------------------------------------------
+# What differs by model.arch: the reference model, built from keel's
+# resolved [model] section (meta.json), and the tolerances. Everything else
+# (loading keel's tensors, the comparisons, the training run) is shared.
+#
+# Weight decay needs no entry: keel decays every 2-D tensor and nothing else
+# (ParamSpec::weight_decay in trainer/params/parameters.h, the same rule for
+# every family), which is tg.make_optimizer's rule. Under Llama that decays
+# model.embed_tokens, q/k/v/o_proj, gate/up/down_proj and lm_head, and not
+# the RMSNorm weights.
+
+TOL_GPT2 = dict(logits=1e-5, loss=1e-5, aux=1e-5, grad=1e-4, step_loss=1e-5, grad_norm=1e-4,
+                lr=1e-6)  # keel's rate comes as float32
+TOL_LLAMA = dict(TOL_GPT2, loss=1e-6, grad=1e-5, step_loss=1e-6, grad_norm=1e-5)
+
+
+def padded_vocab(vocab_size):
+    """keel's ModelConfig::padded_vocab(): vocab_size rounded up to a multiple of 128."""
+    return (int(vocab_size) + 127) // 128 * 128
+
+
+class PaddedLlama(tl.Llama):
+    """torch_llama.Llama over keel's padded vocabulary, called like torch_gpt.GPT.
+
+    The embedding (and an untied lm_head) has padded_vocab rows, as keel's
+    tensors do; the logits keep all padded_vocab columns, and the
+    cross-entropy takes the first vocab_size only (the padded columns never
+    take part, as in torch_gpt.GPT). A dense model has no aux loss: 0."""
+
+    def __init__(self, cfg: tl.LlamaConfig, vocab_size: int):
+        super().__init__(cfg)
+        self.vocab_size = int(vocab_size)
+
+    def forward(self, idx, targets=None):
+        logits, _ = super().forward(idx)
+        loss = None
+        if targets is not None:
+            V = self.vocab_size
+            loss = torch.nn.functional.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1).long())
+        return logits, loss, logits.new_zeros(())
+
+
+def llama_config(m):
+    """tl.LlamaConfig from keel's [model] section, with keel's defaults for the
+    keys left at 0 (common/config.h ModelConfig, common/config.cpp mlp_width),
+    and vocab_size the padded vocabulary (see PaddedLlama)."""
+    C = int(m["n_embd"])
+    ffn = int(m.get("ffn_hidden", 0))
+    if ffn <= 0:  # Meta's rule: int(8C/3) rounded up to a multiple of 256
+        ffn = (8 * C // 3 + 255) // 256 * 256
+    scaling = None
+    if float(m.get("rope_scaling_factor", 0)) > 0:  # 0: no scaling (Llama 3.0)
+        scaling = tl.RopeScaling(factor=float(m["rope_scaling_factor"]),
+                                 low_freq_factor=float(m.get("rope_low_freq_factor", 0)) or 1.0,
+                                 high_freq_factor=float(m.get("rope_high_freq_factor", 0)) or 4.0,
+                                 original_max_position_embeddings=int(m.get("rope_original_context", 0)) or 8192)
+    return tl.LlamaConfig(vocab_size=padded_vocab(m["vocab_size"]), seq_len=int(m["seq_len"]),
+                          n_layer=int(m["n_layer"]), n_head=int(m["n_head"]),
+                          n_kv_head=int(m.get("n_kv_head", 0)) or int(m["n_head"]), n_embd=C, ffn_hidden=ffn,
+                          rope_theta=float(m.get("rope_theta", 0)) or 500000.0, rope_scaling=scaling,
+                          norm_eps=float(m.get("norm_eps", 0)) or 1e-5,
+                          tie_embeddings=bool(m.get("tie_embeddings", True)))
+
+
+def gpt2_reference(m):
+    cfg = tg.GPTConfig.from_dict(m)
+    return cfg, lambda: tg.GPT(cfg).double()
+
+
+def llama_reference(m):
+    if int(m.get("n_expert", 0)) > 0:
+        raise ValueError("the Llama reference (tests/python/torch_llama.py) has no MoE blocks")
+    cfg = llama_config(m)
+    return cfg, lambda: PaddedLlama(cfg, int(m["vocab_size"])).double()
+
+
+# arch -> (reference(model section) -> (config to print, fresh float64 model factory), tolerances)
+ARCHS = {"gpt2": (gpt2_reference, TOL_GPT2), "llama": (llama_reference, TOL_LLAMA)}
 
 
 class Report:
@@ -143,18 +226,24 @@ def compare(out, rep):
     with open(os.path.join(out, "meta.json")) as f:
         meta = json.load(f)
     conf = meta["config"]
-    mcfg = tg.GPTConfig.from_dict(conf["model"])
+    arch = conf["model"].get("arch", "gpt2")
+    if arch not in ARCHS:
+        rep.fail("meta", "model.arch", f"no PyTorch reference for arch {arch!r} (known: {sorted(ARCHS)})")
+        return meta
+    reference, tol = ARCHS[arch]
+    mcfg, new_model = reference(conf["model"])
     tcfg = conf["train"]
     micro = int(conf.get("parallel", {}).get("micro_batches", 1))
     steps = int(meta["steps"])
-    print(f"model: {mcfg}\ntrain: batch {tcfg['batch_size']}, micro_batches {micro}, steps {steps}, "
+    print(f"model ({arch}): {mcfg}\ntrain: batch {tcfg['batch_size']}, micro_batches {micro}, steps {steps}, "
           f"grad_clip {tcfg['grad_clip']}, wd {tcfg['weight_decay']}, betas ({tcfg['beta1']}, {tcfg['beta2']}), "
           f"eps {tcfg['eps']}")
 
-    if int(meta["padded_vocab"]) != mcfg.padded_vocab:
-        rep.fail("meta", "padded_vocab", f"keel {meta['padded_vocab']}, expected {mcfg.padded_vocab}")
+    vocab, vp = int(conf["model"]["vocab_size"]), padded_vocab(conf["model"]["vocab_size"])
+    if int(meta["padded_vocab"]) != vp:
+        rep.fail("meta", "padded_vocab", f"keel {meta['padded_vocab']}, expected {vp}")
         return meta
-    model = tg.GPT(mcfg).double()
+    model = new_model()
     torch_names = tg.param_names(model)
     keel_names = list(meta["param_names"])
     if sorted(torch_names) != sorted(keel_names) or len(set(keel_names)) != len(keel_names):
@@ -173,7 +262,7 @@ def compare(out, rep):
     y = load(out, "check_targets.npy")
     B, T = int(tcfg["batch_size"]), int(conf["model"]["seq_len"])
     shape_ok = x.shape == (B, T) and y.shape == (B, T) and x.dtype == np.int32 and y.dtype == np.int32
-    tokens_ok = shape_ok and x.min() >= 0 and x.max() < mcfg.vocab_size and y.min() >= 0 and y.max() < mcfg.vocab_size
+    tokens_ok = shape_ok and x.min() >= 0 and x.max() < vocab and y.min() >= 0 and y.max() < vocab
     rep.add("batch", "check_inputs/targets: int32 [B,T], tokens < V", 0.0 if tokens_ok else float("inf"), 0.0)
     if not tokens_ok:
         return meta
@@ -183,11 +272,11 @@ def compare(out, rep):
 
     k_logits = load(out, "check_logits.npy")
     err, scale = max_rel(k_logits, logits.detach().numpy())
-    rep.add("forward", f"logits {list(k_logits.shape)}", err, TOL_LOGITS, f"max|logit| {scale:.3g}")
+    rep.add("forward", f"logits {list(k_logits.shape)}", err, tol["logits"], f"max|logit| {scale:.3g}")
     k_loss = float(load(out, "check_loss.npy").reshape(-1)[0])
-    rep.add("forward", "CE loss", rel(k_loss, loss.item()), TOL_LOSS, f"keel {k_loss:.9g}, torch {loss.item():.9g}")
+    rep.add("forward", "CE loss", rel(k_loss, loss.item()), tol["loss"], f"keel {k_loss:.9g}, torch {loss.item():.9g}")
     k_aux = float(load(out, "check_aux_loss.npy").reshape(-1)[0])
-    rep.add("forward", "aux loss", rel(k_aux, aux.item()), TOL_AUX, f"keel {k_aux:.9g}, torch {aux.item():.9g}")
+    rep.add("forward", "aux loss", rel(k_aux, aux.item()), tol["aux"], f"keel {k_aux:.9g}, torch {aux.item():.9g}")
 
     params = dict(model.named_parameters())
     for n in keel_names:
@@ -195,7 +284,7 @@ def compare(out, rep):
         g = np.zeros(params[n].shape) if g is None else g.numpy()
         kg = load(out, f"check_grads/{n}.npy")
         err, scale = max_rel(kg, g)
-        rep.add("gradient", n, err, TOL_GRAD, f"max|g| {scale:.3g}" if kg.shape == g.shape
+        rep.add("gradient", n, err, tol["grad"], f"max|g| {scale:.3g}" if kg.shape == g.shape
                 else f"shape {kg.shape} vs {g.shape}")
 
     # ---- N training steps from the same initial model
@@ -212,7 +301,7 @@ def compare(out, rep):
     same = np.array_equal(ti[0], x) and np.array_equal(tt[0], y)
     rep.add("batch", "check batch == step-0 batch", 0.0 if same else float("inf"), 0.0)
 
-    model = tg.GPT(mcfg).double()
+    model = new_model()
     tg.load_numpy_params(model, init)
     opt = tg.make_optimizer(model, lr=float(tcfg["lr"]), betas=(float(tcfg["beta1"]), float(tcfg["beta2"])),
                             eps=float(tcfg["eps"]), weight_decay=float(tcfg["weight_decay"]))
@@ -229,9 +318,9 @@ def compare(out, rep):
         e_loss, e_norm = rel(k_losses[s], t_loss), rel(k_norms[s], t_norm)
         print(f"  {s:4d}  {lr:10.4e}  {k_losses[s]:12.8f}  {t_loss:12.8f}  {e_loss:9.2e}  "
               f"{k_norms[s]:10.6f}  {t_norm:10.6f}  {e_norm:9.2e}")
-        rep.add("train loss", f"step {s}", e_loss, TOL_STEP_LOSS)
-        rep.add("train grad norm", f"step {s}", e_norm, TOL_GRAD_NORM)
-        rep.add("train lr", f"step {s}", rel(k_lrs[s], lr), TOL_LR, f"keel {float(k_lrs[s]):.6g}, torch {lr:.6g}")
+        rep.add("train loss", f"step {s}", e_loss, tol["step_loss"])
+        rep.add("train grad norm", f"step {s}", e_norm, tol["grad_norm"])
+        rep.add("train lr", f"step {s}", rel(k_lrs[s], lr), tol["lr"], f"keel {float(k_lrs[s]):.6g}, torch {lr:.6g}")
     return meta
 
 

@@ -142,6 +142,17 @@ TEST_SUITE("integration") {
     CHECK(keel::test::last_json_line(keel::test::run_process(as_json).output).at("layout").at("pp") == 2);
   }
 
+  TEST_CASE("a Llama checkpoint continues from TP2 to DP2 and from PP2 to one rank and round-trips bit-exactly") {
+    // Each TP rank saves its key/value head and its rows of the packed
+    // gate and up under the global Hugging Face names.
+    std::vector<std::string> sets = kEvery4;
+    sets.insert(sets.end(),
+                {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.tie_embeddings=false"});
+    TrainerRuns f;
+    check_continuations(f, {{Layout{.tp = 2}, Layout{.dp = 2}}, {Layout{.micro_batches = 2, .pp = 2}, Layout{}}},
+                        sets);
+  }
+
   TEST_CASE("a MoE checkpoint continues across EP layouts and round-trips bit-exactly") {
     // Each EP rank saves its own experts (split over its expert-DP group)
     // under their global names, and any layout takes the experts it holds.

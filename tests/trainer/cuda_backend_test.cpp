@@ -49,6 +49,7 @@ namespace {
 using keel::test::device_or_skip;
 using keel::trainer::Backend;
 using keel::trainer::CpuBackend;
+using keel::trainer::RowNorm;
 using keel::trainer::cuda::CudaBackend;
 using Vec = std::vector<float>;
 using Ints = std::vector<int32_t>;
@@ -240,9 +241,10 @@ std::vector<KernelCase> kernel_cases() {
                       {"dinp", random_vec(n, 18)}, {"dw", random_vec(C, 19)}, {"db", random_vec(C, 20)}},
                      {}, {"out", "mean", "rstd", "dinp", "dw", "db"},
                      [=](Backend& k, Tensors& t) {
-                       k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
-                       k.layernorm_backward(t.f("dinp"), nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
-                                            t.f("mean"), t.f("rstd"), N, C);
+                       k.norm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C,
+                                      RowNorm{});
+                       k.norm_backward(t.f("dinp"), nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                                       t.f("mean"), t.f("rstd"), N, C, RowNorm{});
                      },
                      1e-4, 1e-2});
   }
@@ -257,11 +259,12 @@ std::vector<KernelCase> kernel_cases() {
                       {"dinp", random_vec(n, 18)}, {"dw", random_vec(C, 19)}, {"db", random_vec(C, 20)}},
                      {}, {"dinp", "dw", "db"},
                      [=](Backend& k, Tensors& t) {
-                       k.layernorm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C);
-                       k.layernorm_backward(t.f("dinp"), nullptr, nullptr, nullptr, t.f("dout"), t.f("inp"), t.f("w"),
-                                            t.f("mean"), t.f("rstd"), N, C);
-                       k.layernorm_backward(nullptr, nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
-                                            t.f("mean"), t.f("rstd"), N, C);
+                       k.norm_forward(t.f("out"), t.f("mean"), t.f("rstd"), t.f("inp"), t.f("w"), t.f("b"), N, C,
+                                      RowNorm{});
+                       k.norm_backward(t.f("dinp"), nullptr, nullptr, nullptr, t.f("dout"), t.f("inp"), t.f("w"),
+                                       t.f("mean"), t.f("rstd"), N, C, RowNorm{});
+                       k.norm_backward(nullptr, nullptr, t.f("dw"), t.f("db"), t.f("dout"), t.f("inp"), t.f("w"),
+                                       t.f("mean"), t.f("rstd"), N, C, RowNorm{});
                      },
                      1e-4, 1e-2});
   }
@@ -273,8 +276,72 @@ std::vector<KernelCase> kernel_cases() {
                       {"b", random_vec(C, 16)}, {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}},
                      {}, {"sum", "out", "mean", "rstd"},
                      [=](Backend& k, Tensors& t) {
-                       k.add_layernorm_forward(t.f("sum"), t.f("addend"), t.f("out"), t.f("mean"), t.f("rstd"),
-                                               t.f("w"), t.f("b"), N, C);
+                       k.add_norm_forward(t.f("sum"), t.f("addend"), t.f("out"), t.f("mean"), t.f("rstd"),
+                                          t.f("w"), t.f("b"), N, C, RowNorm{});
+                     },
+                     1e-4, 1e-2});
+  }
+  // Llama's parts (issue 46): RMSNorm (no bias, its own eps), SwiGLU over
+  // packed [gate | up] rows, rotary positions from a global offset, and
+  // grouped-query attention (two and four query heads a key/value head).
+  {
+    const int N = 97, C = 67;
+    const size_t n = static_cast<size_t>(N) * C;
+    const RowNorm rms{RowNorm::Kind::kRmsNorm, 1e-6f};
+    cases.push_back({"rmsnorm",
+                     {{"sum", random_vec(n, 21, -3.0f, 3.0f)}, {"addend", random_vec(n, 22)}, {"w", random_vec(C, 15)},
+                      {"out", Vec(n, nan)}, {"mean", Vec(N, nan)}, {"rstd", Vec(N, nan)}, {"dout", random_vec(n, 17)},
+                      {"dinp", random_vec(n, 18)}, {"dw", random_vec(C, 19)}},
+                     {}, {"sum", "out", "mean", "rstd", "dinp", "dw"},
+                     [=](Backend& k, Tensors& t) {
+                       k.add_norm_forward(t.f("sum"), t.f("addend"), t.f("out"), t.f("mean"), t.f("rstd"), t.f("w"),
+                                          nullptr, N, C, rms);
+                       k.norm_backward(t.f("dinp"), nullptr, t.f("dw"), nullptr, t.f("dout"), t.f("sum"), t.f("w"),
+                                       t.f("mean"), t.f("rstd"), N, C, rms);
+                     },
+                     1e-4, 1e-2});
+  }
+  {
+    const int N = 97, F = 45;
+    const size_t n = static_cast<size_t>(N) * F;
+    cases.push_back({"swiglu",
+                     {{"pre", random_vec(2 * n, 23, -6.0f, 6.0f)}, {"out", Vec(n, nan)}, {"dout", random_vec(n, 24)},
+                      {"dpre", Vec(2 * n, nan)}},
+                     {}, {"out", "dpre"},
+                     [=](Backend& k, Tensors& t) {
+                       k.swiglu_forward(t.f("out"), t.f("pre"), N, F);
+                       k.swiglu_backward(t.f("dpre"), t.f("pre"), t.f("dout"), N, F);
+                     },
+                     1e-5, 1e-3});
+  }
+  {
+    // Rows of 3 query heads, 1 key head and a value head of 16 channels;
+    // positions 40.. of a 128-long table.
+    const int B = 2, T = 37, d = 16, heads = 4, ld = 5 * d, P = 128, position = 40;
+    const size_t n = static_cast<size_t>(B) * T * ld, table = static_cast<size_t>(P) * d / 2;
+    cases.push_back({"rotary",
+                     {{"x", random_vec(n, 25)}, {"g", random_vec(n, 26)}, {"cos", random_vec(table, 27)},
+                      {"sin", random_vec(table, 28)}},
+                     {}, {"x", "g"},
+                     [=](Backend& k, Tensors& t) {
+                       k.rotary_forward(t.f("x"), ld, t.f("cos"), t.f("sin"), B, T, position, heads, d);
+                       k.rotary_backward(t.f("g"), ld, t.f("cos"), t.f("sin"), B, T, position, heads, d);
+                     },
+                     1e-6, 1e-5});
+  }
+  for (const int KVH : {2, 1}) {
+    const int B = 2, T = 70, NH = 4, d = 24, C = NH * d, W = C + 2 * KVH * d;
+    const size_t n = static_cast<size_t>(B) * T;
+    cases.push_back({"grouped-query attention, " + std::to_string(NH / KVH) + " query heads a key/value head",
+                     {{"qkv", random_vec(n * W, 31, -2.0f, 2.0f)}, {"out", Vec(n * C, nan)},
+                      {"lse", Vec(static_cast<size_t>(B) * NH * T, nan)}, {"dout", random_vec(n * C, 32)},
+                      {"dqkv", random_vec(n * W, 33)}},
+                     {}, {"out", "lse", "dqkv"},
+                     [=](Backend& k, Tensors& t) {
+                       const auto in = Backend::self_attention(t.f("qkv"), B, T, C, NH, KVH);
+                       k.attention_forward(t.f("out"), t.f("lse"), in);
+                       k.attention_backward(Backend::self_attention_grads(t.f("dqkv"), C, KVH * d), t.f("dout"),
+                                            t.f("out"), t.f("lse"), in);
                      },
                      1e-4, 1e-2});
   }
@@ -616,7 +683,7 @@ TEST_SUITE("gpu") {
     gpu.copy_columns(t.f("x"), 1, t.f("x") + 1, 1, 0, 1);
     gpu.accumulate_columns(t.f("x"), 1, t.f("x") + 1, 1, 1, 0);
     gpu.gelu_forward(t.f("x"), t.f("x"), 0);
-    gpu.layernorm_forward(t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), 0, 2);
+    gpu.norm_forward(t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), t.f("x"), 0, 2, RowNorm{});
     CHECK(t.read("x") == Vec{1.0f, 2.0f});
   }
 
@@ -751,9 +818,9 @@ TEST_SUITE("gpu") {
     Tensors on_cpu(cpu_bf16, floats, {}), on_gpu(gpu, floats, {});
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu_bf16}, {&on_gpu, &gpu}}) {
       t->add_bf16("dres16", static_cast<size_t>(N) * C);
-      k->layernorm_forward(t->f("out"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("w"), N, C);
-      k->layernorm_backward(t->f("dres"), t->h("dres16"), nullptr, nullptr, t->f("dout"), t->f("inp"), t->f("w"),
-                            t->f("mean"), t->f("rstd"), N, C);
+      k->norm_forward(t->f("out"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("w"), N, C, RowNorm{});
+      k->norm_backward(t->f("dres"), t->h("dres16"), nullptr, nullptr, t->f("dout"), t->f("inp"), t->f("w"),
+                       t->f("mean"), t->f("rstd"), N, C, RowNorm{});
       k->matmul_backward(t->f("dx"), keel::trainer::Into::kWrite, t->f("dw"), nullptr, t->h("dres16"), t->f("x"),
                          t->f("w_proj"), N, IN, C);
       k->matmul_backward(t->f("dx_from_f32"), keel::trainer::Into::kWrite, t->f("dw_from_f32"), nullptr,
@@ -929,10 +996,10 @@ TEST_SUITE("gpu") {
     for (auto [t, k] : {std::pair<Tensors*, Backend*>{&on_cpu, &cpu}, {&on_gpu, &gpu}}) {
       t->add_bf16("out16", static_cast<size_t>(N) * C);
       t->add_bf16("sum_out16", static_cast<size_t>(N) * C);
-      k->layernorm_forward(t->f("out"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("b"), N, C);
-      k->layernorm_forward(t->h("out16"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("b"), N, C);
-      k->add_layernorm_forward(t->f("inp"), t->f("addend"), t->h("sum_out16"), t->f("mean"), t->f("rstd"), t->f("w"),
-                               t->f("b"), N, C);
+      k->norm_forward(t->f("out"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("b"), N, C, RowNorm{});
+      k->norm_forward(t->h("out16"), t->f("mean"), t->f("rstd"), t->f("inp"), t->f("w"), t->f("b"), N, C, RowNorm{});
+      k->add_norm_forward(t->f("inp"), t->f("addend"), t->h("sum_out16"), t->f("mean"), t->f("rstd"), t->f("w"),
+                          t->f("b"), N, C, RowNorm{});
     }
     Vec rounded = on_gpu.read("out");
     for (float& x : rounded) x = keel::trainer::bf16_rounded(x);

@@ -25,6 +25,7 @@
 namespace {
 
 using keel::trainer::CpuBackend;
+using keel::trainer::RowNorm;
 using Vec = std::vector<float>;
 using Ref = std::vector<double>;
 using Ints = std::vector<int32_t>;
@@ -287,7 +288,7 @@ TEST_SUITE("unit") {
     Vec out = nan_vec(inp.size());
     Vec mean = nan_vec(N);
     Vec rstd = nan_vec(N);
-    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+    cpu.norm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C, RowNorm{});
     Ref want_out, want_mean, want_rstd;
     layernorm_ref(want_out, want_mean, want_rstd, inp, w, b, N, C);
     check_close("out", out, want_out, 1e-6);
@@ -295,7 +296,7 @@ TEST_SUITE("unit") {
     check_close("rstd", rstd, want_rstd, 1e-6);
   }
 
-  TEST_CASE("add_layernorm_forward is accumulate then layernorm_forward bit for bit") {
+  TEST_CASE("add_norm_forward is accumulate then norm_forward bit for bit") {
     CpuBackend cpu;
     const int N = 9, C = 40;
     const Vec addend = random_vec(static_cast<size_t>(N) * C, 8, -2.0f, 2.0f);
@@ -303,11 +304,11 @@ TEST_SUITE("unit") {
     Vec fused_sum = random_vec(addend.size(), 11, -3.0f, 5.0f), apart_sum = fused_sum;
     Vec fused_out = nan_vec(addend.size()), fused_mean = nan_vec(N), fused_rstd = nan_vec(N);
     Vec apart_out = nan_vec(addend.size()), apart_mean = nan_vec(N), apart_rstd = nan_vec(N);
-    cpu.add_layernorm_forward(fused_sum.data(), addend.data(), fused_out.data(), fused_mean.data(), fused_rstd.data(),
-                              w.data(), b.data(), N, C);
+    cpu.add_norm_forward(fused_sum.data(), addend.data(), fused_out.data(), fused_mean.data(), fused_rstd.data(),
+                         w.data(), b.data(), N, C, RowNorm{});
     cpu.accumulate(apart_sum.data(), addend.data(), apart_sum.size());
-    cpu.layernorm_forward(apart_out.data(), apart_mean.data(), apart_rstd.data(), apart_sum.data(), w.data(), b.data(),
-                          N, C);
+    cpu.norm_forward(apart_out.data(), apart_mean.data(), apart_rstd.data(), apart_sum.data(), w.data(), b.data(),
+                     N, C, RowNorm{});
     CHECK(fused_sum == apart_sum);
     CHECK(fused_out == apart_out);
     CHECK(fused_mean == apart_mean);
@@ -332,16 +333,16 @@ TEST_SUITE("unit") {
     };
     Vec out = nan_vec(inp.size()), mean = nan_vec(N), rstd = nan_vec(N), mean16 = nan_vec(N), rstd16 = nan_vec(N);
     std::vector<bf16> out16(inp.size(), bf16{0xffff});
-    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
-    cpu.layernorm_forward(out16.data(), mean16.data(), rstd16.data(), inp.data(), w.data(), b.data(), N, C);
+    cpu.norm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C, RowNorm{});
+    cpu.norm_forward(out16.data(), mean16.data(), rstd16.data(), inp.data(), w.data(), b.data(), N, C, RowNorm{});
     CHECK(bits_of(out16) == rounded(out));
     CHECK(mean16 == mean);
     CHECK(rstd16 == rstd);
     Vec sum = inp, sum16 = inp;
-    cpu.add_layernorm_forward(sum.data(), addend.data(), out.data(), mean.data(), rstd.data(), w.data(), b.data(), N,
-                              C);
-    cpu.add_layernorm_forward(sum16.data(), addend.data(), out16.data(), mean16.data(), rstd16.data(), w.data(),
-                              b.data(), N, C);
+    cpu.add_norm_forward(sum.data(), addend.data(), out.data(), mean.data(), rstd.data(), w.data(), b.data(), N,
+                         C, RowNorm{});
+    cpu.add_norm_forward(sum16.data(), addend.data(), out16.data(), mean16.data(), rstd16.data(), w.data(),
+                         b.data(), N, C, RowNorm{});
     CHECK(sum16 == sum);
     CHECK(bits_of(out16) == rounded(out));
     CHECK(rstd16 == rstd);
@@ -358,18 +359,173 @@ TEST_SUITE("unit") {
     Vec mean(N);
     Vec rstd(N);
     auto loss = [&] {
-      cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C);
+      cpu.norm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C, RowNorm{});
       return weighted_sum(out, r);
     };
     loss();
     Vec dinp(inp.size(), 0.0f);
     Vec dw(C, 0.0f);
     Vec db(C, 0.0f);
-    cpu.layernorm_backward(dinp.data(), nullptr, dw.data(), db.data(), r.data(), inp.data(), w.data(), mean.data(),
-                           rstd.data(), N, C);
+    cpu.norm_backward(dinp.data(), nullptr, dw.data(), db.data(), r.data(), inp.data(), w.data(), mean.data(),
+                      rstd.data(), N, C, RowNorm{});
     check_gradient("dinp", inp, dinp, loss);
     check_gradient("dweight", w, dw, loss);
     check_gradient("dbias", b, db, loss);
+  }
+
+  TEST_CASE("RMSNorm divides each row by its root mean square and its backward matches finite differences") {
+    CpuBackend cpu;
+    for (const float eps : {1e-5f, 1e-2f}) {
+      CAPTURE(eps);
+      const RowNorm rms{RowNorm::Kind::kRmsNorm, eps};
+      const int N = 10, C = 8;
+      Vec inp = random_vec(static_cast<size_t>(N) * C, 41, -3.0f, 5.0f);
+      Vec w = random_vec(C, 42, 0.5f, 1.5f);
+      const Vec r = random_vec(inp.size(), 43);
+      Vec out = nan_vec(inp.size()), mean = nan_vec(N), rstd = nan_vec(N);
+      auto loss = [&] {
+        cpu.norm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), nullptr, N, C, rms);
+        return weighted_sum(out, r);
+      };
+      loss();
+      Ref want(out.size());
+      for (int n = 0; n < N; ++n) {
+        double squares = 0.0;
+        for (int c = 0; c < C; ++c) squares += static_cast<double>(inp[n * C + c]) * inp[n * C + c];
+        const double rs = 1.0 / std::sqrt(squares / C + eps);
+        for (int c = 0; c < C; ++c) want[n * C + c] = inp[n * C + c] * rs * w[c];
+      }
+      check_close("out", out, want, 1e-6);
+      CHECK(mean == Vec(N, 0.0f));
+      Vec dinp(inp.size(), 0.0f), dw(C, 0.0f);
+      cpu.norm_backward(dinp.data(), nullptr, dw.data(), nullptr, r.data(), inp.data(), w.data(), mean.data(),
+                        rstd.data(), N, C, rms);
+      check_gradient("dinp", inp, dinp, loss);
+      check_gradient("dweight", w, dw, loss);
+    }
+  }
+
+  TEST_CASE("SwiGLU is the SiLU of the gate times the up over packed rows and its backward matches finite differences") {
+    CpuBackend cpu;
+    const int N = 6, F = 5;
+    Vec pre = random_vec(static_cast<size_t>(N) * 2 * F, 44, -4.0f, 4.0f);
+    const Vec r = random_vec(static_cast<size_t>(N) * F, 45);
+    Vec out = nan_vec(r.size());
+    auto loss = [&] {
+      cpu.swiglu_forward(out.data(), pre.data(), N, F);
+      return weighted_sum(out, r);
+    };
+    loss();
+    Ref want(out.size());
+    for (int n = 0; n < N; ++n) {
+      for (int j = 0; j < F; ++j) {
+        const double gate = pre[n * 2 * F + j], up = pre[n * 2 * F + F + j];
+        want[n * F + j] = gate / (1.0 + std::exp(-gate)) * up;
+      }
+    }
+    check_close("out", out, want, 1e-6);
+    Vec dpre = nan_vec(pre.size());  // written over, not added to
+    cpu.swiglu_backward(dpre.data(), pre.data(), r.data(), N, F);
+    check_gradient("dpre", pre, dpre, loss);
+  }
+
+  TEST_CASE("rotary turns each pair of a head by its global position's angle and its backward is the transpose") {
+    CpuBackend cpu;
+    // Rows of 3 heads of 8 channels and 2 channels past them no turn touches.
+    const int B = 2, T = 5, d = 8, heads = 3, ld = heads * d + 2, P = 16, position = 7;
+    Vec cos(static_cast<size_t>(P) * d / 2), sin(cos.size());
+    const Vec angles = random_vec(cos.size(), 46, -3.0f, 3.0f);
+    for (size_t i = 0; i < angles.size(); ++i) {
+      cos[i] = std::cos(angles[i]);
+      sin[i] = std::sin(angles[i]);
+    }
+    const Vec x = random_vec(static_cast<size_t>(B) * T * ld, 47), g = random_vec(x.size(), 48);
+    Vec y = x, back = g;
+    cpu.rotary_forward(y.data(), ld, cos.data(), sin.data(), B, T, position, heads, d);
+    cpu.rotary_backward(back.data(), ld, cos.data(), sin.data(), B, T, position, heads, d);
+    Ref want(x.begin(), x.end());
+    for (int row = 0; row < B * T; ++row) {
+      const size_t angle = static_cast<size_t>(position + row % T) * d / 2;
+      for (int h = 0; h < heads; ++h) {
+        for (int j = 0; j < d / 2; ++j) {
+          const size_t at = static_cast<size_t>(row) * ld + h * d + j;
+          const double x1 = x[at], x2 = x[at + d / 2], c = cos[angle + j], s = sin[angle + j];
+          want[at] = x1 * c - x2 * s;
+          want[at + d / 2] = x2 * c + x1 * s;
+        }
+      }
+    }
+    check_close("turned", y, want, 1e-6);
+    // <R x, g> = <x, R^T g>: the backward is the transpose of the turn.
+    double forward_dot = 0.0, backward_dot = 0.0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      forward_dot += static_cast<double>(y[i]) * g[i];
+      backward_dot += static_cast<double>(x[i]) * back[i];
+    }
+    CHECK(std::fabs(forward_dot - backward_dot) <= 1e-5 * std::fabs(forward_dot));
+  }
+
+  TEST_CASE("grouped-query attention equals multi-head attention over repeated key/value heads") {
+    CpuBackend cpu;
+    for (const int KVH : {2, 1}) {
+      CAPTURE(KVH);
+      // T = 70: two query blocks, so a key/value head gathers across blocks and heads.
+      const int B = 2, T = 70, NH = 4, d = 8, C = NH * d, KV = KVH * d, W = C + 2 * KV, group = NH / KVH;
+      const size_t rows = static_cast<size_t>(B) * T;
+      const Vec grouped = random_vec(rows * W, 49, -2.0f, 2.0f);
+      Vec repeated(rows * 3 * C);
+      for (size_t r = 0; r < rows; ++r) {
+        const float* from = grouped.data() + r * W;
+        float* to = repeated.data() + r * 3 * C;
+        std::copy_n(from, C, to);
+        for (int h = 0; h < NH; ++h) {
+          std::copy_n(from + C + h / group * d, d, to + C + h * d);
+          std::copy_n(from + C + KV + h / group * d, d, to + 2 * C + h * d);
+        }
+      }
+      const Vec dout = random_vec(rows * C, 50);
+      Vec out_g = nan_vec(rows * C), out_r = nan_vec(rows * C);
+      Vec lse_g = nan_vec(static_cast<size_t>(B) * NH * T), lse_r = nan_vec(lse_g.size());
+      const auto in_g = CpuBackend::self_attention(grouped.data(), B, T, C, NH, KVH);
+      const auto in_r = CpuBackend::self_attention(repeated.data(), B, T, C, NH);
+      cpu.attention_forward(out_g.data(), lse_g.data(), in_g);
+      cpu.attention_forward(out_r.data(), lse_r.data(), in_r);
+      check_close("out", out_g, Ref(out_r.begin(), out_r.end()), 1e-6);
+      check_close("lse", lse_g, Ref(lse_r.begin(), lse_r.end()), 1e-6);
+      Vec dgrouped(grouped.size(), 0.0f), drepeated(repeated.size(), 0.0f);
+      cpu.attention_backward(CpuBackend::self_attention_grads(dgrouped.data(), C, KV), dout.data(), out_g.data(),
+                             lse_g.data(), in_g);
+      cpu.attention_backward(CpuBackend::self_attention_grads(drepeated.data(), C), dout.data(), out_r.data(),
+                             lse_r.data(), in_r);
+      // A key/value head's gradient is the sum of its group's.
+      Ref want(dgrouped.size(), 0.0);
+      for (size_t r = 0; r < rows; ++r) {
+        const float* from = drepeated.data() + r * 3 * C;
+        double* to = want.data() + r * W;
+        for (int c = 0; c < C; ++c) to[c] = from[c];
+        for (int h = 0; h < NH; ++h) {
+          for (int j = 0; j < d; ++j) {
+            to[C + h / group * d + j] += from[C + h * d + j];
+            to[C + KV + h / group * d + j] += from[2 * C + h * d + j];
+          }
+        }
+      }
+      check_close("dqkv", dgrouped, want, 1e-5);
+    }
+    // And against finite differences directly.
+    const int B = 1, T = 9, NH = 4, KVH = 2, d = 4, C = NH * d, W = C + 2 * KVH * d;
+    Vec qkv = random_vec(static_cast<size_t>(B) * T * W, 51, -2.0f, 2.0f);
+    const Vec r = random_vec(static_cast<size_t>(B) * T * C, 52);
+    Vec out(r.size()), lse(static_cast<size_t>(B) * NH * T);
+    auto loss = [&] {
+      cpu.attention_forward(out.data(), lse.data(), CpuBackend::self_attention(qkv.data(), B, T, C, NH, KVH));
+      return weighted_sum(out, r);
+    };
+    loss();
+    Vec dqkv(qkv.size(), 0.0f);
+    cpu.attention_backward(CpuBackend::self_attention_grads(dqkv.data(), C, KVH * d), r.data(), out.data(), lse.data(),
+                           CpuBackend::self_attention(qkv.data(), B, T, C, NH, KVH));
+    check_gradient("dqkv", qkv, dqkv, loss);
   }
 
   TEST_CASE("layernorm backward puts each input gradient sum rounded to bf16 beside it and changes nothing else") {
@@ -378,13 +534,13 @@ TEST_SUITE("unit") {
     const Vec inp = random_vec(static_cast<size_t>(N) * C, 15), w = random_vec(C, 16, 0.5f, 1.5f);
     const Vec dout = random_vec(inp.size(), 17), start = random_vec(inp.size(), 18);
     Vec mean(N), rstd(N), out(inp.size());
-    cpu.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), w.data(), N, C);
+    cpu.norm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), w.data(), N, C, RowNorm{});
     Vec plain = start, with_copy = start, dw(C, 0.0f), db(C, 0.0f), dw_copy(C, 0.0f), db_copy(C, 0.0f);
     std::vector<keel::trainer::bf16> rounded(inp.size());
-    cpu.layernorm_backward(plain.data(), nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(),
-                           rstd.data(), N, C);
-    cpu.layernorm_backward(with_copy.data(), rounded.data(), dw_copy.data(), db_copy.data(), dout.data(), inp.data(),
-                           w.data(), mean.data(), rstd.data(), N, C);
+    cpu.norm_backward(plain.data(), nullptr, dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(),
+                      rstd.data(), N, C, RowNorm{});
+    cpu.norm_backward(with_copy.data(), rounded.data(), dw_copy.data(), db_copy.data(), dout.data(), inp.data(),
+                      w.data(), mean.data(), rstd.data(), N, C, RowNorm{});
     CHECK(with_copy == plain);
     CHECK(dw_copy == dw);
     CHECK(db_copy == db);
@@ -1238,9 +1394,10 @@ TEST_SUITE("unit") {
     const Vec w = random_vec(C, 59, 0.5f, 1.5f);
     const Vec bias = random_vec(C, 60);
     Vec ln(x.size()), mean(N), rstd(N);
-    cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C);
+    cpu.norm_forward(ln.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N, C, RowNorm{});
     auto ln_backward = [&](float* dinp, float* dw, float* db) {
-      cpu.layernorm_backward(dinp, nullptr, dw, db, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+      cpu.norm_backward(dinp, nullptr, dw, db, dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C,
+                        RowNorm{});
     };
     check_doubles("layernorm dinp", [&](float* g) { ln_backward(g, nullptr, nullptr); }, x.size());
     check_doubles("layernorm dweight", [&](float* g) { ln_backward(nullptr, g, nullptr); }, C);
@@ -1342,9 +1499,9 @@ TEST_SUITE("unit") {
       std::vector<Vec>& results = r.tensors;
 
       Vec ln(x.size()), mean(N), rstd(N), dinp(x.size(), 0.0f), dw(C, 0.0f), db(C, 0.0f);
-      cpu.layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), ln_w.data(), ln_b.data(), N, C);
-      cpu.layernorm_backward(dinp.data(), nullptr, dw.data(), db.data(), dy.data(), x.data(), ln_w.data(), mean.data(),
-                             rstd.data(), N, C);
+      cpu.norm_forward(ln.data(), mean.data(), rstd.data(), x.data(), ln_w.data(), ln_b.data(), N, C, RowNorm{});
+      cpu.norm_backward(dinp.data(), nullptr, dw.data(), db.data(), dy.data(), x.data(), ln_w.data(), mean.data(),
+                        rstd.data(), N, C, RowNorm{});
       results.insert(results.end(), {ln, dinp, dw, db});
 
       Vec out(dy_wide.size()), mm_dinp(mm_x.size(), 0.0f), mm_dw(w.size(), 0.0f), mm_db(OC, 0.0f);

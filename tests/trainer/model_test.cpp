@@ -310,17 +310,21 @@ TEST_SUITE("unit") {
     check_model_gradients(untied, 1e-2f, 0.05);
   }
 
-  TEST_CASE("a Llama model is refused with the key to change until its kernels land") {
-    CpuBackend backend(1);
-    const ParameterTable table(tiny_llama());
-    ZeroStorage storage(backend, table);
-    try {
-      Gpt model(tiny_llama(), backend, 2, storage);
-      FAIL("a Llama model was built");
-    } catch (const keel::common::Error& e) {
-      CHECK(e.code() == keel::common::ErrorCode::kBadConfig);
-      CHECK(std::string(e.what()).find("model.arch = \"gpt2\"") != std::string::npos);
-    }
+  TEST_CASE("a Llama model's backward matches finite differences for every tensor with and without rope scaling") {
+    // A small rotary base, so that positions turn q and k by whole radians.
+    ModelConfig llama = tiny_llama();
+    llama.rope_theta = 10;
+    check_model_gradients(llama, 1e-2f, 0.05);
+    llama.rope_scaling_factor = 8;
+    llama.rope_original_context = 4;
+    llama.tie_embeddings = true;
+    check_model_gradients(llama, 1e-2f, 0.05);
+  }
+
+  TEST_CASE("a Mixtral-shaped Llama's backward matches finite differences for every tensor") {
+    ModelConfig mixtral = tiny_llama(4);
+    mixtral.top_k = 4;  // k = E: no routing change inside a difference quotient
+    check_model_gradients(mixtral, 1e-2f, 0.05);
   }
 
   TEST_CASE("the MoE model's backward with router and load-balancing loss matches finite differences") {
@@ -373,17 +377,18 @@ TEST_SUITE("unit") {
     CHECK_THROWS_WITH(model.backward(0.25f), doctest::Contains("is not the 0.5"));
   }
 
-  TEST_CASE("with bf16 GEMM inputs every gradient follows the float32 model's - fused or split backward - dense or MoE") {
+  TEST_CASE("with bf16 GEMM inputs every gradient follows the float32 model's - fused or split backward - dense or MoE - GPT-2 or Llama") {
     // The bf16 path hands the linears the residual stream's gradient as
-    // the LayerNorm backward above them rounded it: a copy not written, or
-    // written by the wrong LayerNorm, leaves a projection's gradients far
-    // from the float32 model's.
-    for (const int64_t experts : {0, 4}) {
+    // the norm backward above them rounded it: a copy not written, or
+    // written by the wrong norm, leaves a projection's gradients far
+    // from the float32 model's. Llama's rotary turns bf16 q and k in place.
+    for (const ModelConfig& config : {tiny_model(0), tiny_model(4), tiny_llama(0), tiny_llama(4)}) {
       for (const bool split : {false, true}) {
-        CAPTURE(experts);
+        CAPTURE(config.arch);
+        CAPTURE(config.n_expert);
         CAPTURE(split);
         auto gradients = [&](CpuBackend& backend) {
-          TestModel test_model(tiny_model(experts), backend, 2, 11, split);
+          TestModel test_model(config, backend, 2, 11, split);
           auto inputs = sample_tokens(16, 50, 1), targets = sample_tokens(16, 50, 2);
           test_model.storage.zero_gradients();
           test_model.gpt.forward(inputs.data(), targets.data(), 2);
@@ -393,7 +398,7 @@ TEST_SUITE("unit") {
         };
         CpuBackend f32(1), bf16(1, keel::trainer::DType::kBF16);
         const std::vector<float> want = gradients(f32), got = gradients(bf16);
-        const ParameterTable table(tiny_model(experts));
+        const ParameterTable table(config);
         for (const auto& spec : table.specs()) {
           CAPTURE(spec.name);
           const std::vector<float> a(got.begin() + spec.offset, got.begin() + spec.offset + spec.numel);

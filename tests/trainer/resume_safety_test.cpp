@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -148,6 +149,44 @@ TEST_SUITE("integration") {
       CAPTURE(evaluated.output);
       CHECK(evaluated.exit_code == 2);
       CHECK(evaluated.output.find(c.key) != std::string::npos);
+    }
+  }
+
+  TEST_CASE("a GPT-2 checkpoint met by a Llama run and the reverse are refused with exit 2 naming the tensor") {
+    // Resuming in place: the run directory holds the other family's
+    // checkpoint, and after the refusal it holds exactly what it held.
+    TrainerRuns f;
+    const std::vector<std::string> saved = {"train.steps=4", "train.val_every=0", "checkpoint.every_steps=4"};
+    const std::vector<std::string> llama = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64"};
+    std::vector<std::string> llama_saved = saved;
+    llama_saved.insert(llama_saved.end(), llama.begin(), llama.end());
+    f.run(Layout{}, "gpt2", saved);
+    f.run(Layout{}, "llama", llama_saved);
+    auto listing = [&](const std::string& run) {
+      std::map<std::string, std::string> files;
+      for (const auto& entry : fs::recursive_directory_iterator(f.dir() / run)) {
+        if (entry.is_regular_file()) files[entry.path().string()] = read_file(entry.path());
+      }
+      return files;
+    };
+    struct Case {
+      std::string run;
+      std::vector<std::string> sets;
+      const char* first_missing;  // the first tensor of the new model the checkpoint lacks
+    };
+    std::vector<std::string> as_llama = llama, as_gpt2 = {"model.arch=gpt2"};
+    as_llama.push_back("train.steps=8");
+    as_gpt2.push_back("train.steps=8");
+    for (const Case& c : {Case{"gpt2", as_llama, "model.embed_tokens.weight"},
+                          Case{"llama", as_gpt2, "/model/wte is missing"}}) {
+      CAPTURE(c.run);
+      const auto before = listing(c.run);
+      const auto resumed = keel::test::run_process(f.argv(c.run, c.sets), {{"SPDLOG_LEVEL", "warn"}});
+      CAPTURE(resumed.output);
+      CHECK(resumed.exit_code == 2);
+      CHECK(resumed.output.find(c.first_missing) != std::string::npos);
+      CHECK(resumed.output.find("model.arch is") != std::string::npos);
+      CHECK(listing(c.run) == before);
     }
   }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "trainer/kernels/dtype.h"
+#include "trainer/kernels/host_device.h"
 #include "trainer/kernels/stream.h"
 
 #include <cstddef>
@@ -37,6 +38,15 @@ struct FloatSpan {
 // router's beside its experts'), or written over it (one source, so
 // nothing zeroes the array first and the GEMM does not read it back).
 enum class Into { kAdd, kWrite };
+
+// A row normalisation (backend_kernels.def "row norms"): GPT-2's
+// LayerNorm, or Llama's RMSNorm, which neither centres nor shifts.
+struct RowNorm {
+  enum class Kind { kLayerNorm, kRmsNorm };
+  Kind kind = Kind::kLayerNorm;
+  float eps = 1e-5f;
+  KEEL_HOST_DEVICE bool centred() const { return kind == Kind::kLayerNorm; }
+};
 
 // One tensor of an AdamW step (Backend::adamw_update): n elements of its
 // parameters, their gradients and both moments, and its weight decay.
@@ -117,10 +127,13 @@ class Backend {
   // self-attention (q, k and v side by side in one qkv buffer) and ring
   // attention (a chunk of queries against another rank's chunk of keys).
   // Rows are positions: q[b, t] is row b*Tq + t of `q`, ld_q elements
-  // after the row before it; k and v likewise over Tk rows with ld_kv. Head
-  // h owns channels h*d..(h+1)*d of every row, d = C / NH. Query row t sits
-  // at position q_offset + t and key row j at k_offset + j; a query sees
-  // the keys at or before its own position. Scores are scaled by 1/sqrt(d).
+  // after the row before it; k and v likewise over Tk rows with ld_kv. Query
+  // head h owns channels h*d..(h+1)*d of every row of q, d = C / NH; the
+  // keys and values have KVH heads of d channels (grouped-query attention:
+  // query head h reads key/value head h / (NH / KVH); KVH = 0 means NH, a
+  // key/value head per query head). Query row t sits at position
+  // q_offset + t and key row j at k_offset + j; a query sees the keys at or
+  // before its own position. Scores are scaled by 1/sqrt(d).
   // q, k and v hold `dtype` elements: bf16 only where gemm_inputs() is
   // kBF16 (the qkv linear's output kept so), kInternal otherwise.
   struct AttentionInputs {
@@ -131,29 +144,38 @@ class Backend {
     int B, Tq, Tk, C, NH;
     int q_offset = 0, k_offset = 0;
     DType dtype = DType::kF32;
+    int KVH = 0;
+    KEEL_HOST_DEVICE int kv_heads() const { return KVH > 0 ? KVH : NH; }
+    KEEL_HOST_DEVICE int head_dim() const { return C / NH; }
+    KEEL_HOST_DEVICE int kv_width() const { return kv_heads() * head_dim(); }  // channels of a row of k (and of v)
   };
   // The gradients of q, k and v, laid out as the inputs, of `dtype`:
   // float32 ones are summed into (ring attention adds each chunk of keys'
-  // share); bf16 ones, only where gemm_inputs() is kBF16 (self-attention's
-  // dqkv, which only the qkv linear's GEMMs read), are overwritten with
-  // each float32 gradient rounded, so nothing zeroes them first or rounds
-  // them after (kInternal on a float32 backend).
+  // share; a key/value head's sums its query heads' in head order); bf16
+  // ones, only where gemm_inputs() is kBF16 (self-attention's dqkv, which
+  // only the qkv linear's GEMMs read), are overwritten with each float32
+  // gradient rounded, so nothing zeroes them first or rounds them after
+  // (kInternal on a float32 backend).
   struct AttentionGrads {
     void* dq;
     void* dk;
     void* dv;
     DType dtype = DType::kF32;
   };
-  // Self-attention over qkv[B, T, 3C]: q, then k, then v at every position.
-  static AttentionInputs self_attention(ConstBuffer qkv, int B, int T, int C, int NH) {
+  // Self-attention over qkv[B, T, C + 2 KVH d]: the queries, then the keys,
+  // then the values at every position (KVH = 0: NH, so rows of 3C).
+  static AttentionInputs self_attention(ConstBuffer qkv, int B, int T, int C, int NH, int KVH = 0) {
     const auto* base = static_cast<const std::byte*>(qkv.data);
-    const size_t width = static_cast<size_t>(C) * dtype_bytes(qkv.dtype);
-    return {base, base + width, base + 2 * width, 3 * C, 3 * C, B, T, T, C, NH, 0, 0, qkv.dtype};
+    const int kv = (KVH > 0 ? KVH : NH) * (C / NH), ld = C + 2 * kv;
+    const size_t bytes = dtype_bytes(qkv.dtype);
+    return {base, base + C * bytes, base + (C + kv) * bytes, ld, ld, B, T, T, C, NH, 0, 0, qkv.dtype, KVH};
   }
-  static AttentionGrads self_attention_grads(Buffer dqkv, int C) {
+  // Their gradients, laid out alike; kv_width = KVH d (0: C).
+  static AttentionGrads self_attention_grads(Buffer dqkv, int C, int kv_width = 0) {
     auto* base = static_cast<std::byte*>(dqkv.data);
-    const size_t width = static_cast<size_t>(C) * dtype_bytes(dqkv.dtype);
-    return {base, base + width, base + 2 * width, dqkv.dtype};
+    const size_t bytes = dtype_bytes(dqkv.dtype);
+    const int kv = kv_width > 0 ? kv_width : C;
+    return {base, base + C * bytes, base + (C + kv) * bytes, dqkv.dtype};
   }
 
   // ---- the kernels (backend_kernels.def: every kernel with its contract) ----

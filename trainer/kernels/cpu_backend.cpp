@@ -14,6 +14,8 @@
 #include "trainer/kernels/adamw_step.h"
 #include "trainer/kernels/column_sums.h"
 #include "trainer/kernels/gelu.h"
+#include "trainer/kernels/rotary.h"
+#include "trainer/kernels/swiglu.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -38,8 +40,8 @@ constexpr size_t kParallelMin = size_t{1} << 15;
 // sum and sum_squares reduce chunks of this size into partials, then sum
 // the partials serially, so the order depends on n only.
 constexpr size_t kReduceChunk = size_t{1} << 16;
-// Rows per partial in layernorm's dweight/dbias reduction.
-constexpr int kLayernormRowChunk = 32;
+// Rows per partial in a norm's dweight/dbias reduction.
+constexpr int kNormRowChunk = 32;
 // Channels per work item where threads split a reduction by channel.
 constexpr int kChannelBlock = 32;
 // Queries per attention block: each block meets only the keys at or before
@@ -52,8 +54,6 @@ constexpr int kQueryBlock = 64;
 // block: 64e6/64 was ~10% slower than this).
 constexpr double kGemmTileFlops = 128e6;
 constexpr int kGemmMinEdge = 128;
-
-constexpr float kLayernormEps = 1e-5f;
 
 inline float madd(float a, float b, float c) {
 #ifdef __FMA__
@@ -320,41 +320,47 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const float* dout,
   }
 }
 
-// ---- layernorm ----
+// ---- row norms ----
 
 namespace {
 
 template <typename Out>
-void layernorm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C) {
-  const float mu = row_sum(x, C) / static_cast<float>(C);
-  // Two passes: the variance from centred values does not cancel.
+void norm_row(Out* o, float* mean, float* rstd, const float* x, const float* weight, const float* bias, int C,
+              RowNorm norm) {
+  const float mu = norm.centred() ? row_sum(x, C) / static_cast<float>(C) : 0.0f;
+  // LayerNorm's two passes: the variance from centred values does not cancel.
   const float var = fixed_order_sum<float>(C, [x, mu](size_t i) {
                       const float dx = x[i] - mu;
                       return dx * dx;
                     }) /
                     static_cast<float>(C);
-  const float rs = 1.0f / std::sqrt(var + kLayernormEps);
+  const float rs = 1.0f / std::sqrt(var + norm.eps);
+  if (bias != nullptr) {
 #pragma omp simd
-  for (int c = 0; c < C; ++c) put(o + c, (x[c] - mu) * rs * weight[c] + bias[c]);
+    for (int c = 0; c < C; ++c) put(o + c, (x[c] - mu) * rs * weight[c] + bias[c]);
+  } else {
+#pragma omp simd
+    for (int c = 0; c < C; ++c) put(o + c, (x[c] - mu) * rs * weight[c]);
+  }
   *mean = mu;
   *rstd = rs;
 }
 
 }  // namespace
 
-void CpuBackend::layernorm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
-                                   const float* bias, int N, int C) {
+void CpuBackend::norm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int N, int C, RowNorm norm) {
   with_type<bf16>(out, [&](auto* o) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) {
       const size_t row = static_cast<size_t>(n) * C;
-      layernorm_row(o + row, mean + n, rstd + n, inp + row, weight, bias, C);
+      norm_row(o + row, mean + n, rstd + n, inp + row, weight, bias, C, norm);
     }
   });
 }
 
-void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
-                                       const float* weight, const float* bias, int N, int C) {
+void CpuBackend::add_norm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
+                                  const float* weight, const float* bias, int N, int C, RowNorm norm) {
   with_type<bf16>(out, [&](auto* o) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; ++n) {
@@ -363,17 +369,17 @@ void CpuBackend::add_layernorm_forward(float* sum, const float* addend, Buffer o
       const float* a = addend + row;
 #pragma omp simd
       for (int c = 0; c < C; ++c) x[c] += a[c];
-      layernorm_row(o + row, mean + n, rstd + n, x, weight, bias, C);
+      norm_row(o + row, mean + n, rstd + n, x, weight, bias, C, norm);
     }
   });
 }
 
-void CpuBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
-                                    const float* inp, const float* weight, const float* mean, const float* rstd, int N,
-                                    int C) {
+void CpuBackend::norm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
+                               const float* inp, const float* weight, const float* mean, const float* rstd, int N,
+                               int C, RowNorm norm) {
   // dweight/dbias: each fixed chunk of rows sums into its own partial, the
   // partials are then summed in chunk order.
-  const int chunks = (N + kLayernormRowChunk - 1) / kLayernormRowChunk;
+  const int chunks = (N + kNormRowChunk - 1) / kNormRowChunk;
   const bool want_params = dweight != nullptr || dbias != nullptr;
   std::vector<float> partial_w(want_params ? static_cast<size_t>(chunks) * C : 0);
   std::vector<float> partial_b(want_params ? static_cast<size_t>(chunks) * C : 0);
@@ -381,8 +387,8 @@ void CpuBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight
   for (int chunk = 0; chunk < chunks; ++chunk) {
     float* pw = want_params ? partial_w.data() + static_cast<size_t>(chunk) * C : nullptr;
     float* pb = want_params ? partial_b.data() + static_cast<size_t>(chunk) * C : nullptr;
-    const int n_end = std::min(N, (chunk + 1) * kLayernormRowChunk);
-    for (int n = chunk * kLayernormRowChunk; n < n_end; ++n) {
+    const int n_end = std::min(N, (chunk + 1) * kNormRowChunk);
+    for (int n = chunk * kNormRowChunk; n < n_end; ++n) {
       const float* x = inp + static_cast<size_t>(n) * C;
       const float* dy = dout + static_cast<size_t>(n) * C;
       const float mu = mean[n];
@@ -395,8 +401,9 @@ void CpuBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight
         }
       }
       if (dinp != nullptr) {
-        const float dnorm_mean = fixed_order_sum<float>(C, [dy, weight](size_t i) { return dy[i] * weight[i]; }) /
-                                 static_cast<float>(C);
+        // RMSNorm centres nothing, so its gradient has no mean(dy * w) term.
+        const auto dy_w = [dy, weight](size_t i) { return dy[i] * weight[i]; };
+        const float dnorm_mean = norm.centred() ? fixed_order_sum<float>(C, dy_w) / static_cast<float>(C) : 0.0f;
         const float dnorm_norm_mean = fixed_order_sum<float>(C, [dy, weight, x, mu, rs](size_t i) {
                                         return dy[i] * weight[i] * ((x[i] - mu) * rs);
                                       }) /
@@ -404,8 +411,8 @@ void CpuBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight
         float* dx = dinp + static_cast<size_t>(n) * C;
 #pragma omp simd
         for (int c = 0; c < C; ++c) {
-          const float norm = (x[c] - mu) * rs;
-          dx[c] += rs * (dy[c] * weight[c] - dnorm_mean - norm * dnorm_norm_mean);
+          const float normed = (x[c] - mu) * rs;
+          dx[c] += rs * (dy[c] * weight[c] - dnorm_mean - normed * dnorm_norm_mean);
         }
         if (dinp_bf16 != nullptr) {
           bf16* rounded = dinp_bf16 + static_cast<size_t>(n) * C;
@@ -567,24 +574,25 @@ FloatViews float_views(const Backend::AttentionInputs& in, bool bf16_inputs) {
     return {{}, {}, {}, in};
   }
   FloatViews r{{}, {}, {}, in};
-  auto round_rows = [&](std::vector<float>& to, const void* from, int rows, int ld) {
-    to.resize(static_cast<size_t>(rows) * in.C);
+  auto round_rows = [&](std::vector<float>& to, const void* from, int rows, int ld, int width) {
+    to.resize(static_cast<size_t>(rows) * width);
     with_type<bf16>(ConstBuffer(from, in.dtype), [&](const auto* x) {
 #pragma omp parallel for schedule(static) if (to.size() > kParallelMin)
       for (int row = 0; row < rows; ++row) {
-        for (int c = 0; c < in.C; ++c) {
-          to[static_cast<size_t>(row) * in.C + c] = bf16_rounded(widen(x[static_cast<size_t>(row) * ld + c]));
+        for (int c = 0; c < width; ++c) {
+          to[static_cast<size_t>(row) * width + c] = bf16_rounded(widen(x[static_cast<size_t>(row) * ld + c]));
         }
       }
     });
   };
-  round_rows(r.q, in.q, in.B * in.Tq, in.ld_q);
-  round_rows(r.k, in.k, in.B * in.Tk, in.ld_kv);
-  round_rows(r.v, in.v, in.B * in.Tk, in.ld_kv);
+  round_rows(r.q, in.q, in.B * in.Tq, in.ld_q, in.C);
+  round_rows(r.k, in.k, in.B * in.Tk, in.ld_kv, in.kv_width());
+  round_rows(r.v, in.v, in.B * in.Tk, in.ld_kv, in.kv_width());
   r.views.q = r.q.data();
   r.views.k = r.k.data();
   r.views.v = r.v.data();
-  r.views.ld_q = r.views.ld_kv = in.C;
+  r.views.ld_q = in.C;
+  r.views.ld_kv = in.kv_width();
   r.views.dtype = DType::kF32;
   return r;
 }
@@ -601,7 +609,7 @@ void CpuBackend::attention_forward(Buffer out_buffer, float* lse, const Attentio
   const bool bf16 = gemm_inputs_ == DType::kBF16;
   const FloatViews floats = float_views(views, bf16);
   const AttentionInputs& in = floats.views;
-  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
+  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH, group = NH / in.kv_heads();
   // A bf16 out: the float32 output here first, rounded into it at the end.
   const size_t out_n = static_cast<size_t>(B) * Tq * C;
   std::vector<float> wide(out_buffer.dtype == DType::kBF16 ? out_n : 0);
@@ -624,8 +632,8 @@ void CpuBackend::attention_forward(Buffer out_buffer, float* lse, const Attentio
       const int r1 = std::min(Tq, r0 + kQueryBlock);
       const int keys = visible_keys(in, r1 - 1);
       const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
-      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
+      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h / group * d;
+      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h / group * d;
       float* o = out + (static_cast<size_t>(b) * Tq + r0) * C + h * d;
       float* a = probs.data();
       if (keys == 0) {
@@ -660,7 +668,8 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
     widen_into(wide.data(), static_cast<const trainer::bf16*>(out_buffer.data), wide.size());
   }
   const float* out = out_buffer.dtype == DType::kBF16 ? wide.data() : out_buffer.f32();
-  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH;
+  const int B = in.B, Tq = in.Tq, Tk = in.Tk, C = in.C, NH = in.NH, d = C / NH, KVH = in.kv_heads();
+  const int group = NH / KVH, kv_width = in.kv_width();
   // dout rounded as a GEMM operand; D_t = dO_t . O_t takes it unrounded.
   std::vector<float> dout_rounded;
   if (bf16) {
@@ -677,92 +686,98 @@ void CpuBackend::attention_backward(const AttentionGrads& grads, const float* do
   std::vector<float> dq_wide, dk_wide, dv_wide;
   if (overwrite) {
     dq_wide.assign(static_cast<size_t>(B) * Tq * C, 0.0f);
-    dk_wide.assign(static_cast<size_t>(B) * Tk * C, 0.0f);
-    dv_wide.assign(static_cast<size_t>(B) * Tk * C, 0.0f);
+    dk_wide.assign(static_cast<size_t>(B) * Tk * kv_width, 0.0f);
+    dv_wide.assign(static_cast<size_t>(B) * Tk * kv_width, 0.0f);
   }
   float* const dq_base = overwrite ? dq_wide.data() : static_cast<float*>(grads.dq);
   float* const dk_base = overwrite ? dk_wide.data() : static_cast<float*>(grads.dk);
   float* const dv_base = overwrite ? dv_wide.data() : static_cast<float*>(grads.dv);
-  const int ld_dq = overwrite ? C : views.ld_q, ld_dkv = overwrite ? C : views.ld_kv;
+  const int ld_dq = overwrite ? C : views.ld_q, ld_dkv = overwrite ? kv_width : views.ld_kv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int blocks = (Tq + kQueryBlock - 1) / kQueryBlock;
-  // One (batch, head) per work item: dK and dV gather from every query
-  // block, so the blocks of a head run in order on one thread.
+  // One (batch, key/value head) per work item: dK and dV gather from every
+  // query block of every query head of the group, so those run in order
+  // (head by head, block by block) on one thread.
 #pragma omp parallel
   {
     std::vector<float> probs(static_cast<size_t>(kQueryBlock) * Tk);
     std::vector<float> dscores(static_cast<size_t>(kQueryBlock) * Tk);
 #pragma omp for schedule(dynamic)
-    for (int bh = 0; bh < B * NH; ++bh) {
-      const int b = bh / NH;
-      const int h = bh % NH;
-      const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
-      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + h * d;
-      float* dq = dq_base + static_cast<size_t>(b) * Tq * ld_dq + h * d;
-      float* dk = dk_base + static_cast<size_t>(b) * Tk * ld_dkv + h * d;
-      float* dv = dv_base + static_cast<size_t>(b) * Tk * ld_dkv + h * d;
-      for (int blk = 0; blk < blocks; ++blk) {
-        const int r0 = blk * kQueryBlock;
-        const int r1 = std::min(Tq, r0 + kQueryBlock);
-        const int rows = r1 - r0;
-        const int keys = visible_keys(in, r1 - 1);
-        if (keys == 0) continue;
-        float* p = probs.data();
-        float* ds = dscores.data();
-        const size_t first_row = (static_cast<size_t>(b) * Tq + r0) * C + h * d;
-        const float* dy = dout + first_row;
-        const float* dy_operand = dout_operand + first_row;
-        const float* o = out + first_row;
-        // P again from the scores and the saved log-sum-exp.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, scale,
-                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, k, in.ld_kv, 0.0f, p, Tk);
-        for (int t = r0; t < r1; ++t) {
-          float* p_row = p + static_cast<size_t>(t - r0) * Tk;
-          const float shift = lse[static_cast<size_t>(bh) * Tq + t];
-          const int len = visible_keys(in, t);
-#pragma omp simd
-          for (int j = 0; j < len; ++j) p_row[j] = exp_approx(p_row[j] - shift);
-          std::fill(p_row + len, p_row + keys, 0.0f);
+    for (int bkv = 0; bkv < B * KVH; ++bkv) {
+      const int b = bkv / KVH;
+      const int kvh = bkv % KVH;
+      const float* k = static_cast<const float*>(in.k) + static_cast<size_t>(b) * Tk * in.ld_kv + kvh * d;
+      const float* v = static_cast<const float*>(in.v) + static_cast<size_t>(b) * Tk * in.ld_kv + kvh * d;
+      float* dk = dk_base + static_cast<size_t>(b) * Tk * ld_dkv + kvh * d;
+      float* dv = dv_base + static_cast<size_t>(b) * Tk * ld_dkv + kvh * d;
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const int bh = b * NH + h;
+        const float* q = static_cast<const float*>(in.q) + static_cast<size_t>(b) * Tq * in.ld_q + h * d;
+        float* dq = dq_base + static_cast<size_t>(b) * Tq * ld_dq + h * d;
+        for (int blk = 0; blk < blocks; ++blk) {
+          const int r0 = blk * kQueryBlock;
+          const int r1 = std::min(Tq, r0 + kQueryBlock);
+          const int rows = r1 - r0;
+          const int keys = visible_keys(in, r1 - 1);
+          if (keys == 0) continue;
+          float* p = probs.data();
+          float* ds = dscores.data();
+          const size_t first_row = (static_cast<size_t>(b) * Tq + r0) * C + h * d;
+          const float* dy = dout + first_row;
+          const float* dy_operand = dout_operand + first_row;
+          const float* o = out + first_row;
+          // P again from the scores and the saved log-sum-exp.
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, scale,
+                      q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, k, in.ld_kv, 0.0f, p, Tk);
+          for (int t = r0; t < r1; ++t) {
+            float* p_row = p + static_cast<size_t>(t - r0) * Tk;
+            const float shift = lse[static_cast<size_t>(bh) * Tq + t];
+            const int len = visible_keys(in, t);
+  #pragma omp simd
+            for (int j = 0; j < len; ++j) p_row[j] = exp_approx(p_row[j] - shift);
+            std::fill(p_row + len, p_row + keys, 0.0f);
+          }
+          // dP = dO V^T.
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, dy_operand, C, v, in.ld_kv, 0.0f,
+                      ds, Tk);
+          // dS = P * (dP - D) * scale with D = dO . O, zero past the visible keys.
+          for (int t = r0; t < r1; ++t) {
+            const float* p_row = p + static_cast<size_t>(t - r0) * Tk;
+            float* ds_row = ds + static_cast<size_t>(t - r0) * Tk;
+            const int len = visible_keys(in, t);
+            const float row_d = row_dot(dy + static_cast<size_t>(t - r0) * C, o + static_cast<size_t>(t - r0) * C, d);
+  #pragma omp simd
+            for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d) * scale;
+            std::fill(ds_row + len, ds_row + keys, 0.0f);
+          }
+          if (bf16) {
+            round_rows_to_bf16(p, rows, keys, Tk);
+            round_rows_to_bf16(ds, rows, keys, Tk);
+          }
+          // dV += P^T dO, dQ += dS K, dK += dS^T Q.
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy_operand, C, 1.0f, dv,
+                      ld_dkv);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, ds, Tk, k, in.ld_kv, 1.0f,
+                      dq + static_cast<size_t>(r0) * ld_dq, ld_dq);
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, ds, Tk,
+                      q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, ld_dkv);
         }
-        // dP = dO V^T.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, dy_operand, C, v, in.ld_kv, 0.0f, ds,
-                    Tk);
-        // dS = P * (dP - D) * scale with D = dO . O, zero past the visible keys.
-        for (int t = r0; t < r1; ++t) {
-          const float* p_row = p + static_cast<size_t>(t - r0) * Tk;
-          float* ds_row = ds + static_cast<size_t>(t - r0) * Tk;
-          const int len = visible_keys(in, t);
-          const float row_d = row_dot(dy + static_cast<size_t>(t - r0) * C, o + static_cast<size_t>(t - r0) * C, d);
-#pragma omp simd
-          for (int j = 0; j < len; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d) * scale;
-          std::fill(ds_row + len, ds_row + keys, 0.0f);
-        }
-        if (bf16) {
-          round_rows_to_bf16(p, rows, keys, Tk);
-          round_rows_to_bf16(ds, rows, keys, Tk);
-        }
-        // dV += P^T dO, dQ += dS K, dK += dS^T Q.
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, p, Tk, dy_operand, C, 1.0f, dv,
-                    ld_dkv);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, ds, Tk, k, in.ld_kv, 1.0f,
-                    dq + static_cast<size_t>(r0) * ld_dq, ld_dq);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, rows, 1.0f, ds, Tk,
-                    q + static_cast<size_t>(r0) * in.ld_q, in.ld_q, 1.0f, dk, ld_dkv);
       }
     }
   }
   if (overwrite) {
     // Into the caller's views, C of each of their rows.
-    auto round_rows = [C](void* to, int ld, const std::vector<float>& from) {
+    auto round_rows = [](void* to, int ld, const std::vector<float>& from, int width) {
       auto* dst = static_cast<trainer::bf16*>(to);
-      const size_t rows = from.size() / static_cast<size_t>(C);
+      const size_t rows = from.size() / static_cast<size_t>(width);
 #pragma omp parallel for schedule(static) if (from.size() > kParallelMin)
-      for (size_t r = 0; r < rows; ++r) round_into(dst + r * static_cast<size_t>(ld), from.data() + r * C, C);
+      for (size_t r = 0; r < rows; ++r) {
+        round_into(dst + r * static_cast<size_t>(ld), from.data() + r * width, static_cast<size_t>(width));
+      }
     };
-    round_rows(grads.dq, views.ld_q, dq_wide);
-    round_rows(grads.dk, views.ld_kv, dk_wide);
-    round_rows(grads.dv, views.ld_kv, dv_wide);
+    round_rows(grads.dq, views.ld_q, dq_wide, C);
+    round_rows(grads.dk, views.ld_kv, dk_wide, kv_width);
+    round_rows(grads.dv, views.ld_kv, dv_wide, kv_width);
   }
 }
 
@@ -811,6 +826,77 @@ void CpuBackend::gelu_backward(float* dinp, ConstBuffer inp, const float* dout, 
     for (size_t i = 0; i < n; ++i) dinp[i] += gelu_grad(widen(x[i]), ApproxExp{}) * dout[i];
   });
 }
+
+// ---- SwiGLU (swiglu.h: the formula CUDA shares) ----
+
+void CpuBackend::swiglu_forward(Buffer out, ConstBuffer inp, int N, int F) {
+  with_type<bf16>(out, [&](auto* to) {
+    with_type<bf16>(inp, [&](const auto* from) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * F > kParallelMin)
+      for (int n = 0; n < N; ++n) {
+        const auto* gate = from + static_cast<size_t>(n) * 2 * F;
+        auto* o = to + static_cast<size_t>(n) * F;
+#pragma omp simd
+        for (int j = 0; j < F; ++j) put(o + j, swiglu(widen(gate[j]), widen(gate[F + j]), ApproxExp{}));
+      }
+    });
+  });
+}
+
+void CpuBackend::swiglu_backward(Buffer dinp, ConstBuffer inp, const float* dout, int N, int F) {
+  with_type<bf16>(dinp, [&](auto* to) {
+    with_type<bf16>(inp, [&](const auto* from) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(N) * F > kParallelMin)
+      for (int n = 0; n < N; ++n) {
+        const size_t row = static_cast<size_t>(n) * 2 * F;
+        const float* dy = dout + static_cast<size_t>(n) * F;
+        for (int j = 0; j < F; ++j) {
+          float dgate = 0.0f, dup = 0.0f;
+          swiglu_grad(widen(from[row + j]), widen(from[row + F + j]), dy[j], ApproxExp{}, &dgate, &dup);
+          put(to + row + j, dgate);
+          put(to + row + F + j, dup);
+        }
+      }
+    });
+  });
+}
+
+// ---- rotary positions (rotary.h: the formula CUDA shares) ----
+
+namespace {
+
+template <bool kBackward>
+void rotate_rows(Buffer x, int ld, const float* cos, const float* sin, int B, int T, int position, int heads, int d) {
+  const int half = d / 2;
+  with_type<bf16>(x, [&](auto* rows) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(B) * T * heads * d > kParallelMin)
+    for (int bt = 0; bt < B * T; ++bt) {
+      const size_t angle = static_cast<size_t>(position + bt % T) * half;
+      for (int h = 0; h < heads; ++h) {
+        auto* head = rows + static_cast<size_t>(bt) * ld + static_cast<size_t>(h) * d;
+        for (int j = 0; j < half; ++j) {
+          float x1 = widen(head[j]), x2 = widen(head[j + half]);
+          rotate_pair<kBackward>(x1, x2, cos[angle + j], sin[angle + j]);
+          put(head + j, x1);
+          put(head + j + half, x2);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void CpuBackend::rotary_forward(Buffer x, int ld, const float* cos, const float* sin, int B, int T, int position,
+                                int heads, int d) {
+  rotate_rows<false>(x, ld, cos, sin, B, T, position, heads, d);
+}
+
+void CpuBackend::rotary_backward(Buffer x, int ld, const float* cos, const float* sin, int B, int T, int position,
+                                 int heads, int d) {
+  rotate_rows<true>(x, ld, cos, sin, B, T, position, heads, d);
+}
+
 
 // ---- residual ----
 

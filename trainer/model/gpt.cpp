@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "trainer/kernels/arena.h"
 #include "trainer/model/gpt_state.h"
+#include "trainer/model/rotary_table.h"
 
 #include <fmt/format.h>
 
@@ -95,14 +96,14 @@ Gpt::Gpt(const common::ModelConfig& config, Backend& backend, int max_batch, Mod
                         "Gpt layout not validated: B*T % tp != 0, no slot, a stage without blocks or 2*cp not "
                         "dividing seq_len");
   }
-  const ModelParts& parts = storage.table().parts();
-  if (parts.norm != ModelParts::Norm::kLayerNorm || parts.positions != ModelParts::Positions::kLearned ||
-      parts.mlp != ModelParts::Mlp::kGelu || parts.kv_heads != parts.heads || !parts.biases) {
-    throw common::Error(common::ErrorCode::kBadConfig,
-                        "model.arch = \"llama\" is described but not trained yet: its RMSNorm, rotary, SwiGLU and "
-                        "grouped-query attention kernels are still to land (issue 46); use model.arch = \"gpt2\"");
-  }
   Scratch& x = *scratch_;
+  if (parts().positions == ModelParts::Positions::kRotary) {
+    const RotaryTable table = rotary_table(config);
+    x.rotary_cos = BackendArray<float>(backend, table.cos.size());
+    x.rotary_sin = BackendArray<float>(backend, table.sin.size());
+    backend.copy_from_host(x.rotary_cos.data(), table.cos.data(), x.rotary_cos.bytes());
+    backend.copy_from_host(x.rotary_sin.data(), table.sin.data(), x.rotary_sin.bytes());
+  }
   x.outer = outer_offsets(storage.table());
   for (int64_t b = 0; b < stage().layers(); ++b) {
     x.offsets.push_back(block_offsets(storage.table(), static_cast<int>(b) + 1));
@@ -113,7 +114,8 @@ void Gpt::lay_out(Arena& arena) {
   const common::ModelConfig& config = config_;
   const Sizes z = sizes();
   auto count = [](int n) { return static_cast<size_t>(n); };
-  const size_t C = count(z.C), NHl = count(z.NHl), Cl = count(z.Cl), Fl = count(z.Fl), Vl = count(z.Vl);
+  const size_t C = count(z.C), NHl = count(z.NHl), Cl = count(z.Cl), W = count(z.W), KVl = count(z.KVl),
+               Fl = count(z.Fl), Fin = count(z.Fin), Vl = count(z.Vl);
   const size_t B = count(max_batch_), T = count(z.T);
   const size_t N = count(z.N(max_batch_)), Ns = count(z.Ns(max_batch_)), E = count(z.E), K = count(z.K);
   // Dropless: under EP every EP rank may route all its slots to this rank's experts.
@@ -122,7 +124,7 @@ void Gpt::lay_out(Arena& arena) {
   auto take = [&arena](size_t count) { return arena.take<float>(count); };
   // With TP a buffer of all N positions; without, an empty one (the shard serves).
   auto whole = [&](size_t width) { return take(tp_ != nullptr ? N * width : 0); };
-  // The LayerNorm outputs only GEMMs read, in the GEMMs' input type where
+  // The norm outputs only GEMMs read, in the GEMMs' input type where
   // sequence parallelism's all-gather can carry it.
   const DType gemm_in = backend_.gemm_inputs();
   const DType ln_type = tp_ == nullptr || tp_->carries(gemm_in) ? gemm_in : DType::kF32;
@@ -165,7 +167,7 @@ void Gpt::lay_out(Arena& arena) {
       blk.ln1_mean = take(Ns);
       blk.ln1_rstd = take(Ns);
       blk.ln1_whole = ln_out(ln_type, tp_ != nullptr ? N : 0);
-      blk.qkv = arena.take_buffer(attention_type, N * 3 * Cl);
+      blk.qkv = arena.take_buffer(attention_type, N * W);
       blk.attn_lse = take(static_cast<size_t>(B) * NHl * T);
       blk.atty = arena.take_buffer(attention_type, N * Cl);
       blk.residual2 = take(Ns * C);
@@ -184,24 +186,24 @@ void Gpt::lay_out(Arena& arena) {
         moe->rows = arena.take<int32_t>(N * K);
         moe->gates = take(N * K);
         moe->xe = take(R * C);
-        moe->he = take(R * Fl);
+        moe->he = take(R * Fin);
         moe->ge = take(R * Fl);
         moe->ye = take(N * K * C);
         if (split_backward_) {
           moe->dy = take(R * C);
-          moe->dhe = take(R * Fl);
+          moe->dhe = take(R * Fin);
           moe->drouter = take(N * E);
         }
         blk.moe = std::move(moe);
       }
       if (dense_at[i]) {
-        blk.fch = arena.take_buffer(gemm_in, N * Fl);
+        blk.fch = arena.take_buffer(gemm_in, N * Fin);
       }
       if (split_backward_) {
         blk.dproj = arena.take_buffer(residual_gemm, dense_at[i] ? N * C : 0);
-        blk.dfch = arena.take_buffer(gemm_in, dense_at[i] ? N * Fl : 0);
+        blk.dfch = arena.take_buffer(gemm_in, dense_at[i] ? N * Fin : 0);
         blk.dattproj = arena.take_buffer(residual_gemm, N * C);
-        blk.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
+        blk.dqkv = arena.take_buffer(attention_type, N * W);
         blk.dln2 = take(Ns * C);
         blk.dln1 = take(Ns * C);
       }
@@ -229,14 +231,14 @@ void Gpt::lay_out(Arena& arena) {
   x.dresidual_gemm = arena.take_buffer(gemm_in, rounds_residual ? Ns * C : 0);
   x.dln = take(Ns * C);
   x.datty = take(N * Cl);
-  x.dqkv = arena.take_buffer(attention_type, N * 3 * Cl);
-  x.dfch = arena.take_buffer(gemm_in, N * Fl);
+  x.dqkv = arena.take_buffer(attention_type, N * W);
+  x.dfch = arena.take_buffer(gemm_in, N * Fin);
   x.fch_gelu = arena.take_buffer(backend_.gemm_inputs(),
                                  std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end() ? N * Fl : 0);
   if (any_moe) {
     x.dye = take(N * K * C);
     x.dge = take(R * Fl);
-    x.dhe = take(R * Fl);
+    x.dhe = take(R * Fin);
     x.dxe = take(R * C);
     x.token_rows = take(ep_ != nullptr ? N * K * C : 0);
     x.expert_rows = take(ep_ != nullptr ? R * C : 0);
@@ -244,7 +246,9 @@ void Gpt::lay_out(Arena& arena) {
     x.dprobs = take(N * E);
     x.drouter = take(N * E);
   }
-  const size_t ring = cp_ != nullptr ? N * 2 * Cl : 0, chunk = cp_ != nullptr ? B * context_.chunk_len() : 0;
+  const bool any_dense = std::find(dense_at.begin(), dense_at.end(), true) != dense_at.end();
+  x.dact = take(parts().mlp == ModelParts::Mlp::kSwiGlu && any_dense ? N * Fl : 0);
+  const size_t ring = cp_ != nullptr ? N * 2 * KVl : 0, chunk = cp_ != nullptr ? B * context_.chunk_len() : 0;
   for (size_t i = 0; i < 2; ++i) {
     x.ring[i] = take(ring);
     x.ring_grads[i] = take(ring);
@@ -255,14 +259,68 @@ void Gpt::lay_out(Arena& arena) {
 
 Gpt::~Gpt() = default;
 
+const ModelParts& Gpt::parts() const { return storage_.table().parts(); }
+
+RowNorm Gpt::row_norm() const {
+  return {parts().norm == ModelParts::Norm::kRmsNorm ? RowNorm::Kind::kRmsNorm : RowNorm::Kind::kLayerNorm,
+          static_cast<float>(parts().norm_eps)};
+}
+
+void Gpt::activation_forward(Buffer out, ConstBuffer pre, int rows) {
+  const int Fl = sizes().Fl;
+  if (parts().mlp == ModelParts::Mlp::kSwiGlu) {
+    backend_.swiglu_forward(out, pre, rows, Fl);
+  } else {
+    backend_.gelu_forward(out, pre, static_cast<size_t>(rows) * Fl);
+  }
+}
+
+void Gpt::activation_backward(float* dpre, ConstBuffer pre, const float* dact, int rows) {
+  const int Fl = sizes().Fl;
+  if (parts().mlp == ModelParts::Mlp::kSwiGlu) {
+    backend_.swiglu_backward(dpre, pre, dact, rows, Fl);
+  } else {
+    backend_.gelu_backward(dpre, pre, dact, static_cast<size_t>(rows) * Fl);
+  }
+}
+
+void Gpt::rotate_queries_and_keys(Buffer qkv, int B, bool backward) {
+  if (parts().positions != ModelParts::Positions::kRotary) return;
+  const Sizes z = sizes();
+  const Scratch& x = *scratch_;
+  // This rank's positions are its context chunks, each B rows of Tc
+  // positions from the chunk's global start (ContextSplit), so a CP shard
+  // turns its rows by their true positions.
+  const int Tc = context_.chunk_len();
+  const size_t chunk_bytes = static_cast<size_t>(B) * Tc * z.W * dtype_bytes(qkv.dtype);
+  for (int c = 0; c < context_.chunks(); ++c) {
+    const Buffer rows(static_cast<std::byte*>(qkv.data) + c * chunk_bytes, qkv.dtype);
+    const int position = context_.start(c, context_.rank);
+    const int heads = z.NHl + z.KVHl;  // the queries' and the keys', side by side
+    if (backward) {
+      backend_.rotary_backward(rows, z.W, x.rotary_cos.data(), x.rotary_sin.data(), B, Tc, position, heads, z.hd);
+    } else {
+      backend_.rotary_forward(rows, z.W, x.rotary_cos.data(), x.rotary_sin.data(), B, Tc, position, heads, z.hd);
+    }
+  }
+}
+
 Gpt::Sizes Gpt::sizes() const {
+  const ModelParts& m = parts();
   const int C = static_cast<int>(config_.n_embd), Vl = static_cast<int>(config_.padded_vocab()) / tp_size_;
+  const int hd = static_cast<int>(m.head_dim), NHl = static_cast<int>(m.heads) / tp_size_;
+  const int KVHl = static_cast<int>(m.kv_heads) / tp_size_, Fl = static_cast<int>(m.mlp_width) / tp_size_;
   return {tp_size_,
           context_.local_len(),
           C,
-          C / tp_size_,
-          static_cast<int>(config_.n_head) / tp_size_,
-          4 * C / tp_size_,
+          NHl * hd,
+          NHl,
+          KVHl,
+          hd,
+          KVHl * hd,
+          (NHl + 2 * KVHl) * hd,
+          Fl,
+          m.mlp == ModelParts::Mlp::kSwiGlu ? 2 * Fl : Fl,
           static_cast<int>(config_.vocab_size),
           Vl,
           tp_rank_ * Vl,
@@ -339,16 +397,17 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
   if (embeds) {
     upload(inputs, s.inputs);
     // The vocabulary shards each embed their own tokens; the position rows
-    // and the row-parallel biases are added by TP rank 0 alone, so that the
-    // sum over the group counts them once. Each chunk of positions takes
-    // its own rows of wpe.
+    // (learned positions) and the row-parallel biases are added by TP rank 0
+    // alone, so that the sum over the group counts them once. Each chunk of
+    // positions takes its own rows of wpe.
     const int Tc = context_.chunk_len();
     const size_t chunk_rows = static_cast<size_t>(B) * Tc;
+    const bool adds_positions = first_tp_rank && outer.wpe != kNoTensor;
     for (int c = 0; c < context_.chunks(); ++c) {
       k.embedding_forward(
           partial_or(s.input) + c * chunk_rows * C, s.inputs.data() + c * chunk_rows, p0.at(outer.wte), v_begin, Vl,
-          first_tp_rank ? p0.at(outer.wpe) + static_cast<size_t>(context_.start(c, context_.rank)) * C : nullptr, B, Tc,
-          C);
+          adds_positions ? p0.at(outer.wpe) + static_cast<size_t>(context_.start(c, context_.rank)) * C : nullptr, B,
+          Tc, C);
     }
     sum_into_positions(x.partial.data(), s.input.data(), NsC);
   }
@@ -359,8 +418,8 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
   if (!scores) return;
 
   upload(targets, s.targets);
-  k.layernorm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0.at(outer.lnf_w),
-                      p0.at(outer.lnf_b), Ns, C);
+  k.norm_forward(s.lnf.buffer(), s.lnf_mean.data(), s.lnf_rstd.data(), residual, p0.at(outer.lnf_w),
+                 p0.at(outer.lnf_b), Ns, C, row_norm());
   gather_positions(s.lnf.buffer(), s.lnf_whole.buffer(), NsC);
   // The LM head (the token embedding where tied): each rank scores its own
   // vocabulary rows, and the ranks exchange three floats per position.
@@ -383,7 +442,7 @@ void Gpt::forward(const int32_t* inputs, const int32_t* targets, int B, int slot
 
 const float* Gpt::block_forward(Slot& s, int block, const float* residual) {
   const Sizes z = sizes();
-  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, Fl = z.Fl;
+  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, W = z.W, Fl = z.Fl, Fin = z.Fin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   const bool first_tp_rank = tp_rank_ == 0;
   Scratch& x = *scratch_;
@@ -396,31 +455,32 @@ const float* Gpt::block_forward(Slot& s, int block, const float* residual) {
   if (i + 1 < stage().chunk_blocks(s.chunk)) storage_.prefetch_parameters(unit + 1);
 
   // Attention branch.
-  k.layernorm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
-                      p.at(o.ln1_b), Ns, C);
+  k.norm_forward(blk.ln1.buffer(), blk.ln1_mean.data(), blk.ln1_rstd.data(), residual, p.at(o.ln1_w),
+                 p.at(o.ln1_b), Ns, C, row_norm());
   gather_positions(blk.ln1.buffer(), blk.ln1_whole.buffer(), NsC);
-  k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.bias(o.qkv_b, blk.qkv.buffer()), N, C,
-                   3 * Cl);
+  k.matmul_forward(blk.qkv.buffer(), blk.ln1_all(), p.weight(o.qkv_w), p.bias(o.qkv_b, blk.qkv.buffer()), N, C, W);
+  rotate_queries_and_keys(blk.qkv.buffer(), s.batch, false);
   attend(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), s.batch);
   k.matmul_forward(partial_or(blk.residual2), blk.atty.buffer(), p.weight(o.attproj_w),
                    first_tp_rank ? p.at(o.attproj_b) : nullptr, N, Cl, C);
   sum_into_positions(x.partial.data(), blk.residual2.data(), NsC);
 
-  // MLP (or MoE) branch, its LayerNorm fused with the attention branch's
+  // MLP (or MoE) branch, its norm fused with the attention branch's
   // residual add. (The block's output add stays apart: the activation
   // hook must see it before the next block reads it.)
-  k.add_layernorm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(), blk.ln2_rstd.data(),
-                          p.at(o.ln2_w), p.at(o.ln2_b), Ns, C);
+  k.add_norm_forward(blk.residual2.data(), residual, blk.ln2.buffer(), blk.ln2_mean.data(), blk.ln2_rstd.data(),
+                     p.at(o.ln2_w), p.at(o.ln2_b), Ns, C, row_norm());
   gather_positions(blk.ln2.buffer(), blk.ln2_whole.buffer(), NsC);
   if (is_moe(block)) {
     // Every TP rank routes all N tokens alike and runs its slice of each
     // expert, like the dense MLP; the row-parallel partials sum into the shards.
     moe_forward(s, i, p, blk.ln2_all().f32(), partial_or(blk.residual3), N);
   } else {
-    // The pre-activation is kept for GELU's backward; GELU reads it as
-    // kept (rounded, when bf16), as the backward will.
-    k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.bias(o.fc_b, blk.fch.buffer()), N, C, Fl);
-    k.gelu_forward(x.fch_gelu.buffer(), blk.fch.buffer(), static_cast<size_t>(N) * Fl);
+    // The pre-activation (SwiGLU: gate and up) is kept for the
+    // activation's backward; the activation reads it as kept (rounded, when
+    // bf16), as the backward will.
+    k.matmul_forward(blk.fch.buffer(), blk.ln2_all(), p.weight(o.fc_w), p.bias(o.fc_b, blk.fch.buffer()), N, C, Fin);
+    activation_forward(x.fch_gelu.buffer(), blk.fch.buffer(), N);
     k.matmul_forward(partial_or(blk.residual3), x.fch_gelu.buffer(), p.weight(o.proj_w),
                      first_tp_rank ? p.at(o.proj_b) : nullptr, N, Fl, C);
   }
@@ -468,7 +528,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
   const int first = static_cast<int>(stage().chunk_begin(s.chunk));
   const int last = first + static_cast<int>(stage().chunk_blocks(s.chunk)) - 1;
   // The residual stream's gradient as the dense linears' GEMMs take it
-  // (Scratch::dresidual_gemm): each LayerNorm backward that adds into
+  // (Scratch::dresidual_gemm): each norm backward that adds into
   // dresidual puts the sum there rounded when a dense linear reads it
   // next, the projection of a dense MLP or attention's.
   bf16* const rounded = x.dresidual_gemm.size() > 0 ? static_cast<bf16*>(x.dresidual_gemm.buffer().data) : nullptr;
@@ -502,7 +562,7 @@ void Gpt::backward(float loss_scale, int slot, bool weights) {
     sum_into_positions(pass.din_all, x.dln.data(), NsC);
     x.dresidual.zero();
     backward_term(s, weights,
-                  {Kind::kLayerNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(),
+                  {Kind::kNorm, 0, outer.lnf_w, outer.lnf_b, x.dln.data(),
                    s.blocks[static_cast<size_t>(last - first)].residual3.data(), s.lnf_mean.data(), s.lnf_rstd.data(),
                    Ns, C, C, Into::kAdd, nullptr, rounded_for_mlp(pass, last)},
                   x.dresidual.data(), p0.at(outer.lnf_w), s.dlnf.data());
@@ -532,7 +592,7 @@ bf16* Gpt::rounded_for_mlp(const BackwardPass& pass, int block) const {
 void Gpt::block_backward(const BackwardPass& pass, int block) {
   Slot& s = pass.slot;
   const Sizes z = sizes();
-  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, Fl = z.Fl;
+  const int C = z.C, N = z.N(s.batch), Ns = z.Ns(s.batch), Cl = z.Cl, W = z.W, Fl = z.Fl, Fin = z.Fin;
   const size_t NsC = static_cast<size_t>(Ns) * C;
   Scratch& x = *scratch_;
   using Kind = WeightTerm::Kind;
@@ -555,17 +615,18 @@ void Gpt::block_backward(const BackwardPass& pass, int block) {
     backend_.zero(pass.din_all, pass.din_numel * sizeof(float));
     moe_backward(s, static_cast<int>(i), p, pass.weights, pass.din_all, pass.dout_all, pass.loss_scale, N);
   } else {
-    // The projection's input gradient through GELU's derivative: dfch,
-    // in the GEMMs' input type, as fc's backward GEMMs take it.
+    // The projection's input gradient through the activation's
+    // derivative: dfch, in the GEMMs' input type, as fc's backward GEMMs
+    // take it.
     term({Kind::kLinear, unit, o.proj_w, o.proj_b, pass.dout_gemm, nullptr, nullptr, nullptr, N, Fl, C, Into::kWrite,
           blk.fch.buffer()},
          x.dfch.buffer(), p.weight(o.proj_w), blk.dproj.buffer());
-    term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fl,
+    term({Kind::kLinear, unit, o.fc_w, o.fc_b, x.dfch.buffer(), blk.ln2_all(), nullptr, nullptr, N, C, Fin,
           Into::kWrite},
          pass.din_all, p.weight(o.fc_w), blk.dfch.buffer());
   }
   sum_into_positions(pass.din_all, x.dln.data(), NsC);
-  term({Kind::kLayerNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
+  term({Kind::kNorm, unit, o.ln2_w, o.ln2_b, x.dln.data(), blk.residual2.data(), blk.ln2_mean.data(),
         blk.ln2_rstd.data(), Ns, C, C, Into::kAdd, nullptr, pass.rounded},
        x.dresidual.data(), p.at(o.ln2_w), blk.dln2.data());
 
@@ -575,11 +636,12 @@ void Gpt::block_backward(const BackwardPass& pass, int block) {
         Into::kWrite},
        x.datty.data(), p.weight(o.attproj_w), blk.dattproj.buffer());
   attend_backward(blk.qkv.buffer(), blk.atty.buffer(), blk.attn_lse.data(), s.batch);
-  term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, 3 * Cl,
+  rotate_queries_and_keys(x.dqkv.buffer(), s.batch, true);
+  term({Kind::kLinear, unit, o.qkv_w, o.qkv_b, x.dqkv.buffer(), blk.ln1_all(), nullptr, nullptr, N, C, W,
         Into::kWrite},
        pass.din_all, p.weight(o.qkv_w), blk.dqkv.buffer());
   sum_into_positions(pass.din_all, x.dln.data(), NsC);
-  term({Kind::kLayerNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
+  term({Kind::kNorm, unit, o.ln1_w, o.ln1_b, x.dln.data(), residual, blk.ln1_mean.data(), blk.ln1_rstd.data(),
         Ns, C, C, Into::kAdd, nullptr, block > first ? rounded_for_mlp(pass, block - 1) : nullptr},
        x.dresidual.data(), p.at(o.ln1_w), blk.dln1.data());
   term({Kind::kUnitReady, unit}, nullptr, nullptr, nullptr);
@@ -607,14 +669,15 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer 
     if (weight_grads) storage_.gradients_ready(t.unit);
     return;
   }
-  // Only GELU's backward writes an input gradient in the GEMMs' type (the
-  // MLP's dfch); every other input gradient is summed into, in float32.
-  if (dinp.dtype != DType::kF32 && t.gelu_of.data == nullptr) {
+  // Only the activation's backward writes an input gradient in the GEMMs'
+  // type (the MLP's dfch); every other input gradient is summed into, in
+  // float32.
+  if (dinp.dtype != DType::kF32 && t.activation_of.data == nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "a bf16 input gradient for a term that sums into it");
   }
-  // Only a linear's GEMM can write its input gradient over dinp; GELU's
-  // backward always does.
-  if (t.dinp_into == Into::kWrite ? t.kind != Kind::kLinear : t.gelu_of.data != nullptr) {
+  // Only a linear's GEMM can write its input gradient over dinp; the
+  // activation's backward always does.
+  if (t.dinp_into == Into::kWrite ? t.kind != Kind::kLinear : t.activation_of.data != nullptr) {
     throw common::Error(common::ErrorCode::kInternal, "an input gradient to be put as its kernel cannot put it");
   }
   float* dinp32 = static_cast<float*>(dinp.data);
@@ -622,22 +685,16 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer 
   auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
   switch (t.kind) {
     case Kind::kLinear:
-      if (t.gelu_of.data == nullptr) {
+      if (t.activation_of.data == nullptr) {
         backend_.matmul_backward(dinp32, t.dinp_into, at(t.weight), at(t.bias), t.dout, t.inp, weight, t.rows, t.in,
                                  t.out);
       } else {
-        ConstBuffer inp = nullptr;  // GELU(gelu_of), remade only for the weight gradient
-        if (g != nullptr) {
-          backend_.gelu_forward(scratch_->fch_gelu.buffer(), t.gelu_of, static_cast<size_t>(t.rows) * t.in);
-          inp = scratch_->fch_gelu.buffer();
-        }
-        backend_.matmul_backward_through_gelu(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.gelu_of, t.rows,
-                                              t.in, t.out);
+        linear_backward_through_activation(t, dinp, weight, g);
       }
       break;
-    case Kind::kLayerNorm:
-      backend_.layernorm_backward(dinp32, dinp32 != nullptr ? t.dinp_bf16 : nullptr, at(t.weight), at(t.bias),
-                                  t.dout.f32(), t.inp.f32(), weight.f32(), t.mean, t.rstd, t.rows, t.out);
+    case Kind::kNorm:
+      backend_.norm_backward(dinp32, dinp32 != nullptr ? t.dinp_bf16 : nullptr, at(t.weight), at(t.bias),
+                             t.dout.f32(), t.inp.f32(), weight.f32(), t.mean, t.rstd, t.rows, t.out, row_norm());
       break;
     case Kind::kEmbedding:
       if (g != nullptr) embedding_backward(g, t.dout.f32(), s.inputs.data(), s.batch);
@@ -647,6 +704,23 @@ void Gpt::run_term(const Slot& s, const WeightTerm& t, Buffer dinp, ConstBuffer 
   }
 }
 
+void Gpt::linear_backward_through_activation(const WeightTerm& t, Buffer dinp, ConstBuffer weight, float* g) {
+  auto at = [g](size_t offset) { return g != nullptr && offset != WeightTerm::kNone ? g + offset : nullptr; };
+  ConstBuffer inp = nullptr;  // the activation of activation_of, remade only for the weight gradient
+  if (g != nullptr) {
+    activation_forward(scratch_->fch_gelu.buffer(), t.activation_of, t.rows);
+    inp = scratch_->fch_gelu.buffer();
+  }
+  if (parts().mlp == ModelParts::Mlp::kGelu) {
+    backend_.matmul_backward_through_gelu(dinp, at(t.weight), at(t.bias), t.dout, inp, weight, t.activation_of,
+                                          t.rows, t.in, t.out);
+    return;
+  }
+  float* dact = dinp.data != nullptr ? scratch_->dact.data() : nullptr;
+  backend_.matmul_backward(dact, Into::kWrite, at(t.weight), at(t.bias), t.dout, inp, weight, t.rows, t.in, t.out);
+  if (dact != nullptr) backend_.swiglu_backward(dinp, t.activation_of, dact, t.rows, t.in);
+}
+
 void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* inputs, int B) {
   const OuterOffsets& outer = scratch_->outer;
   const Sizes z = sizes();
@@ -654,7 +728,9 @@ void Gpt::embedding_backward(float* g0, const float* dout_all, const int32_t* in
   const size_t chunk_rows = static_cast<size_t>(B) * Tc;
   for (int c = 0; c < context_.chunks(); ++c) {
     backend_.embedding_backward(g0 + outer.wte,
-                                g0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C,
+                                outer.wpe == kNoTensor
+                                    ? nullptr
+                                    : g0 + outer.wpe + static_cast<size_t>(context_.start(c, context_.rank)) * C,
                                 dout_all + c * chunk_rows * C, inputs + c * chunk_rows, tp_rank_ * Vl, Vl, B, Tc, C);
   }
 }

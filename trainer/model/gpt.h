@@ -144,6 +144,18 @@ class Gpt {
   struct WeightTerm;
   struct BackwardPass;
   Sizes sizes() const;
+  const ModelParts& parts() const;
+  // The blocks' and the final norm (LayerNorm or RMSNorm, its eps).
+  RowNorm row_norm() const;
+  // The MLP's activation of pre [rows, Fin] into out [rows, Fl]: GELU, or
+  // SwiGLU of the packed gate and up.
+  void activation_forward(Buffer out, ConstBuffer pre, int rows);
+  // Its backward into dpre [rows, Fin], which holds zeros, from dact.
+  void activation_backward(float* dpre, ConstBuffer pre, const float* dact, int rows);
+  // Rotary positions (where the model has them) on the queries and keys of
+  // qkv [N, W], each row by its global position; with `backward`, their
+  // gradients in dqkv turned back.
+  void rotate_queries_and_keys(Buffer qkv, int B, bool backward);
 
   // Block `block` of the stage (its index among the stage's blocks) on the
   // pass in `s`, from the residual stream `residual`: the attention branch,
@@ -162,7 +174,7 @@ class Gpt {
   // reduce-scattered into `shard`, with TP; `shard` itself without.
   float* partial_or(ArenaArray<float>& shard);
 
-  // Attention of B sequences' queries in qkv [N, 3Cl] over every key they
+  // Attention of B sequences' queries in qkv [N, W] over every key they
   // see, into out [N, Cl] and lse; with CP the ranks pass their q, k and v
   // around the group and merge what each chunk of keys gives.
   // qkv and out are in the GEMMs' input type without CP, float32 with it
@@ -170,13 +182,13 @@ class Gpt {
   void attend(ConstBuffer qkv, Buffer out, float* lse, int B);
   // Its gradient from the scratch datty into the scratch dqkv.
   void attend_backward(ConstBuffer qkv, ConstBuffer out, const float* lse, int B);
-  // This rank's k and v of qkv [N, 3Cl], packed as [N, 2Cl] into the
+  // This rank's k and v of qkv [N, W], packed as [N, 2KVl] into the
   // ring's first buffer: what travels around the ring.
   const float* packed_keys(const float* qkv, int B);
   // Calls visit(query chunk, key chunk, inputs) for each pair of this
   // rank's query chunks in qkv and CP rank owner's key chunks in `held`
   // that the causal mask does not hide entirely; `held` is qkv rows
-  // [N, 3Cl] or, `packed`, k and v rows [N, 2Cl].
+  // [N, W] or, `packed`, k and v rows [N, 2KVl].
   void visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
                      const std::function<void(int, int, const Backend::AttentionInputs&)>& visit);
   void moe_forward(Slot& slot, int block, const UnitParameters& p, const float* inp, float* out, int N);
@@ -201,6 +213,10 @@ class Gpt {
   // How many positions loss(slot) averages (0 off the scoring stage).
   int scored_positions(int slot) const;
   void run_term(const Slot& slot, const WeightTerm& t, Buffer dinp, ConstBuffer weight, bool weight_grads);
+  // run_term's linear whose input was the MLP's activation (the
+  // projection): gradients into the unit's g (null: none) and through the
+  // activation into dinp (null: none).
+  void linear_backward_through_activation(const WeightTerm& t, Buffer dinp, ConstBuffer weight, float* g);
   // Sequence parallelism: the position shards of all TP ranks into one
   // [N, C] buffer, and the sum of the ranks' [N, C] partials into this
   // rank's shard. Both do nothing without TP, where the callers pass the

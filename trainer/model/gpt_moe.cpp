@@ -59,9 +59,9 @@ void Gpt::moe_forward(Slot& s, int block, const UnitParameters& p, const float* 
   const BlockOffsets& o = scratch_->offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
   const Sizes z = sizes();
-  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
+  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl, Fin = z.Fin;
   if (inp == nullptr) {
-    throw common::Error(common::ErrorCode::kInternal, "an MoE block's LayerNorm output is not float32 (Gpt::lay_out)");
+    throw common::Error(common::ErrorCode::kInternal, "an MoE block's norm output is not float32 (Gpt::lay_out)");
   }
 
   k.matmul_forward(moe.router_logits.data(), inp, p.weight(o.router_w), nullptr, N, C, E);
@@ -115,9 +115,9 @@ void Gpt::moe_forward(Slot& s, int block, const UnitParameters& p, const float* 
   for (const MoeLayer::Segment& seg : moe.segments) {
     const size_t r = static_cast<size_t>(seg.begin);
     const size_t e = static_cast<size_t>(seg.expert);
-    k.matmul_forward(moe.he.data() + r * Fl, moe.xe.data() + r * C, p.weight(o.expert_fc_w[e]), p.at(o.expert_fc_b[e]),
-                     seg.rows, C, Fl);
-    k.gelu_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fl, static_cast<size_t>(seg.rows) * Fl);
+    k.matmul_forward(moe.he.data() + r * Fin, moe.xe.data() + r * C, p.weight(o.expert_fc_w[e]),
+                     p.at(o.expert_fc_b[e]), seg.rows, C, Fin);
+    activation_forward(moe.ge.data() + r * Fl, moe.he.data() + r * Fin, seg.rows);
     // The row-parallel bias once over the TP group, on its rank 0.
     k.matmul_forward(expert_out + r * C, moe.ge.data() + r * Fl, p.weight(o.expert_proj_w[e]),
                      tp_rank_ == 0 ? p.at(o.expert_proj_b[e]) : nullptr, seg.rows, Fl, C);
@@ -168,7 +168,7 @@ void Gpt::moe_backward(Slot& s, int block, const UnitParameters& p, bool weights
   const BlockOffsets& o = x.offsets[static_cast<size_t>(stage().chunk_begin(s.chunk) + block)];
   Backend& k = backend_;
   const Sizes z = sizes();
-  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl;
+  const int C = z.C, E = z.E, K = z.K, M = N * K, Fl = z.Fl, Fin = z.Fin;
   using Kind = WeightTerm::Kind;
   const int unit = static_cast<int>(stage().chunk_begin(s.chunk)) + block + 1;
   // Where a split backward keeps an output gradient (a fused one keeps none).
@@ -197,12 +197,11 @@ void Gpt::moe_backward(Slot& s, int block, const UnitParameters& p, bool weights
                   {Kind::kLinear, unit, o.expert_proj_w[e], o.expert_proj_b[e], dy + r * C, moe.ge.data() + r * Fl,
                    nullptr, nullptr, seg.rows, Fl, C},
                   x.dge.data() + r * Fl, p.weight(o.expert_proj_w[e]), kept(moe.dy, r * C));
-    k.gelu_backward(x.dhe.data() + r * Fl, moe.he.data() + r * Fl, x.dge.data() + r * Fl,
-                    static_cast<size_t>(seg.rows) * Fl);
+    activation_backward(x.dhe.data() + r * Fin, moe.he.data() + r * Fin, x.dge.data() + r * Fl, seg.rows);
     backward_term(s, weights,
-                  {Kind::kLinear, unit, o.expert_fc_w[e], o.expert_fc_b[e], x.dhe.data() + r * Fl,
-                   moe.xe.data() + r * C, nullptr, nullptr, seg.rows, C, Fl},
-                  x.dxe.data() + r * C, p.weight(o.expert_fc_w[e]), kept(moe.dhe, r * Fl));
+                  {Kind::kLinear, unit, o.expert_fc_w[e], o.expert_fc_b[e], x.dhe.data() + r * Fin,
+                   moe.xe.data() + r * C, nullptr, nullptr, seg.rows, C, Fin},
+                  x.dxe.data() + r * C, p.weight(o.expert_fc_w[e]), kept(moe.dhe, r * Fin));
   }
   const float* dxe = x.dxe.data();
   if (ep_ != nullptr) {

@@ -13,26 +13,26 @@ namespace keel::trainer {
 
 void Gpt::visible_pairs(const float* qkv, const float* held, bool packed, int owner, int B,
                         const std::function<void(int, int, const Backend::AttentionInputs&)>& visit) {
-  const int Cl = sizes().Cl, NHl = sizes().NHl;
+  const Sizes z = sizes();
   const int Tc = context_.chunk_len(), rank = context_.rank;
   const size_t rows = static_cast<size_t>(B) * Tc;
-  const int ld_kv = packed ? 2 * Cl : 3 * Cl, k_at = packed ? 0 : Cl;
+  const int ld_kv = packed ? 2 * z.KVl : z.W, k_at = packed ? 0 : z.Cl;
   for (int qc = 0; qc < 2; ++qc) {
     for (int kc = 0; kc < 2; ++kc) {
       if (causal_mask(context_.global_chunk(qc, rank), context_.global_chunk(kc, owner)) == ChunkMask::kNone) continue;
       const float* keys = held + kc * rows * ld_kv + k_at;
       visit(qc, kc,
-            {qkv + qc * rows * 3 * Cl, keys, keys + Cl, 3 * Cl, ld_kv, B, Tc, Tc, Cl, NHl, context_.start(qc, rank),
-             context_.start(kc, owner)});
+            {qkv + qc * rows * z.W, keys, keys + z.KVl, z.W, ld_kv, B, Tc, Tc, z.Cl, z.NHl, context_.start(qc, rank),
+             context_.start(kc, owner), DType::kF32, z.KVHl});
     }
   }
 }
 
 const float* Gpt::packed_keys(const float* qkv, int B) {
-  const int Cl = sizes().Cl;
+  const Sizes z = sizes();
   const int rows = B * context_.local_len();
   float* kv = scratch_->ring[0].data();
-  backend_.copy_columns(kv, 2 * Cl, qkv + Cl, 3 * Cl, rows, 2 * Cl);
+  backend_.copy_columns(kv, 2 * z.KVl, qkv + z.Cl, z.W, rows, 2 * z.KVl);
   return kv;
 }
 
@@ -51,10 +51,11 @@ void require_float32(std::initializer_list<DType> arrays) {
 }  // namespace
 
 void Gpt::attend(ConstBuffer qkv_buffer, Buffer out_buffer, float* lse, int B) {
-  const int Cl = sizes().Cl, NHl = sizes().NHl;
+  const Sizes z = sizes();
+  const int Cl = z.Cl, NHl = z.NHl;
   Backend& k = backend_;
   if (cp_ == nullptr) {
-    k.attention_forward(out_buffer, lse, Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
+    k.attention_forward(out_buffer, lse, Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl, z.KVHl));
     return;
   }
   require_float32({qkv_buffer.dtype, out_buffer.dtype});
@@ -65,10 +66,10 @@ void Gpt::attend(ConstBuffer qkv_buffer, Buffer out_buffer, float* lse, int B) {
   // keys in place (its own diagonal, at step 0, from its qkv rows) and
   // merges every later one (online softmax); chunk pairs the causal mask
   // hides are skipped, which is where causal load balancing evens the
-  // ranks out. Only k and v travel, packed as [rows, 2Cl].
+  // ranks out. Only k and v travel, packed as [rows, 2KVl].
   Scratch& x = *scratch_;
   const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
-  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(Cl);
+  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(z.KVl);
   bool started[2] = {false, false};
   const float* held = qkv;
   for (int step = 0; step < cp; ++step) {
@@ -94,7 +95,8 @@ void Gpt::attend(ConstBuffer qkv_buffer, Buffer out_buffer, float* lse, int B) {
 }
 
 void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const float* lse, int B) {
-  const int Cl = sizes().Cl, NHl = sizes().NHl;
+  const Sizes z = sizes();
+  const int Cl = z.Cl, NHl = z.NHl, W = z.W, KVl = z.KVl;
   Backend& k = backend_;
   Scratch& x = *scratch_;
   const Buffer dqkv_buffer = x.dqkv.buffer();
@@ -102,8 +104,8 @@ void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const 
   if (cp_ == nullptr) {
     // float32 gradients are added to, bf16 ones overwritten.
     if (dqkv_buffer.dtype == DType::kF32) k.zero(dqkv_buffer.data, dqkv_numel * sizeof(float));
-    k.attention_backward(Backend::self_attention_grads(dqkv_buffer, Cl), x.datty.data(), out_buffer, lse,
-                         Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl));
+    k.attention_backward(Backend::self_attention_grads(dqkv_buffer, Cl, KVl), x.datty.data(), out_buffer, lse,
+                         Backend::self_attention(qkv_buffer, B, context_.local_len(), Cl, NHl, z.KVHl));
     return;
   }
   require_float32({qkv_buffer.dtype, out_buffer.dtype, dqkv_buffer.dtype});
@@ -117,7 +119,7 @@ void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const 
   // arrive, gathers every other rank's share, and comes home in one last
   // step.
   const int Tc = context_.chunk_len(), cp = context_.cp, rank = context_.rank;
-  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(Cl);
+  const size_t rows = static_cast<size_t>(B) * Tc, numel = 2 * rows * 2 * static_cast<size_t>(KVl);
   const float* held = qkv;
   float* held_grads = nullptr;
   const int to = (rank + 1) % cp, from = (rank + cp - 1) % cp;
@@ -136,15 +138,15 @@ void Gpt::attend_backward(ConstBuffer qkv_buffer, ConstBuffer out_buffer, const 
     }
     visible_pairs(
         qkv, held, step > 0, (rank + cp - step) % cp, B, [&](int qc, int kc, const Backend::AttentionInputs& in) {
-          float* key_grads = step == 0 ? dqkv + kc * rows * 3 * Cl + Cl : held_grads + kc * rows * 2 * Cl;
-          k.attention_backward({dqkv + qc * rows * 3 * Cl, key_grads, key_grads + Cl},
+          float* key_grads = step == 0 ? dqkv + kc * rows * W + Cl : held_grads + kc * rows * 2 * KVl;
+          k.attention_backward({dqkv + qc * rows * W, key_grads, key_grads + KVl},
                                x.datty.data() + qc * rows * Cl, out + qc * rows * Cl, lse + qc * rows * NHl, in);
         });
   }
   // Step cp - 1 held rank r + 1's gradients: they go home.
   float* home = x.ring_grads[cp % 2].data();
   cp_->exchange({{held_grads, numel, to}}, {{home, numel, from}});
-  k.accumulate_columns(dqkv + Cl, 3 * Cl, home, 2 * Cl, static_cast<int>(2 * rows), 2 * Cl);
+  k.accumulate_columns(dqkv + Cl, W, home, 2 * KVl, static_cast<int>(2 * rows), 2 * KVl);
 }
 
 }  // namespace keel::trainer

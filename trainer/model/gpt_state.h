@@ -6,6 +6,7 @@
 #pragma once
 
 #include "trainer/kernels/arena.h"
+#include "trainer/kernels/backend_array.h"
 #include "trainer/model/gpt.h"
 
 #include <algorithm>
@@ -44,35 +45,37 @@ struct OuterOffsets {
 OuterOffsets outer_offsets(const ParameterTable& t);
 
 // One weight-gradient term of backward: a linear's weight and bias
-// gradients from its output gradient and input, a LayerNorm's, the
+// gradients from its output gradient and input, a norm's, the
 // embedding's, or the mark that a unit's gradients are complete. A split
 // backward (zero-bubble schedules) records its terms in order, each output
 // gradient copied to where the slot keeps it, and Gpt::weight_gradients
 // runs them in that order: each gradient sums its terms as a fused backward
 // does, bit for bit, with no order written twice.
 struct Gpt::WeightTerm {
-  enum class Kind { kLinear, kLayerNorm, kEmbedding, kUnitReady };
+  enum class Kind { kLinear, kNorm, kEmbedding, kUnitReady };
   static constexpr size_t kNone = kNoTensor;  // an offset of no tensor (a linear without bias)
   Kind kind = Kind::kUnitReady;
   int unit = 0;
-  size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (LayerNorm: its weight and bias)
+  size_t weight = kNone, bias = kNone;  // offsets in the unit's gradients (a norm: its weight and bias)
   ConstBuffer dout = nullptr;           // [rows, out]: the output gradient (bf16 where its GEMMs take bf16)
-  ConstBuffer inp = nullptr;            // [rows, in]: the forward's input (a LayerNorm's: float32)
-  const float* mean = nullptr;          // LayerNorm: the forward's row statistics
+  ConstBuffer inp = nullptr;            // [rows, in]: the forward's input (a norm's: float32)
+  const float* mean = nullptr;          // a norm: the forward's row statistics
   const float* rstd = nullptr;
   int rows = 0, in = 0, out = 0;
   // How a linear's input gradient is put into the dinp its run gets:
   // written over where the linear is its only source (nothing then zeroes
   // the array first), else added to. A LayerNorm's is always added to.
   Into dinp_into = Into::kAdd;
-  // A linear whose input was GELU(gelu_of) (the MLP's projection): its
-  // input gradient is taken on through GELU's derivative, the gradient of
-  // gelu_of overwriting dinp (Backend::matmul_backward_through_gelu); its
-  // input is not kept but recomputed into scratch when the weight gradient
-  // needs it, bit for bit what the forward fed the GEMM on the CPU (llm.c's
-  // GELU recompute: N x 4C floats a block less memory).
-  ConstBuffer gelu_of = nullptr;
-  // A LayerNorm's input gradient (the residual stream's) also put here
+  // A linear whose input was the MLP's activation of activation_of (the
+  // MLP's projection): its input gradient is taken on through the
+  // activation's derivative, the gradient of activation_of overwriting dinp
+  // (GELU: Backend::matmul_backward_through_gelu; SwiGLU: matmul_backward
+  // into float32 scratch, then swiglu_backward); its input is not kept but
+  // recomputed into scratch when the weight gradient needs it, bit for bit
+  // what the forward fed the GEMM on the CPU (llm.c's GELU recompute: N x
+  // 4C floats a block less memory).
+  ConstBuffer activation_of = nullptr;
+  // A norm's input gradient (the residual stream's) also put here
   // rounded, where a dense linear takes it next (Scratch::dresidual_gemm).
   bf16* dinp_bf16 = nullptr;
 };
@@ -101,9 +104,14 @@ struct Gpt::Sizes {
   int tp;       // TP ranks
   int T;        // positions of a sequence on this CP rank
   int C;        // channels of the residual stream
-  int Cl;       // attention channels of this TP rank: C / tp
-  int NHl;      // attention heads of this TP rank
-  int Fl;       // MLP channels of this TP rank: 4C / tp
+  int Cl;       // query channels of this TP rank: NHl * hd (C / tp)
+  int NHl;      // query heads of this TP rank
+  int KVHl;     // key/value heads of this TP rank (NHl without grouped-query attention)
+  int hd;       // channels of a head
+  int KVl;      // key (and value) channels of this TP rank: KVHl * hd
+  int W;        // a row of qkv: Cl + 2 KVl (3Cl without grouped-query attention)
+  int Fl;       // MLP hidden channels of this TP rank: mlp_width / tp
+  int Fin;      // the MLP input linear's outputs: Fl (GELU) or 2 Fl (SwiGLU's gate and up)
   int V;        // the real vocabulary
   int Vl;       // padded vocabulary rows of this TP rank
   int v_begin;  // the first of them
@@ -133,7 +141,7 @@ struct Gpt::MoeLayer {
   ArenaArray<float> router_logits, probs;  // [N, E]
   ArenaArray<int32_t> rows;                // [N*k]: token of each dispatched slot, grouped by expert
   ArenaArray<float> gates;                 // [N*k]: its renormalised gate
-  // Expert side: input [R, C], fc [R, 4C], gelu [R, 4C]; token side:
+  // Expert side: input [R, C], fc [R, Fin], the activation [R, Fl]; token side:
   // output [N*k, C]. R is N*k without EP and at most ep*N*k with it.
   ArenaArray<float> xe, he, ge, ye;
   std::vector<Segment> segments;             // the expert side's runs
@@ -146,7 +154,7 @@ struct Gpt::MoeLayer {
   std::vector<double> load;                  // [E]: f_e, the fraction of slots routed to e
   std::vector<double> tokens;                // [E]: the slots routed to e on all dp x cp ranks
   // With a split backward, what the weight pass reads: the experts'
-  // output gradients [R, C] and fc output gradients [R, 4C] (expert
+  // output gradients [R, C] and fc output gradients [R, Fin] (expert
   // side), and the router logits' gradient [N, E].
   ArenaArray<float> dy, dhe, drouter;
   // Rows of the expert side the last forward used.
@@ -158,8 +166,8 @@ struct Gpt::MoeLayer {
 };
 
 // Shapes: N = B*T positions, Ns = N / tp of them in this rank's position
-// shard, and per rank Cl = C / tp attention channels, Fl = 4C / tp MLP
-// channels and Vl = Vp / tp vocabulary rows. "whole" buffers hold all N
+// shard, and per rank the channels of Gpt::Sizes (Cl query channels, W of
+// a qkv row, Fl MLP channels, Vl = Vp / tp vocabulary rows). "whole" buffers hold all N
 // positions and exist only with TP; without it they alias their shards.
 //
 // A Slot is one pass in flight (a microbatch through one of the stage's
@@ -167,7 +175,7 @@ struct Gpt::MoeLayer {
 // a time, whichever slot it runs.
 struct Gpt::Slot {
   struct Block {
-    // The LayerNorm outputs, read only by GEMMs, are in the GEMMs' input
+    // The norm outputs, read only by GEMMs, are in the GEMMs' input
     // type (ln2 float32 where an MoE block may run, whose dispatch copies
     // its rows; all float32 where the TP communicator carries only float32).
     ArenaBuffer ln1, ln1_whole, ln2, ln2_whole;
@@ -181,7 +189,7 @@ struct Gpt::Slot {
     std::unique_ptr<MoeLayer> moe;
     // With a split backward: the output gradients of the MLP projection,
     // fc (dense blocks), attention projection and qkv linears ([N, ...],
-    // all positions) and of the two LayerNorms ([Ns, C]), which the weight
+    // all positions) and of the two norms ([Ns, C]), which the weight
     // pass reads; an MoE block keeps its experts' in its MoeLayer. dproj,
     // dattproj, dfch and dqkv are in the types their GEMMs take them in
     // (Scratch).
@@ -204,7 +212,7 @@ struct Gpt::Slot {
   ArenaBuffer lnf, lnf_whole, logits;
   ArenaArray<float> lnf_mean, lnf_rstd, losses, lse;
   std::optional<float> logits_gradient_scale;
-  // With a split backward: the final LayerNorm's output gradient and the
+  // With a split backward: the final norm's output gradient and the
   // embedding's ([N, C], all positions).
   ArenaArray<float> dlnf, dembed;
   // A split backward's weight terms, for weight_gradients().
@@ -227,16 +235,23 @@ struct Gpt::Scratch {
   ArenaArray<float> dresidual, dln, datty;
   ArenaBuffer dfch, dqkv;
   // dresidual as the dense linears' GEMMs take it, where they take bf16
-  // and no TP gathers dresidual first: the LayerNorm backward that adds
+  // and no TP gathers dresidual first: the norm backward that adds
   // into dresidual puts the sum here rounded as well, so the projections'
   // GEMMs below it read half the bytes and round nothing (24 rounding
   // launches a step at 124M before). Empty otherwise.
   ArenaBuffer dresidual_gemm;
-  // GELU(fch) of the block running now: made by the forward for the MLP's
-  // projection, remade by the backward for its weight gradient. Only those
-  // GEMMs read it, so it is kept in their input type: bf16 on the GPU's
-  // speed path, written so by the GELU instead of rounded by each GEMM.
+  // The activation (GELU, SwiGLU) of fch of the block running now: made by
+  // the forward for the MLP's projection, remade by the backward for its
+  // weight gradient. Only those GEMMs read it, so it is kept in their input
+  // type: bf16 on the GPU's speed path, written so by the activation
+  // instead of rounded by each GEMM.
   ArenaBuffer fch_gelu;
+  // SwiGLU: the gradient of its output [N, Fl], float32, from the
+  // projection's GEMM, before swiglu_backward takes it to dfch.
+  ArenaArray<float> dact;
+  // Rotary positions: the angles' cosines and sines for every position of
+  // a sequence (RotaryTable), in backend memory, made once.
+  BackendArray<float> rotary_cos, rotary_sin;
   // MoE gradient scratch: the gated output gradient [N*k, C] (token
   // side), the experts' [R, ...] gradients (expert side) and the router's.
   ArenaArray<float> dye, dge, dhe, dxe, dgates, dprobs, drouter;
@@ -244,7 +259,7 @@ struct Gpt::Scratch {
   // input gradients that came back) and an expert-side [R, C] one (the
   // outputs to return, the output gradients that arrived).
   ArenaArray<float> token_rows, expert_rows;
-  // CP's ring: the k and v [N, 2Cl] another rank sent, two so one is
+  // CP's ring: the k and v [N, 2KVl] another rank sent, two so one is
   // read while the next arrives, and the gradients of its k and v that
   // travel with them; one chunk's partial output and log-sum-exp.
   ArenaArray<float> ring[2], ring_grads[2], part_out, part_lse;

@@ -8,8 +8,9 @@
 //   it sees (running max, running sum, running output), then
 //   lse = max + log(sum);
 // * backward, per query row t: D_t = dO_t . O_t, then dQ_t;
-// * backward, per key row s: dK_s and dV_s over the queries that see it,
-//   with D_t from the first pass;
+// * backward, per key row s of a key/value head: dK_s and dV_s over the
+//   queries that see it, those of each query head of its group in head
+//   order, with D_t from the first pass;
 // * merge: a thread per channel of a query row, then one per row.
 // Every output row has one writer and every sum runs in order: no atomics.
 // These are the float32 kernels (CUDA cores); with bf16 GEMM inputs and a
@@ -35,22 +36,28 @@ using Inputs = Backend::AttentionInputs;
 constexpr int kMaxHeadDim = 256;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// A row (b, h, t) of `rows` per (batch, head), and where its head starts
-// in the query, key and value views, whose elements are T.
+// A row (b, h, t) of `rows` per (batch, query head), and where its head
+// starts in the query view and its key/value head (grouped-query
+// attention: h / (NH / KVH)) in the key and value views, whose elements are T.
 template <typename T>
 struct Row {
-  size_t b, h, t, bh;
+  size_t b, h, t, bh, kvh;
   int d;  // head dimension
   __device__ Row(size_t row, int rows, const Inputs& in)
-      : b(row / rows / in.NH), h(row / rows % in.NH), t(row % rows), bh(row / rows), d(in.C / in.NH) {}
+      : b(row / rows / in.NH),
+        h(row / rows % in.NH),
+        t(row % rows),
+        bh(row / rows),
+        kvh(h / (in.NH / in.kv_heads())),
+        d(in.C / in.NH) {}
   __device__ const T* q(const Inputs& in, size_t t_q) const {
     return static_cast<const T*>(in.q) + (b * in.Tq + t_q) * in.ld_q + h * d;
   }
   __device__ const T* k(const Inputs& in, size_t s) const {
-    return static_cast<const T*>(in.k) + (b * in.Tk + s) * in.ld_kv + h * d;
+    return static_cast<const T*>(in.k) + (b * in.Tk + s) * in.ld_kv + kvh * d;
   }
   __device__ const T* v(const Inputs& in, size_t s) const {
-    return static_cast<const T*>(in.v) + (b * in.Tk + s) * in.ld_kv + h * d;
+    return static_cast<const T*>(in.v) + (b * in.Tk + s) * in.ld_kv + kvh * d;
   }
   // Where query row t_q starts in a dense [B, Tq, C] tensor (out, dout).
   __device__ size_t dense(const Inputs& in, size_t t_q) const { return (b * in.Tq + t_q) * in.C + h * d; }
@@ -167,32 +174,35 @@ template <int kSlots, typename T, typename G>
 __global__ void attention_backward_key_kernel(G* dk, G* dv, const float* row_dots, const float* dout, const float* lse,
                                               Inputs in, float scale) {
   const size_t row = global_warp();
-  if (row >= static_cast<size_t>(in.B) * in.NH * in.Tk) return;
-  const Row<T> r(row, in.Tk, in);
-  const int d = r.d;
-  const size_t s = r.t;
-  const T* k = r.k(in, s);
-  const T* v = r.v(in, s);
+  const int KVH = in.kv_heads(), group = in.NH / KVH;
+  if (row >= static_cast<size_t>(in.B) * KVH * in.Tk) return;
+  const size_t b = row / in.Tk / KVH, kvh = row / in.Tk % KVH, s = row % in.Tk;
   const size_t Tq = static_cast<size_t>(in.Tq);
+  const int d = in.C / in.NH;
+  const size_t at = (b * in.Tk + s) * in.ld_kv + kvh * d;
+  const T* k = static_cast<const T*>(in.k) + at;
+  const T* v = static_cast<const T*>(in.v) + at;
   // The first query that sees key s.
   const size_t first = static_cast<size_t>(max(0, in.k_offset + static_cast<int>(s) - in.q_offset));
 
   float acc_k[kSlots] = {}, acc_v[kSlots] = {};
-  for (size_t base = first; base < Tq; base += kWarp) {
-    const size_t t = base + lane();
-    float p = 0.0f, ds = 0.0f;
-    if (t < Tq) {
-      const Probability pr = probability(r.q(in, t), dout + r.dense(in, t), k, v, d, scale, lse[r.bh * Tq + t]);
-      p = pr.p;
-      ds = pr.p * (pr.dp - row_dots[r.bh * Tq + t]) * scale;
-    }
-    const int count = min(kWarp, static_cast<int>(Tq - base));
-    for (int j = 0; j < count; ++j) {
-      add_scaled(acc_k, __shfl_sync(kFullWarp, ds, j), r.q(in, base + j), d);
-      add_scaled(acc_v, __shfl_sync(kFullWarp, p, j), dout + r.dense(in, base + j), d);
+  for (size_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+    const Row<T> r((b * in.NH + h) * Tq, in.Tq, in);
+    for (size_t base = first; base < Tq; base += kWarp) {
+      const size_t t = base + lane();
+      float p = 0.0f, ds = 0.0f;
+      if (t < Tq) {
+        const Probability pr = probability(r.q(in, t), dout + r.dense(in, t), k, v, d, scale, lse[r.bh * Tq + t]);
+        p = pr.p;
+        ds = pr.p * (pr.dp - row_dots[r.bh * Tq + t]) * scale;
+      }
+      const int count = min(kWarp, static_cast<int>(Tq - base));
+      for (int j = 0; j < count; ++j) {
+        add_scaled(acc_k, __shfl_sync(kFullWarp, ds, j), r.q(in, base + j), d);
+        add_scaled(acc_v, __shfl_sync(kFullWarp, p, j), dout + r.dense(in, base + j), d);
+      }
     }
   }
-  const size_t at = (r.b * in.Tk + s) * in.ld_kv + r.h * d;
   write_lanes(dk + at, acc_k, 1.0f, d, kAddsInto<G>);
   write_lanes(dv + at, acc_v, 1.0f, d, kAddsInto<G>);
 }
@@ -295,7 +305,7 @@ void CudaBackend::attention_forward(Buffer out, float* lse, const AttentionInput
 void CudaBackend::attention_backward(const AttentionGrads& grads, const float* dout, ConstBuffer out,
                                      const float* lse, const AttentionInputs& in) {
   const size_t query_rows = static_cast<size_t>(in.B) * in.NH * in.Tq;
-  const size_t key_rows = static_cast<size_t>(in.B) * in.NH * in.Tk;
+  const size_t key_rows = static_cast<size_t>(in.B) * in.kv_heads() * in.Tk;
   check_views(in, gemm_inputs_);
   if (grads.dtype == DType::kBF16 && gemm_inputs_ != DType::kBF16) {
     throw common::Error(common::ErrorCode::kInternal, "bf16 attention gradients on a backend with float32 GEMM inputs");
@@ -304,16 +314,16 @@ void CudaBackend::attention_backward(const AttentionGrads& grads, const float* d
     // bf16 gradients are written over: with nothing on one side, the other
     // side's are zero, as the CPU leaves them.
     if (grads.dtype == DType::kBF16) {
-      auto zero_rows = [&](void* grad, int ld, size_t rows) {
+      auto zero_rows = [&](void* grad, int ld, int width, size_t rows) {
         const size_t element = dtype_bytes(DType::kBF16);
-        check(cudaMemset2DAsync(grad, static_cast<size_t>(ld) * element, 0, static_cast<size_t>(in.C) * element,
+        check(cudaMemset2DAsync(grad, static_cast<size_t>(ld) * element, 0, static_cast<size_t>(width) * element,
                                 rows, stream()),
               "cudaMemset2DAsync (attention gradients)");
       };
-      if (key_rows == 0 && query_rows > 0) zero_rows(grads.dq, in.ld_q, static_cast<size_t>(in.B) * in.Tq);
+      if (key_rows == 0 && query_rows > 0) zero_rows(grads.dq, in.ld_q, in.C, static_cast<size_t>(in.B) * in.Tq);
       if (query_rows == 0 && key_rows > 0) {
-        zero_rows(grads.dk, in.ld_kv, static_cast<size_t>(in.B) * in.Tk);
-        zero_rows(grads.dv, in.ld_kv, static_cast<size_t>(in.B) * in.Tk);
+        zero_rows(grads.dk, in.ld_kv, in.kv_width(), static_cast<size_t>(in.B) * in.Tk);
+        zero_rows(grads.dv, in.ld_kv, in.kv_width(), static_cast<size_t>(in.B) * in.Tk);
       }
     }
     return;

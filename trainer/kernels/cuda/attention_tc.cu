@@ -89,8 +89,11 @@ bool tensor_core_attention_fits(const Inputs& in) {
   const int d = in.NH > 0 && in.C % in.NH == 0 ? in.C / in.NH : 0;
   // Rows of whole 16-byte vectors: 4 floats or 8 bf16.
   const int vector = static_cast<int>(16 / dtype_bytes(in.dtype));
-  return (d == 64 || d == 128) && in.ld_q % vector == 0 && in.ld_kv % vector == 0 && aligned16(in.q) &&
-         aligned16(in.k) && aligned16(in.v) && in.Tq > 0 && in.Tk > 0 && static_cast<long>(in.B) * in.NH <= 65535;
+  // Grouped-query attention runs on the float32 kernels (attention.cu) for
+  // now: these read a key/value head per query head.
+  return (d == 64 || d == 128) && in.kv_heads() == in.NH && in.ld_q % vector == 0 && in.ld_kv % vector == 0 &&
+         aligned16(in.q) && aligned16(in.k) && aligned16(in.v) && in.Tq > 0 && in.Tk > 0 &&
+         static_cast<long>(in.B) * in.NH <= 65535;
 }
 
 size_t tensor_core_attention_scratch_bytes(const Inputs& in) {

@@ -1,15 +1,18 @@
 // Elementwise kernels and AdamW. Each is memory-bound, so a grid-stride loop
 // with coalesced 16-byte accesses (launch.cuh's map) and just enough blocks
 // to fill the device is all the speed there is to get. The math is
-// cpu_backend.cpp's (AdamW's and GELU's shared with it: adamw_step.h,
-// gelu.h) so the tests can compare the two elementwise.
+// cpu_backend.cpp's (AdamW's, GELU's and SwiGLU's shared with it:
+// adamw_step.h, gelu.h, swiglu.h) so the tests can compare the two elementwise.
 #include "trainer/kernels/cuda/cuda_backend.h"
 
 #include "trainer/kernels/adamw_step.h"
 #include "trainer/kernels/cuda/launch.cuh"
 #include "trainer/kernels/gelu.h"
+#include "trainer/kernels/swiglu.h"
 
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 namespace keel::trainer::cuda {
 namespace {
@@ -50,6 +53,25 @@ __global__ void accumulate_columns_kernel(float* dst, int dst_ld, const float* s
   }
 }
 
+// SwiGLU over rows of [gate | up]: element i of the [N, F] output.
+template <typename O, typename I>
+__global__ void swiglu_forward_kernel(O* out, const I* inp, int F, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const size_t gate = i / F * 2 * F + i % F;
+    store(out + i, swiglu(load(inp + gate), load(inp + gate + F), ClampedExp{}));
+  }
+}
+template <typename G, typename I>
+__global__ void swiglu_backward_kernel(G* dinp, const I* inp, const float* dout, int F, size_t n) {
+  for (size_t i = first_index(); i < n; i += grid_stride()) {
+    const size_t gate = i / F * 2 * F + i % F;
+    float dgate = 0.0f, dup = 0.0f;
+    swiglu_grad(load(inp + gate), load(inp + gate + F), dout[i], ClampedExp{}, &dgate, &dup);
+    store(dinp + gate, dgate);
+    store(dinp + gate + F, dup);
+  }
+}
+
 // AdamW over up to kMax tensors a launch, passed by value (kernel
 // parameters, about 2 KB): a block updates one chunk of kChunk elements
 // of its tensor.
@@ -78,6 +100,27 @@ __global__ void adamw_kernel(AdamwBatch batch) {
 void CudaBackend::gelu_forward(Buffer out, ConstBuffer inp, size_t n) {
   with_type<__nv_bfloat16>(out, [&](auto* to) {
     with_type<__nv_bfloat16>(inp, [&](const auto* from) { map("gelu_forward", stream(), Gelu{}, n, to, from); });
+  });
+}
+
+void CudaBackend::swiglu_forward(Buffer out, ConstBuffer inp, int N, int F) {
+  with_type<__nv_bfloat16>(out, [&](auto* to) {
+    with_type<__nv_bfloat16>(inp, [&](const auto* from) {
+      using O = std::remove_pointer_t<decltype(to)>;
+      using I = std::remove_const_t<std::remove_pointer_t<decltype(from)>>;
+      launch("swiglu_forward", swiglu_forward_kernel<O, I>, static_cast<size_t>(N) * F, stream(), to, from, F);
+    });
+  });
+}
+
+void CudaBackend::swiglu_backward(Buffer dinp, ConstBuffer inp, const float* dout, int N, int F) {
+  with_type<__nv_bfloat16>(dinp, [&](auto* to) {
+    with_type<__nv_bfloat16>(inp, [&](const auto* from) {
+      using G = std::remove_pointer_t<decltype(to)>;
+      using I = std::remove_const_t<std::remove_pointer_t<decltype(from)>>;
+      launch("swiglu_backward", swiglu_backward_kernel<G, I>, static_cast<size_t>(N) * F, stream(), to, from, dout,
+             F);
+    });
   });
 }
 

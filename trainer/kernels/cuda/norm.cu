@@ -1,4 +1,4 @@
-// LayerNorm, one warp per row: a row of C floats is read once per pass from
+// The row norms (LayerNorm, RMSNorm), one warp per row: a row of C floats is read once per pass from
 // L1, and warp shuffles reduce it in a fixed tree. The weight and bias
 // gradients sum over rows in the CPU backend's two levels: each chunk of
 // kRowChunk rows into a float partial, then the partials in chunk order in
@@ -15,14 +15,13 @@
 namespace keel::trainer::cuda {
 namespace {
 
-constexpr float kEps = 1e-5f;
 constexpr int kRowChunk = 32;
 
 // With kAdd, inp is `sum`: each lane first adds the addend into the
 // elements it later reads, so the row needs no synchronisation.
 template <bool kAdd, typename Out>
-__global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, const float* inp, const float* addend,
-                                         const float* weight, const float* bias, int N, int C) {
+__global__ void norm_forward_kernel(Out* out, float* mean, float* rstd, const float* inp, const float* addend,
+                                    const float* weight, const float* bias, int N, int C, RowNorm norm) {
   const size_t n = global_warp();
   if (n >= static_cast<size_t>(N)) return;
   const float* x = inp + n * C;
@@ -32,16 +31,20 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
     for (int c = lane(); c < C; c += kWarp) sum[c] += addend[n * C + c];
   }
   float s = 0.0f;
-  for (int c = lane(); c < C; c += kWarp) s += x[c];
-  const float mu = warp_sum(s) / static_cast<float>(C);
-  // Two passes: the variance from centred values does not cancel.
+  if (norm.centred()) {
+    for (int c = lane(); c < C; c += kWarp) s += x[c];
+  }
+  const float mu = norm.centred() ? warp_sum(s) / static_cast<float>(C) : 0.0f;
+  // LayerNorm's two passes: the variance from centred values does not cancel.
   float ss = 0.0f;
   for (int c = lane(); c < C; c += kWarp) {
     const float d = x[c] - mu;
     ss += d * d;
   }
-  const float rs = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + kEps);
-  for (int c = lane(); c < C; c += kWarp) store(o + c, (x[c] - mu) * rs * weight[c] + bias[c]);
+  const float rs = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(C) + norm.eps);
+  for (int c = lane(); c < C; c += kWarp) {
+    store(o + c, (x[c] - mu) * rs * weight[c] + (bias != nullptr ? bias[c] : 0.0f));
+  }
   if (lane() == 0) {
     mean[n] = mu;
     rstd[n] = rs;
@@ -56,9 +59,9 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, con
 // partial_b), summing the chunk's partials. Null dinp or partials: that
 // half is skipped (a split backward takes them in separate passes).
 __global__ void __launch_bounds__(1024)
-    layernorm_backward_kernel(float* dinp, __nv_bfloat16* dinp_bf16, float* partial_w, float* partial_b,
-                              const float* dout, const float* inp, const float* weight, const float* mean,
-                              const float* rstd, int N, int C) {
+    norm_backward_kernel(float* dinp, __nv_bfloat16* dinp_bf16, float* partial_w, float* partial_b,
+                         const float* dout, const float* inp, const float* weight, const float* mean,
+                         const float* rstd, int N, int C, bool centred) {
   __shared__ float dnorm_mean[kRowChunk], dnorm_norm_mean[kRowChunk];
   const int first = static_cast<int>(blockIdx.x) * kRowChunk;
   const int rows = min(kRowChunk, N - first);
@@ -79,7 +82,7 @@ __global__ void __launch_bounds__(1024)
       a = warp_sum(a);
       b = warp_sum(b);
       if (lane() == 0) {
-        dnorm_mean[r] = a / static_cast<float>(C);
+        dnorm_mean[r] = centred ? a / static_cast<float>(C) : 0.0f;  // RMSNorm centres nothing
         dnorm_norm_mean[r] = b / static_cast<float>(C);
       }
     }
@@ -107,34 +110,34 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// layernorm_forward_kernel for the dtype of `out`.
+// norm_forward_kernel for the dtype of `out`.
 template <bool kAdd>
-void launch_layernorm_forward(cudaStream_t stream, Buffer out, float* mean, float* rstd, const float* inp,
-                              const float* addend, const float* weight, const float* bias, int N, int C) {
+void launch_norm_forward(cudaStream_t stream, Buffer out, float* mean, float* rstd, const float* inp,
+                         const float* addend, const float* weight, const float* bias, int N, int C, RowNorm norm) {
   if (N <= 0) return;
   with_type<__nv_bfloat16>(out, [&](auto* to) {
-    layernorm_forward_kernel<kAdd>
-        <<<grid_for_warps(N), kThreads, 0, stream>>>(to, mean, rstd, inp, addend, weight, bias, N, C);
+    norm_forward_kernel<kAdd>
+        <<<grid_for_warps(N), kThreads, 0, stream>>>(to, mean, rstd, inp, addend, weight, bias, N, C, norm);
   });
 }
 
 }  // namespace
 
-void CudaBackend::layernorm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
-                                    const float* bias, int N, int C) {
-  launch_layernorm_forward<false>(stream(), out, mean, rstd, inp, nullptr, weight, bias, N, C);
-  check_launch("layernorm_forward");
+void CudaBackend::norm_forward(Buffer out, float* mean, float* rstd, const float* inp, const float* weight,
+                               const float* bias, int N, int C, RowNorm norm) {
+  launch_norm_forward<false>(stream(), out, mean, rstd, inp, nullptr, weight, bias, N, C, norm);
+  check_launch("norm_forward");
 }
 
-void CudaBackend::add_layernorm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
-                                        const float* weight, const float* bias, int N, int C) {
-  launch_layernorm_forward<true>(stream(), out, mean, rstd, sum, addend, weight, bias, N, C);
-  check_launch("add_layernorm_forward");
+void CudaBackend::add_norm_forward(float* sum, const float* addend, Buffer out, float* mean, float* rstd,
+                                   const float* weight, const float* bias, int N, int C, RowNorm norm) {
+  launch_norm_forward<true>(stream(), out, mean, rstd, sum, addend, weight, bias, N, C, norm);
+  check_launch("add_norm_forward");
 }
 
-void CudaBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
-                                     const float* inp, const float* weight, const float* mean, const float* rstd, int N,
-                                     int C) {
+void CudaBackend::norm_backward(float* dinp, bf16* dinp_bf16, float* dweight, float* dbias, const float* dout,
+                                const float* inp, const float* weight, const float* mean, const float* rstd, int N,
+                                int C, RowNorm norm) {
   const bool params = dweight != nullptr || dbias != nullptr;
   if (N <= 0 || C <= 0 || (!params && dinp == nullptr)) return;
   const int chunks = (N + kRowChunk - 1) / kRowChunk;
@@ -144,9 +147,10 @@ void CudaBackend::layernorm_backward(float* dinp, bf16* dinp_bf16, float* dweigh
   // A thread a column, up to a full block: at GPT-2's C = 768, 24 warps for
   // the chunk's 32 rows, and N / 32 blocks (256 at batch 8) of them.
   const int threads = std::min(1024, (C + kWarp - 1) / kWarp * kWarp);
-  layernorm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, reinterpret_cast<__nv_bfloat16*>(dinp_bf16),
-                                                              partial_w, partial_b, dout, inp, weight, mean, rstd, N, C);
-  check_launch("layernorm_backward");
+  norm_backward_kernel<<<chunks, threads, 0, stream()>>>(dinp, reinterpret_cast<__nv_bfloat16*>(dinp_bf16), partial_w,
+                                                         partial_b, dout, inp, weight, mean, rstd, N, C,
+                                                         norm.centred());
+  check_launch("norm_backward");
   if (dweight != nullptr) column_sum_accumulate(dweight, partial_w, chunks, C, stream());
   if (dbias != nullptr) column_sum_accumulate(dbias, partial_b, chunks, C, stream());
 }
