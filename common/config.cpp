@@ -294,8 +294,12 @@ void Config::validate() const {
   check(!job.run_dir.empty(), "job.run_dir", "must name a directory for metrics and checkpoints");
   check(job.seed >= 0, "job.seed", fmt::format("must be non-negative (got {})", job.seed));
 
-  check(model.vocab_size >= 2 && model.vocab_size <= 65536, "model.vocab_size",
-        fmt::format("must be in [2, 65536] because tokens are stored as uint16 (got {})", model.vocab_size));
+  // Token ids travel as int32, and the padded embedding's rows must too.
+  constexpr int64_t kMaxVocab = int64_t{1} << 30;
+  check(model.vocab_size >= 2 && model.vocab_size <= kMaxVocab, "model.vocab_size",
+        fmt::format("must be in [2, {}] (token ids are int32; past 65536 the data must be llm.c's Llama 3 shards "
+                    "of uint32 tokens) (got {})",
+                    kMaxVocab, model.vocab_size));
   at_least(model.seq_len, 1, "model.seq_len");
   at_least(model.n_layer, 1, "model.n_layer");
   at_least(model.n_head, 1, "model.n_head");

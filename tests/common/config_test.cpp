@@ -86,7 +86,7 @@ TEST_SUITE("unit") {
         {"wrong type", m + "[model]\nn_layer = \"four\"\n", {}, "n_layer must be an integer, not a string"},
         {"section not a table", "job = 3\n", {}, "[job] must be a table"},
         {"heads do not divide width", m + "[model]\nn_head = 3\n", {}, "n_head=3 does not divide n_embd=256"},
-        {"vocab too large", m + "[model]\nvocab_size = 70000\n", {}, "uint16"},
+        {"vocab too large", m + "[model]\nvocab_size = 2000000000\n", {}, "token ids are int32"},
         {"zero layers", m + "[model]\nn_layer = 0\n", {}, "model.n_layer): must be at least 1"},
         {"top_k above experts", m + "[model]\nn_expert = 2\ntop_k = 3\n", {}, "top_k): must be in [1, n_expert=2]"},
         {"negative lr", m + "[train]\nlr = -1.0\n", {}, "lr): must be positive"},

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -36,7 +37,7 @@ std::string shard_bytes(int32_t magic, int32_t version, int32_t count, const std
 }
 
 std::string valid_shard_bytes(const std::vector<uint16_t>& tokens) {
-  return shard_bytes(kShardMagic, kShardVersion, static_cast<int32_t>(tokens.size()), tokens);
+  return shard_bytes(kGpt2Shard.magic, kGpt2Shard.version, static_cast<int32_t>(tokens.size()), tokens);
 }
 
 std::string read_file(const fs::path& path) {
@@ -82,19 +83,20 @@ TEST_CASE("every kind of malformed shard is rejected with a data error naming th
       {"a file shorter than the header", [&] { return dir.write("short.bin", std::string(100, '\0')); }, 256,
        {"file is 100 bytes, shorter than the 1024-byte shard header"}},
       {"a header with the wrong magic",
-       [&] { return dir.write("magic.bin", shard_bytes(12345, kShardVersion, 3, three)); }, 256,
-       {"wrong magic 12345 (expected 20240520)", "not an llm.c token shard"}},
+       [&] { return dir.write("magic.bin", shard_bytes(12345, kGpt2Shard.version, 3, three)); }, 256,
+       {"wrong magic 12345 (expected 20240520 for llm.c GPT-2", "20240801 for llm.c Llama 3",
+        "not an llm.c token shard"}},
       {"a header with the wrong version",
-       [&] { return dir.write("version.bin", shard_bytes(kShardMagic, 2, 3, three)); }, 256,
-       {"unsupported shard version 2 (expected 1)"}},
+       [&] { return dir.write("version.bin", shard_bytes(kGpt2Shard.magic, 2, 3, three)); }, 256,
+       {"unsupported shard version 2", "is version 1"}},
       {"a negative token count",
-       [&] { return dir.write("negative.bin", shard_bytes(kShardMagic, kShardVersion, -5, three)); }, 256,
+       [&] { return dir.write("negative.bin", shard_bytes(kGpt2Shard.magic, kGpt2Shard.version, -5, three)); }, 256,
        {"token count is negative (-5)"}},
       {"fewer tokens than the header announces",
-       [&] { return dir.write("truncated.bin", shard_bytes(kShardMagic, kShardVersion, 100, three)); }, 256,
+       [&] { return dir.write("truncated.bin", shard_bytes(kGpt2Shard.magic, kGpt2Shard.version, 100, three)); }, 256,
        {"truncated", "header says 100 tokens", "3 whole tokens"}},
       {"more tokens than the header announces",
-       [&] { return dir.write("trailing.bin", shard_bytes(kShardMagic, kShardVersion, 1, three)); }, 256,
+       [&] { return dir.write("trailing.bin", shard_bytes(kGpt2Shard.magic, kGpt2Shard.version, 1, three)); }, 256,
        {"4 trailing byte(s) after the 1 tokens"}},
       {"an odd byte after the tokens",
        [&] { return dir.write("odd.bin", valid_shard_bytes(three) + "x"); }, 256, {"1 trailing byte(s)"}},
@@ -141,11 +143,40 @@ TEST_CASE("a written shard reads back unchanged in llm.c's exact byte layout") {
 
   TokenShard shard = TokenShard::open(path, 65536);
   REQUIRE(shard.size() == static_cast<int64_t>(tokens.size()));
-  CHECK(std::equal(tokens.begin(), tokens.end(), shard.tokens()));
+  std::vector<int32_t> read(tokens.size());
+  shard.copy(0, shard.size(), read.data());
+  CHECK(std::equal(tokens.begin(), tokens.end(), read.begin()));
 
   TokenShard moved = std::move(shard);
   CHECK(moved.size() == static_cast<int64_t>(tokens.size()));
-  CHECK(moved.tokens()[7] == tokens[7]);
+  CHECK(moved.token(7) == tokens[7]);
+}
+
+TEST_CASE("a Llama 3 shard of uint32 tokens reads back in llm.c's layout and refuses a token past the vocabulary") {
+  TempDir dir;
+  // Llama 3's <|begin_of_text|> (128000) and <|end_of_text|> (128001) around a document.
+  const std::vector<uint32_t> tokens{128000, 791, 4062, 14198, 128001, 70000};
+  const fs::path path = dir / "llama3_train_000000.bin";
+  write_token_shard(path, tokens);
+  std::string want(1024, '\0');
+  const int32_t header[3] = {kLlama3Shard.magic, kLlama3Shard.version, static_cast<int32_t>(tokens.size())};
+  std::memcpy(want.data(), header, sizeof(header));
+  want.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint32_t));
+  CHECK(read_file(path) == want);
+
+  TokenShard shard = TokenShard::open(path, 128256);
+  CHECK(shard.format().token_bytes == 4);
+  std::vector<int32_t> read(tokens.size());
+  shard.copy(0, shard.size(), read.data());
+  CHECK(std::equal(tokens.begin(), tokens.end(), read.begin()));
+
+  Error error = thrown_error([&] { TokenShard::open(path, 65536); });
+  CHECK(error.code() == ErrorCode::kDataError);
+  CHECK(std::string(error.what()).find("token 128000 at index 0") != std::string::npos);
+  // Llama 3's magic with GPT-2's version is neither format.
+  const fs::path wrong = dir.write("wrong_version.bin", shard_bytes(kLlama3Shard.magic, 1, 0, {}));
+  error = thrown_error([&] { TokenShard::open(wrong, 128256); });
+  CHECK(std::string(error.what()).find("is version 7") != std::string::npos);
 }
 
 TEST_CASE("rewriting a shard replaces it whole") {
@@ -155,7 +186,7 @@ TEST_CASE("rewriting a shard replaces it whole") {
   write_token_shard(path, std::vector<uint16_t>{4, 5});
   TokenShard shard = TokenShard::open(path, 256);
   REQUIRE(shard.size() == 2);
-  CHECK(shard.tokens()[1] == 5);
+  CHECK(shard.token(1) == 5);
 }
 
 TEST_CASE("writing a shard into a missing directory is a data error naming the file") {
@@ -175,7 +206,7 @@ TEST_CASE("a GPT-2 tokenized llm.c shard loads with vocab_size 50257 and is refu
 
   TokenShard shard = TokenShard::open(path, 50257);
   CHECK(shard.size() == static_cast<int64_t>(tokens.size()));
-  CHECK(shard.tokens()[0] == 50256);
+  CHECK(shard.token(0) == 50256);
 
   Error error = thrown_error([&] { TokenShard::open(path, 256); });
   CHECK(error.code() == ErrorCode::kDataError);
@@ -238,7 +269,7 @@ TEST_CASE("a dataset smaller than the minimum names both sizes") {
 TEST_CASE("a bad shard inside a dataset fails the whole dataset and names that shard") {
   TempDir dir;
   write_position_shards(dir, "mixed", {10});
-  const fs::path bad = dir.write("mixed_000001.bin", shard_bytes(kShardMagic, kShardVersion, 9, {1, 2}));
+  const fs::path bad = dir.write("mixed_000001.bin", shard_bytes(kGpt2Shard.magic, kGpt2Shard.version, 9, {1, 2}));
   Error error = thrown_error([&] { TokenDataset::open((dir / "mixed_*.bin").string(), 50000, 1); });
   CHECK(error.code() == ErrorCode::kDataError);
   CHECK(std::string(error.what()).find(bad.string() + ": truncated") != std::string::npos);

@@ -321,6 +321,20 @@ TEST_SUITE("unit") {
     check_model_gradients(llama, 1e-2f, 0.05);
   }
 
+  TEST_CASE("the shipped Llama 3.2 1B and 3.1 8B configs describe the published models to the parameter") {
+    // Meta's counts: 1,235,814,400 (1B, tied head) and 8,030,261,248 (8B).
+    struct Shape {
+      const char* file;
+      size_t parameters;
+    };
+    for (const Shape& s : {Shape{"llama-3.2-1b.toml", 1'235'814'400}, Shape{"llama-3.1-8b.toml", 8'030'261'248}}) {
+      CAPTURE(s.file);
+      const auto config = keel::common::Config::load(std::filesystem::path(KEEL_TESTS_DIR) / ".." / "configs" / s.file);
+      CHECK(config.model.padded_vocab() == 128256);
+      CHECK(ParameterTable(config.model).parameter_count() == s.parameters);
+    }
+  }
+
   TEST_CASE("a Mixtral-shaped Llama's backward matches finite differences for every tensor") {
     ModelConfig mixtral = tiny_llama(4);
     mixtral.top_k = 4;  // k = E: no routing change inside a difference quotient

@@ -76,7 +76,7 @@ void TokenDataset::copy(int64_t pos, int64_t count, int32_t* out) const {
     const TokenShard& s = shards_[shard];
     const int64_t offset = pos - starts_[shard];
     const int64_t n = std::min(count, s.size() - offset);
-    std::copy_n(s.tokens() + offset, n, out);
+    s.copy(offset, n, out);
     out += n;
     pos += n;
     count -= n;

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace keel::trainer {
@@ -38,17 +39,40 @@ std::string errno_text(int error) { return std::strerror(error); }
 // The largest token, scanned in fixed-size blocks: a constant trip count lets
 // the compiler vectorise the inner loop, which keeps opening a multi-GB
 // dataset at memory bandwidth rather than at one compare per cycle.
-uint16_t max_token(const uint16_t* tokens, int64_t n) {
+template <class Token> Token max_token(const Token* tokens, int64_t n) {
   constexpr int64_t kBlock = 4096;
-  uint16_t result = 0;
+  Token result = 0;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    uint16_t block_max = 0;
+    Token block_max = 0;
     for (int64_t j = 0; j < kBlock; ++j) block_max = std::max(block_max, tokens[i + j]);
     result = std::max(result, block_max);
   }
   for (; i < n; ++i) result = std::max(result, tokens[i]);
   return result;
+}
+
+// f(typed token pointer) for a shard's token width.
+template <class F> auto with_tokens(const void* tokens, size_t token_bytes, F&& f) {
+  return token_bytes == 2 ? f(static_cast<const uint16_t*>(tokens)) : f(static_cast<const uint32_t*>(tokens));
+}
+
+// The first token >= vocab_size and the largest token, or nullopt when
+// every token is below vocab_size.
+struct BadToken {
+  int64_t index;
+  int64_t token;
+  int64_t largest;
+};
+std::optional<BadToken> first_token_outside(const void* tokens, size_t token_bytes, int64_t count,
+                                            int64_t vocab_size) {
+  return with_tokens(tokens, token_bytes, [&](const auto* t) -> std::optional<BadToken> {
+    const int64_t largest = count > 0 ? static_cast<int64_t>(max_token(t, count)) : -1;
+    if (largest < vocab_size) return std::nullopt;
+    const auto outside = [vocab_size](auto x) { return static_cast<int64_t>(x) >= vocab_size; };
+    const auto* bad = std::find_if(t, t + count, outside);
+    return BadToken{bad - t, static_cast<int64_t>(*bad), largest};
+  });
 }
 
 void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
@@ -95,21 +119,28 @@ TokenShard TokenShard::open(const std::filesystem::path& path, int64_t vocab_siz
 
   std::array<int32_t, kShardHeaderInts> header{};
   std::memcpy(header.data(), shard.map_, kShardHeaderBytes);
-  if (header[0] != kShardMagic) {
-    fail(name, fmt::format("wrong magic {} (expected {}): not an llm.c token shard", header[0], kShardMagic));
+  const ShardFormat* format = nullptr;
+  for (const ShardFormat* f : {&kGpt2Shard, &kLlama3Shard}) {
+    if (header[0] == f->magic) format = f;
   }
-  if (header[1] != kShardVersion) {
-    fail(name, fmt::format("unsupported shard version {} (expected {}): re-create it with keel-prepare-data",
-                           header[1], kShardVersion));
+  if (format == nullptr) {
+    fail(name, fmt::format("wrong magic {} (expected {} for {} or {} for {}): not an llm.c token shard", header[0],
+                           kGpt2Shard.magic, kGpt2Shard.name, kLlama3Shard.magic, kLlama3Shard.name));
   }
+  if (header[1] != format->version) {
+    fail(name, fmt::format("unsupported shard version {} (an {} shard is version {}): re-create it", header[1],
+                           format->name, format->version));
+  }
+  shard.format_ = format;
+  const size_t token_bytes = format->token_bytes;
   const int64_t count = header[2];
   if (count < 0) fail(name, fmt::format("header token count is negative ({}): the header is corrupt", count));
 
-  const size_t expected_bytes = kShardHeaderBytes + static_cast<size_t>(count) * sizeof(uint16_t);
+  const size_t expected_bytes = kShardHeaderBytes + static_cast<size_t>(count) * token_bytes;
   if (file_bytes < expected_bytes) {
     fail(name, fmt::format("truncated: the header says {} tokens ({} bytes) but the file is {} bytes "
                            "({} whole tokens): re-create the shard",
-                           count, expected_bytes, file_bytes, (file_bytes - kShardHeaderBytes) / sizeof(uint16_t)));
+                           count, expected_bytes, file_bytes, (file_bytes - kShardHeaderBytes) / token_bytes));
   }
   if (file_bytes > expected_bytes) {
     fail(name, fmt::format("{} trailing byte(s) after the {} tokens the header announces (the file is {} bytes, "
@@ -120,20 +151,29 @@ TokenShard TokenShard::open(const std::filesystem::path& path, int64_t vocab_siz
   // The scan reads every page once, front to back; afterwards training
   // reads random windows, for which read-ahead would only waste I/O.
   ::madvise(shard.map_, file_bytes, MADV_SEQUENTIAL);
-  shard.tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(shard.map_) + kShardHeaderBytes);
+  shard.tokens_ = static_cast<const char*>(shard.map_) + kShardHeaderBytes;
   shard.num_tokens_ = count;
-  const uint16_t largest = max_token(shard.tokens_, count);
-  if (count > 0 && largest >= vocab_size) {
-    const auto* bad = std::find_if(shard.tokens_, shard.tokens_ + count,
-                                   [vocab_size](uint16_t t) { return t >= vocab_size; });
+  if (const auto bad = first_token_outside(shard.tokens_, token_bytes, count, vocab_size)) {
     fail(name, fmt::format("token {} at index {} is >= model.vocab_size {} (largest token in the shard: {}): "
                            "set model.vocab_size to at least {} or re-tokenize",
-                           *bad, bad - shard.tokens_, vocab_size, largest, largest + 1));
+                           bad->token, bad->index, vocab_size, bad->largest, bad->largest + 1));
   }
   ::madvise(shard.map_, file_bytes, MADV_RANDOM);
 
-  common::logger("data")->debug("opened {}: {} tokens, largest token {}", name, count, largest);
+  common::logger("data")->debug("opened {}: {} tokens, {}", name, count, format->name);
   return shard;
+}
+
+void TokenShard::copy(int64_t offset, int64_t count, int32_t* out) const {
+  with_tokens(tokens_, format_->token_bytes, [&](const auto* t) {
+    std::transform(t + offset, t + offset + count, out, [](auto x) { return static_cast<int32_t>(x); });
+  });
+}
+
+int32_t TokenShard::token(int64_t index) const {
+  int32_t value = 0;
+  copy(index, 1, &value);
+  return value;
 }
 
 TokenShard::TokenShard(TokenShard&& other) noexcept
@@ -141,6 +181,7 @@ TokenShard::TokenShard(TokenShard&& other) noexcept
       map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
       tokens_(std::exchange(other.tokens_, nullptr)),
+      format_(other.format_),
       num_tokens_(std::exchange(other.num_tokens_, 0)) {}
 
 TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
@@ -150,6 +191,7 @@ TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
     tokens_ = std::exchange(other.tokens_, nullptr);
+    format_ = other.format_;
     num_tokens_ = std::exchange(other.num_tokens_, 0);
   }
   return *this;
@@ -159,16 +201,17 @@ TokenShard::~TokenShard() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
-void write_token_shard(const std::filesystem::path& path, std::span<const uint16_t> tokens) {
+namespace {
+
+void write_shard(const std::filesystem::path& path, const ShardFormat& format, const void* tokens, size_t count) {
   const std::string name = path.string();
-  if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    fail(name, fmt::format("{} tokens do not fit one shard (the header count is an int32): split the data",
-                           tokens.size()));
+  if (count > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    fail(name, fmt::format("{} tokens do not fit one shard (the header count is an int32): split the data", count));
   }
   std::array<int32_t, kShardHeaderInts> header{};
-  header[0] = kShardMagic;
-  header[1] = kShardVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
+  header[0] = format.magic;
+  header[1] = format.version;
+  header[2] = static_cast<int32_t>(count);
 
   // Readers must never see a half-written shard under the final name, even
   // after a crash: write a temporary, make it durable, then rename it over.
@@ -180,7 +223,7 @@ void write_token_shard(const std::filesystem::path& path, std::span<const uint16
                             errno_text(errno)));
     }
     write_all(fd.get(), header.data(), kShardHeaderBytes, tmp);
-    write_all(fd.get(), tokens.data(), tokens.size_bytes(), tmp);
+    write_all(fd.get(), tokens, count * format.token_bytes, tmp);
     if (::fsync(fd.get()) != 0) fail(tmp, fmt::format("fsync failed: {}", errno_text(errno)));
     if (fd.close() != 0) fail(tmp, fmt::format("close failed: {}", errno_text(errno)));
     if (::rename(tmp.c_str(), name.c_str()) != 0) {
@@ -198,6 +241,16 @@ void write_token_shard(const std::filesystem::path& path, std::span<const uint16
   if (dir_fd.get() < 0 || ::fsync(dir_fd.get()) != 0) {
     fail(name, fmt::format("cannot fsync directory {}: {}", dir.string(), errno_text(errno)));
   }
+}
+
+}  // namespace
+
+void write_token_shard(const std::filesystem::path& path, std::span<const uint16_t> tokens) {
+  write_shard(path, kGpt2Shard, tokens.data(), tokens.size());
+}
+
+void write_token_shard(const std::filesystem::path& path, std::span<const uint32_t> tokens) {
+  write_shard(path, kLlama3Shard, tokens.data(), tokens.size());
 }
 
 }  // namespace keel::trainer
