@@ -14,12 +14,29 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
 #include <set>
 
 namespace keel::daemon {
+
+std::filesystem::path job_trainer(const common::Config& config) {
+  std::filesystem::path trainer(config.daemon.trainer);
+  if (trainer.empty()) {
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    trainer = ec ? std::filesystem::path("keel-trainer") : self.parent_path() / "keel-trainer";
+  }
+  if (access(trainer.c_str(), X_OK) != 0) {
+    throw common::Error(common::ErrorCode::kBadConfig,
+                        fmt::format("the trainer {} is not an executable file; install keel-trainer beside keeld "
+                                    "and keelctl or set daemon.trainer",
+                                    trainer.string()));
+  }
+  return trainer;
+}
 
 Job::Job(JobOptions options, std::function<void(JobState, bool)> on_end, const common::Clock& clock)
     : options_(std::move(options)),

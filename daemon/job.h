@@ -47,6 +47,11 @@ namespace keel::daemon {
 
 struct HealthResponse;
 
+// The keel-trainer a job runs: daemon.trainer, or the one installed beside
+// the running program (keeld, keelctl). Error(kBadConfig) naming both ways
+// when it is not an executable file.
+std::filesystem::path job_trainer(const common::Config& config);
+
 struct JobOptions {
   common::Config config;
   std::filesystem::path config_path;       // passed to the ranks, with the overrides

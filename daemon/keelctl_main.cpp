@@ -3,6 +3,7 @@
 // keeld through its control socket; the other checkpoint commands work on a
 // run directory directly, with or without a daemon.
 #include "daemon/checkpoint_commands.h"
+#include "daemon/job.h"
 #include "daemon/health_view.h"
 #include "daemon/protocol.h"
 #include "daemon/status_view.h"
@@ -11,6 +12,10 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <iostream>
 #include <string_view>
 
@@ -66,6 +71,30 @@ keel::daemon::SnapshotSource snapshot_source(const std::string& socket, const st
     return {nullptr, fmt::format("the keeld at {} runs the job of {}, not this one", socket, dir.empty() ? "?" : dir)};
   }
   return {status, ""};
+}
+
+// keelctl plan: the job's own trainer prints its plan (keel-trainer
+// --plan), so the figures are the trainer's arithmetic for the trainer
+// the job would run; it replaces this process and answers with its output
+// and exit code.
+int run_plan(const std::string& config_path, const std::vector<std::string>& sets, bool json) {
+  std::filesystem::path trainer;
+  try {
+    trainer = keel::daemon::job_trainer(keel::common::Config::load(config_path, sets));
+  } catch (const std::exception& e) {
+    std::cerr << "keelctl: " << e.what() << "\n";
+    return kBadInput;
+  }
+  std::vector<std::string> args = {trainer.string(), "--config", config_path};
+  for (const std::string& set : sets) args.insert(args.end(), {"--set", set});
+  args.push_back("--plan");
+  if (json) args.push_back("--json");
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  execv(argv[0], argv.data());
+  std::cerr << fmt::format("keelctl: cannot run {}: {}\n", trainer.string(), std::strerror(errno));
+  return kBadInput;
 }
 
 }  // namespace
@@ -139,6 +168,13 @@ int main(int argc, char** argv) {
   prune->add_option("--keep", keep, "newest checkpoints kept");
   prune->add_option("--keep-every", keep_every, "also keep steps that are multiples of this (0: none)");
   prune->add_flag("--dry-run", dry_run, "only list what would be removed");
+  std::string plan_config;
+  std::vector<std::string> plan_sets;
+  auto* plan = app.add_subcommand(
+      "plan", "what a job needs before it starts: parameters, FLOPs a token and each rank's memory (keel-trainer --plan)");
+  plan->add_option("--config", plan_config, "the job's TOML")->required();
+  plan->add_option("--set", plan_sets, "override a config entry: --set section.key=value (repeatable)");
+  plan->add_flag("--json", json, "print one JSON document");
   app.footer(
       "Exit codes: 0 fine, 1 keeld refused the request or a checkpoint failed verification,\n"
       "2 bad usage or input, 3 keeld is not running (or not at --socket).");
@@ -149,6 +185,7 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);
     return code == 0 ? 0 : kBadInput;
   }
+  if (plan->parsed()) return run_plan(plan_config, plan_sets, json);
   using keel::daemon::Command;
   request.checkpoint = !no_checkpoint;
   if (inject->parsed()) {

@@ -47,12 +47,6 @@ using keel::common::ErrorCode;
 using keel::daemon::JobState;
 
 // The keel-trainer installed beside this keeld.
-std::filesystem::path default_trainer() {
-  std::error_code ec;
-  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return (ec ? std::filesystem::path("keel-trainer") : self.parent_path() / "keel-trainer");
-}
-
 // Runs `tick` every `period`, from the event loop.
 class Ticker {
  public:
@@ -190,12 +184,7 @@ int main(int argc, char** argv) {
     keel::common::validate_layout(config, config.parallel.world_size());
     if (!socket.empty()) config.daemon.socket = std::filesystem::absolute(socket).string();
     keel::daemon::JobOptions options;
-    options.trainer = config.daemon.trainer.empty() ? default_trainer() : std::filesystem::path(config.daemon.trainer);
-    if (access(options.trainer.c_str(), X_OK) != 0) {
-      throw Error(ErrorCode::kBadConfig, fmt::format("the trainer {} is not an executable file; install keel-trainer "
-                                                     "beside keeld or set daemon.trainer",
-                                                     options.trainer.string()));
-    }
+    options.trainer = keel::daemon::job_trainer(config);
     if (config.train.device == "cuda") {
       const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
       const auto gpus =

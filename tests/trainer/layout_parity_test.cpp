@@ -396,6 +396,61 @@ TEST_SUITE("integration") {
       check_parity(f, reference, "reference", run, layout.name());
     }
   }
+  TEST_CASE("keel-trainer --plan gives every rank of a layout the memory its run then reports") {
+    // The plan builds each rank's parts as the trainer does and lays them
+    // out without memory: every byte count must be the run's own.
+    struct Planned {
+      Layout layout;
+      std::vector<std::string> sets;
+    };
+    const std::vector<std::string> llama = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64",
+                                            "model.tie_embeddings=false"};
+    std::vector<std::string> llama_moe = llama;
+    llama_moe.insert(llama_moe.end(), kMoe.begin(), kMoe.end());
+    Fixture f;
+    for (const Planned& p : {Planned{Layout{}, {}}, Planned{Layout{.dp = 2, .tp = 2, .zero = 3}, {}},
+                             Planned{Layout{.micro_batches = 4, .pp = 2, .pp_virtual = 2}, kFourBlocks},
+                             Planned{Layout{.zero = 1, .cp = 2}, llama},
+                             Planned{Layout{.dp = 2, .zero = 2, .ep = 2}, llama_moe}}) {
+      CAPTURE(p.layout.name());
+      const Run run = f.run(p.layout, p.layout.name(), p.sets);
+      std::vector<std::string> sets = p.layout.sets();
+      sets.insert(sets.end(), p.sets.begin(), p.sets.end());
+      const auto planned = keel::test::run_process(f.argv(p.layout.name() + "-plan", sets, {"--plan", "--json"}),
+                                                   {{"SPDLOG_LEVEL", "warn"}});
+      REQUIRE_MESSAGE(planned.exit_code == 0, planned.output);
+      const auto plan = keel::test::last_json_line(planned.output);
+      REQUIRE(plan.at("ranks").size() == run.outputs.size());
+      for (size_t r = 0; r < run.outputs.size(); ++r) {
+        CAPTURE(r);
+        const auto reported = keel::test::last_json_line(run.outputs[r]).at("memory");
+        const auto& rank = plan.at("ranks")[r];
+        for (const char* key : {"params_bytes", "gemm_copy_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"}) {
+          CAPTURE(key);
+          CHECK(rank.at(key) == reported.at(key));
+        }
+        CHECK(rank.at("activations_bytes").get<int64_t>() > 0);
+      }
+    }
+    // The shipped Llama 3.2 1B on its 8 GPU ranks, planned on this machine:
+    // ZeRO-1 keeps every float32 parameter and its bf16 GEMM copy on each
+    // rank and an eighth of the float32 moments.
+    const auto one_b = keel::test::run_process(
+        {keel::test::keel_binary("keel-trainer").string(), "--config",
+         (std::filesystem::path(KEEL_TESTS_DIR) / ".." / "configs" / "llama-3.2-1b.toml").string(), "--plan", "--json"},
+        {{"SPDLOG_LEVEL", "warn"}});
+    REQUIRE_MESSAGE(one_b.exit_code == 0, one_b.output);
+    const auto plan = keel::test::last_json_line(one_b.output);
+    const double n = 1'235'814'400;
+    CHECK(plan.at("parameters") == 1'235'814'400);
+    REQUIRE(plan.at("ranks").size() == 8);
+    for (const auto& rank : plan.at("ranks")) {
+      CHECK(rank.at("params_bytes").get<double>() == 4 * n);
+      CHECK(rank.at("gemm_copy_bytes").get<double>() == 2 * n);
+      CHECK(relative(rank.at("optimizer_bytes").get<double>(), 8 * n / 8) <= 0.01);
+    }
+  }
+
   TEST_CASE("two runs of DP2 x TP2 with ZeRO-3 and of DP2 x PP2 with ZeRO-1 and of EP2 with ZeRO-2 are bit-identical") {
     Fixture f;
     struct Twice {

@@ -74,6 +74,15 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
+  // The bytes the constructor would allocate for `describe`, found by its
+  // planning run alone: nothing is allocated (keel-trainer --plan). The
+  // arrays it takes have no memory and must not be used.
+  template <class Describe> static size_t plan(Backend& backend, Describe&& describe) {
+    Arena arena(backend);
+    describe(arena);
+    return arena.used_;
+  }
+
   template <class T> ArenaArray<T> take(size_t count) {
     if (count == 0) return ArenaArray<T>(&backend_, nullptr, 0);
     const size_t offset = used_;
@@ -91,6 +100,8 @@ class Arena {
   size_t bytes() const { return planned_; }
 
  private:
+  explicit Arena(Backend& backend) : backend_(backend) {}
+
   Backend& backend_;
   BackendArray<std::byte> memory_;
   std::byte* base_ = nullptr;  // memory_ rounded up to kAlign; null while planning

@@ -11,6 +11,7 @@
 #include "trainer/parallel/process_groups.h"
 #include "trainer/train/blas_core_start.h"
 #include "trainer/train/devices.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/train_loop.h"
 #include "trainer/train/worker_env.h"
 
@@ -108,6 +109,7 @@ struct Command {
   std::vector<std::string> overrides;
   bool json = false;
   bool blas_report = false;
+  bool plan = false;
   std::string gradient_dump, init_from, eval_dir, eval_data;
   int64_t stop_after = -1, eval_sequences = -1;
 };
@@ -133,6 +135,10 @@ std::optional<int> parse_command(int argc, char** argv, Command& command) {
       ->needs(eval);
   app.add_option("--dump-gradients", command.gradient_dump,
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
+  app.add_flag("--plan", command.plan,
+               "print what the run needs without allocating it: parameters, FLOPs a token, and each rank's memory "
+               "for weights, gradients, optimizer state and activations at the configured batch and layout "
+               "(--json: one JSON object), then exit");
   app.add_flag("--blas-report", command.blas_report,
                "settle and prove the BLAS core as training would (train.blas_core), measure the CPU backend's "
                "sgemm on it and print one JSON object instead of training: what benches report");
@@ -181,6 +187,11 @@ int main(int argc, char** argv) {
     auto log = keel::common::logger("trainer");
 
     auto config = keel::common::Config::load(command.config_path, command.overrides);
+    if (command.plan) {
+      const keel::trainer::RunPlan plan = keel::trainer::plan_run(config);
+      fmt::print("{}", command.json ? keel::trainer::to_json(plan).dump() + "\n" : keel::trainer::to_text(plan, config));
+      return 0;
+    }
     if (worker.run_dir) config.job.run_dir = *worker.run_dir;
     // keeld runs the same check before it starts any rank.
     keel::common::validate_layout(config, worker.world_size);

@@ -5,6 +5,7 @@
 #include "common/human_format.h"
 #include "common/layout_check.h"
 #include "common/log.h"
+#include "trainer/train/rank_parts.h"
 
 #include <fmt/format.h>
 #include <xxhash.h>
@@ -21,28 +22,6 @@ using common::seconds_since;
 
 std::string format_rate(double tokens_per_s) {
   return tokens_per_s >= 1e4 ? fmt::format("{:.1f}k", tokens_per_s / 1e3) : fmt::format("{:.0f}", tokens_per_s);
-}
-
-int sequences_per_microbatch(const common::Config& c) {
-  return static_cast<int>(c.train.batch_size / (c.parallel.dp * c.parallel.micro_batches));
-}
-
-std::vector<size_t> owned_numels(const ZeroStorage& storage) {
-  std::vector<size_t> numels;
-  for (size_t t = 0; t < storage.table().specs().size(); ++t) numels.push_back(storage.owned_numel(t));
-  return numels;
-}
-
-ModelStage stage_of(const common::Config& config, const ProcessGroups& groups) {
-  return ModelStage::of(common::stage_layers(config), groups.rank(Axis::kPp), groups.size(Axis::kPp));
-}
-
-// The actions of this rank's stage in a training step (docs/architecture.md
-// "Pipeline schedules").
-std::vector<Action> schedule_of(const common::Config& config, const ModelStage& stage) {
-  const int m = static_cast<int>(config.parallel.micro_batches);
-  if (config.parallel.pp_schedule == "zb-h1") return zero_bubble_h1(stage.count, stage.index, m);
-  return one_f_one_b(stage.count, stage.index, m, static_cast<int>(config.parallel.pp_virtual));
 }
 
 // What every rank acts on after a step, agreed over the grid so that none
@@ -126,22 +105,12 @@ void add_comm_stats(const ProcessGroups& groups, nlohmann::json& record) {
   record["comm_ms"] = comm_ms;
 }
 
-// How many microbatches the stage's schedule keeps alive, and so how many
-// activation slots its model needs (validation's forwards need one).
-int slots_for(const std::vector<Action>& schedule, int microbatches) {
-  return std::max(1, plan_slots(schedule, microbatches).slots);
-}
-
 }  // namespace
 
 Step::Buffers TrainLoop::lay_out_memory() {
   Step::Buffers buffers;
-  state_memory_ = std::make_unique<Arena>(backend_, [&](Arena& arena) {
-    storage_.lay_out(arena);
-    optimizer_.lay_out(arena);
-    model_.lay_out(arena);
-    buffers = Step::lay_out(arena, storage_, groups_);
-  });
+  state_memory_ = std::make_unique<Arena>(
+      backend_, [&](Arena& arena) { buffers = lay_out_rank(arena, storage_, optimizer_, model_, groups_); });
   return buffers;
 }
 
@@ -156,7 +125,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       micro_batch_(sequences_per_microbatch(config)),
       stage_(stage_of(config, groups)),
       schedule_(schedule_of(config, stage_)),
-      table_(config.model, tp_rank_, groups.size(Axis::kTp), stage_, groups.rank(Axis::kEp), groups.size(Axis::kEp)),
+      table_(table_of(config, stage_, groups)),
       storage_(backend, table_, static_cast<int>(config.parallel.zero), ReduceGroups::of(groups),
                config.parallel.overlap_comm),
       optimizer_(backend, table_, config.train, owned_numels(storage_)),
