@@ -366,7 +366,7 @@ TEST_SUITE("integration") {
     check_memory(f, layout, run, sets);
   }
 
-  TEST_CASE("a Llama model reproduces the single-rank run under DP2 ZeRO-3 and TP2 and CP2 and TP2 x CP2 and interleaved and zero-bubble PP2") {
+  TEST_CASE("a Llama model reproduces the single-rank run under DP2 with ZeRO 1 to 3 and TP2 and CP2 and TP2 x CP2 and PP2") {
     // RMSNorm, rotary positions (global ones under CP and across chunks),
     // SwiGLU, two query heads a key/value head (one of each a TP2 rank),
     // no biases and an untied head: every part Llama changes, in every
@@ -376,8 +376,10 @@ TEST_SUITE("integration") {
                                            "model.tie_embeddings=false", "model.rope_theta=10000"};
     Fixture f;
     const Run reference = f.run(Layout{}, "reference", sets);
+    // PP2 under 1F1B, interleaved over two chunks and zero-bubble.
     for (const Layout& layout :
-         {Layout{.dp = 2, .zero = 3}, Layout{.tp = 2}, Layout{.cp = 2}, Layout{.tp = 2, .cp = 2},
+         {Layout{.dp = 2, .zero = 1}, Layout{.dp = 2, .zero = 2}, Layout{.dp = 2, .zero = 3}, Layout{.tp = 2},
+          Layout{.cp = 2}, Layout{.tp = 2, .cp = 2}, Layout{.micro_batches = 2, .pp = 2},
           Layout{.micro_batches = 4, .pp = 2, .pp_virtual = 2}, Layout{.micro_batches = 2, .pp = 2, .zero_bubble = true}}) {
       CAPTURE(layout.name());
       const Run run = f.run(layout, layout.name(), sets);
