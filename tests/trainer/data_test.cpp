@@ -1,4 +1,5 @@
 #include "common/error.h"
+#include "trainer/data/batches.h"
 #include "trainer/data/dataset.h"
 #include "trainer/data/token_shard.h"
 

@@ -3,6 +3,7 @@
 // can rebuild the same model in PyTorch and compare.
 #include "common/config.h"
 #include "common/error.h"
+#include "trainer/data/batches.h"
 #include "trainer/data/dataset.h"
 #include "trainer/kernels/cpu_backend.h"
 #include "trainer/train/blas_core_start.h"

@@ -2,6 +2,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "trainer/data/batches.h"
 
 #include <fmt/format.h>
 

@@ -5,6 +5,7 @@
 #include "common/human_format.h"
 #include "common/layout_check.h"
 #include "common/log.h"
+#include "trainer/data/batches.h"
 #include "trainer/train/rank_parts.h"
 
 #include <fmt/format.h>
