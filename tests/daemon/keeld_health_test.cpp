@@ -73,7 +73,11 @@ TEST_SUITE("integration") {
     CHECK(found[0].at("step") == 25);
     const auto health = keelctl_json(job, {"health"});
     CHECK(health.at("ranks").at(1).at("health") == "suspect");
-    CHECK(health.at("ranks").at(0).at("health") == "healthy");
+    // Only the rank that flipped is blamed. Whether rank 0 is also a
+    // straggler is not this test's business: this job runs beside other
+    // tests on two cores, and a rank slowed by them is rightly flagged with
+    // cause "host" (issue 45: only tests that run alone judge speed).
+    CHECK(health.at("ranks").at(0).at("health") != "suspect");
     CHECK(health.at("detections").at("sdc") == 1);
     CHECK(job.ask(daemon::Command::kStop).at("ok") == true);
     CHECK(keeld->wait(120).exit_code == 0);
@@ -301,7 +305,7 @@ TEST_SUITE("integration") {
       const auto health = keelctl_json(job, {"health"});
       CHECK(health.at("detections").at("sdc") == 0);
       CHECK(health.at("records") == nlohmann::json{{"loss_spikes", 1}, {"skipped_steps", row.skipped ? 1 : 0}});
-      for (const auto& rank : health.at("ranks")) CHECK(rank.at("health") == "healthy");
+      for (const auto& rank : health.at("ranks")) CHECK(rank.at("health") != "suspect");  // speed: not judged here
       const auto page = scrape(status.at("metrics_port").get<uint16_t>());
       CHECK(value_of(page, "keel_loss_spikes_total") == 1);
       CHECK(value_of(page, "keel_steps_skipped_total") == (row.skipped ? 1 : 0));
