@@ -330,8 +330,7 @@ void Config::validate() const {
           fmt::format("must be positive, or 0 for 1 (got {})", model.rope_low_freq_factor));
     check(model.rope_high_freq_factor >= 0, "model.rope_high_freq_factor",
           fmt::format("must be positive, or 0 for 4 (got {})", model.rope_high_freq_factor));
-    check((model.rope_high_freq_factor > 0 ? model.rope_high_freq_factor : 4) >
-              (model.rope_low_freq_factor > 0 ? model.rope_low_freq_factor : 1),
+    check(model.rope_high_freq() > model.rope_low_freq(),
           "model.rope_high_freq_factor", "must exceed rope_low_freq_factor: they bound the band of wavelengths "
                                          "that is scaled in part");
     at_least(model.rope_original_context, 0, "model.rope_original_context");

@@ -66,6 +66,10 @@ struct ModelConfig {
   int64_t mlp_width() const;
   double rotary_base() const { return rope_theta > 0 ? rope_theta : 500000.0; }
   double norm_epsilon() const { return norm_eps > 0 ? norm_eps : 1e-5; }
+  // Llama 3.1's rope scaling band, the family's defaults resolved.
+  double rope_low_freq() const { return rope_low_freq_factor > 0 ? rope_low_freq_factor : 1.0; }
+  double rope_high_freq() const { return rope_high_freq_factor > 0 ? rope_high_freq_factor : 4.0; }
+  int64_t rope_context() const { return rope_original_context > 0 ? rope_original_context : 8192; }
   bool is_moe_layer(int64_t layer) const { return n_expert > 0 && (layer + 1) % moe_every == 0; }
 
   template <class V> void visit(V& v) {

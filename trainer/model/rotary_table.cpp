@@ -14,9 +14,9 @@ std::vector<double> rotary_frequencies(const common::ModelConfig& model) {
   }
   if (model.rope_scaling_factor <= 0) return f;
   const double factor = model.rope_scaling_factor;
-  const double low = model.rope_low_freq_factor > 0 ? model.rope_low_freq_factor : 1.0;
-  const double high = model.rope_high_freq_factor > 0 ? model.rope_high_freq_factor : 4.0;
-  const double context = static_cast<double>(model.rope_original_context > 0 ? model.rope_original_context : 8192);
+  const double low = model.rope_low_freq();
+  const double high = model.rope_high_freq();
+  const double context = static_cast<double>(model.rope_context());
   for (double& freq : f) {
     // Both bounds of the band belong to the blend, where s is 0 and 1.
     const double wavelength = 2.0 * std::numbers::pi / freq;

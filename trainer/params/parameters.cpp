@@ -194,6 +194,8 @@ void ParameterTable::add(ModelParts::Role role, int64_t layer, int64_t expert, s
   ParamSpec spec{std::move(name), std::move(shape), std::move(local), split, tp_rank_, tp_size_, init, init_std,
                  total_, numel};
   spec.role = role;
+  spec.layer = layer;
+  spec.expert_index = expert;
   spec.packed = packed;
   specs_.push_back(std::move(spec));
   // Every other tensor starts on a 16-float boundary so kernels see aligned rows.

@@ -109,6 +109,10 @@ struct ParamSpec {
   // over dp x cp.
   bool expert = false;
   ModelParts::Role role = ModelParts::Role::kTokenEmbedding;
+  // Where ModelParts::name placed it: its block and expert (-1: none), so
+  // another naming of the same role (interop/hf_names.h) can place it too.
+  int64_t layer = -1;
+  int64_t expert_index = -1;
   // Whether it continues the tensor before it in the flat buffer with no
   // gap: this rank's rows of both are one matrix to the GEMM that
   // multiplies them (Llama's k_proj and v_proj after q_proj, up_proj after
