@@ -8,6 +8,8 @@
 #include "daemon/protocol.h"
 #include "daemon/status_view.h"
 #include "daemon/straggler_view.h"
+#include "common/human_format.h"
+#include "interop/hf_export.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -97,6 +99,39 @@ int run_plan(const std::string& config_path, const std::vector<std::string>& set
   return kBadInput;
 }
 
+// keelctl export: a checkpoint as a Hugging Face model directory, with a
+// progress line on stderr at most once a second (a 8B model is 32 GB).
+int run_export(keel::interop::HfExportOptions options, bool json) {
+  auto last = std::chrono::steady_clock::now();
+  options.progress = [&last](const keel::interop::HfExportProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    if (p.tensors_done < p.tensors && now - last < std::chrono::seconds(1)) return;
+    last = now;
+    const double rate = p.seconds > 0 ? static_cast<double>(p.bytes_done) / p.seconds : 0;
+    std::cerr << fmt::format("keelctl: exported {} of {} tensors, {} of {}, {} so far, ETA {}\n", p.tensors_done,
+                             p.tensors, keel::common::format_bytes(p.bytes_done), keel::common::format_bytes(p.bytes),
+                             keel::common::format_duration(p.seconds),
+                             keel::common::format_duration(rate > 0 ? static_cast<double>(p.bytes - p.bytes_done) / rate : 0));
+  };
+  try {
+    const auto report = keel::interop::export_hf(options);
+    if (json) {
+      std::cout << report.to_json().dump(2) << "\n";
+    } else {
+      std::cout << fmt::format("exported {} (step {}) to {}: {} tensors, {} in {}\n", report.checkpoint.string(),
+                               report.step, report.out.string(), report.tensors, keel::common::format_bytes(report.bytes),
+                               fmt::join(report.files, ", "));
+    }
+    return 0;
+  } catch (const keel::common::Error& e) {
+    std::cerr << "keelctl: " << e.what() << "\n";
+    return e.code() == keel::common::ErrorCode::kCheckpointFailure ? kRefused : kBadInput;
+  } catch (const std::exception& e) {
+    std::cerr << "keelctl: " << e.what() << "\n";
+    return kBadInput;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -175,8 +210,25 @@ int main(int argc, char** argv) {
   plan->add_option("--config", plan_config, "the job's TOML")->required();
   plan->add_option("--set", plan_sets, "override a config entry: --set section.key=value (repeatable)");
   plan->add_flag("--json", json, "print one JSON document");
+  keel::interop::HfExportOptions export_options;
+  std::string export_format = "hf", export_dtype = "fp32";
+  auto* exporter = app.add_subcommand(
+      "export", "write a checkpoint (any layout) as a Hugging Face model: config.json and safetensors");
+  exporter->add_option("checkpoint", export_options.checkpoint,
+                       "a checkpoint directory, or a run's checkpoints/ (its newest committed checkpoint)")
+      ->required();
+  exporter->add_option("--format", export_format, "the format written (hf: Hugging Face)")
+      ->check(CLI::IsMember({"hf"}));
+  exporter->add_option("--out", export_options.out, "the directory to create (it must not exist)")->required();
+  exporter->add_option("--dtype", export_dtype, "the weights' type: fp32 (exact) or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  exporter->add_option("--max-shard-size", export_options.max_shard_bytes,
+                       "split into files of at most this many bytes, as Hugging Face does (default 5GB)")
+      ->transform(CLI::AsSizeValue(true));
+  exporter->add_flag("--json", json, "print one JSON document");
   app.footer(
-      "Exit codes: 0 fine, 1 keeld refused the request or a checkpoint failed verification,\n"
+      "Exit codes: 0 fine, 1 keeld refused the request, a checkpoint failed verification or an export\n"
+      "could not be written,\n"
       "2 bad usage or input, 3 keeld is not running (or not at --socket).");
 
   try {
@@ -186,6 +238,10 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kBadInput;
   }
   if (plan->parsed()) return run_plan(plan_config, plan_sets, json);
+  if (exporter->parsed()) {
+    export_options.dtype = export_dtype == "bf16" ? keel::interop::TensorDtype::kBF16 : keel::interop::TensorDtype::kF32;
+    return run_export(export_options, json);
+  }
   using keel::daemon::Command;
   request.checkpoint = !no_checkpoint;
   if (inject->parsed()) {
