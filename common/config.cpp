@@ -234,8 +234,12 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.data.train, config.origin("data.train"), base_dir);
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
   resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
-  if (config.checkpoint.init_from != "none") {
-    resolve_path(config.checkpoint.init_from, config.origin("checkpoint.init_from"), base_dir);
+  if (auto& from = config.checkpoint.init_from; from.starts_with(CheckpointConfig::kHfPrefix)) {
+    std::string dir = from.substr(CheckpointConfig::kHfPrefix.size());
+    resolve_path(dir, config.origin("checkpoint.init_from"), base_dir);
+    from = std::string(CheckpointConfig::kHfPrefix) + dir;
+  } else if (from != "none") {
+    resolve_path(from, config.origin("checkpoint.init_from"), base_dir);
   }
   resolve_path(config.daemon.socket, config.origin("daemon.socket"), base_dir);
   resolve_path(config.daemon.trainer, config.origin("daemon.trainer"), base_dir);
@@ -381,6 +385,8 @@ void Config::validate() const {
         fmt::format("must be 0 (unpaced) or a positive rate in MB/s (got {})", checkpoint.memory_buddy_mb_per_s));
   check(checkpoint.verify == "full" || checkpoint.verify == "off", "checkpoint.verify",
         fmt::format("must be \"full\" or \"off\" (got \"{}\")", checkpoint.verify));
+  check(checkpoint.init_from != CheckpointConfig::kHfPrefix, "checkpoint.init_from",
+        "\"hf:\" names no directory: write hf:DIR, DIR holding a Hugging Face model's config.json and safetensors");
   check(faults.crash_in == "step" || faults.crash_in == "save" || faults.crash_in == "snapshot", "faults.crash_in",
         fmt::format("must be \"step\", \"save\" or \"snapshot\" (got \"{}\")", faults.crash_in));
   check(faults.nan_target == "gradient" || faults.nan_target == "loss", "faults.nan_target",

@@ -198,6 +198,7 @@ struct TrainConfig {
 };
 
 struct CheckpointConfig {
+  static constexpr std::string_view kHfPrefix = "hf:";
   std::string dir = "";        // where checkpoints go; empty = run_dir/checkpoints; relative to the config file
   int64_t every_steps = 0;     // save after every N steps; 0 = not by step count
   double every_seconds = 0;    // save when N seconds have passed since the last save; 0 = not by time
@@ -205,7 +206,7 @@ struct CheckpointConfig {
   int64_t keep_every = 0;      // also keep every checkpoint whose step is a multiple of N; 0 = none
   std::string verify = "full"; // before a load: "full" checks every file's checksum, "off" its size only
   std::string retention_verify = "sizes";  // what retention counts as a good checkpoint: "sizes" | "full" (checksums)
-  std::string init_from = "";  // when the run has no checkpoint that loads: "" fails if any exists, "none" starts at step 0, or a checkpoint directory
+  std::string init_from = "";  // when the run has no checkpoint that loads: "" fails if any exists, "none" starts at step 0, a checkpoint directory, or "hf:DIR": step 0 from a Hugging Face model directory's weights
   bool o_direct = true;        // bulk writes bypass the page cache where the filesystem allows it
   double timeout_s = 600;      // how long rank 0 waits for every rank's file before abandoning a save
   // In-memory snapshots held by keeld (docs/architecture.md "In-memory

@@ -122,8 +122,9 @@ std::optional<int> parse_command(int argc, char** argv, Command& command) {
   app.add_option("--set", command.overrides, "override a config entry: --set section.key=value (repeatable)");
   app.add_flag("--json", command.json, "print the final summary as one JSON object on stdout");
   app.add_option("--init-from", command.init_from,
-                 "when the run has no checkpoint that loads, start from this checkpoint directory (any layout), or "
-                 "from step 0 with 'none' (the same as --set checkpoint.init_from=...)");
+                 "when the run has no checkpoint that loads, start from this checkpoint directory (any layout), from "
+                 "a Hugging Face model's weights at step 0 with hf:DIR, or from step 0 with 'none' (the same as --set "
+                 "checkpoint.init_from=...)");
   app.add_option("--stop-after", command.stop_after,
                  "stop after this many steps as a stop request would: final checkpoint, then exit 14");
   auto* eval = app.add_option("--eval", command.eval_dir,

@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/events.h"
 #include "common/log.h"
+#include "interop/hf_import.h"
 #include "trainer/kernels/dtype.h"
 
 #include <fmt/format.h>
@@ -322,6 +323,9 @@ void RankState::resume() {
   if (choice.value("from", "") == "memory") {
     from = "memory";
     restore_snapshot(choice["step"].get<int64_t>(), choice.value("saved", false));
+  } else if (choice.contains("hf")) {
+    from = "hf";
+    import_hf(choice["hf"].get<std::string>());
   } else if (!choice["dir"].is_null()) {
     restore(choice["dir"].get<std::string>(), choice["verified"].get<bool>());
   } else {
@@ -398,6 +402,9 @@ nlohmann::json RankState::choose_disk() {
   const bool checksums = c.verify == "full";
   auto fallback = [&]() -> nlohmann::json {
     if (c.init_from.empty() || c.init_from == "none") return {{"dir", nullptr}};
+    if (c.init_from.starts_with(common::CheckpointConfig::kHfPrefix)) {
+      return {{"hf", c.init_from.substr(common::CheckpointConfig::kHfPrefix.size())}};
+    }
     return {{"dir", c.init_from}, {"verified", false}};
   };
   try {
@@ -537,6 +544,39 @@ void RankState::restore(const std::filesystem::path& dir, bool verified) {
       "check {:.2f} s, read {:.2f} s, into place {:.2f} s)",
       dir.string(), start_step_, reader.manifest().layout.dump(), static_cast<double>(bytes) / 1e6, load_s, checked_s,
       read_s, load_s - checked_s - read_s);
+}
+
+void RankState::import_hf(const std::filesystem::path& dir) {
+  const auto start = std::chrono::steady_clock::now();
+  const interop::HfWeights weights(dir, config_.model);  // every rank checks every name and shape
+  const auto blocks = state_blocks(false, {kModel});
+  std::string held;  // the global tensor in `global`: blocks of one tensor come together
+  std::vector<float> global, staged;
+  size_t bytes = 0;
+  for (const auto& b : blocks) {
+    const auto& p = b.piece;
+    if (p.global_name != held) {
+      global = weights.global_tensor(p.global_name);
+      held = p.global_name;
+    }
+    const int64_t global_cols = p.global_shape.size() == 2 ? p.global_shape[1] : 1;
+    float* dst = b.local;
+    if (!backend_.host_memory()) {
+      staged.resize(p.numel());
+      dst = staged.data();
+    }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      std::copy_n(global.data() + (p.row + r) * global_cols + p.col, p.cols, dst + r * p.cols);
+    }
+    if (!backend_.host_memory()) backend_.copy_from_host(b.local, staged.data(), p.bytes());
+    bytes += p.bytes();
+  }
+  storage_.publish_parameters();
+  start_step_ = 0;
+  common::logger("checkpoint")
+      ->info("starting step 0 from the Hugging Face weights in {}: {:.1f} MB on this rank in {:.2f} s, optimizer "
+             "state fresh",
+             dir.string(), static_cast<double>(bytes) / 1e6, common::seconds_since(start));
 }
 
 void RankState::cancel_checkpoint(const std::string& cause) {

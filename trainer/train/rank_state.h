@@ -61,8 +61,9 @@ class RankState {
   // "Resume and retention"): the newest in-memory snapshot every rank holds,
   // when it is at least as new as the run's newest committed checkpoint;
   // otherwise that checkpoint, the newest that verifies (checkpoint.verify);
-  // when there is none, checkpoint.init_from ("" or "none": step 0, or a
-  // checkpoint directory of any layout). When the run's checkpoints exist
+  // when there is none, checkpoint.init_from ("" or "none": step 0, a
+  // checkpoint directory of any layout, or "hf:DIR": a Hugging Face model's
+  // weights at step 0). When the run's checkpoints exist
   // but none loads, only a snapshot or an explicit init_from starts it
   // elsewhere; otherwise Error(kCheckpointFailure) names each one and why.
   // Every rank reports its snapshots through the Store, rank 0 decides and
@@ -71,6 +72,10 @@ class RankState {
   // Loads checkpoint `dir` (any layout); `verified`: its checksums were
   // checked already. Error(kBadConfig) unless it holds exactly this model.
   void restore(const std::filesystem::path& dir, bool verified = false);
+  // Loads the weights of a Hugging Face model directory as step 0, the
+  // optimizer's state left fresh (checkpoint.init_from = "hf:DIR").
+  // Error(kBadConfig) unless they hold exactly this model's tensors.
+  void import_hf(const std::filesystem::path& dir);
   // The step training starts at: 0, or the step of the state loaded.
   int64_t start_step() const { return start_step_; }
 

@@ -1,10 +1,11 @@
-// Export to Hugging Face (docs/architecture.md "Outside formats"): a
-// checkpoint of any layout becomes config.json and safetensors that an
+// Hugging Face models out and in (docs/architecture.md "Outside formats"):
+// a checkpoint of any layout becomes config.json and safetensors that an
 // independent reader (tests/python/eval_hf_export.py: the header parsed by
 // hand, a PyTorch model of Hugging Face's conventions) scores as keel
-// does; bf16 and sharded exports hold what they say; keelctl export
-// refuses bad requests with a sentence and an exit code and never leaves a
-// partial export behind.
+// does, and that another layout imports bit for bit as its step 0; bf16
+// and sharded exports hold what they say; keelctl export and the import
+// refuse bad input with a sentence and an exit code and change nothing.
+#include "checkpoint/catalog.h"
 #include "checkpoint/paths.h"
 #include "interop/hf_export.h"
 #include "interop/hf_names.h"
@@ -96,6 +97,37 @@ void require_tensors_match(const fs::path& export_dir, const fs::path& checkpoin
 
 float exact(float v) { return v; }
 
+// A model directory's tensors, by name, as float32.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+std::map<std::string, Tensor> read_model(const fs::path& dir) {
+  const keel::interop::SafetensorsFile file(dir / "model.safetensors");
+  std::map<std::string, Tensor> out;
+  for (const auto& t : file.tensors()) {
+    auto& kept = out[t.name];
+    kept.shape = t.shape;
+    kept.values.resize(static_cast<size_t>(t.numel()));
+    file.read(t, kept.values.data());
+  }
+  return out;
+}
+
+// Writes `tensors` as DIR/model.safetensors with config.json beside it.
+void write_model(const fs::path& dir, const std::map<std::string, Tensor>& tensors) {
+  fs::create_directories(dir);
+  std::vector<keel::interop::TensorToWrite> names;
+  std::vector<const Tensor*> values;
+  for (const auto& [name, t] : tensors) {
+    names.push_back({name, t.shape});
+    values.push_back(&t);
+  }
+  keel::interop::write_safetensors(dir / "model.safetensors", names, keel::interop::TensorDtype::kF32,
+                                   [&](size_t i, float* dst) { std::copy(values[i]->values.begin(), values[i]->values.end(), dst); });
+  std::ofstream(dir / "config.json") << "{}";
+}
+
 keel::test::ProcessResult keelctl(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {keel::test::keel_binary("keelctl").string()};
   argv.insert(argv.end(), args.begin(), args.end());
@@ -105,7 +137,9 @@ keel::test::ProcessResult keelctl(const std::vector<std::string>& args) {
 }  // namespace
 
 TEST_SUITE("integration") {
-  TEST_CASE("GPT-2 and Llama checkpoints of a TP2 x PP2 run export to files an independent reader scores as keel does") {
+  TEST_CASE(
+      "GPT-2 and Llama checkpoints of a TP2 x PP2 run export to files an independent reader scores as keel does and a "
+      "DP2 run imports bit for bit") {
     struct Family {
       const char* name;
       std::vector<std::string> sets;
@@ -145,6 +179,32 @@ TEST_SUITE("integration") {
       REQUIRE(reader.exit_code == 0);
       const double want = loss_of(keel_eval.outputs[0]);
       CHECK(std::fabs(loss_of(reader.output) - want) <= 1e-5 * want);
+
+      // Imported as step 0 of a DP2 run: the same weights, the padded
+      // vocabulary rows zero, the optimizer fresh, the same loss.
+      f.run(Layout{.dp = 2}, "imported", sets, {"--init-from", "hf:" + out.string(), "--stop-after", "0"});
+      const fs::path start = checkpoint_of(f, "imported", 0);
+      const auto original = keel::test::all_tensors(checkpoint);
+      std::map<std::string, size_t> kept_of;  // elements before the padded vocabulary rows
+      for (const auto& t : keel::interop::hf_tensors(model)) {
+        kept_of["/model/" + t.keel_name] = static_cast<size_t>(t.rows() * (t.keel_shape.size() == 2 ? t.keel_shape[1] : 1));
+      }
+      for (const auto& [name, values] : keel::test::all_tensors(start)) {
+        CAPTURE(name);
+        if (name.starts_with("/optim/")) {
+          CHECK(std::all_of(values.begin(), values.end(), [](float v) { return v == 0.0f; }));
+          continue;
+        }
+        const auto& was = original.at(name);
+        REQUIRE(was.size() == values.size());
+        const size_t kept = kept_of.at(name);
+        CHECK(std::memcmp(values.data(), was.data(), kept * sizeof(float)) == 0);
+        CHECK(std::all_of(values.begin() + static_cast<std::ptrdiff_t>(kept), values.end(),
+                          [](float v) { return v == 0.0f; }));
+      }
+      const auto imported_eval = f.run(Layout{}, std::string("eval_imported_") + family.name, sets,
+                                       {"--eval", start.string(), "--eval-data", data, "--eval-sequences", "16"});
+      CHECK(loss_of(imported_eval.outputs[0]) == want);
     }
   }
 
@@ -236,5 +296,85 @@ TEST_SUITE("integration") {
     CHECK(fs::directory_iterator(taken) != fs::directory_iterator());
     std::ifstream kept(taken / "keep.txt");
     CHECK(std::string(std::istreambuf_iterator<char>(kept), {}) == "an operator's file");
+  }
+
+  TEST_CASE("weights that do not fit the model are refused before training with the tensor and both shapes") {
+    TrainerRuns f;
+    const auto sets = four_steps({});
+    f.run(Layout{}, "run", sets);
+    const fs::path good = f.dir() / "hf";
+    keel::interop::export_hf({checkpoint_of(f, "run", 4), good});
+    const auto tensors = read_model(good);
+    auto edited = [&](const std::string& name, const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+      auto copy = tensors;
+      edit(copy);
+      write_model(f.dir() / name, copy);
+      return "hf:" + (f.dir() / name).string();
+    };
+    struct Row {
+      const char* what;
+      std::string init_from;
+      int exit_code;
+      const char* said;
+    };
+    fs::create_directories(f.dir() / "empty");
+    fs::create_directories(f.dir() / "truncated");
+    fs::copy(good / "config.json", f.dir() / "truncated");
+    fs::copy(good / "model.safetensors", f.dir() / "truncated");
+    fs::resize_file(f.dir() / "truncated" / "model.safetensors", fs::file_size(good / "model.safetensors") / 2);
+    const Row rows[] = {
+        {"a tensor of another shape",
+         edited("narrow", [](auto& t) { t["transformer.wpe.weight"].shape = {16, 64}; }), 2,
+         "transformer.wpe.weight has shape [16, 64] where this model's is [32, 32]"},
+        {"a missing tensor", edited("missing", [](auto& t) { t.erase("transformer.ln_f.bias"); }), 2,
+         "transformer.ln_f.bias of shape [32] is missing"},
+        {"a tensor the model lacks",
+         edited("extra", [](auto& t) { t["transformer.h.9.ln_1.weight"] = t["transformer.h.0.ln_1.weight"]; }), 2,
+         "transformer.h.9.ln_1.weight (in model.safetensors) is not a tensor of this model"},
+        {"a directory with no safetensors", "hf:" + (f.dir() / "empty").string(), 2, "holds neither model.safetensors"},
+        {"a truncated file", "hf:" + (f.dir() / "truncated").string(), 3, "past the end of the data"},
+        {"hf: and no directory", "hf:", 2, "names no directory"},
+    };
+    for (const Row& row : rows) {
+      CAPTURE(row.what);
+      const std::string run = std::string("refused_") + std::to_string(&row - rows);
+      const auto result = f.run(Layout{}, run, sets, {"--init-from", row.init_from}, row.exit_code);
+      CHECK(result.outputs[0].find(row.said) != std::string::npos);
+      CHECK(keel::checkpoint::committed(f.dir() / run / "checkpoints").empty());
+      CHECK_FALSE(fs::exists(f.dir() / run / "metrics.jsonl"));
+    }
+
+    // What a bare GPT2Model saves (no `transformer.` prefix, the causal
+    // mask buffers beside the weights) imports as GPT2LMHeadModel's does.
+    const std::string bare = edited("bare", [](auto& t) {
+      std::map<std::string, Tensor> renamed;
+      for (auto& [name, value] : t) renamed[name.substr(std::string("transformer.").size())] = std::move(value);
+      renamed["h.0.attn.bias"] = Tensor{{1, 1, 32, 32}, std::vector<float>(32 * 32, 1.0f)};
+      t = std::move(renamed);
+    });
+    f.run(Layout{}, "bare", sets, {"--init-from", bare, "--stop-after", "0"});
+    f.run(Layout{}, "prefixed", sets, {"--init-from", "hf:" + good.string(), "--stop-after", "0"});
+    CHECK(keel::test::all_tensors(checkpoint_of(f, "bare", 0)) == keel::test::all_tensors(checkpoint_of(f, "prefixed", 0)));
+  }
+
+  TEST_CASE("a run started from imported weights resumes from its own checkpoints and never imports again") {
+    TrainerRuns f;
+    auto sets = four_steps(kLlama);
+    f.run(Layout{}, "run", sets);
+    const fs::path hf = f.dir() / "hf";
+    keel::interop::export_hf({checkpoint_of(f, "run", 4), hf});
+    sets.push_back("checkpoint.every_steps=2");
+    const std::vector<std::string> from_hf = {"--init-from", "hf:" + hf.string()};
+    const auto whole = f.run(Layout{.dp = 2}, "whole", sets, from_hf);
+    auto stopped = from_hf;
+    stopped.insert(stopped.end(), {"--stop-after", "2"});
+    f.run(Layout{.dp = 2}, "resumed", sets, stopped, 14);
+    const auto resumed = f.run(Layout{.dp = 2}, "resumed", sets, from_hf);
+    std::vector<std::string> starts;
+    for (const auto& e : keel::test::events(f.dir() / "resumed")) {
+      if (e.at("kind") == "state_restored") starts.push_back(e.at("from").get<std::string>() + "@" + e.at("step").dump());
+    }
+    CHECK(starts == std::vector<std::string>{"hf@0", "disk@2"});
+    CHECK(resumed.exact == whole.exact);  // steps 0-1 then 2-3, bit-identical to the run that never stopped
   }
 }
