@@ -7,6 +7,8 @@
 #include <toml++/toml.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -14,6 +16,16 @@
 
 namespace keel::common {
 namespace {
+
+// The weight of a blend entry ("0.7 web/prefix"): text that is a number
+// and nothing else.
+std::optional<double> parse_weight(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size()) return std::nullopt;
+  return value;
+}
 
 [[noreturn]] void fail(const std::string& where, const std::string& what) {
   throw Error(ErrorCode::kBadConfig, fmt::format("{}: {}", where, what));
@@ -24,6 +36,7 @@ template <class T> const char* type_name() {
   if constexpr (std::is_same_v<T, double>) return "a number";
   if constexpr (std::is_same_v<T, bool>) return "true or false";
   if constexpr (std::is_same_v<T, std::string>) return "a string";
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a string or a list of strings";
 }
 
 const char* toml_type_name(const toml::node& node) {
@@ -50,6 +63,19 @@ template <class T> bool convert(const toml::node& node, T& out) {
     if (auto v = node.as_boolean()) { out = v->get(); return true; }
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (auto v = node.as_string()) { out = v->get(); return true; }
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    // One string is a list of one.
+    if (auto v = node.as_string()) { out = {v->get()}; return true; }
+    const toml::array* items = node.as_array();
+    if (items == nullptr) return false;
+    std::vector<std::string> values;
+    for (const auto& item : *items) {
+      auto v = item.as_string();
+      if (v == nullptr) return false;
+      values.push_back(v->get());
+    }
+    out = std::move(values);
+    return true;
   }
   return false;
 }
@@ -128,6 +154,8 @@ struct OverrideSetter {
     }
     if constexpr (std::is_same_v<T, std::string>) {
       field = value;  // a bare string: --set job.run_dir=/tmp/run
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      field = {value};  // --set data.train=/data/train_*.bin
     } else {
       fail("--set " + text, fmt::format("{}.{} must be {}", section_name, key, type_name<T>()));
     }
@@ -142,7 +170,15 @@ struct TomlWriter {
     table = root.get(name)->as_table();
     s.visit(*this);
   }
-  template <class T> void operator()(const char* key, const T& field) { table->insert(key, field); }
+  template <class T> void operator()(const char* key, const T& field) {
+    if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      toml::array items;
+      for (const auto& s : field) items.push_back(s);
+      table->insert(key, std::move(items));
+    } else {
+      table->insert(key, field);
+    }
+  }
 };
 
 struct JsonWriter {
@@ -231,7 +267,16 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   for (const auto& text : overrides) apply_override(config, text, config.origins_);
 
   resolve_path(config.job.run_dir, config.origin("job.run_dir"), base_dir);
-  resolve_path(config.data.train, config.origin("data.train"), base_dir);
+  for (auto& entry : config.data.train) {
+    // The path of "WEIGHT PATH" resolves; the weight stays as written.
+    const auto space = entry.find_first_of(" \t");
+    const bool weighted = space != std::string::npos && parse_weight(entry.substr(0, space)).has_value();
+    const auto path_at = weighted ? entry.find_first_not_of(" \t", space) : 0;
+    if (path_at == std::string::npos) continue;  // validate() names the entry with no path
+    std::string path = entry.substr(path_at);
+    resolve_path(path, config.origin("data.train"), base_dir);
+    entry = weighted ? entry.substr(0, space) + " " + path : path;
+  }
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
   resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
   if (auto& from = config.checkpoint.init_from; from.starts_with(CheckpointConfig::kHfPrefix)) {
@@ -257,6 +302,25 @@ Config Config::load(const std::filesystem::path& path, const std::vector<std::st
   std::stringstream text;
   text << in.rdbuf();
   return parse(text.str(), path.string(), path.parent_path(), overrides);
+}
+
+std::vector<DataSource> DataConfig::train_sources() const {
+  std::vector<DataSource> sources;
+  for (const auto& entry : train) {
+    DataSource s;
+    const auto space = entry.find_first_of(" \t");
+    const auto weight = space == std::string::npos ? std::nullopt : parse_weight(entry.substr(0, space));
+    if (weight) {
+      s.weight = *weight;
+      s.weighted = true;
+      const auto path = entry.find_first_not_of(" \t", space);
+      s.path = path == std::string::npos ? "" : entry.substr(path);
+    } else {
+      s.path = entry;
+    }
+    sources.push_back(std::move(s));
+  }
+  return sources;
 }
 
 int64_t ModelConfig::mlp_width() const {
@@ -361,6 +425,19 @@ void Config::validate() const {
   }
 
   check(!data.train.empty(), "data.train", "must name the training shards, e.g. train = \"data/train_*.bin\"");
+  const auto sources = data.train_sources();
+  double total_weight = 0;
+  for (const auto& s : sources) {
+    check(!s.path.empty(), "data.train", "an entry names no data: write PATH, or WEIGHT PATH in a blend");
+    check(sources.size() == 1 || s.weighted, "data.train",
+          fmt::format("\"{}\" has no weight: in a blend every source is \"WEIGHT PATH\", e.g. \"0.3 {}\"", s.path,
+                      s.path));
+    check(std::isfinite(s.weight) && s.weight > 0, "data.train",
+          fmt::format("the weight of {} is {}: weights are positive", s.path, s.weight));
+    total_weight += s.weight;
+  }
+  check(std::fabs(total_weight - 1) <= 1e-6, "data.train",
+        fmt::format("the weights add up to {:.6g}, not 1: give each source its share of the samples", total_weight));
 
   for (auto [value, key] : {std::pair{parallel.dp, "parallel.dp"}, {parallel.tp, "parallel.tp"}, {parallel.pp, "parallel.pp"},
                             {parallel.cp, "parallel.cp"}, {parallel.ep, "parallel.ep"}, {parallel.micro_batches, "parallel.micro_batches"}}) {

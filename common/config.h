@@ -95,9 +95,24 @@ struct ModelConfig {
   }
 };
 
+// One source of tokens (docs/architecture.md "Data"): a glob of llm.c
+// token shards, or the prefix of a Megatron-LM indexed dataset (PREFIX.idx
+// and PREFIX.bin), with its share of a blend.
+struct DataSource {
+  double weight = 1;
+  bool weighted = false;  // written "WEIGHT PATH"
+  std::string path;
+};
+
 struct DataConfig {
-  std::string train = "";  // glob of llm.c token shards for training; relative to the config file
-  std::string val = "";    // glob of validation shards; empty = no validation
+  // The training data: one source ("data/train_*.bin", "corpus/web_text_document"), or a blend of weighted
+  // ones adding up to 1 (["0.7 web/web_text_document", "0.3 code/code_text_document"]); relative to the config file
+  std::vector<std::string> train;
+  std::string val = "";    // one source for validation; empty = no validation
+
+  // data.train's entries, parsed. Throws Error(kBadConfig) naming an entry
+  // that is neither "PATH" nor "WEIGHT PATH".
+  std::vector<DataSource> train_sources() const;
 
   template <class V> void visit(V& v) {
     v("train", train);

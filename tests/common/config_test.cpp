@@ -36,7 +36,7 @@ TEST_SUITE("unit") {
     CHECK(c.model.n_layer == 4);
     CHECK(c.train.lr == doctest::Approx(6e-4));
     CHECK(c.job.run_dir == "/base/runs/t");
-    CHECK(c.data.train == "/base/data/train_*.bin");
+    CHECK(c.data.train == std::vector<std::string>{"/base/data/train_*.bin"});
     CHECK(c.origin("job.name") == "cfg.toml:3");
     CHECK(c.origin("model.n_layer") == "default");
   }
@@ -119,6 +119,15 @@ TEST_SUITE("unit") {
         {"overlap that is not a boolean", m + "[parallel]\noverlap_comm = 1\n", {}, "true or false"},
         {"warmup longer than run", m + "[train]\nsteps = 10\nwarmup_steps = 20\n", {}, "warmup_steps=20 exceeds steps=10"},
         {"no training data", "[job]\nname = \"x\"\n", {}, "data.train): must name the training shards"},
+        {"an empty blend", "[data]\ntrain = []\n", {}, "data.train): must name the training shards"},
+        {"blend weights that do not add up", "[data]\ntrain = [\"0.7 a/x\", \"0.2 b/y\"]\n", {},
+         "the weights add up to 0.9, not 1"},
+        {"a blend source without a weight", "[data]\ntrain = [\"0.7 a/x\", \"b/y\"]\n", {},
+         "has no weight: in a blend every source is \"WEIGHT PATH\""},
+        {"a negative blend weight", "[data]\ntrain = [\"1.5 a/x\", \"-0.5 b/y\"]\n", {}, "weights are positive"},
+        {"a blend entry that is not a string", "[data]\ntrain = [\"1 a/x\", 2]\n", {},
+         "train must be a string or a list of strings"},
+        {"a weight with no path", "[data]\ntrain = [\"0.5 \", \"0.5 b/y\"]\n", {}, "an entry names no data"},
         {"one node given fewer ranks than its layout", m, {"daemon.ranks=2"}, "set cluster.etcd to run the job on"},
         {"a cluster store that is not etcd", m, {"cluster.etcd=tcp://h:1", "daemon.ranks=1"},
          "cluster.etcd): must be an etcd address with the job's prefix"},

@@ -146,7 +146,7 @@ TEST_SUITE("integration") {
       const char* architecture;
     };
     for (const Family& family : {Family{"gpt2", {}, "GPT2LMHeadModel"}, Family{"llama", kLlama, "LlamaForCausalLM"}}) {
-      CAPTURE(family.name);
+      INFO(family.name);
       TrainerRuns f;
       const auto sets = four_steps(family.sets);
       f.run(Layout{.tp = 2, .micro_batches = 2, .pp = 2}, family.name, sets);
@@ -285,7 +285,7 @@ TEST_SUITE("integration") {
         {"no --out", {"export", checkpoint.string()}, 2, "--out"},
     };
     for (const Row& row : rows) {
-      CAPTURE(row.what);
+      INFO(row.what);
       const auto result = keelctl(row.args);
       INFO(result.output);
       CHECK(result.exit_code == row.exit_code);
@@ -336,7 +336,7 @@ TEST_SUITE("integration") {
         {"hf: and no directory", "hf:", 2, "names no directory"},
     };
     for (const Row& row : rows) {
-      CAPTURE(row.what);
+      INFO(row.what);
       const std::string run = std::string("refused_") + std::to_string(&row - rows);
       const auto result = f.run(Layout{}, run, sets, {"--init-from", row.init_from}, row.exit_code);
       CHECK(result.outputs[0].find(row.said) != std::string::npos);

@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     dump_tensors(model, check.storage().params(), out / "init");
 
     std::vector<int32_t> inputs(static_cast<size_t>(B) * T), targets(inputs.size());
-    keel::trainer::TokenDataset data = keel::trainer::TokenDataset::open(config.data.train, config.model.vocab_size, T + 1);
+    const auto data = keel::trainer::DataMix::open(config.data.train_sources(), config.model.vocab_size, T + 1);
     keel::trainer::fill_train_batch(data, static_cast<uint64_t>(config.job.seed), 0, B, T, 0, B, inputs.data(), targets.data());
     write_npy(out / "check_inputs.npy", inputs.data(), {B, T});
     write_npy(out / "check_targets.npy", targets.data(), {B, T});

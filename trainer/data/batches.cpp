@@ -18,23 +18,24 @@ void fill_window(const TokenStream& data, int64_t start, int T, int32_t* inputs,
 
 }  // namespace
 
-void fill_train_batch(const TokenStream& data, uint64_t seed, int64_t step, int64_t global_batch, int T,
+void fill_train_batch(const DataMix& data, uint64_t seed, int64_t step, int64_t global_batch, int T,
                       int64_t first_sample, int64_t count, int32_t* inputs, int32_t* targets) {
-  // A window is T + 1 tokens (T inputs, the last T of them also targets), so
-  // it may start at any of the num_tokens - T positions where it fits.
-  const int64_t n_windows = data.num_tokens() - T;
-  if (n_windows < 1) {
-    throw Error(ErrorCode::kDataError,
-                fmt::format("the training data holds {} tokens, too few for one window of seq_len + 1 = {}: "
-                            "add data or lower model.seq_len",
-                            data.num_tokens(), T + 1));
-  }
   const uint64_t key = common::stream_key(seed, "train_batch");
   for (int64_t i = 0; i < count; ++i) {
     const uint64_t counter = static_cast<uint64_t>(step) * static_cast<uint64_t>(global_batch) +
                              static_cast<uint64_t>(first_sample + i);
+    const TokenStream& stream = data.stream(data.draw(seed, counter));
+    // A window is T + 1 tokens (T inputs, the last T of them also targets),
+    // so it may start at any of the num_tokens - T positions where it fits.
+    const int64_t n_windows = stream.num_tokens() - T;
+    if (n_windows < 1) {
+      throw Error(ErrorCode::kDataError,
+                  fmt::format("the training data holds {} tokens, too few for one window of seq_len + 1 = {}: "
+                              "add data or lower model.seq_len",
+                              stream.num_tokens(), T + 1));
+    }
     const auto start = static_cast<int64_t>(common::counter_uniform_below(key, counter, n_windows));
-    fill_window(data, start, T, inputs + i * T, targets + i * T);
+    fill_window(stream, start, T, inputs + i * T, targets + i * T);
   }
 }
 

@@ -1,6 +1,6 @@
 // Tokens read as one stream (docs/architecture.md "Data"): what the
 // batches (batches.h) are drawn from. llm.c token shards (TokenDataset) are
-// one stream; a Megatron-LM indexed dataset is to be another (issue 47).
+// one stream, a Megatron-LM indexed dataset (MegatronDataset) another.
 #pragma once
 
 #include <cstdint>

@@ -10,7 +10,7 @@
 #include "common/config.h"
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
-#include "trainer/data/token_stream.h"
+#include "trainer/data/data_mix.h"
 #include "trainer/kernels/arena.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
@@ -55,7 +55,7 @@ class Step {
     ZeroStorage& storage;
     AdamW& optimizer;
     Gpt& model;
-    const TokenStream& train;
+    const DataMix& train;
     health::BoardPublisher& board;
     const health::FaultInjector& faults;
     SdcGuard& sdc;

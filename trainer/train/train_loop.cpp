@@ -122,7 +122,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
       dp_rank_(groups.rank(Axis::kDp)),
       dp_size_(groups.size(Axis::kDp)),
       tp_rank_(groups.rank(Axis::kTp)),
-      train_(TokenDataset::open(config.data.train, config.model.vocab_size, config.model.seq_len + 1)),
+      train_(DataMix::open(config.data.train_sources(), config.model.vocab_size, config.model.seq_len + 1)),
       micro_batch_(sequences_per_microbatch(config)),
       stage_(stage_of(config, groups)),
       schedule_(schedule_of(config, stage_)),
@@ -149,7 +149,7 @@ TrainLoop::TrainLoop(const common::Config& config, Backend& backend, const Proce
     }
   }
   if (!config.data.val.empty()) {
-    val_ = TokenDataset::open(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
+    val_ = open_token_stream(config.data.val, config.model.vocab_size, config.model.seq_len + 1);
   }
   storage_.init(static_cast<uint64_t>(config.job.seed));
   sdc_.compare_replicas(replicated_state());
@@ -240,8 +240,8 @@ void TrainLoop::sum_over_pipeline_and_dp(double* value) {
 
 TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int64_t sequences) {
   const int T = static_cast<int>(config_.model.seq_len);
-  const TokenDataset data = TokenDataset::open(path.string(), config_.model.vocab_size, T + 1);
-  const int64_t available = data.num_tokens() / (T + 1);
+  const auto data = open_token_stream(path.string(), config_.model.vocab_size, T + 1);
+  const int64_t available = data->num_tokens() / (T + 1);
   if (sequences < 0) sequences = available;
   if (sequences < 1 || sequences > available) {
     throw common::Error(common::ErrorCode::kDataError,
@@ -267,7 +267,7 @@ TrainLoop::Evaluation TrainLoop::evaluate(const std::filesystem::path& path, int
   double loss_sum = forward_pass(microbatches, batch, [&](int mb) {
     for (int b = 0; b < batch(mb); ++b) {
       const int64_t i = dp_rank_ + (static_cast<int64_t>(mb) * micro_batch_ + b) * dp_size_;
-      data.copy(i * (T + 1), T + 1, window.data());
+      data->copy(i * (T + 1), T + 1, window.data());
       std::copy(window.begin(), window.end() - 1, inputs_.begin() + static_cast<ptrdiff_t>(b) * T);
       std::copy(window.begin() + 1, window.end(), targets_.begin() + static_cast<ptrdiff_t>(b) * T);
     }

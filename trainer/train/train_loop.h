@@ -7,7 +7,7 @@
 #include "health/board_publisher.h"
 #include "health/fault_injector.h"
 #include "trainer/comm/communicator.h"
-#include "trainer/data/dataset.h"
+#include "trainer/data/data_mix.h"
 #include "trainer/kernels/backend.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/adamw.h"
@@ -160,8 +160,8 @@ class TrainLoop {
   int dp_rank_;
   int dp_size_;
   int tp_rank_;
-  TokenDataset train_;
-  std::optional<TokenDataset> val_;
+  DataMix train_;
+  std::unique_ptr<TokenStream> val_;
   int micro_batch_;
   ModelStage stage_;
   // This stage's actions in a training step.
