@@ -19,6 +19,7 @@ pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
 # keelctl stragglers --plot draws its heat map with cairo.
 pkg_check_modules(CAIRO REQUIRED IMPORTED_TARGET cairo)
+pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)
 
 # OpenBLAS: link the OpenMP build explicitly. It shares libgomp's thread pool
 # with keel's own kernels and runs single-threaded when called from inside a
