@@ -244,6 +244,17 @@ TEST_SUITE("integration") {
     REQUIRE(progress.size() == hf.size());
     CHECK(progress.back().bytes_done == progress.back().bytes);
     CHECK(progress.back().bytes == data_bytes);
+
+    // The same from keel-trainer, for scripts: the run's newest checkpoint, in one file.
+    std::vector<std::string> argv = {keel::test::keel_binary("keel-trainer").string(), "--config",
+                                     (f.dir() / "run.toml").string(), "--set", "job.run_dir=" + (f.dir() / "run").string()};
+    for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
+    argv.insert(argv.end(), {"--export-hf", (f.dir() / "from_trainer").string(), "--export-dtype", "bf16"});
+    const auto trainer = keel::test::run_process(argv);
+    INFO(trainer.output);
+    REQUIRE(trainer.exit_code == 0);
+    CHECK(keel::test::last_json_line(trainer.output).at("files") == nlohmann::json{"model.safetensors", "config.json"});
+    require_tensors_match(f.dir() / "from_trainer", checkpoint_of(f, "run", 4), model, keel::trainer::bf16_rounded);
   }
 
   TEST_CASE("keelctl export refuses a bad request with a sentence and an exit code and leaves no partial export") {

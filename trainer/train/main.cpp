@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "store/tcp_store.h"
 #include "health/fault_injector.h"
+#include "interop/hf_export.h"
 #include "trainer/parallel/mesh.h"
 #include "trainer/parallel/process_groups.h"
 #include "trainer/train/blas_core_start.h"
@@ -110,7 +111,7 @@ struct Command {
   bool json = false;
   bool blas_report = false;
   bool plan = false;
-  std::string gradient_dump, init_from, eval_dir, eval_data;
+  std::string gradient_dump, init_from, eval_dir, eval_data, export_out, export_dtype = "fp32";
   int64_t stop_after = -1, eval_sequences = -1;
 };
 
@@ -136,6 +137,13 @@ std::optional<int> parse_command(int argc, char** argv, Command& command) {
       ->needs(eval);
   app.add_option("--dump-gradients", command.gradient_dump,
                  "write the summed gradients of the first step to DIR, each rank its own part (for layout checks)");
+  auto* exported = app.add_option("--export-hf", command.export_out,
+                                  "write the run's newest committed checkpoint as a Hugging Face model directory "
+                                  "(config.json and safetensors) at this new path, print one JSON object and exit, as "
+                                  "keelctl export does");
+  app.add_option("--export-dtype", command.export_dtype, "the exported weights' type: fp32 (exact) or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->needs(exported);
   app.add_flag("--plan", command.plan,
                "print what the run needs without allocating it: parameters, FLOPs a token, and each rank's memory "
                "for weights, gradients, optimizer state and activations at the configured batch and layout "
@@ -188,6 +196,13 @@ int main(int argc, char** argv) {
     auto log = keel::common::logger("trainer");
 
     auto config = keel::common::Config::load(command.config_path, command.overrides);
+    if (!command.export_out.empty()) {
+      const auto report = keel::interop::export_hf(
+          {config.checkpoint_dir(), command.export_out,
+           command.export_dtype == "bf16" ? keel::interop::TensorDtype::kBF16 : keel::interop::TensorDtype::kF32});
+      fmt::print("{}\n", report.to_json().dump());
+      return 0;
+    }
     if (command.plan) {
       const keel::trainer::RunPlan plan = keel::trainer::plan_run(config);
       fmt::print("{}", command.json ? keel::trainer::to_json(plan).dump() + "\n" : keel::trainer::to_text(plan, config));
