@@ -128,9 +128,12 @@ TEST_SUITE("integration") {
           return boards.wrap(r, f.argv("inject", {"train.steps=100000", "train.val_every=0"}));
         },
         {{"SPDLOG_LEVEL", "warn"}});
+    // A read that races with the rank's write gives nothing (progress_board.h):
+    // the last count seen stands, never 0 (which once failed this test on CI).
+    int64_t seen_done = 0;
     auto steps_done = [&] {
-      const auto seen = boards.board(0).read();
-      return seen ? seen->steps_done : 0;
+      if (const auto seen = boards.board(0).read()) seen_done = seen->steps_done;
+      return seen_done;
     };
     auto passes_two_steps = [&] {
       const int64_t from = steps_done();
