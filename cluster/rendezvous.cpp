@@ -261,7 +261,11 @@ void Rendezvous::check_job_config() {
 }
 
 int64_t Rendezvous::current_generation() {
-  // The first keeld of a job creates the counter; the others read it.
+  // Read first: every keeld asks about twice a second, and a
+  // compare-and-set is a write to etcd's log even when it fails
+  // (docs/architecture.md "The control plane at scale"). The first keeld of
+  // a job creates the counter.
+  if (const auto value = store_.get(kGenerationKey)) return parse_generation(*value);
   return parse_generation(store_.compare_set(kGenerationKey, std::nullopt, "0").value_or("0"));
 }
 
