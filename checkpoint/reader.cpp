@@ -280,6 +280,12 @@ std::vector<std::string> CheckpointReader::tensors() const {
   return names;
 }
 
+std::string CheckpointReader::weights_group() const {
+  // pieces_ is sorted by path: the first at or past "/master/" tells.
+  const auto it = pieces_.lower_bound("/master/");
+  return it != pieces_.end() && it->first.starts_with("/master/") ? "master" : "model";
+}
+
 std::vector<int64_t> CheckpointReader::global_shape(const std::string& tensor_path) const {
   auto it = pieces_.find(tensor_path);
   if (it == pieces_.end()) fail(fmt::format("checkpoint {} has no tensor {}", dir_.string(), tensor_path));

@@ -44,6 +44,10 @@ class CheckpointReader {
   const Manifest& manifest() const { return manifest_; }
   // "/model/wte", ... for every tensor the checkpoint holds, sorted.
   std::vector<std::string> tensors() const;
+  // The group holding the weights a load takes: "master" when a bf16 run
+  // saved its float32 master weights (its /model then being their bf16
+  // rounding), else "model".
+  std::string weights_group() const;
   // Throws Error(kCheckpointFailure) when the checkpoint lacks the tensor.
   std::vector<int64_t> global_shape(const std::string& tensor_path) const;
 

@@ -1,5 +1,7 @@
 #include "common/atomic_file.h"
 
+#include "common/write_all.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -22,16 +24,9 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view b
   ::unlink(tmp.c_str());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
   if (fd < 0) throw fail("creating " + tmp.filename().string(), errno);
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      throw fail("writing", err);
-    }
-    written += static_cast<size_t>(n);
+  if (const int err = write_all(fd, bytes.data(), bytes.size()); err != 0) {
+    ::close(fd);
+    throw fail("writing", err);
   }
   if (::fsync(fd) != 0) {
     const int err = errno;

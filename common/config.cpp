@@ -27,6 +27,20 @@ std::optional<double> parse_weight(const std::string& text) {
   return value;
 }
 
+// A data.train entry: "PATH", or "WEIGHT PATH" (weight_text as written).
+struct SourceEntry {
+  std::optional<double> weight;
+  std::string weight_text;
+  std::string path;  // empty when a weight names no path
+};
+SourceEntry split_source(const std::string& entry) {
+  const auto space = entry.find_first_of(" \t");
+  const auto weight = space == std::string::npos ? std::nullopt : parse_weight(entry.substr(0, space));
+  if (!weight) return {std::nullopt, "", entry};
+  const auto path = entry.find_first_not_of(" \t", space);
+  return {weight, entry.substr(0, space), path == std::string::npos ? "" : entry.substr(path)};
+}
+
 [[noreturn]] void fail(const std::string& where, const std::string& what) {
   throw Error(ErrorCode::kBadConfig, fmt::format("{}: {}", where, what));
 }
@@ -269,13 +283,10 @@ Config Config::parse(std::string_view toml_text, const std::string& source_name,
   resolve_path(config.job.run_dir, config.origin("job.run_dir"), base_dir);
   for (auto& entry : config.data.train) {
     // The path of "WEIGHT PATH" resolves; the weight stays as written.
-    const auto space = entry.find_first_of(" \t");
-    const bool weighted = space != std::string::npos && parse_weight(entry.substr(0, space)).has_value();
-    const auto path_at = weighted ? entry.find_first_not_of(" \t", space) : 0;
-    if (path_at == std::string::npos) continue;  // validate() names the entry with no path
-    std::string path = entry.substr(path_at);
-    resolve_path(path, config.origin("data.train"), base_dir);
-    entry = weighted ? entry.substr(0, space) + " " + path : path;
+    auto source = split_source(entry);
+    if (source.path.empty()) continue;  // validate() names the entry with no path
+    resolve_path(source.path, config.origin("data.train"), base_dir);
+    entry = source.weight ? source.weight_text + " " + source.path : source.path;
   }
   resolve_path(config.data.val, config.origin("data.val"), base_dir);
   resolve_path(config.checkpoint.dir, config.origin("checkpoint.dir"), base_dir);
@@ -307,18 +318,8 @@ Config Config::load(const std::filesystem::path& path, const std::vector<std::st
 std::vector<DataSource> DataConfig::train_sources() const {
   std::vector<DataSource> sources;
   for (const auto& entry : train) {
-    DataSource s;
-    const auto space = entry.find_first_of(" \t");
-    const auto weight = space == std::string::npos ? std::nullopt : parse_weight(entry.substr(0, space));
-    if (weight) {
-      s.weight = *weight;
-      s.weighted = true;
-      const auto path = entry.find_first_not_of(" \t", space);
-      s.path = path == std::string::npos ? "" : entry.substr(path);
-    } else {
-      s.path = entry;
-    }
-    sources.push_back(std::move(s));
+    auto source = split_source(entry);
+    sources.push_back({source.weight.value_or(1.0), source.weight.has_value(), std::move(source.path)});
   }
   return sources;
 }

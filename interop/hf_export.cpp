@@ -94,9 +94,7 @@ HfExportReport export_hf(const HfExportOptions& options) {
   }
   const common::ModelConfig model = saved_model(reader.manifest(), dir);
   const auto hf = hf_tensors(model);
-  const auto stored = reader.tensors();
-  const bool master = std::any_of(stored.begin(), stored.end(), [](const auto& p) { return p.starts_with("/master/"); });
-  const std::string group = master ? "/master/" : "/model/";
+  const std::string group = "/" + reader.weights_group() + "/";
 
   std::vector<TensorToWrite> tensors;
   HfExportProgress progress;

@@ -1,6 +1,7 @@
 #include "interop/safetensors.h"
 
 #include "common/unique_fd.h"
+#include "common/write_all.h"
 #include "trainer/kernels/dtype.h"
 
 #include <fcntl.h>
@@ -106,16 +107,8 @@ TensorEntry parse_entry(const std::filesystem::path& path, const std::string& na
 
 // Writes all of `bytes` at the file's position; Error naming `path`.
 void write_all(int fd, const void* bytes, size_t n, const std::filesystem::path& path) {
-  const char* p = static_cast<const char*>(bytes);
-  while (n > 0) {
-    const ssize_t wrote = ::write(fd, p, n);
-    if (wrote < 0 && errno == EINTR) continue;
-    if (wrote <= 0) {
-      throw Error(ErrorCode::kCheckpointFailure,
-                  fmt::format("cannot write {}: {}", path.string(), wrote < 0 ? std::strerror(errno) : "no progress"));
-    }
-    p += wrote;
-    n -= static_cast<size_t>(wrote);
+  if (const int error = common::write_all(fd, bytes, n); error != 0) {
+    throw Error(ErrorCode::kCheckpointFailure, fmt::format("cannot write {}: {}", path.string(), std::strerror(error)));
   }
 }
 

@@ -1,6 +1,7 @@
 #include "trainer/comm/flight_recorder.h"
 
 #include "common/error.h"
+#include "common/write_all.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -31,15 +32,7 @@ int64_t nanos(std::chrono::system_clock::time_point t) {
 }
 
 void write_all(int fd, const std::string& text, const std::filesystem::path& path) {
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail_io("write", path, errno);
-    }
-    done += static_cast<size_t>(n);
-  }
+  if (const int error = common::write_all(fd, text.data(), text.size()); error != 0) fail_io("write", path, error);
 }
 
 // A name no other dump of this process uses at the same time, so concurrent

@@ -26,8 +26,7 @@ namespace {
 using common::Error;
 using common::ErrorCode;
 
-constexpr char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
-constexpr size_t kHeaderBytes = 9 + 8 + 1 + 8 + 8;
+constexpr size_t kHeaderBytes = kMegatronMagic.size() + 8 + 1 + 8 + 8;
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw Error(ErrorCode::kDataError, fmt::format("{}: {}", path, what));
@@ -52,17 +51,19 @@ MegatronDataset MegatronDataset::open(const std::string& prefix, int64_t vocab_s
     fail(idx_path, fmt::format("{} bytes, shorter than the {}-byte header of a Megatron-LM index", idx.size(),
                                kHeaderBytes));
   }
-  if (std::memcmp(idx.data(), kMagic, sizeof(kMagic)) != 0) {
+  if (std::string_view(idx.data(), kMegatronMagic.size()) != kMegatronMagic) {
     fail(idx_path, "wrong magic: a Megatron-LM index starts with \"MMIDIDX\\0\\0\" (made by its "
                    "preprocess_data.py or IndexedDatasetBuilder)");
   }
   const auto version = read_at<uint64_t>(idx, 9);
-  if (version != 1) fail(idx_path, fmt::format("index version {}: keel reads version 1", version));
+  if (version != kMegatronVersion) {
+    fail(idx_path, fmt::format("index version {}: keel reads version {}", version, kMegatronVersion));
+  }
   const auto code = static_cast<uint8_t>(idx[17]);
   MegatronDataset data;
-  if (code == 8) {
+  if (code == kMegatronUint16) {
     data.token_bytes_ = 2;
-  } else if (code == 4) {
+  } else if (code == kMegatronInt32) {
     data.token_bytes_ = 4;
   } else {
     fail(idx_path, fmt::format("dtype code {}: keel reads tokens of uint16 (code 8) and int32 (code 4)", code));
@@ -169,9 +170,7 @@ MegatronDataset::~MegatronDataset() {
 }
 
 void MegatronDataset::copy(int64_t pos, int64_t count, int32_t* out) const {
-  with_tokens(map_, token_bytes_, [&](const auto* t) {
-    std::transform(t + pos, t + pos + count, out, [](auto x) { return static_cast<int32_t>(x); });
-  });
+  copy_tokens(map_, token_bytes_, pos, count, out);
 }
 
 }  // namespace keel::trainer

@@ -15,8 +15,16 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 namespace keel::trainer {
+
+// The index's fixed fields, as MegatronDataset reads them and
+// keel-prepare-data's writer (token_writers.h) writes them.
+inline constexpr std::string_view kMegatronMagic{"MMIDIDX\0\0", 9};
+inline constexpr uint64_t kMegatronVersion = 1;
+inline constexpr uint8_t kMegatronUint16 = 8;  // dtype codes
+inline constexpr uint8_t kMegatronInt32 = 4;
 
 class MegatronDataset final : public TokenStream {
  public:

@@ -1,6 +1,7 @@
-// Checking a file's tokens against the vocabulary at memory speed
-// (docs/architecture.md "Data"): what llm.c shards and Megatron-LM
-// indexed datasets both do when they open.
+// Token files seen through their width (docs/architecture.md "Data"):
+// checking every token against the vocabulary at memory speed, as llm.c
+// shards and Megatron-LM indexed datasets do when they open, and reading
+// them widened to int32.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +30,13 @@ template <class Token> inline Token max_token(const Token* tokens, int64_t n) {
 // f(typed token pointer) for a shard's token width.
 template <class F> auto with_tokens(const void* tokens, size_t token_bytes, F&& f) {
   return token_bytes == 2 ? f(static_cast<const uint16_t*>(tokens)) : f(static_cast<const uint32_t*>(tokens));
+}
+
+// Tokens [pos, pos + count) into out, widened to int32.
+inline void copy_tokens(const void* tokens, size_t token_bytes, int64_t pos, int64_t count, int32_t* out) {
+  with_tokens(tokens, token_bytes, [&](const auto* t) {
+    std::transform(t + pos, t + pos + count, out, [](auto x) { return static_cast<int32_t>(x); });
+  });
 }
 
 // The first token >= vocab_size and the largest token, or nullopt when

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/unique_fd.h"
+#include "common/write_all.h"
 #include "common/log.h"
 #include "trainer/data/token_scan.h"
 
@@ -38,15 +39,8 @@ static_assert(std::endian::native == std::endian::little, "llm.c token shards ar
 std::string errno_text(int error) { return std::strerror(error); }
 
 void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::write(fd, p, bytes);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail(path, fmt::format("write failed: {}: check free space and permissions", errno_text(errno)));
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
+  if (const int error = common::write_all(fd, data, bytes); error != 0) {
+    fail(path, fmt::format("write failed: {}: check free space and permissions", errno_text(error)));
   }
 }
 
@@ -127,9 +121,7 @@ TokenShard TokenShard::open(const std::filesystem::path& path, int64_t vocab_siz
 }
 
 void TokenShard::copy(int64_t offset, int64_t count, int32_t* out) const {
-  with_tokens(tokens_, format_->token_bytes, [&](const auto* t) {
-    std::transform(t + offset, t + offset + count, out, [](auto x) { return static_cast<int32_t>(x); });
-  });
+  copy_tokens(tokens_, format_->token_bytes, offset, count, out);
 }
 
 int32_t TokenShard::token(int64_t index) const {

@@ -3,6 +3,7 @@
 #include "checkpoint/manifest.h"
 #include "common/atomic_file.h"
 #include "common/error.h"
+#include "trainer/data/megatron_dataset.h"
 #include "trainer/data/token_shard.h"
 
 #include <fmt/format.h>
@@ -123,10 +124,10 @@ class MegatronWriter final : public TokenWriter {
     if (!bin_) fail(fmt::format("{}.bin: write failed: check free space", prefix_.string()));
     bin_.close();
     checkpoint::fsync_path(prefix_.string() + ".bin");
-    std::string idx("MMIDIDX\0\0", 9);
+    std::string idx(kMegatronMagic);
     auto put = [&idx](const auto& value) { idx.append(reinterpret_cast<const char*>(&value), sizeof(value)); };
-    put(uint64_t{1});
-    put(static_cast<uint8_t>(wide_ ? 4 : 8));
+    put(kMegatronVersion);
+    put(wide_ ? kMegatronInt32 : kMegatronUint16);
     put(static_cast<uint64_t>(lengths_.size()));
     put(static_cast<uint64_t>(documents_.size()));
     for (int32_t length : lengths_) put(length);

@@ -432,10 +432,7 @@ nlohmann::json RankState::choose_disk() {
 }
 
 std::vector<std::string> RankState::loaded_groups(const checkpoint::CheckpointReader& reader) const {
-  const auto stored = reader.tensors();
-  const bool master =
-      std::any_of(stored.begin(), stored.end(), [](const std::string& path) { return path.starts_with("/master/"); });
-  return {master ? kMaster : kModel, kExpAvg, kExpAvgSq};
+  return {reader.weights_group(), kExpAvg, kExpAvgSq};
 }
 
 void RankState::check_shapes(const checkpoint::CheckpointReader& reader) const {
