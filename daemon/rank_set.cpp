@@ -1,6 +1,7 @@
 #include "daemon/rank_set.h"
 
 #include "common/error.h"
+#include "common/shared_cpus.h"
 #include "daemon/rank_log.h"
 #include "daemon/rank_spawner.h"
 
@@ -58,6 +59,7 @@ RankSet::RankSet(RankSetOptions options)
   if (options_.pin_cpus) {
     const auto available = allowed_cpus();
     cpus_ = cpu_shares(available, options_.ranks);
+    shared_cpus_ = common::format_cpu_list(available);
     // One thread per CPU of a share; unpinned ranks divide keeld's CPUs.
     threads_per_rank_ = cpus_.front().empty()
                             ? std::max<size_t>(1, available.size() / static_cast<size_t>(options_.ranks))
@@ -104,6 +106,7 @@ std::optional<RankSet::SpawnFailure> RankSet::spawn(int64_t generation, const Ra
     if (!options_.bind_address.empty()) launch.env["KEEL_BIND_ADDRESS"] = options_.bind_address;
     if (!cpus_.empty()) {
       launch.cpus = cpus_[static_cast<size_t>(rank.rank)];
+      launch.env[common::kSharedCpusVariable] = shared_cpus_;
       for (const char* var : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}) {
         launch.env[var] = std::to_string(threads_per_rank_);
       }

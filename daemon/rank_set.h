@@ -120,6 +120,7 @@ class RankSet {
   std::vector<RankReport> reports_;                          // per rank
   std::vector<std::optional<health::ProgressBoard>> boards_;  // per rank; empty between generations
   std::vector<std::vector<int>> cpus_;                       // per rank; empty: pin_cpus is off
+  std::string shared_cpus_;  // all of them: where the ranks' communication threads run (common/shared_cpus.h)
   // Per rank, a memfd held for the job's life: a rank's crash loses none of
   // its snapshots, keeld's exit all of them. Empty without snapshot_areas.
   std::vector<common::UniqueFd> snapshot_areas_;

@@ -1,6 +1,7 @@
 #include "trainer/comm/communicator.h"
 
 #include "common/error.h"
+#include "common/shared_cpus.h"
 
 #include <fmt/format.h>
 
@@ -114,7 +115,10 @@ CommWork Communicator::issue(CollectiveOp op, uint64_t bytes, int peer, bool blo
     waiting(task);
     return {};
   }
-  if (!thread_) thread_ = std::make_unique<boost::asio::thread_pool>(1);
+  if (!thread_) {
+    const common::SharedCpuScope shared_cpus;  // the thread runs there (common/shared_cpus.h)
+    thread_ = std::make_unique<boost::asio::thread_pool>(1);
+  }
   auto done = std::make_shared<std::promise<void>>();
   CommWork work(this, done->get_future());
   in_flight_.fetch_add(1);

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/shared_cpus.h"
 #include "common/thread_name.h"
 
 #include <gloo/allgather.h>
@@ -129,6 +130,8 @@ GlooCommunicator::GlooCommunicator(store::Store& store, std::string group_name, 
   StoreAdapter adapter(store, "gloo/" + name() + "/", timeout_);
   std::shared_ptr<gloo::transport::Device> device;
   try {
+    // The device starts the socket loop thread: on the shared CPUs (common/shared_cpus.h).
+    const common::SharedCpuScope shared_cpus;
     device = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr(bind_address.c_str()));
   } catch (const std::exception& e) {
     throw Error(ErrorCode::kBadConfig,
