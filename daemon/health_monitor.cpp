@@ -24,9 +24,17 @@ std::string suspect_reason(const SdcFinding& f) {
   return fmt::format("at step {} its known-answer kernel test failed ({})", f.step, f.verdict);
 }
 
-// Says which of the two it is, with the run-queue wait that tells them
-// apart (health/straggler_monitor.h).
+// Says which of the three it is, with the run-queue wait and the stalls
+// that tell them apart (health/straggler_monitor.h).
 std::string straggler_reason(const health::StragglerFinding& f) {
+  if (f.cause == health::StragglerCause::kStalled) {
+    return fmt::format(
+        "stalled: up to step {} it spent {:.1f}% of its compute neither running nor waiting for a CPU, the other "
+        "ranks {:.1f}% (median), which made it {:.1f}% slower than the median rank: it was stopped (SIGSTOP, a "
+        "cgroup's freezer or CPU quota) or blocked in the kernel (page faults, swap); look at what throttles or "
+        "stops its process on its host",
+        f.step, 100 * f.stalled_share, 100 * f.peers_stalled_share, 100 * f.score);
+  }
   if (f.cause == health::StragglerCause::kHost) {
     return fmt::format(
         "host contention: up to step {} it waited for a CPU {:.1f}% of its step time, the other ranks {:.1f}% "

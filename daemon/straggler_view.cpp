@@ -25,8 +25,10 @@ struct Report {
     double score = 0;
     double slowdown = 0;
     double cpu_wait_share = 0;
+    double stalled_share = 0;
     double evidence = 0;
     double host_evidence = 0;
+    double stall_evidence = 0;
     bool flagged = false;
     std::string cause;  // empty unless flagged
   };
@@ -56,8 +58,9 @@ Report parse(const nlohmann::json& j) {
     for (const auto& rank : j.at("ranks")) {
       r.ranks.push_back({rank.at("rank").get<int>(), optional_number(rank.at("median_compute_ms")),
                          rank.at("score").get<double>(), rank.at("slowdown").get<double>(),
-                         rank.at("cpu_wait_share").get<double>(), rank.at("evidence").get<double>(),
-                         rank.at("host_evidence").get<double>(), rank.at("flagged").get<bool>(),
+                         rank.at("cpu_wait_share").get<double>(), rank.at("stalled_share").get<double>(),
+                         rank.at("evidence").get<double>(), rank.at("host_evidence").get<double>(),
+                         rank.at("stall_evidence").get<double>(), rank.at("flagged").get<bool>(),
                          rank.at("cause").is_null() ? std::string() : rank.at("cause").get<std::string>()});
     }
     r.steps = j.at("steps").get<std::vector<int64_t>>();
@@ -295,12 +298,14 @@ cairo_status_t append(void* closure, const unsigned char* data, unsigned int len
 
 void print_stragglers(const nlohmann::json& report, std::ostream& out) {
   const Report r = parse(report);
-  out << fmt::format("{:<5} {:>17} {:>7} {:>9} {:>9} {:>8} {:>13}  {}\n", "rank", "median compute ms", "score",
-                     "slowdown", "CPU wait", "evidence", "host evidence", "flagged");
+  out << fmt::format("{:<5} {:>17} {:>7} {:>9} {:>9} {:>8} {:>8} {:>13} {:>14}  {}\n", "rank", "median compute ms",
+                     "score", "slowdown", "CPU wait", "stalled", "evidence", "host evidence", "stall evidence",
+                     "flagged");
   for (const auto& rank : r.ranks) {
-    out << fmt::format("{:<5} {:>17} {:>+7.3f} {:>+8.1f}% {:>8.1f}% {:>7.0f}% {:>12.0f}%  {}\n", rank.rank,
-                       rank.median_ms ? fmt::format("{:.2f}", *rank.median_ms) : std::string("-"), rank.score,
-                       100 * rank.slowdown, 100 * rank.cpu_wait_share, 100 * rank.evidence, 100 * rank.host_evidence,
+    out << fmt::format("{:<5} {:>17} {:>+7.3f} {:>+8.1f}% {:>8.1f}% {:>7.1f}% {:>7.0f}% {:>12.0f}% {:>13.0f}%  {}\n",
+                       rank.rank, rank.median_ms ? fmt::format("{:.2f}", *rank.median_ms) : std::string("-"),
+                       rank.score, 100 * rank.slowdown, 100 * rank.cpu_wait_share, 100 * rank.stalled_share,
+                       100 * rank.evidence, 100 * rank.host_evidence, 100 * rank.stall_evidence,
                        rank.flagged ? fmt::format("yes ({})", rank.cause == "host" ? "host contention" : rank.cause)
                                     : std::string("-"));
   }
@@ -312,7 +317,10 @@ void print_stragglers(const nlohmann::json& report, std::ostream& out) {
       "normal level, lately\n"
       "host evidence gathers the same on compute + CPU wait (the time it was runnable but waited for a core): a rank "
       "flagged by it alone, or waiting for a CPU more than the others by more than its slowdown, is slowed by its host "
-      "(host contention), not by its own compute\n",
+      "(host contention), not by its own compute\n"
+      "stall evidence gathers the part of its compute it was neither running nor waiting for a CPU (stalled: "
+      "stopped, throttled or blocked in the kernel) against the other ranks': a rank flagged by it, or whose stalls "
+      "explain its slowdown, is stalled by its host\n",
       100 * r.threshold, r.false_alarm_steps);
   if (!r.noise) {
     out << "the noise is not learned yet (it takes 20 steps every rank timed)\n";

@@ -94,6 +94,10 @@ void BoardPublisher::set_blas_core(std::string_view core, std::string_view chose
   });
 }
 
+void BoardPublisher::time_stalls(bool on) {
+  update([&](BoardSnapshot&) { time_stalls_ = on; });
+}
+
 void BoardPublisher::set_extent(int64_t first_step, int64_t total_steps) {
   update([&](BoardSnapshot& s) {
     s.first_step = first_step;
@@ -103,24 +107,28 @@ void BoardPublisher::set_extent(int64_t first_step, int64_t total_steps) {
 }
 
 void BoardPublisher::set_phase(Phase phase) {
+  // Read before the lock, on the thread that changes phase: the training thread.
+  const WaitMark mark = begin_wait();
   update([&](BoardSnapshot& s) {
-    const int64_t now = clock_->now_ns();
+    const int64_t now = mark.at_ns;
     const uint32_t ended = s.phase;
     if (ended < kPhaseCount) {
       s.phase_last_ms[ended] = to_ms(now - s.phase_start_ns);
       s.phase_count[ended] += 1;
-      if (ended == static_cast<uint32_t>(Phase::kData) && step_ >= 0) data_ns_ += now - s.phase_start_ns;
+      if (ended == static_cast<uint32_t>(Phase::kData) && step_ >= 0) set_aside(data_start_, mark, data_ns_);
     }
+    if (phase == Phase::kData) data_start_ = mark;
     s.phase = static_cast<uint32_t>(phase);
     s.phase_start_ns = now;
   });
 }
 
 void BoardPublisher::begin_step(int64_t step) {
+  const WaitMark mark = begin_wait();
   update([&](BoardSnapshot& s) {
-    s.step_start_ns = clock_->now_ns();
-    cpu_wait_at_start_ns_ = clock_->cpu_wait_ns();
-    collective_cpu_wait_ns_ = 0;
+    s.step_start_ns = mark.at_ns;
+    step_start_ = mark;
+    set_aside_ = {};
     step_ = step;
     wait_ns_ = 0;
     data_ns_ = 0;
@@ -129,21 +137,30 @@ void BoardPublisher::begin_step(int64_t step) {
 }
 
 void BoardPublisher::record_step_timing() {
+  const WaitMark now = begin_wait();
   update([&](BoardSnapshot& s) {
     if (step_ < 0) return;
-    const int64_t total = clock_->now_ns() - s.step_start_ns;
+    const int64_t total = now.at_ns - step_start_.at_ns;
     StepTiming& t = s.steps[static_cast<size_t>(step_) % kRecentSteps];
     t.step = step_;
     t.total_ms = to_ms(total);
     t.wait_ms = to_ms(wait_ns_);
     t.data_ms = to_ms(data_ns_);
-    // Waiting for a CPU inside a collective is collective wait already. Only
-    // the training thread's own run-queue wait is read: all of it when the
-    // kernels run on that one thread (train.threads = 1).
+    // Waiting for a CPU inside a collective or the batch is that time
+    // already. Only the training thread's own times are read: all of the
+    // kernels' when they run on that one thread (train.threads = 1).
     const int64_t cpu_wait =
-        std::max<int64_t>(0, clock_->cpu_wait_ns() - cpu_wait_at_start_ns_ - collective_cpu_wait_ns_);
+        std::max<int64_t>(0, now.times.cpu_wait_ns - step_start_.times.cpu_wait_ns - set_aside_.cpu_wait_ns);
+    const int64_t on_cpu = now.times.on_cpu_ns - step_start_.times.on_cpu_ns - set_aside_.on_cpu_ns;
+    // Its other threads' CPU time in compute: on a rank pinned to a core,
+    // they ran while this one waited.
+    const int64_t others_on_cpu = now.times.process_on_cpu_ns - step_start_.times.process_on_cpu_ns -
+                                  set_aside_.process_on_cpu_ns - on_cpu;
     t.cpu_wait_ms = to_ms(cpu_wait);
+    t.own_cpu_wait_ms = to_ms(std::clamp<int64_t>(others_on_cpu, 0, cpu_wait));
     t.compute_ms = to_ms(std::max<int64_t>(0, total - wait_ns_ - data_ns_ - cpu_wait));
+    const int64_t stalled = total - wait_ns_ - data_ns_ - cpu_wait - on_cpu;
+    t.stalled_ms = time_stalls_ ? to_ms(std::clamp<int64_t>(stalled, 0, total)) : 0;
     for (int g = 0; g < groups_; ++g) s.groups[g].step_bytes = step_bytes_[g];
     step_ = -1;
   });
@@ -197,17 +214,22 @@ void BoardPublisher::end_collective(int group, int64_t seq, bool ok) {
   });
 }
 
-BoardPublisher::WaitMark BoardPublisher::begin_wait() const { return {clock_->now_ns(), clock_->cpu_wait_ns()}; }
+BoardPublisher::WaitMark BoardPublisher::begin_wait() const { return {clock_->now_ns(), clock_->thread_times()}; }
 
 void BoardPublisher::end_wait(const WaitMark& mark) {
-  // Read before the lock, on the thread that waited: the run-queue wait is
+  // Read before the lock, on the thread that waited: the thread times are
   // that thread's own.
-  const int64_t now = clock_->now_ns(), cpu_wait = clock_->cpu_wait_ns();
+  const WaitMark now = begin_wait();
   update([&](BoardSnapshot&) {
-    if (step_ < 0) return;
-    wait_ns_ += now - mark.at_ns;
-    collective_cpu_wait_ns_ += std::max<int64_t>(0, cpu_wait - mark.cpu_wait_ns);
+    if (step_ >= 0) set_aside(mark, now, wait_ns_);
   });
+}
+
+void BoardPublisher::set_aside(const WaitMark& from, const WaitMark& to, int64_t& wall_ns) {
+  wall_ns += to.at_ns - from.at_ns;
+  set_aside_.on_cpu_ns += std::max<int64_t>(0, to.times.on_cpu_ns - from.times.on_cpu_ns);
+  set_aside_.cpu_wait_ns += std::max<int64_t>(0, to.times.cpu_wait_ns - from.times.cpu_wait_ns);
+  set_aside_.process_on_cpu_ns += std::max<int64_t>(0, to.times.process_on_cpu_ns - from.times.process_on_cpu_ns);
 }
 
 void BoardPublisher::checkpoint_written(int64_t step, uint64_t bytes, double write_s) {

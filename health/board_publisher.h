@@ -43,6 +43,11 @@ class BoardPublisher {
   // The OpenBLAS core the rank runs and whose choice it is; a name longer
   // than the field is cut (core names are short).
   void set_blas_core(std::string_view core, std::string_view chosen_by);
+  // Whether the training thread does the step's compute itself (a CPU
+  // rank), so that time in compute it neither ran nor waited for a CPU is
+  // a stall (StepTiming::stalled_ms). A rank that computes on a device
+  // waits for it by design and reports no stalls. On unless told.
+  void time_stalls(bool on);
   // The run's extent: where this generation starts and where it ends.
   void set_extent(int64_t first_step, int64_t total_steps);
   // Ends the current phase (its duration feeds the phase's budget) and
@@ -66,7 +71,7 @@ class BoardPublisher {
   // training thread computes (overlapped) is not wait.
   struct WaitMark {
     int64_t at_ns = 0;
-    int64_t cpu_wait_ns = 0;
+    common::Clock::ThreadTimes times;
   };
   WaitMark begin_wait() const;
   void end_wait(const WaitMark& mark);
@@ -86,6 +91,9 @@ class BoardPublisher {
 
  private:
   template <class Change> void update(Change&& change);
+  // Adds the time from `from` to `to` to `wall_ns` (collective wait or data)
+  // and its thread times to set_aside_; under the lock.
+  void set_aside(const WaitMark& from, const WaitMark& to, int64_t& wall_ns);
   void beat_until_stopped(int64_t period_ns);
 
   const common::Clock* clock_ = &common::Clock::steady();
@@ -98,10 +106,12 @@ class BoardPublisher {
   int64_t step_ = -1;
   int64_t wait_ns_ = 0;
   int64_t data_ns_ = 0;
-  // Clock::cpu_wait_ns at the step's start, and the part of the step's
-  // run-queue wait spent blocked on collectives.
-  int64_t cpu_wait_at_start_ns_ = 0;
-  int64_t collective_cpu_wait_ns_ = 0;
+  // The training thread's times at the step's start and at the data
+  // phase's, and what of them the step spent blocked on collectives or
+  // building its batch, which is neither its compute nor a stall of it.
+  WaitMark step_start_, data_start_;
+  bool time_stalls_ = true;
+  common::Clock::ThreadTimes set_aside_;
   uint64_t step_bytes_[kMaxGroups] = {};  // per group, begun since the step began
   std::condition_variable stop_beating_;
   bool stopping_ = false;

@@ -36,7 +36,10 @@ size_t slot_of(const json& slot, size_t slots) {
 json encode_board(const BoardSnapshot& b, int64_t now) {
   json steps = json::array();
   for (const StepTiming& t : b.steps) {
-    if (t.step >= 0) steps.push_back({t.step, t.total_ms, t.compute_ms, t.wait_ms, t.data_ms, t.cpu_wait_ms});
+    if (t.step >= 0) {
+      steps.push_back(
+          {t.step, t.total_ms, t.compute_ms, t.wait_ms, t.data_ms, t.cpu_wait_ms, t.own_cpu_wait_ms, t.stalled_ms});
+    }
   }
   json groups = json::array();
   for (size_t slot = 0; slot < kMaxGroups; ++slot) {
@@ -106,7 +109,9 @@ BoardSnapshot decode_board(const json& j, int64_t now) {
          t.at(2).get<float>(),
          t.at(3).get<float>(),
          t.at(4).get<float>(),
-         t.at(5).get<float>()};
+         t.at(5).get<float>(),
+         t.at(6).get<float>(),
+         t.at(7).get<float>()};
   }
   for (const json& g : j.at("groups")) {
     GroupRecord& r = b.groups[slot_of(g.at(0), kMaxGroups)];

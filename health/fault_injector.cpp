@@ -108,7 +108,10 @@ void FaultInjector::slow_compute(double seconds) const {
   common::logger("faults")->debug(
       "fault injection ([faults] slow_rank = {}, slow_factor = {}): compute stretched by {:.1f} ms", rank_,
       faults().slow_factor, extra_s * 1e3);
-  std::this_thread::sleep_for(std::chrono::duration<double>(extra_s));
+  // Spun, not slept: a slower device works longer, it does not stop (a
+  // rank asleep in its compute is stalled, health/straggler_monitor.h).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(extra_s);
+  for (volatile uint64_t spin = 0; std::chrono::steady_clock::now() < until;) spin = spin + 1;
 }
 
 void FaultInjector::stall(std::string_view phase) const {

@@ -41,7 +41,7 @@ const char* phase_name(uint32_t phase);
 enum class CollectiveState : uint32_t { kNone, kInFlight, kDone, kFailed };
 const char* collective_state_name(uint32_t state);
 
-inline constexpr uint32_t kBoardVersion = 6;
+inline constexpr uint32_t kBoardVersion = 7;
 // Process groups one rank can belong to: one per mesh axis (tp, cp, dp, pp,
 // ep, expert_dp, dp_cp) and one spare.
 inline constexpr size_t kMaxGroups = 8;
@@ -98,7 +98,16 @@ struct StepTiming {
   float compute_ms = 0;
   float wait_ms = 0;     // inside collectives
   float data_ms = 0;     // building the batch
-  float cpu_wait_ms = 0; // runnable but waiting for a CPU (Clock::cpu_wait_ns)
+  float cpu_wait_ms = 0; // runnable but waiting for a CPU (Clock::ThreadTimes)
+  // Of cpu_wait, what the rank's own other threads ran meanwhile (at most
+  // all of it): its communication threads on its core, which is keel's
+  // contention, not its host's.
+  float own_cpu_wait_ms = 0;
+  // Of compute, the time the training thread was neither running nor
+  // runnable: stopped (SIGSTOP, a cgroup's freezer or CPU quota) or blocked
+  // in the kernel (page faults, swap). Compute on the CPU stalls by little
+  // of itself; a rank that waits for a device stalls by design.
+  float stalled_ms = 0;
 };
 
 // A digest of the bytes this rank holds that every rank of the same

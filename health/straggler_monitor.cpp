@@ -14,23 +14,40 @@ constexpr float kMaxComputeMs = 86'400'000.0f;
 // Steps a rank may be ahead of the slowest participant before its oldest
 // are dropped (and skipped): bounds the memory a stalled rank can cost.
 constexpr size_t kMaxPending = 8 * kRecentSteps;
-// The two shapes of slowness each stream's CUSUMs look for (why:
+// The shapes of slowness the streams' CUSUMs look for (why:
 // straggler_monitor.h), in thresholds k: a step adds its excess past
 // `allowance` k, at most `clip` k, and flagging takes at least
 // `least_steps` steps at the clip.
+// The noise is learned from the ranks that do not look slow, `quiet`:
+// those whose median is within k of their level, or the quieter half by
+// the mean of their increments.
+enum class Quiet { kNotSlow, kQuieterHalf };
 struct TierShape {
   double allowance, clip, least_steps;
+  Quiet quiet;
 };
 constexpr TierShape kTierShapes[] = {
-    {1, 2.5, 16},  // steady: every step a little slow
-    {1.5, 10, 6},  // in bursts: some steps much slower
+    {1, 2.5, 16, Quiet::kNotSlow},     // steady: every step a little slow
+    {1.5, 10, 6, Quiet::kNotSlow},     // in bursts: some steps much slower
+    {0.5, 25, 1.5, Quiet::kQuieterHalf},  // stalls: some seen, each counted up to as long as it worked
 };
+// The tiers each stream runs: compute and busy time the first two, stalls the third.
+constexpr bool kRunsTier[3][3] = {{true, true, false}, {true, true, false}, {false, false, true}};
 // Steps of log ratios the noise is learned from, and how many it needs
 // before any rank gathers evidence.
 constexpr size_t kNoiseSteps = 200;
 constexpr size_t kWarmupSteps = 20;
 
 bool plausible(float compute_ms) { return std::isfinite(compute_ms) && compute_ms >= 0 && compute_ms <= kMaxComputeMs; }
+
+// A step's stalls over its work (compute less stalls), 0 for a step of no
+// compute, and at most 1000: its mean over steps is the share of its
+// time a rank loses to stalls.
+double stall_of(const double compute_ms, const double stalled_ms) {
+  if (!(compute_ms > 0)) return 0;
+  const double stalled = std::clamp(stalled_ms, 0.0, compute_ms);
+  return stalled / std::max(compute_ms - stalled, compute_ms * 1e-3);
+}
 
 // The median of `values` (the mean of the middle two for an even count);
 // reorders them.
@@ -74,7 +91,14 @@ double decision_interval(const std::vector<double>& increments, double false_ala
 
 }  // namespace
 
-const char* straggler_cause_name(StragglerCause cause) { return cause == StragglerCause::kHost ? "host" : "compute"; }
+const char* straggler_cause_name(StragglerCause cause) {
+  switch (cause) {
+    case StragglerCause::kHost: return "host";
+    case StragglerCause::kStalled: return "stalled";
+    case StragglerCause::kCompute: break;
+  }
+  return "compute";
+}
 
 nlohmann::json StragglerFinding::to_json() const {
   return {{"rank", rank},
@@ -82,7 +106,9 @@ nlohmann::json StragglerFinding::to_json() const {
           {"step", step},
           {"cause", straggler_cause_name(cause)},
           {"cpu_wait_share", cpu_wait_share},
-          {"peers_cpu_wait_share", peers_cpu_wait_share}};
+          {"peers_cpu_wait_share", peers_cpu_wait_share},
+          {"stalled_share", stalled_share},
+          {"peers_stalled_share", peers_stalled_share}};
 }
 
 StragglerMonitor::StragglerMonitor(const common::HealthConfig& config, size_t history_steps)
@@ -121,9 +147,12 @@ std::vector<StragglerFinding> StragglerMonitor::observe(const RankSamples& sampl
     rank.pending.erase(rank.pending.begin(), rank.pending.lower_bound(next_step_));
     for (const StepTiming& t : board->steps) {
       if (board->timing_of(t.step) != &t || t.step < next_step_ || !plausible(t.compute_ms)) continue;
-      const bool wait_plausible = plausible(t.cpu_wait_ms) && plausible(t.total_ms);
-      rank.pending.emplace(t.step, Timing{t.compute_ms, wait_plausible ? t.cpu_wait_ms : 0.0f,
-                                          wait_plausible ? t.total_ms : 0.0f});
+      const bool wait_plausible = plausible(t.cpu_wait_ms) && plausible(t.own_cpu_wait_ms) && plausible(t.total_ms);
+      // The host's part of its run-queue wait: its own threads' is keel's.
+      const float host_wait = std::max(0.0f, t.cpu_wait_ms - t.own_cpu_wait_ms);
+      rank.pending.emplace(t.step, Timing{t.compute_ms, wait_plausible ? host_wait : 0.0f,
+                                          wait_plausible ? t.total_ms : 0.0f,
+                                          plausible(t.stalled_ms) ? t.stalled_ms : 0.0f});
       rank.newest = std::max(rank.newest, t.step);
     }
     while (rank.pending.size() > kMaxPending) rank.pending.erase(rank.pending.begin());
@@ -141,7 +170,7 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
   // Each participant has timed `newest`, and a ring is written in step
   // order, so a step missing now was overwritten before it was read: it is
   // skipped, never guessed.
-  const Timing unseen{std::numeric_limits<float>::quiet_NaN(), 0, 0};
+  const Timing unseen{std::numeric_limits<float>::quiet_NaN(), 0, 0, 0};
   std::map<int64_t, std::vector<Timing>> steps;
   for (int r : participants) {
     auto& pending = ranks_[r].pending;
@@ -163,7 +192,7 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
     }
   }
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<double> computes, busy;
+  std::vector<double> computes, busy, stalls(ranks_.size(), 0.0), others;
   for (auto& [step, row] : steps) {
     computes.clear();
     busy.clear();
@@ -171,6 +200,7 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
       if (std::isnan(row[r].compute_ms)) continue;
       computes.push_back(row[r].compute_ms);
       busy.push_back(row[r].compute_ms + row[r].cpu_wait_ms);
+      stalls[r] = stall_of(row[r].compute_ms, row[r].stalled_ms);
     }
     if (computes.size() == participants.size()) {
       const double slowest = *std::max_element(computes.begin(), computes.end());
@@ -189,11 +219,22 @@ void StragglerMonitor::take_steps(const std::vector<int>& participants, int64_t 
           // Floored, so a step of no compute is very fast, not -infinity.
           x[kCompute][r] = std::log(std::max<double>(t.compute_ms, centre * 1e-3) / centre);
           x[kBusy][r] = std::log(std::max<double>(t.compute_ms + t.cpu_wait_ms, busy_centre * 1e-3) / busy_centre);
+          others.clear();
+          for (int o : participants) {
+            if (o != r) others.push_back(stalls[o]);
+          }
+          x[kStalled][r] = stalls[r] - (others.empty() ? 0.0 : median(others));
           // What the table shows: averages over about a window of steps.
           const double alpha = 1.0 / static_cast<double>(config_.straggler_window);
           const double c = centre_of(kCompute, rank.stage).value_or(0.0);
           rank.recent_excess += alpha * (x[kCompute][r] - c - rank.recent_excess);
+          rank.recent_stall_excess +=
+              alpha * (x[kStalled][r] - centre_of(kStalled, rank.stage).value_or(0.0) - rank.recent_stall_excess);
           if (t.total_ms > 0) rank.cpu_wait_share += alpha * (t.cpu_wait_ms / t.total_ms - rank.cpu_wait_share);
+          if (t.compute_ms > 0) {
+            rank.stalled_share +=
+                alpha * (std::clamp<double>(t.stalled_ms / t.compute_ms, 0, 1) - rank.stalled_share);
+          }
         }
         recent_x_.push_back(x);
         if (recent_x_.size() > kNoiseSteps) recent_x_.pop_front();
@@ -229,7 +270,7 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
                                     std::vector<StragglerFinding>& found) {
   for (int r : participants) {
     RankState& rank = ranks_[r];
-    for (const Stream stream : {kCompute, kBusy}) {
+    for (const Stream stream : {kCompute, kBusy, kStalled}) {
       const auto level = centre_of(stream, rank.stage);
       // A step from before the rank took part is no evidence against it,
       // nor is a stage the noise was not learned with.
@@ -238,7 +279,8 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
       for (int tier = 0; tier < kTiers; ++tier) {
         const Cusum& cusum = tiers_[tier];
         const double h = (*noise_)[stream].decision_interval[tier];
-        // Noise that drowns the allowance is no evidence against anyone.
+        // Noise that drowns the allowance is no evidence against anyone,
+        // and a tier the stream has not is no evidence at all.
         if (std::isinf(h)) continue;
         Evidence& e = rank.evidence[stream][tier];
         // Capped at h: a flagged rank that recovers clears within h /
@@ -257,25 +299,39 @@ void StragglerMonitor::add_evidence(const std::vector<int>& participants, const 
       return std::any_of(std::begin(rank.evidence[stream]), std::end(rank.evidence[stream]),
                          [](const Evidence& e) { return e.flagged; });
     };
-    const bool own_flagged = flagged_on(kCompute), busy_flagged = flagged_on(kBusy);
-    if (!own_flagged && !busy_flagged) {
+    const bool own_flagged = flagged_on(kCompute), busy_flagged = flagged_on(kBusy),
+               stall_flagged = flagged_on(kStalled);
+    if (!own_flagged && !busy_flagged && !stall_flagged) {
       rank.cause.reset();
       continue;
     }
     if (rank.cause) continue;
+    // Stalled when its stalls crossed h, or when its compute is slow by
+    // stalls past the threshold and without them would be within it.
+    const bool stalled = stall_flagged || (own_flagged && rank.recent_stall_excess > allowed_ &&
+                                           rank.recent_excess - rank.recent_stall_excess < allowed_);
     // Its host's doing when its busy time crossed h with its own compute
     // within the threshold, or when it waits for a CPU more than its peers
     // by more than its compute is slow: a process sharing its core also
     // slows the work it lets through (caches, switches), seen in fault-free
     // runs beside a test's status polls.
-    const double peers_share = peers_cpu_wait_share(participants, r);
+    const double peers_share = peers_median(participants, r, &RankState::cpu_wait_share);
     const bool host = (!own_flagged && rank.recent_excess < allowed_) ||
                       rank.cpu_wait_share - peers_share > std::expm1(rank.recent_excess);
-    rank.cause = host ? StragglerCause::kHost : StragglerCause::kCompute;
-    const Evidence& busy = rank.evidence[kBusy][strongest(rank, kBusy).first];
-    const Evidence& gathered = host && busy.excess_steps > 0 ? busy : rank.evidence[kCompute][strongest(rank, kCompute).first];
-    found.push_back({r, std::expm1(gathered.excess_sum / static_cast<double>(gathered.excess_steps)), step, *rank.cause,
-                     rank.cpu_wait_share, peers_share});
+    // A rank whose host starves it has its communication threads run on
+    // its peers' cores (common/shared_cpus.h), which slows their compute:
+    // a compute verdict waits while another rank waits for a CPU more than
+    // this one by more than this one is slow.
+    if (!stalled && !host && most_waiting(participants, r) - rank.cpu_wait_share > std::expm1(rank.recent_excess)) {
+      continue;
+    }
+    rank.cause = stalled ? StragglerCause::kStalled : host ? StragglerCause::kHost : StragglerCause::kCompute;
+    const Stream judged = stalled ? kStalled : host ? kBusy : kCompute;
+    const Evidence* gathered = &rank.evidence[judged][strongest(rank, judged).first];
+    if (gathered->excess_steps == 0) gathered = &rank.evidence[kCompute][strongest(rank, kCompute).first];
+    const double mean_excess = gathered->excess_sum / static_cast<double>(std::max<int64_t>(gathered->excess_steps, 1));
+    found.push_back({r, std::expm1(mean_excess), step, *rank.cause, rank.cpu_wait_share, peers_share, rank.stalled_share,
+                     peers_median(participants, r, &RankState::stalled_share)});
   }
 }
 
@@ -294,10 +350,19 @@ std::pair<StragglerMonitor::Tier, double> StragglerMonitor::strongest(const Rank
   return best;
 }
 
-double StragglerMonitor::peers_cpu_wait_share(const std::vector<int>& participants, int rank) const {
+double StragglerMonitor::most_waiting(const std::vector<int>& participants, int rank) const {
+  double most = 0;
+  for (int r : participants) {
+    if (r != rank) most = std::max(most, ranks_[r].cpu_wait_share);
+  }
+  return most;
+}
+
+double StragglerMonitor::peers_median(const std::vector<int>& participants, int rank,
+                                      double RankState::*share) const {
   std::vector<double> shares;
   for (int r : participants) {
-    if (r != rank) shares.push_back(ranks_[r].cpu_wait_share);
+    if (r != rank) shares.push_back(ranks_[r].*share);
   }
   return shares.empty() ? 0 : median(shares);
 }
@@ -318,8 +383,9 @@ void StragglerMonitor::close_window(const std::vector<int>& participants) {
 }
 
 bool StragglerMonitor::learn_noise(const std::vector<int>& participants) {
-  auto compute = learn_stream(participants, kCompute), busy = learn_stream(participants, kBusy);
-  if (!compute || !busy) return false;
+  auto compute = learn_stream(participants, kCompute), busy = learn_stream(participants, kBusy),
+       stalls = learn_stream(participants, kStalled);
+  if (!compute || !busy || !stalls) return false;
   static const auto log = common::logger("health");
   const bool drowned = std::isinf(compute->decision_interval[kSteady]);
   if (drowned != (noise_ && std::isinf((*noise_)[kCompute].decision_interval[kSteady]))) {
@@ -332,11 +398,12 @@ bool StragglerMonitor::learn_noise(const std::vector<int>& participants) {
     }
   }
   log->debug("straggler noise: {} stage level(s); compute spread {:.4f}, decision intervals {:.3f} steady, {:.3f} "
-             "bursts; busy spread {:.4f}, decision intervals {:.3f} steady, {:.3f} bursts",
+             "bursts; busy spread {:.4f}, decision intervals {:.3f} steady, {:.3f} bursts; stall spread {:.4f}, "
+             "decision interval {:.3f}",
              compute->centres.size(), compute->spread, compute->decision_interval[kSteady],
              compute->decision_interval[kBursts], busy->spread, busy->decision_interval[kSteady],
-             busy->decision_interval[kBursts]);
-  noise_ = {*std::move(compute), *std::move(busy)};
+             busy->decision_interval[kBursts], stalls->spread, stalls->decision_interval[kStalls]);
+  noise_ = {*std::move(compute), *std::move(busy), *std::move(stalls)};
   return true;
 }
 
@@ -359,31 +426,50 @@ std::optional<StragglerMonitor::Noise> StragglerMonitor::learn_stream(const std:
   if (levels.empty()) return std::nullopt;
   Noise noise;
   for (auto& [stage, stage_levels] : levels) noise.centres[stage] = median(stage_levels);
-  // The quiet ranks' excess over their level: what their CUSUMs would take.
-  std::vector<double> excess;
-  for (int r : participants) {
-    const auto level = noise.centres.find(ranks_[r].stage);
-    if (level == noise.centres.end() || !(own[r] - level->second < allowed_)) continue;
-    for (const auto& x : recent_x_) {
-      if (!std::isnan(x[stream][r])) excess.push_back(x[stream][r] - level->second);
-    }
-  }
-  if (excess.empty()) return std::nullopt;  // cannot be: the median rank is never slow
   const double false_alarms =
       static_cast<double>(config_.straggler_false_alarm_steps) * static_cast<double>(participants.size());
-  std::vector<double> increments(excess.size());
+  bool spread_taken = false;
   for (int tier = 0; tier < kTiers; ++tier) {
+    noise.decision_interval[tier] = std::numeric_limits<double>::infinity();
+    if (!kRunsTier[stream][tier]) continue;
+    // The quiet ranks' increments: what their CUSUMs would take. A rank
+    // that looks slow is left out, so as not to widen it.
     const Cusum& cusum = tiers_[tier];
-    double sum = 0, squares = 0;
-    for (size_t i = 0; i < excess.size(); ++i) {
-      const double y = std::clamp(excess[i], -cusum.clip, cusum.clip);
-      sum += y;
-      squares += y * y;
-      increments[i] = y - cusum.allowance;
+    std::vector<std::vector<double>> by_rank;
+    std::vector<double> means;
+    for (int r : participants) {
+      const auto level = noise.centres.find(ranks_[r].stage);
+      if (level == noise.centres.end()) continue;
+      if (kTierShapes[tier].quiet == Quiet::kNotSlow && !(own[r] - level->second < allowed_)) continue;
+      auto& rank_increments = by_rank.emplace_back();
+      for (const auto& x : recent_x_) {
+        if (std::isnan(x[stream][r])) continue;
+        rank_increments.push_back(std::clamp(x[stream][r] - level->second, -cusum.clip, cusum.clip) - cusum.allowance);
+      }
+      double mean = 0;
+      for (const double d : rank_increments) mean += d / static_cast<double>(rank_increments.size());
+      means.push_back(mean);
     }
-    if (tier == kSteady) {
-      const double n = static_cast<double>(excess.size()), mean = sum / n;
+    std::vector<double> sorted_means = means;
+    const double most = kTierShapes[tier].quiet == Quiet::kQuieterHalf && !means.empty()
+                            ? median(sorted_means)
+                            : std::numeric_limits<double>::infinity();
+    std::vector<double> increments;
+    double sum = 0, squares = 0;
+    for (size_t i = 0; i < by_rank.size(); ++i) {
+      if (by_rank[i].empty() || means[i] > most) continue;
+      for (const double d : by_rank[i]) {
+        increments.push_back(d);
+        sum += d + cusum.allowance;
+        squares += (d + cusum.allowance) * (d + cusum.allowance);
+      }
+    }
+    // None quiet: no noise to judge against, so the tier judges nobody (h stays infinite).
+    if (increments.empty()) continue;
+    if (!spread_taken) {
+      const double n = static_cast<double>(increments.size()), mean = sum / n;
       noise.spread = std::sqrt(std::max(0.0, squares / n - mean * mean));
+      spread_taken = true;
     }
     noise.decision_interval[tier] = decision_interval(increments, false_alarms, cusum.least_interval);
   }
@@ -413,8 +499,10 @@ nlohmann::json StragglerMonitor::report() const {
                      {"score", rank.score},
                      {"slowdown", std::expm1(rank.recent_excess)},
                      {"cpu_wait_share", rank.cpu_wait_share},
+                     {"stalled_share", rank.stalled_share},
                      {"evidence", strongest(rank, kCompute).second},
                      {"host_evidence", strongest(rank, kBusy).second},
+                     {"stall_evidence", strongest(rank, kStalled).second},
                      {"flagged", rank.cause.has_value()},
                      {"cause", rank.cause ? nlohmann::json(straggler_cause_name(*rank.cause)) : nlohmann::json()}});
     nlohmann::json row = nlohmann::json::array();

@@ -44,10 +44,12 @@
 // 25 runs of the false-alarm sweep (bench/README.md), and with at least 12
 // in 1 of 25. Over six recorded fault-free 2-rank runs the largest burst
 // reached 0.53 of this h (0.66 of that 12-step one), and replayed, a
-// recorded 1.10x rank of four is still flagged at step 19. Why not a Gaussian h: compute noise on CPUs is heavy-tailed (its standard
-// deviation was 1.2 to 3 times 1.4826 x its MAD in recorded runs), and an
-// h made for Gaussian noise of that MAD flagged unslowed ranks 4 times in
-// 10 replays of 3 ranks, where this one flagged none. Noise that drowns the
+// recorded 1.10x rank of four is still flagged at step 19 (what caused the
+// bursts, and its fix, below). Why not a Gaussian h: compute noise on CPUs
+// is heavy-tailed (its standard deviation was 1.2 to 3 times 1.4826 x its
+// MAD in recorded runs), and an h made for Gaussian noise of that MAD
+// flagged unslowed ranks 4 times in 10 replays of 3 ranks, where this one
+// flagged none. Noise that drowns the
 // threshold (mean y >= k) leaves h infinite: nobody gathers evidence and
 // the report says so. The warm-up delays the verdict, not the evidence:
 // when h is first learned, the steps held so far count at once.
@@ -72,7 +74,8 @@
 //
 // Two ranks are told apart later. Their median is their mean, so a rank
 // shows half of its slowdown: stopped 20 ms in 200 in a DP2 keeld job, it
-// was flagged 59 steps after its first stop. Judging each rank against the
+// was flagged 59 steps after its first stop on compute alone (its stalls,
+// below, flag it sooner). Judging each rank against the
 // other instead (its full slowdown) was replayed on the recorded runs: it
 // flagged a 1.10x DP2 rank at step 32 rather than 131 and the stopped DP2
 // ranks at steps 62 and 80, but lifted fault-free DP2 runs to 0.94 of h
@@ -92,6 +95,42 @@
 // rank's (1 before any step). Only step numbers order the evidence, never
 // the time, so a clock that jumps changes nothing.
 //
+// A rank stopped or blocked is a finding of its own too. The SIGSTOP duty
+// cycle above costs the rank no CPU: its training thread is neither
+// running nor waiting for a CPU while stopped, which its board counts
+// (StepTiming::stalled_ms: compute less the thread's CPU time, read from
+// CLOCK_THREAD_CPUTIME_ID, since schedstat's on-CPU time lags by up to a
+// tick, and less its run-queue wait). Computing on the CPU hardly stalls
+// on its own: in fault-free DP2 and DP2 x TP2 keeld jobs on the 2-core VM
+// a rank's stalls were 0.02-0.14% of its step time. A stop is seen only
+// when it begins in the rank's compute; one that begins in a collective is
+// wait, for it and for the ranks waiting for it, which nothing tells
+// apart. Stopped 20 ms of every 200 in a DP2 job (steps of 37 ms, 16 of
+// them compute), a rank had one step in 5 to 30 stalled about as long as
+// it worked (1-1.3x), the stops that began in its collectives between.
+// A third stream judges x = stalled / (compute - stalled), linear (a step
+// stalled as long as it worked counts 1), less the median of the other
+// ranks' (not of all: with two ranks that is their mean, which would
+// halve the victim's stalls), with a tier of its own:
+//   S3 = min(h3, max(0, S3 + clamp(x - c, -25k, 25k) - k/2)),
+// 25k about 1 (a step counts at most as stalled as long as it worked), h3
+// learned as the others' and at least 1.5 steps at its clip, so that two
+// such steps flag a rank and one does not. Half of k is allowed for free,
+// not k: about half of a stopped rank's stops are hidden in its
+// collectives, so it shows half of what it loses. With k a second stall
+// had to come within 12 steps of the first; with k/2 it may come within
+// 24. Its noise is learned from the quieter half of the ranks by the mean
+// of their increments, not from those whose median is normal: the median
+// of a rank stalled one step in seven is 0, and its stalls would be
+// learned as noise and push h3 out of reach. Under keeld a rank so
+// stopped was flagged 5-39 steps after the first stop in twelve DP2 jobs
+// and 9-37 in four DP2 x TP2 jobs; replayed, 44 recorded fault-free DP2
+// and DP2 x TP2 runs of 300 steps raised no stall flag. Ranks that
+// compute on a device stall by design (the training thread waits for
+// it), so their boards report no stall and this stream stays silent. The
+// cause is then "stalled": its stall tier crossed h3, or its compute is
+// slow by stalls past the threshold and without them would be within it.
+//
 // Host contention is a finding of its own. compute leaves out the
 // training thread's run-queue wait, so a rank whose core is shared with a
 // process outside the job (a CPU hog) is not slow by compute: it is slowed
@@ -108,8 +147,27 @@
 // peer's 6%, its compute ran 6% above, and it was flagged at step 23;
 // otherwise the cause is "compute". Contention keel causes by design is
 // not counted: ranks that share cores wait alike and cancel step by step
-// against the median, and keeld's own threads took 0.15 s of CPU in a
-// 26 s DP2 run (0.6% of a core).
+// against the median, keeld's own threads took 0.15 s of CPU in a 26 s
+// DP2 run (0.6% of a core), and the part of a rank's run-queue wait its
+// own other threads ran in (StepTiming::own_cpu_wait_ms: its communication
+// threads, overlapped with its compute on its core) is left out of its CPU
+// wait. That part was 80-100% of a DP2 rank's run-queue wait on the 2-core
+// VM while those threads were pinned beside its training thread.
+//
+// Pinned there, they were also what made a fault-free rank slow: the
+// bursts above. Gloo's socket loop woke some 30 times a step and took a
+// third of its core; the rank later to its collectives received while it
+// computed, ran 30% slower for tens of steps, and so stayed later (its
+// compute rose 1.5 ms for each ms its own threads ran in it: caches, not
+// CPU time). 7 of 12 fault-free 300-step DP2 keeld jobs flagged a rank for
+// its compute, 2 of 6 with overlap_comm off, 3 of 6 without memory
+// buddies. keeld now starts those threads on the CPUs all ranks share
+// (common/shared_cpus.h), where a peer waiting in a collective leaves its
+// core idle: 0 of 10 such jobs flagged anyone, at 1.4x the throughput.
+// The price: a rank whose host starves it drives them onto its peers'
+// cores and slows their compute (a peer was flagged for it first in one
+// of five runs beside CPU hogs), so a compute verdict waits while another
+// rank waits for a CPU more than the rank by more than the rank is slow.
 //
 // The defaults (threshold 0.04, 10^6 steps per false flag) were chosen by
 // replaying 20 recorded 4-rank CPU jobs (270-300 steps, one rank 1.10x
@@ -136,9 +194,10 @@
 
 namespace keel::health {
 
-// Why a rank is slow: its own compute, or its host's scheduler.
-enum class StragglerCause { kCompute, kHost };
-const char* straggler_cause_name(StragglerCause cause);  // "compute", "host"
+// Why a rank is slow: its own compute, its host's scheduler, or stalls (the
+// rank stopped or blocked in the kernel).
+enum class StragglerCause { kCompute, kHost, kStalled };
+const char* straggler_cause_name(StragglerCause cause);  // "compute", "host", "stalled"
 
 struct StragglerFinding {
   int rank = -1;
@@ -147,8 +206,10 @@ struct StragglerFinding {
   StragglerCause cause = StragglerCause::kCompute;
   double cpu_wait_share = 0;         // its run-queue wait over its step time, lately
   double peers_cpu_wait_share = 0;  // the median of the other ranks' (0 alone)
-  // {"rank", "score", "step", "cause", "cpu_wait_share", "peers_cpu_wait_share"}:
-  // the fields of the straggler_flagged event.
+  double stalled_share = 0;          // the part of its compute it was stalled, lately
+  double peers_stalled_share = 0;    // the median of the other ranks' (0 alone)
+  // {"rank", "score", "step", "cause", "cpu_wait_share", "peers_cpu_wait_share", "stalled_share",
+  //  "peers_stalled_share"}: the fields of the straggler_flagged event.
   nlohmann::json to_json() const;
 };
 
@@ -173,22 +234,25 @@ class StragglerMonitor {
   //  "noise": the standard deviation of the clipped excess of the ranks not slow,  // null before it is learned
   //  "decision_interval": h,                       // the steady tier's; null before it is learned, or while
   //                                               // noise drowns t
-  //  "ranks": [{"rank", "median_compute_ms", "score", "slowdown", "cpu_wait_share", "evidence", "host_evidence",
-  //             "flagged", "cause"}, ...],
+  //  "ranks": [{"rank", "median_compute_ms", "score", "slowdown", "cpu_wait_share", "stalled_share", "evidence",
+  //             "host_evidence", "stall_evidence", "flagged", "cause"}, ...],
   //      // median ms and score of the newest window (null ms before one); slowdown: its compute over its
   //      // stage's level, minus 1, lately (what its evidence gathers); cpu_wait_share: its run-queue wait
-  //      // over its step time, lately; evidence and host_evidence S / h of the tier nearest h, 0..1; cause
-  //      // null unless flagged
+  //      // over its step time, lately; stalled_share: its stalls over its compute, lately; evidence,
+  //      // host_evidence and stall_evidence: S / h of the tier nearest h on compute, busy time and
+  //      // stalls, 0..1; cause null unless flagged
   //  "steps": [s0, s1, ...],                      // the steps of the heat map, ascending
   //  "compute_ms": [[rank 0's per step], ...]}    // null where a rank's step was not seen
   nlohmann::json report() const;
 
  private:
-  // The two things judged: compute, and busy time (compute + run-queue wait).
-  enum Stream { kCompute, kBusy, kStreams };
-  // The two shapes of slowness each stream has a CUSUM for: every step a
-  // little slow, or some steps much slower.
-  enum Tier { kSteady, kBursts, kTiers };
+  // The three things judged: compute, busy time (compute + run-queue wait)
+  // and stalls (log(compute / (compute - stalled))).
+  enum Stream { kCompute, kBusy, kStalled, kStreams };
+  // The shapes of slowness a stream has a CUSUM for: every step a little
+  // slow, some steps much slower (compute and busy time), and some steps
+  // stalled (stalls).
+  enum Tier { kSteady, kBursts, kStalls, kTiers };
   // A tier's CUSUM in log ratios: a step adds its excess past `allowance`,
   // at most `clip`; the decision interval is at least `least_interval`.
   struct Cusum {
@@ -202,7 +266,7 @@ class StragglerMonitor {
     bool flagged = false;
   };
   struct Timing {
-    float compute_ms = 0, cpu_wait_ms = 0, total_ms = 0;
+    float compute_ms = 0, cpu_wait_ms = 0, total_ms = 0, stalled_ms = 0;  // cpu_wait_ms: the host's part
   };
   struct RankState {
     int stage = 0;                      // its pipeline stage (pipeline_stage())
@@ -215,6 +279,8 @@ class StragglerMonitor {
     double score = 0;
     double recent_excess = 0;           // x - c of compute, averaged over about a window of steps
     double cpu_wait_share = 0;          // run-queue wait / step time, averaged the same way
+    double recent_stall_excess = 0;     // x - c of stalls, averaged the same way
+    double stalled_share = 0;           // stalled / compute, averaged the same way
     Evidence evidence[kStreams][kTiers];
     std::optional<StragglerCause> cause;  // set while flagged
   };
@@ -223,7 +289,8 @@ class StragglerMonitor {
   struct Noise {
     std::map<int, double> centres;  // c, by pipeline stage
     double spread = 0;                            // the standard deviation of the steady tier's clipped excess
-    std::array<double, kTiers> decision_interval{};  // h by tier; infinite while the noise drowns its allowance
+    std::array<double, kTiers> decision_interval{};  // h by tier; infinite while the noise drowns its allowance,
+                                                     // and for a tier the stream has not
   };
   // One step's log ratios by rank (NaN: not in it), per stream.
   using StepRatios = std::array<std::vector<double>, kStreams>;
@@ -241,8 +308,10 @@ class StragglerMonitor {
   // The tier of `rank`'s evidence on `stream` nearest its decision interval
   // (a flagged one first), and that share of h, 0..1.
   std::pair<Tier, double> strongest(const RankState& rank, Stream stream) const;
-  // The median cpu_wait_share of `participants` other than `rank` (0: none).
-  double peers_cpu_wait_share(const std::vector<int>& participants, int rank) const;
+  // The largest run-queue wait share of `participants` other than `rank` (0: none).
+  double most_waiting(const std::vector<int>& participants, int rank) const;
+  // The median of `share` over `participants` other than `rank` (0: none).
+  double peers_median(const std::vector<int>& participants, int rank, double RankState::*share) const;
 
   common::HealthConfig config_;
   double allowed_ = 0;              // k = log(1 + threshold)

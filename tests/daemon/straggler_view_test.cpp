@@ -106,7 +106,8 @@ TEST_SUITE("unit") {
     print_stragglers(slow_rank_report(), out);
     const std::string text = out.str();
     INFO(text);
-    CHECK(text.find("rank  median compute ms   score  slowdown  CPU wait evidence host evidence  flagged") == 0);
+    CHECK(text.find("rank  median compute ms   score  slowdown  CPU wait  stalled evidence host evidence stall evidence  "
+                    "flagged") == 0);
     CHECK(text.find("\n2     ") != std::string::npos);
     const std::string rank2 = text.substr(text.find("\n2     ") + 1, text.find('\n', text.find("\n2     ") + 1) -
                                                                         text.find("\n2     ") - 1);
@@ -116,6 +117,31 @@ TEST_SUITE("unit") {
     CHECK(text.find("sync tax 1.") != std::string::npos);
     CHECK(text.find("by more than 4% and by more than noise alone would in 1000000 steps") != std::string::npos);
     CHECK(text.find("per-step noise 1.") != std::string::npos);
+  }
+
+  TEST_CASE("a rank stopped on some of its steps shows its stalls beside its score and the cause") {
+    // Rank 1 of 2 is stopped from step 30 for as long as it works, one
+    // step in four: its board counts the stops as stalls.
+    test::SyntheticJob job(2);
+    health::StragglerMonitor monitor(common::HealthConfig{});
+    for (int64_t step = 0; step < 120; ++step) {
+      const bool stopped = step >= 30 && step % 4 == 0;
+      job.time_step(0, step, 100);
+      job.time_step(1, step, stopped ? 200 : 100, 0, 0, 0, 0, stopped ? 100 : 0);
+      monitor.observe(job.samples(), 0);
+    }
+    std::ostringstream out;
+    print_stragglers(monitor.report(), out);
+    const std::string text = out.str();
+    INFO(text);
+    const size_t at = text.find("\n1     ") + 1;
+    const std::string rank1 = text.substr(at, text.find('\n', at) - at);
+    CHECK(rank1.find("yes (stalled)") != std::string::npos);
+    // Its stalls over its compute, averaged over about a window (alpha
+    // 0.1): a half every fourth step, 0.145 right after one, 0.106 after
+    // the three normal steps since.
+    CHECK(rank1.find("   10.6%") != std::string::npos);
+    CHECK(text.find("stall evidence gathers") != std::string::npos);
   }
 
   TEST_CASE("a plot that cannot be written is a clear error naming the file") {

@@ -49,7 +49,7 @@ RankSample busy_rank(int rank, int64_t now) {
     b.phase_count[p] = 3 * p;
   }
   for (int64_t step = 108; step < 140; ++step) {
-    b.steps[static_cast<size_t>(step) % keel::health::kRecentSteps] = {step, 250, 200, 40, 9, 1};
+    b.steps[static_cast<size_t>(step) % keel::health::kRecentSteps] = {step, 250, 200, 40, 9, 1, 0.5f, 2.25f};
   }
   const char* names[] = {"g7.tp.12", "g7.dp.0", "g7.pp.3", "g7.dp_cp.0", "g7.expert_dp.120"};
   for (size_t slot = 0; slot < 5; ++slot) {

@@ -92,42 +92,53 @@ TEST_SUITE("unit") {
     CHECK_THROWS_AS(none.add_group("g0.one_too_many.0", 0, 2), common::Error);
   }
 
-  TEST_CASE("a step's time is split into compute collective wait data and waiting for a CPU") {
-    RemoveOnExit guard{unique_name("timing")};
-    auto daemon_side = ProgressBoard::create(guard.name);
-    common::FakeClock clock;
-    BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0, clock);
-    const int dp = rank.add_group("g0.dp.0", 0, 2);
-    rank.begin_step(7);
-    rank.set_phase(Phase::kData);
-    clock.advance_s(0.010);
-    rank.set_phase(Phase::kForward);
-    clock.advance_s(0.030);
-    clock.wait_for_cpu_ns(common::seconds_to_ns(0.015));  // another process had the CPU
-    rank.begin_collective(dp, 0, "all_reduce", 4);
-    const auto blocked = rank.begin_wait();
-    clock.advance_s(0.040);
-    clock.wait_for_cpu_ns(common::seconds_to_ns(0.010));  // inside the collective: wait already
-    rank.end_wait(blocked);
-    rank.end_collective(dp, 0, true);
-    // A collective that ran on the communication thread while the rank
-    // computed (overlapped) is compute time, not wait.
-    rank.begin_collective(dp, 1, "all_reduce", 4);
-    clock.advance_s(0.020);
-    rank.end_collective(dp, 1, true);
-    rank.record_step_timing();
-    const auto seen = daemon_side.read();
-    REQUIRE(seen.has_value());
-    const StepTiming* t = seen->timing_of(7);
-    REQUIRE(t != nullptr);
-    CHECK(t->total_ms == doctest::Approx(125));
-    CHECK(t->data_ms == doctest::Approx(10));
-    CHECK(t->wait_ms == doctest::Approx(50));
-    CHECK(t->cpu_wait_ms == doctest::Approx(15));
-    CHECK(t->compute_ms == doctest::Approx(50));
-    CHECK(seen->timing_of(7 + kRecentSteps) == nullptr);
-    CHECK(seen->phase_count[static_cast<size_t>(Phase::kData)] == 1);
-    CHECK(seen->phase_last_ms[static_cast<size_t>(Phase::kData)] == doctest::Approx(10));
+  TEST_CASE("a step's time is split into compute collective wait data waiting for a CPU and stalls") {
+    for (const bool cpu_rank : {true, false}) {
+      CAPTURE(cpu_rank);
+      RemoveOnExit guard{unique_name("timing")};
+      auto daemon_side = ProgressBoard::create(guard.name);
+      common::FakeClock clock;
+      BoardPublisher rank(ProgressBoard::open(guard.name), 0, 0, clock);
+      // A rank computing on a device waits for it by design: no stalls.
+      rank.time_stalls(cpu_rank);
+      const int dp = rank.add_group("g0.dp.0", 0, 2);
+      rank.begin_step(7);
+      rank.set_phase(Phase::kData);
+      clock.advance_s(0.010);
+      clock.stop_ns(common::seconds_to_ns(0.003));  // blocked reading the batch: data time already
+      rank.set_phase(Phase::kForward);
+      clock.advance_s(0.030);
+      clock.wait_for_cpu_ns(common::seconds_to_ns(0.015));  // another process had the CPU
+      clock.lose_cpu_to_own_thread_ns(common::seconds_to_ns(0.005));  // the rank's own communication thread had it
+      clock.stop_ns(common::seconds_to_ns(0.008));  // stopped from outside (SIGSTOP)
+      rank.begin_collective(dp, 0, "all_reduce", 4);
+      const auto blocked = rank.begin_wait();
+      clock.advance_s(0.040);
+      clock.wait_for_cpu_ns(common::seconds_to_ns(0.010));  // inside the collective: wait already
+      clock.stop_ns(common::seconds_to_ns(0.004));
+      rank.end_wait(blocked);
+      rank.end_collective(dp, 0, true);
+      // A collective that ran on the communication thread while the rank
+      // computed (overlapped) is compute time, not wait.
+      rank.begin_collective(dp, 1, "all_reduce", 4);
+      clock.advance_s(0.020);
+      rank.end_collective(dp, 1, true);
+      rank.record_step_timing();
+      const auto seen = daemon_side.read();
+      REQUIRE(seen.has_value());
+      const StepTiming* t = seen->timing_of(7);
+      REQUIRE(t != nullptr);
+      CHECK(t->total_ms == doctest::Approx(145));
+      CHECK(t->data_ms == doctest::Approx(13));
+      CHECK(t->wait_ms == doctest::Approx(54));
+      CHECK(t->cpu_wait_ms == doctest::Approx(20));
+      CHECK(t->own_cpu_wait_ms == doctest::Approx(5));
+      CHECK(t->compute_ms == doctest::Approx(58));
+      CHECK(t->stalled_ms == doctest::Approx(cpu_rank ? 8 : 0));
+      CHECK(seen->timing_of(7 + kRecentSteps) == nullptr);
+      CHECK(seen->phase_count[static_cast<size_t>(Phase::kData)] == 1);
+      CHECK(seen->phase_last_ms[static_cast<size_t>(Phase::kData)] == doctest::Approx(13));
+    }
   }
 
   TEST_CASE("each group's payload of the last step timed is on the board and a step of none shows none") {

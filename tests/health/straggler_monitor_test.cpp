@@ -53,11 +53,21 @@ struct Run {
   // Rank `slow`'s steps slowed are `slowed_of` in every `slowed_in`: a
   // duty cycle that hits some steps and not others.
   int64_t slowed_of = 1, slowed_in = 1;
+  // The share of rank `slow`'s CPU wait its own other threads ran in
+  // (keel's communication threads on its core, not its host's doing).
+  double own_cpu_wait = 0;
+  // Rank `slow`'s slowed steps are stalled (stopped from outside) for all
+  // their extra time rather than working it; every rank's steps stall up
+  // to `stall_noise` of their compute, uniformly.
+  bool stalled = false;
+  double stall_noise = 0;
 };
 std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, int64_t first, int64_t steps,
                                   const Run& how, Noise& noise) {
   common::FakeClock clock;
   std::vector<StragglerFinding> found;
+  std::mt19937_64 stall_rng{13};
+  std::uniform_real_distribution<double> stall_share(0, how.stall_noise);
   const int ranks = static_cast<int>(job.samples().size());
   for (int64_t step = first; step < first + steps; ++step) {
     for (int r = 0; r < ranks; ++r) {
@@ -66,8 +76,12 @@ std::vector<StragglerFinding> run(StragglerMonitor& monitor, SyntheticJob& job, 
       const double base = how.base_ms.empty() ? 100 : how.base_ms.at(static_cast<size_t>(r));
       const bool starved = slowed && how.slow_cpu_wait;
       const float compute = noise(slowed && !starved ? base * how.factor : base);
-      job.time_step(r, step, compute, slowed ? 0 : how.wait_ms, 0,
-                    static_cast<float>(compute * (starved ? *how.slow_cpu_wait : how.cpu_wait)));
+      const double cpu_wait = compute * (starved ? *how.slow_cpu_wait : how.cpu_wait);
+      const double own_cpu_wait = r == how.slow ? cpu_wait * how.own_cpu_wait : 0;
+      double stalled = how.stall_noise > 0 ? compute * stall_share(stall_rng) : 0;
+      if (slowed && how.stalled) stalled += compute * (1 - 1 / how.factor);
+      job.time_step(r, step, compute, slowed ? 0 : how.wait_ms, 0, static_cast<float>(cpu_wait),
+                    static_cast<float>(own_cpu_wait), static_cast<float>(stalled));
     }
     clock.advance_s(how.jumpy && step % 7 == 0 ? -3600 : 0.1);
     if ((step + 1) % how.poll_every == 0) {
@@ -119,7 +133,9 @@ TEST_SUITE("unit") {
                                                  {"step", found[0].step},
                                                  {"cause", "compute"},
                                                  {"cpu_wait_share", 0.0},
-                                                 {"peers_cpu_wait_share", 0.0}});
+                                                 {"peers_cpu_wait_share", 0.0},
+                                                 {"stalled_share", 0.0},
+                                                 {"peers_stalled_share", 0.0}});
       for (int r = 0; r < c.ranks; ++r) CHECK(monitor.flagged(r) == (r == c.slow));
       CHECK(monitor.score(c.slow) > 0.04);
     }
@@ -155,6 +171,66 @@ TEST_SUITE("unit") {
       CHECK(found[0].step < 20 + 50);
       CHECK(found[0].cause == StragglerCause::kCompute);
     }
+  }
+
+  TEST_CASE("a rank stopped from outside on some of its steps is flagged as stalled within fifty steps and nobody else") {
+    // A SIGSTOP duty cycle of 20 ms in 200 ms: the stops that land in a
+    // step's compute leave it neither running nor runnable, so its board
+    // counts them as stalls. Each stalled step here adds its stalls over
+    // its work less k, at most 25k; fault-free steps stall up to 0.2% of
+    // their compute, as measured on the 2-core VM.
+    struct Case {
+      const char* what;
+      int ranks;
+      int64_t of, in;
+      double factor;
+      double noise;
+    };
+    const Case cases[] = {
+        {"2 ranks, one step in five stalled half as long as it worked", 2, 1, 5, 1.5, 0.05},
+        {"4 ranks, one step in four stalled 0.4 of its work", 4, 1, 4, 1.4, 0.05},
+        {"2 ranks with 10% noise, one step in four stalled as long as it worked", 2, 1, 4, 2.0, 0.10},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.what);
+      SyntheticJob job(c.ranks);
+      StragglerMonitor monitor(defaults());
+      Noise noise{c.noise};
+      const auto found = run(monitor, job, 0, 120,
+                             {.slow = 1, .factor = c.factor, .slow_from = 30, .slowed_of = c.of, .slowed_in = c.in,
+                              .stalled = true, .stall_noise = 0.002},
+                             noise);
+      REQUIRE(ranks_of(found) == std::vector<int>{1});
+      CHECK(found[0].step >= 30);
+      CHECK(found[0].step < 30 + 50);
+      CHECK(found[0].cause == StragglerCause::kStalled);
+      CHECK(found[0].stalled_share > 10 * found[0].peers_stalled_share);
+      const auto report = monitor.report();
+      CHECK(report["ranks"][1]["cause"] == "stalled");
+      // Normal steps since its last stalled one have taken some back.
+      CHECK(report["ranks"][1]["stall_evidence"].get<double>() > 0.5);
+      CHECK(report["ranks"][0]["stall_evidence"].get<double>() < 0.5);
+    }
+
+    // Stalls that every rank has alike over time, unevenly step by step,
+    // flag nobody.
+    SyntheticJob job(4);
+    StragglerMonitor monitor(defaults());
+    Noise noise{0.05};
+    CHECK(run(monitor, job, 0, 300, {.stall_noise = 0.3}, noise).empty());
+  }
+
+  TEST_CASE("a rank that computes on a device reports no stalls and a slow one is flagged for its compute") {
+    // Its training thread waits for the device by design, so its board
+    // times no stalls: the stall stream has nothing to judge, and a slow
+    // device is the rank's own compute.
+    SyntheticJob job(2);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    const auto found = run(monitor, job, 0, 100, {.slow = 0, .factor = 1.25, .slow_from = 20}, noise);
+    REQUIRE(ranks_of(found) == std::vector<int>{0});
+    CHECK(found[0].cause == StragglerCause::kCompute);
+    CHECK(monitor.report()["ranks"][0]["stall_evidence"] == 0.0);
   }
 
   TEST_CASE("pipeline stages slower by design flag nobody and a rank that is slower than its own stage is flagged") {
@@ -276,6 +352,27 @@ TEST_SUITE("unit") {
     CHECK(std::abs(report["ranks"][2]["slowdown"].get<double>()) < 0.04);
     CHECK(report["ranks"][0]["cause"].is_null());
 
+    // Its communication threads, driven off its core, run on its peer's
+    // and slow the peer's compute by a fifth: the peer is not flagged for
+    // it.
+    {
+      SyntheticJob pair(2);
+      StragglerMonitor pair_monitor(defaults());
+      common::FakeClock clock;
+      std::vector<StragglerFinding> pair_found;
+      for (int64_t step = 0; step < 150; ++step) {
+        const bool hogged = step >= 30;
+        const float peer = noise(hogged ? 120 : 100), starved = noise(100);
+        pair.time_step(0, step, peer, 0, 0, peer * 0.02f);
+        pair.time_step(1, step, starved, 0, 0, hogged ? starved : starved * 0.02f);
+        clock.advance_s(0.1);
+        for (auto& f : pair_monitor.observe(pair.samples(), clock.now_ns())) pair_found.push_back(f);
+      }
+      REQUIRE(ranks_of(pair_found) == std::vector<int>{1});
+      CHECK(pair_found[0].cause == StragglerCause::kHost);
+      CHECK_FALSE(pair_monitor.flagged(0));
+    }
+
     // A rank slow in its compute whose host is as busy as everyone's is
     // flagged for its compute.
     SyntheticJob slow_job(4);
@@ -284,6 +381,28 @@ TEST_SUITE("unit") {
     REQUIRE(slow.size() == 1);
     CHECK(slow[0].rank == 1);
     CHECK(slow[0].cause == StragglerCause::kCompute);
+  }
+
+  TEST_CASE("a rank whose own threads take its core is not flagged for host contention") {
+    // Keel's communication threads run overlapped collectives on the
+    // rank's core while its training thread computes: the rank waits for a
+    // CPU as long as it computes from step 30, all of it in its own
+    // threads' turn. That is the job's own design, not its host's doing.
+    SyntheticJob job(2);
+    StragglerMonitor monitor(defaults());
+    Noise noise;
+    CHECK(run(monitor, job, 0, 200, {.slow = 1, .slow_from = 30, .slow_cpu_wait = 1.0, .own_cpu_wait = 1.0}, noise)
+              .empty());
+    CHECK(monitor.report()["ranks"][1]["cpu_wait_share"] == 0.0);
+
+    // Half of it is a process outside the job: the host's part is flagged.
+    SyntheticJob shared(2);
+    StragglerMonitor host_monitor(defaults());
+    const auto found =
+        run(host_monitor, shared, 0, 200, {.slow = 1, .slow_from = 30, .slow_cpu_wait = 1.0, .own_cpu_wait = 0.5}, noise);
+    REQUIRE(ranks_of(found) == std::vector<int>{1});
+    CHECK(found[0].cause == StragglerCause::kHost);
+    CHECK(found[0].cpu_wait_share > 0.1);
   }
 
   TEST_CASE("ranks that all wait for a CPU alike are not flagged for it") {
@@ -487,8 +606,10 @@ TEST_SUITE("unit") {
                                                {"score", report["ranks"][1]["score"]},
                                                {"slowdown", report["ranks"][1]["slowdown"]},
                                                {"cpu_wait_share", 0.0},
+                                               {"stalled_share", 0.0},
                                                {"evidence", 1.0},
                                                {"host_evidence", 1.0},
+                                               {"stall_evidence", 0.0},
                                                {"flagged", true},
                                                {"cause", "compute"}});
     // Its compute over the others' level, averaged over about a window.

@@ -28,11 +28,15 @@ class SyntheticJob {
   health::BoardSnapshot& board(int r) { return *sample(r).board; }
 
   // Rank `r` finished `step` (0-based) with this split of its time.
-  // `cpu_wait_ms`: runnable but waiting for a CPU, on top of the compute.
-  void time_step(int r, int64_t step, float compute_ms, float wait_ms = 0, float data_ms = 0, float cpu_wait_ms = 0) {
+  // `cpu_wait_ms`: runnable but waiting for a CPU, on top of the compute,
+  // `own_cpu_wait_ms` of it while the rank's own other threads ran;
+  // `stalled_ms`: of the compute, neither running nor runnable.
+  void time_step(int r, int64_t step, float compute_ms, float wait_ms = 0, float data_ms = 0, float cpu_wait_ms = 0,
+                 float own_cpu_wait_ms = 0, float stalled_ms = 0) {
     health::BoardSnapshot& b = board(r);
     b.steps[static_cast<size_t>(step) % health::kRecentSteps] = {
-        step, compute_ms + wait_ms + data_ms + cpu_wait_ms, compute_ms, wait_ms, data_ms, cpu_wait_ms};
+        step, compute_ms + wait_ms + data_ms + cpu_wait_ms, compute_ms, wait_ms, data_ms, cpu_wait_ms, own_cpu_wait_ms,
+        stalled_ms};
     b.steps_done = step + 1;
   }
 

@@ -225,6 +225,7 @@ int main(int argc, char** argv) {
     std::signal(SIGXFSZ, SIG_IGN);
     if (!worker.board.empty()) {
       board.emplace(keel::health::ProgressBoard::open(worker.board), worker.rank, worker.generation);
+      board->time_stalls(config.train.device == "cpu");
     }
     backend = keel::trainer::make_backend(config.train);
     log->info("backend {}", backend->name());

@@ -107,7 +107,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
 
   const auto start = Clock::now();
   const int64_t wait_before = collective_wait_ns();
-  const int64_t cpu_wait_before = common::Clock::steady().cpu_wait_ns();
+  const int64_t cpu_wait_before = common::Clock::steady().thread_times().cpu_wait_ns;
   p_.sdc.begin_attempt();
   attempting_ = true;
   p_.storage.zero_gradients();
@@ -169,7 +169,7 @@ Step::Gradients Step::compute_gradients(int64_t step) {
   // for it in the gradient sums below. Stretched is the rank's own work, as
   // its board counts compute: neither collective wait nor waiting for a CPU.
   const int64_t not_working_ns =
-      collective_wait_ns() - wait_before + common::Clock::steady().cpu_wait_ns() - cpu_wait_before;
+      collective_wait_ns() - wait_before + common::Clock::steady().thread_times().cpu_wait_ns - cpu_wait_before;
   p_.faults.slow_compute(std::max(0.0, seconds_since(start) - static_cast<double>(not_working_ns) / 1e9));
   p_.storage.reduce_gradients();
   sum_norm_gradients_over_tp();
